@@ -1,0 +1,148 @@
+"""Engine core process: `python -m core.engine '<EngineConfig JSON>'`.
+
+One loop owns all engine state (the scheduler's window, the set of aborted ids):
+  1. read control messages (Abort, Shutdown) -- always, even when the window is full;
+  2. admit inputs from the render workers while the window has room for one more message
+     (while it is full the input socket is not read, so back-pressure reaches the workers);
+  3. run one batch, pool, send its outputs. A step that raises aborts exactly its requests
+     by external id and reports them; the loop goes on.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import OrderedDict
+
+import msgspec
+import zmq
+
+from core import messages as m
+from core.config import EngineConfig
+from core.runtime import exit_with_parent, setup_logging, socket
+from core.scheduler import Scheduler
+from core.serial import Decoder, Encoder
+
+IDLE_POLL_MS = 500
+# Ids aborted before their input arrived are remembered so the late input is dropped. Bounded:
+# the frontend never has more than its window in flight, so older entries can only be strays.
+MAX_REMEMBERED_ABORTS = 1 << 20
+
+
+class EngineCore:
+    def __init__(self, cfg: EngineConfig, log) -> None:
+        import torch
+
+        from core.model_runner import ModelRunner
+
+        self.cfg = cfg
+        self.log = log
+        torch.set_num_threads(cfg.torch_threads)
+        self.runner = ModelRunner(cfg.model, cfg.device, cfg.dtype)
+        self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.aborted: OrderedDict[str, None] = OrderedDict()
+        self.encoder = Encoder()
+        self.input_decoder = Decoder(m.EngineInbound)
+        self.control_decoder = Decoder(m.EngineControl)
+        self.running = True
+
+    def ready_info(self) -> dict:
+        import torch
+
+        return {"device": str(self.runner.device), "dtype": str(self.runner.dtype).removeprefix("torch."),
+                "torch_threads": torch.get_num_threads()}
+
+    def serve(self, ctx: zmq.Context, to_front: zmq.Socket) -> None:
+        inputs = socket(ctx, zmq.PULL, self.cfg.input_endpoint, bind=True)
+        control = socket(ctx, zmq.PULL, self.cfg.control_endpoint, bind=False)
+        self.to_front = to_front
+        to_front.send_multipart(self.encoder.encode(m.Ready("engine", 0, os.getpid(), info=self.ready_info())))
+        while self.running:
+            has_room = self._has_room()
+            poller = zmq.Poller()
+            poller.register(control, zmq.POLLIN)
+            if has_room:
+                poller.register(inputs, zmq.POLLIN)
+            timeout = 0 if len(self.scheduler) else IDLE_POLL_MS
+            events = dict(poller.poll(timeout))
+            if control in events:
+                self._drain(control, self._on_control)
+            if inputs in events and self.running:
+                self._drain(inputs, self._on_inputs, while_=self._has_room)
+            if len(self.scheduler) and self.running:
+                self._step()
+
+    def _has_room(self) -> bool:
+        return len(self.scheduler) + self.cfg.max_message_items <= self.cfg.window
+
+    def _drain(self, sock: zmq.Socket, handle, while_=lambda: True) -> None:
+        while while_():
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            handle(frames)
+
+    def _on_control(self, frames) -> None:
+        try:
+            msg = self.control_decoder.decode(frames)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.log.error("dropped a malformed control message: %s", e)
+            return
+        if isinstance(msg, m.Shutdown):
+            self.running = False
+            return
+        for rid in self.scheduler.abort(msg.request_ids):
+            self.aborted[rid] = None
+        while len(self.aborted) > MAX_REMEMBERED_ABORTS:
+            self.aborted.popitem(last=False)
+
+    def _on_inputs(self, frames) -> None:
+        try:
+            msg = self.input_decoder.decode(frames)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.log.error("dropped a malformed input message: %s", e)
+            return
+        for request in msg.items:
+            if self.aborted and request.request_id in self.aborted:
+                del self.aborted[request.request_id]
+                continue
+            self.scheduler.add(request)
+
+    def _step(self) -> None:
+        in_core = len(self.scheduler)
+        batch = self.scheduler.next_batch()
+        start = time.perf_counter()
+        try:
+            vectors, padded = self.runner.run(batch)
+        except Exception as e:  # the step's requests are aborted; the engine stays usable
+            self.log.exception("step failed for %d requests", len(batch))
+            reply = m.StepFailed([r.request_id for r in batch], [r.seq for r in batch], f"{type(e).__name__}: {e}")
+        else:
+            outputs = [m.PoolingOutput(r.request_id, r.seq, len(r.token_ids), data=v) for r, v in zip(batch, vectors)]
+            reply = m.OutputBatch(outputs, time.perf_counter() - start, padded, in_core)
+        self.to_front.send_multipart(self.encoder.encode(reply), copy=False)
+
+
+def main(argv: list[str]) -> int:
+    cfg = msgspec.json.decode(argv[1], type=EngineConfig)
+    log = setup_logging(cfg.log_level, "engine")
+    exit_with_parent(cfg.parent_pid)
+    ctx = zmq.Context(1)
+    to_front = socket(ctx, zmq.PUSH, cfg.output_endpoint, bind=False)
+    try:
+        engine = EngineCore(cfg, log)
+    except Exception as e:
+        log.exception("engine core failed to start")
+        to_front.send_multipart(Encoder().encode(m.Ready("engine", 0, os.getpid(), error=f"{type(e).__name__}: {e}")))
+        to_front.close(linger=2000)
+        return 1
+    engine.serve(ctx, to_front)
+    log.info("shutting down")
+    ctx.destroy(linger=0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,34 @@
+"""From the model's last hidden states to one vector per request."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def pool(hidden: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, method: str) -> torch.Tensor:
+    """hidden [B, L, H], mask [B, L] (1 for real tokens), lengths [B] -> [B, H] in float32.
+
+    Same arithmetic as sentence-transformers' Pooling module, so results match it to float precision.
+    """
+    hidden = hidden.float()
+    if method == "mean":
+        mask_f = mask.unsqueeze(-1).to(hidden.dtype)
+        summed = (hidden * mask_f).sum(dim=1)
+        return summed / torch.clamp(mask_f.sum(dim=1), min=1e-9)
+    if method == "cls":
+        return hidden[:, 0]
+    if method == "max":
+        return hidden.masked_fill(mask.unsqueeze(-1) == 0, -1e9).max(dim=1).values
+    if method == "last":
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1]
+    raise ValueError(f"unknown pooling method {method!r}")
+
+
+def finish_embeddings(pooled: torch.Tensor, dimensions: int | None, normalize: bool) -> torch.Tensor:
+    """Matryoshka truncation to the first `dimensions` values, then optional L2 normalization."""
+    if dimensions is not None:
+        pooled = pooled[:, :dimensions]
+    if normalize:
+        pooled = F.normalize(pooled, p=2, dim=1)
+    return pooled

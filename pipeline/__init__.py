@@ -1,0 +1,15 @@
+"""Offline pooling inference (embeddings) with a multiprocess pipeline.
+
+    from pipeline import Pipeline, PoolingParams
+    with Pipeline() as pipe:
+        outs = pipe.embed(["first text", "second text"])
+"""
+
+from core.messages import PoolingParams
+from pipeline.api import Pipeline
+from pipeline.errors import EngineDeadError, PipelineError, StepError, WorkerStartError
+from pipeline.outputs import EmbeddingOutput
+
+__all__ = ["Pipeline", "PoolingParams", "EmbeddingOutput", "PipelineError", "EngineDeadError", "StepError",
+           "WorkerStartError"]
+__version__ = "0.1.0"

@@ -1,0 +1,209 @@
+"""One call's journey through the group: bounded in-flight window, dispatch, reorder buffer.
+
+A `Call` pulls RenderParams lazily from the request generator, never holding more than
+`max_inflight` requests that are issued but not yet handed to the caller (this counts the
+reorder buffer too, so memory stays bounded however long the input is). Work goes in small
+batches to the least-loaded render worker; outputs come straight from the engine core and are
+handed back in input order. Any failure, a stop by the caller (generator closed,
+KeyboardInterrupt) or a bad input found on the way aborts everything still in flight by
+external id, so the group is clean for the next call.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import zmq
+
+from core import messages as m
+from pipeline.errors import PipelineError, StepError
+from pipeline.process_group import ProcessGroup
+
+log = logging.getLogger("pipeline")
+
+WAIT_MS = 100
+HEALTH_CHECK_INTERVAL_S = 0.5
+MAX_WORKER_RESTARTS_PER_CALL = 8
+
+
+@dataclass
+class CallStats:
+    start: float = field(default_factory=time.perf_counter)
+    wall_s: float = 0.0
+    engine_busy_s: float = 0.0
+    requests: int = 0
+    prompt_tokens: int = 0
+    padded_tokens: int = 0
+    batches: int = 0
+    max_inflight_seen: int = 0
+    max_in_core_seen: int = 0
+    duplicates_dropped: int = 0
+    worker_restarts: int = 0
+
+    def as_dict(self) -> dict:
+        wall = self.wall_s or (time.perf_counter() - self.start)
+        return {
+            "wall_s": wall,
+            "engine_busy_s": self.engine_busy_s,
+            "engine_busy_fraction": self.engine_busy_s / wall if wall > 0 else 0.0,
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "padded_tokens": self.padded_tokens,
+            "padding_fraction": 1 - self.prompt_tokens / self.padded_tokens if self.padded_tokens else 0.0,
+            "batches": self.batches,
+            "requests_per_s": self.requests / wall if wall > 0 else 0.0,
+            "tokens_per_s": self.prompt_tokens / wall if wall > 0 else 0.0,
+            "max_inflight_seen": self.max_inflight_seen,
+            "max_in_core_seen": self.max_in_core_seen,
+            "duplicates_dropped": self.duplicates_dropped,
+            "worker_restarts": self.worker_restarts,
+        }
+
+
+class Call:
+    def __init__(self, group: ProcessGroup, requests: Iterator[m.RenderParams], *, max_inflight: int,
+                 batch_items: int, progress=None) -> None:
+        self.group = group
+        self.requests = requests
+        self.max_inflight = max_inflight
+        self.batch_items = batch_items
+        self.progress = progress
+        self.stats = CallStats()
+        self.inflight: dict[str, tuple[m.RenderParams, int]] = {}  # external id -> (request, worker)
+        self.outstanding = [0] * len(group.work)  # requests per worker not yet answered
+        self.backlog: deque[m.RenderParams] = deque()  # to (re)send when a worker can take them
+        self.ready: dict[int, m.PoolingOutput] = {}  # reorder buffer: index -> output
+        self.issued = 0
+        self.next_index = 0
+        self.exhausted = False
+        self.finished = False
+        self.next_health_check = 0.0
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    def outputs(self) -> Iterator[m.PoolingOutput]:
+        try:
+            while True:
+                self._issue()
+                while self.next_index in self.ready:
+                    out = self.ready.pop(self.next_index)
+                    self.next_index += 1
+                    yield out
+                if self.exhausted and self.next_index == self.issued:
+                    return
+                self._wait()
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            self.finished = True
+            self.stats.wall_s = time.perf_counter() - self.stats.start
+            if self.progress is not None:
+                self.progress.close()
+
+    def abort(self) -> None:
+        """Drops every request of this call still in flight, in the engine too."""
+        if self.inflight and not self.group.closed:
+            self.group.abort(list(self.inflight))
+        self.inflight.clear()
+        self.backlog.clear()
+        self.ready.clear()
+        self.exhausted = True
+
+    # ---- sending -------------------------------------------------------------------------
+
+    def _issue(self) -> None:
+        self._send(list(self.backlog))
+        self.backlog.clear()
+        pending: list[m.RenderParams] = []
+        while not self.exhausted and self.issued - self.next_index < self.max_inflight:
+            try:
+                request = next(self.requests)  # validation errors surface here, in the caller
+            except StopIteration:
+                self.exhausted = True
+                break
+            pending.append(request)
+            self.issued += 1
+            if len(pending) == self.batch_items:
+                self._send(pending)
+                pending = []
+        self._send(pending)
+        self.stats.max_inflight_seen = max(self.stats.max_inflight_seen, self.issued - self.next_index)
+
+    def _send(self, items: list[m.RenderParams]) -> None:
+        for start in range(0, len(items), self.batch_items):
+            chunk = items[start:start + self.batch_items]
+            worker = min(range(len(self.outstanding)), key=self.outstanding.__getitem__)
+            try:
+                self.group.send_work(worker, chunk)
+            except zmq.Again:  # that worker is gone or restarting: try again on the next turn
+                self.backlog.extend(chunk)
+                continue
+            for request in chunk:
+                self.inflight[request.request_id] = (request, worker)
+            self.outstanding[worker] += len(chunk)
+
+    # ---- receiving ------------------------------------------------------------------------
+
+    def _wait(self) -> None:
+        if self.group.results.poll(WAIT_MS):
+            while self.group.results.poll(0):
+                msg = self.group.recv()
+                if msg is not None:
+                    self._handle(msg)
+        if time.monotonic() >= self.next_health_check:
+            self._check_health()
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, m.OutputBatch):
+            self.stats.engine_busy_s += msg.busy_s
+            self.stats.padded_tokens += msg.padded_tokens
+            self.stats.batches += 1
+            self.stats.max_in_core_seen = max(self.stats.max_in_core_seen, msg.in_core)
+            accepted = 0
+            for out in msg.outputs:
+                entry = self.inflight.pop(out.request_id, None)
+                if entry is None or entry[0].seq != out.seq:
+                    self.stats.duplicates_dropped += 1  # re-sent, aborted or from an earlier call
+                    continue
+                self.outstanding[entry[1]] -= 1
+                self.ready[out.seq] = out
+                self.stats.requests += 1
+                self.stats.prompt_tokens += out.num_prompt_tokens
+                accepted += 1
+            if self.progress is not None and accepted:
+                self.progress.update(accepted)
+                wall = time.perf_counter() - self.stats.start
+                self.progress.set_postfix_str(f"{self.stats.prompt_tokens / max(wall, 1e-9):,.0f} tok/s", refresh=False)
+        elif isinstance(msg, m.RenderFailed):
+            for rid, seq, error in zip(msg.request_ids, msg.seqs, msg.errors):
+                if rid in self.inflight:
+                    raise ValueError(f"request {seq}: {error}")
+        elif isinstance(msg, m.StepFailed):
+            mine = [(rid, seq) for rid, seq in zip(msg.request_ids, msg.seqs) if rid in self.inflight]
+            if mine:
+                for rid, _ in mine:
+                    del self.inflight[rid]  # already aborted in the engine
+                raise StepError(
+                    f"the engine core failed a step for requests {[s for _, s in mine]} "
+                    f"(ids {[r for r, _ in mine]}): {msg.error}",
+                    [r for r, _ in mine], [s for _, s in mine])
+
+    def _check_health(self) -> None:
+        self.next_health_check = time.monotonic() + HEALTH_CHECK_INTERVAL_S
+        for index in self.group.check_alive():  # raises EngineDeadError
+            self.stats.worker_restarts += 1
+            if self.stats.worker_restarts > MAX_WORKER_RESTARTS_PER_CALL:
+                tail = self.group.workers[index].log_tail()
+                raise PipelineError(f"render worker {index} keeps dying; its last output:\n{tail}")
+            log.warning("render worker %d died; starting a replacement and re-sending its requests", index)
+            self.group.start_worker(index)
+            lost = [req for req, worker in self.inflight.values() if worker == index]
+            for req in lost:
+                del self.inflight[req.request_id]
+            self.outstanding[index] = 0
+            self.backlog.extend(lost)

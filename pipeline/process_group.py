@@ -1,0 +1,196 @@
+"""Spawns, watches and tears down the engine core and the render workers.
+
+Transport: ipc:// endpoints in a fresh private directory (mode 0700) per group, removed on close.
+The frontend binds its sockets; the children connect (and the engine binds its input socket).
+Children start as module entry points with `python -m`, never forked from the caller, so a
+process holding torch threads is never forked and no `__main__` guard is needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from core import messages as m
+from core.config import EngineConfig, ModelSpec, WorkerConfig
+from core.serial import Decoder, Encoder
+from pipeline.errors import EngineDeadError, WorkerStartError
+
+log = logging.getLogger("pipeline")
+
+PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
+SHUTDOWN_GRACE_S = 3.0
+LOG_TAIL_CHARS = 3000
+
+
+class Child:
+    def __init__(self, role: str, index: int, proc: subprocess.Popen, log_path: Path) -> None:
+        self.role, self.index, self.proc, self.log_path = role, index, proc, log_path
+
+    @property
+    def name(self) -> str:
+        return "engine core" if self.role == "engine" else f"render worker {self.index}"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return text[-LOG_TAIL_CHARS:].strip()
+
+
+class ProcessGroup:
+    def __init__(self, spec: ModelSpec, *, num_workers: int, engine_threads: int, device: str, dtype: str,
+                 max_num_seqs: int, max_num_batched_tokens: int, window: int, max_message_items: int,
+                 log_level: str = "WARNING") -> None:
+        self.spec = spec
+        self.dir = Path(tempfile.mkdtemp(prefix="pooling-pipeline-"))  # mode 0700
+        os.chmod(self.dir, 0o700)
+        self.ctx = zmq.Context(1)
+        self.encoder = Encoder()
+        self.decoder = Decoder(m.FrontendInbound, writable_arrays=True)
+        self.closed = False
+        self.children: list[Child] = []
+        self.workers: list[Child | None] = [None] * num_workers
+        self.worker_info: dict = {}
+        self.engine_info: dict = {}
+        ep = lambda name: f"ipc://{self.dir}/{name}"  # noqa: E731
+        self.endpoints = {"results": ep("results"), "control": ep("control"), "engine_in": ep("engine-in")}
+        self.results = self._bind(zmq.PULL, self.endpoints["results"])
+        self.control = self._bind(zmq.PUSH, self.endpoints["control"])
+        self.work = [self._bind(zmq.PUSH, ep(f"work-{i}")) for i in range(num_workers)]
+        self.log_level = log_level
+        self.engine_cfg = EngineConfig(
+            model=spec, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, window=window, max_message_items=max_message_items,
+            torch_threads=engine_threads, input_endpoint=self.endpoints["engine_in"],
+            control_endpoint=self.endpoints["control"], output_endpoint=self.endpoints["results"],
+            parent_pid=os.getpid(), log_level=log_level)
+        self.engine = self._spawn("engine", 0, "core.engine", self.engine_cfg, {
+            "OMP_NUM_THREADS": str(engine_threads), "MKL_NUM_THREADS": str(engine_threads)})
+        for i in range(num_workers):
+            self.start_worker(i)
+
+    def _bind(self, kind: int, endpoint: str) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(endpoint)
+        return sock
+
+    def _spawn(self, role: str, index: int, module: str, cfg: msgspec.Struct, extra_env: dict) -> Child:
+        env = dict(os.environ)
+        env.update(extra_env)
+        env["PYTHONPATH"] = PROJECT_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env["TOKENIZERS_PARALLELISM"] = "false"
+        env.setdefault("HF_HUB_OFFLINE", "1")  # models load from local paths only
+        log_path = self.dir / f"{role}{index}.log"
+        with open(log_path, "ab") as log_file:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", module, msgspec.json.encode(cfg).decode()],
+                stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                env=env, cwd=PROJECT_ROOT, close_fds=True)
+        child = Child(role, index, proc, log_path)
+        self.children.append(child)
+        return child
+
+    def start_worker(self, index: int) -> Child:
+        cfg = WorkerConfig(index=index, model=self.spec, work_endpoint=self.work[index].getsockopt_string(zmq.LAST_ENDPOINT),
+                           engine_endpoint=self.endpoints["engine_in"], output_endpoint=self.endpoints["results"],
+                           parent_pid=os.getpid(), log_level=self.log_level)
+        child = self._spawn("worker", index, "workers.main", cfg, {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+        self.workers[index] = child
+        return child
+
+    @property
+    def pids(self) -> dict:
+        return {"engine": self.engine.proc.pid, "workers": [w.proc.pid for w in self.workers if w is not None]}
+
+    # ---- start-up --------------------------------------------------------------------
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Waits for a Ready from every child; raises with the child's own log if one fails."""
+        pending = {("engine", 0)} | {("worker", i) for i in range(len(self.workers))}
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            if time.monotonic() > deadline:
+                raise EngineDeadError(f"process group not ready after {timeout_s:.0f} s; waiting for {sorted(pending)}")
+            self.check_alive()
+            if not self.results.poll(200):
+                continue
+            msg = self.recv()
+            if not isinstance(msg, m.Ready):
+                continue
+            if msg.error:
+                child = self.engine if msg.role == "engine" else self.workers[msg.index]
+                kind = EngineDeadError if msg.role == "engine" else WorkerStartError
+                raise kind(f"{child.name} failed to start: {msg.error}")
+            (self.engine_info if msg.role == "engine" else self.worker_info).update(msg.info)
+            pending.discard((msg.role, msg.index))
+
+    # ---- messages ----------------------------------------------------------------------
+
+    def recv(self):
+        """The next decodable message on the results socket (malformed ones are logged and dropped)."""
+        while True:
+            frames = self.results.recv_multipart(copy=False)
+            try:
+                return self.decoder.decode(frames)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                log.error("dropped a malformed message from a child: %s", e)
+                if not self.results.poll(0):
+                    return None
+
+    def send_work(self, worker: int, items: list[m.RenderParams]) -> None:
+        # NOBLOCK: a worker that died (no peer on its socket) raises zmq.Again instead of blocking.
+        self.work[worker].send_multipart(self.encoder.encode(m.RenderBatch(items)), zmq.NOBLOCK, copy=False)
+
+    def abort(self, request_ids: list[str]) -> None:
+        if request_ids and not self.closed:
+            self.control.send_multipart(self.encoder.encode(m.Abort(request_ids)))
+
+    # ---- health ------------------------------------------------------------------------
+
+    def check_alive(self) -> list[int]:
+        """Raises EngineDeadError if the engine is gone; returns the indices of dead workers."""
+        if not self.engine.alive():
+            tail = self.engine.log_tail()
+            raise EngineDeadError(f"engine core exited with code {self.engine.proc.returncode}"
+                                  + (f"; its last output:\n{tail}" if tail else ""))
+        return [i for i, w in enumerate(self.workers) if w is not None and not w.alive()]
+
+    # ---- tear-down -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            for i, sock in enumerate(self.work):
+                if self.workers[i] is not None and self.workers[i].alive():
+                    sock.send_multipart(self.encoder.encode(m.Shutdown()), zmq.NOBLOCK)
+            if self.engine.alive():
+                self.control.send_multipart(self.encoder.encode(m.Shutdown()), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        for child in self.children:
+            try:
+                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.proc.send_signal(signal.SIGKILL)
+                child.proc.wait()
+        self.ctx.destroy(linger=0)
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,0 +1,1 @@
+"""Render workers: tokenize and truncate RenderParams into PoolingEngineInput, in their own processes."""

@@ -1,0 +1,78 @@
+"""Render worker process: `python -m workers.main '<WorkerConfig JSON>'`.
+
+Pulls RenderBatch from the frontend, renders it, pushes EngineInputBatch straight to the engine
+core and per-request failures back to the frontend. Started as its own module entry point (never
+forked from the caller), so it works from scripts without a main guard and from notebooks.
+"""
+
+from __future__ import annotations
+
+import os
+
+# One tokenizer thread per worker: parallelism comes from the number of workers (see the CPU plan).
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+import sys
+
+import msgspec
+import zmq
+
+from core import messages as m
+from core.config import WorkerConfig
+from core.runtime import exit_with_parent, setup_logging, socket
+from core.serial import Decoder, Encoder
+
+POLL_MS = 500
+
+
+def main(argv: list[str]) -> int:
+    cfg = msgspec.json.decode(argv[1], type=WorkerConfig)
+    log = setup_logging(cfg.log_level, f"worker{cfg.index}")
+    exit_with_parent(cfg.parent_pid)
+
+    ctx = zmq.Context(1)
+    to_front = socket(ctx, zmq.PUSH, cfg.output_endpoint, bind=False)
+    encoder = Encoder()
+    try:
+        from workers.render import Renderer, load_tokenizer
+
+        renderer = Renderer(cfg.model, load_tokenizer(cfg.model))
+    except Exception as e:
+        log.exception("cannot load the tokenizer")
+        to_front.send_multipart(encoder.encode(m.Ready("worker", cfg.index, os.getpid(), error=f"{type(e).__name__}: {e}")))
+        to_front.close(linger=2000)
+        return 1
+
+    work = socket(ctx, zmq.PULL, cfg.work_endpoint, bind=False)
+    to_engine = socket(ctx, zmq.PUSH, cfg.engine_endpoint, bind=False)
+    rule = renderer.encoder.rule
+    to_front.send_multipart(encoder.encode(m.Ready(
+        "worker", cfg.index, os.getpid(),
+        info={"num_special_tokens": renderer.encoder.num_special_tokens,
+              "prefix_truncation": rule.exact, "prefix_truncation_reason": rule.reason},
+    )))
+    decoder = Decoder(m.WorkerInbound)
+    while True:
+        if not work.poll(POLL_MS):
+            continue
+        frames = work.recv_multipart(copy=False)
+        try:
+            msg = decoder.decode(frames)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.error("dropped a malformed message: %s", e)
+            continue
+        if isinstance(msg, m.Shutdown):
+            break
+        inputs, failed = renderer.render(msg.items)
+        if inputs:
+            to_engine.send_multipart(encoder.encode(m.EngineInputBatch(cfg.index, inputs)), copy=False)
+        if failed:
+            to_front.send_multipart(encoder.encode(m.RenderFailed(
+                [it.request_id for it, _ in failed], [it.seq for it, _ in failed], [err for _, err in failed])))
+    log.info("shutting down")
+    ctx.destroy(linger=0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
