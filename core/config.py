@@ -38,7 +38,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     device: str  # "cpu" | "cuda" | "cuda:N"
     dtype: str  # "float32" | "float16" | "bfloat16"
     max_num_seqs: int
-    max_num_batched_tokens: int
+    max_num_batched_tokens: int | None  # None: the engine picks by device
     window: int  # most requests admitted in the engine at once
     max_message_items: int  # most requests in one EngineInputBatch (to keep the window exact)
     torch_threads: int

@@ -25,6 +25,10 @@ from core.scheduler import Scheduler
 from core.serial import Decoder, Encoder
 
 IDLE_POLL_MS = 500
+# Default batch shape by device. On a CPU the cost per padded token is flat from ~100 tokens and
+# rises past ~4k (caches), and padding is paid in full; a GPU wants big batches and hides padding.
+CPU_BATCH_TOKENS, GPU_BATCH_TOKENS = 2048, 16384
+CPU_MAX_PADDING, GPU_MAX_PADDING = 0.10, 0.35
 # Ids aborted before their input arrived are remembered so the late input is dropped. Bounded:
 # the frontend never has more than its window in flight, so older entries can only be strays.
 MAX_REMEMBERED_ABORTS = 1 << 20
@@ -40,7 +44,11 @@ class EngineCore:
         self.log = log
         torch.set_num_threads(cfg.torch_threads)
         self.runner = ModelRunner(cfg.model, cfg.device, cfg.dtype)
-        self.scheduler = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        on_cpu = self.runner.device.type == "cpu"
+        self.max_num_batched_tokens = cfg.max_num_batched_tokens or max(
+            CPU_BATCH_TOKENS if on_cpu else GPU_BATCH_TOKENS, cfg.model.max_model_len)
+        self.scheduler = Scheduler(cfg.max_num_seqs, self.max_num_batched_tokens,
+                                   CPU_MAX_PADDING if on_cpu else GPU_MAX_PADDING)
         self.aborted: OrderedDict[str, None] = OrderedDict()
         self.encoder = Encoder()
         self.input_decoder = Decoder(m.EngineInbound)
@@ -51,7 +59,8 @@ class EngineCore:
         import torch
 
         return {"device": str(self.runner.device), "dtype": str(self.runner.dtype).removeprefix("torch."),
-                "torch_threads": torch.get_num_threads()}
+                "torch_threads": torch.get_num_threads(),
+                "max_num_batched_tokens": self.max_num_batched_tokens}
 
     def serve(self, ctx: zmq.Context, to_front: zmq.Socket) -> None:
         inputs = socket(ctx, zmq.PULL, self.cfg.input_endpoint, bind=True)

@@ -2,20 +2,29 @@
 
 The engine admits at most `window` requests (it stops reading its socket while full). Each step
 takes one batch that always contains the oldest waiting request -- so no request waits forever
-and the frontend's reorder buffer keeps moving -- filled with the requests nearest to it in
-length, so little of the forward pass is spent on padding. The batch holds at most
-`max_num_seqs` requests and at most `max_num_batched_tokens` padded tokens.
+and the frontend's reorder buffer keeps moving -- grown with the requests nearest to it in
+length, so little of the forward pass is spent on padding:
+
+* at most `max_num_seqs` requests and `max_num_batched_tokens` padded tokens;
+* padding at most `max_padding_fraction` of the padded tokens (after a first few requests).
+  On a CPU the forward pass costs about the same per padded token from ~100 tokens up, so a
+  smaller, tighter batch is cheaper than a full one with padding; a GPU tolerates more padding
+  and wants bigger batches.
 """
 
 from __future__ import annotations
 
 from core.messages import PoolingEngineInput
 
+# Below this many requests a batch grows whatever the padding (per-batch overhead dominates).
+MIN_BATCH_BEFORE_PADDING_LIMIT = 4
+
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_padding_fraction: float) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_padding_fraction = max_padding_fraction
         # Insertion order is arrival order; keyed by external id so a re-sent request replaces itself.
         self.waiting: dict[str, PoolingEngineInput] = {}
 
@@ -34,25 +43,31 @@ class Scheduler:
             return []
         oldest = next(iter(self.waiting.values()))
         by_length = sorted(self.waiting.values(), key=lambda r: len(r.token_ids))
-        anchor = by_length.index(oldest)
-        lo, hi = anchor, anchor + 1  # the batch is by_length[lo:hi]
-        longest = len(oldest.token_ids)
+        lengths = [len(r.token_ids) for r in by_length]
+        lo = by_length.index(oldest)
+        hi = lo + 1  # the batch is by_length[lo:hi]
+        longest = real = lengths[lo]
         while hi - lo < self.max_num_seqs:
             count = hi - lo
-            # Padding each choice adds: a shorter request pads itself up to `longest`;
-            # a longer one pads every request already in the batch up to its own length.
-            left_cost = longest - len(by_length[lo - 1].token_ids) if lo > 0 else None
-            right_len = len(by_length[hi].token_ids) if hi < len(by_length) else None
-            right_fits = right_len is not None and right_len * (count + 1) <= self.max_num_batched_tokens
-            left_fits = left_cost is not None and longest * (count + 1) <= self.max_num_batched_tokens
-            right_cost = (right_len - longest) * count if right_fits else None
-            if left_fits and (not right_fits or left_cost <= right_cost):
-                lo -= 1
-            elif right_fits:
-                hi += 1
-                longest = right_len
-            else:
+            # (padding it adds, side, longest after, its length): a shorter request pads itself
+            # up to `longest`; a longer one pads every request already in the batch.
+            options = []
+            if lo > 0:
+                options.append((longest - lengths[lo - 1], "left", longest, lengths[lo - 1]))
+            if hi < len(lengths):
+                options.append(((lengths[hi] - longest) * count, "right", lengths[hi], lengths[hi]))
+            options = [o for o in options if o[2] * (count + 1) <= self.max_num_batched_tokens]
+            if not options:
                 break
+            _, side, new_longest, length = min(options)
+            padded, new_real = new_longest * (count + 1), real + length
+            if count >= MIN_BATCH_BEFORE_PADDING_LIMIT and padded - new_real > self.max_padding_fraction * padded:
+                break
+            if side == "left":
+                lo -= 1
+            else:
+                hi += 1
+            longest, real = new_longest, new_real
         batch = by_length[lo:hi]
         for request in batch:
             del self.waiting[request.request_id]

@@ -24,7 +24,6 @@ DTYPE_ALIASES = {"auto": "auto", "float32": "float32", "float": "float32", "fp32
                  "float16": "float16", "half": "float16", "fp16": "float16",
                  "bfloat16": "bfloat16", "bf16": "bfloat16"}
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
-DEFAULT_BATCH_TOKENS = 16384  # padded tokens per forward pass (TEI's default too)
 
 
 def _positive_int(name: str, value: object, allow_none: bool = True) -> None:
@@ -55,9 +54,8 @@ class Pipeline:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_ALIASES)}, got {dtype!r}")
         self.model_spec = spec = load_model_spec(model, trust_remote_code=trust_remote_code)
         self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens or max(DEFAULT_BATCH_TOKENS, spec.max_model_len)
-        if self.max_num_batched_tokens < spec.max_model_len:
-            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is below the model's "
+        if max_num_batched_tokens is not None and max_num_batched_tokens < spec.max_model_len:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} is below the model's "
                              f"max length {spec.max_model_len}: a long request could never be scheduled")
         # The engine admits up to two batches (one running, one forming); the frontend keeps
         # twice that in flight so the workers stay ahead of the engine.
@@ -73,7 +71,7 @@ class Pipeline:
         self._group = ProcessGroup(
             spec, num_workers=self.cpu_plan.render_workers, engine_threads=self.cpu_plan.engine_threads,
             device=device, dtype=DTYPE_ALIASES[dtype], max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens, window=self.engine_window,
+            max_num_batched_tokens=max_num_batched_tokens, window=self.engine_window,
             max_message_items=self.batch_items, log_level=log_level)
         self._finalizer = weakref.finalize(self, ProcessGroup.close, self._group)
         try:
