@@ -28,7 +28,7 @@ IDLE_POLL_MS = 500
 # Default batch shape by device. On a CPU the cost per padded token is flat from ~100 tokens and
 # rises past ~4k (caches), and padding is paid in full; a GPU wants big batches and hides padding.
 CPU_BATCH_TOKENS, GPU_BATCH_TOKENS = 2048, 16384
-CPU_MAX_PADDING, GPU_MAX_PADDING = 0.10, 0.35
+CPU_MAX_PADDING, GPU_MAX_PADDING = 0.05, 0.25
 # Ids aborted before their input arrived are remembered so the late input is dropped. Bounded:
 # the frontend never has more than its window in flight, so older entries can only be strays.
 MAX_REMEMBERED_ABORTS = 1 << 20

@@ -7,9 +7,10 @@
 
 from core.messages import PoolingParams
 from pipeline.api import Pipeline
+from pipeline.launcher import load_results
 from pipeline.errors import EngineDeadError, PipelineError, StepError, WorkerStartError
 from pipeline.outputs import EmbeddingOutput
 
 __all__ = ["Pipeline", "PoolingParams", "EmbeddingOutput", "PipelineError", "EngineDeadError", "StepError",
-           "WorkerStartError"]
+           "WorkerStartError", "load_results"]
 __version__ = "0.1.0"

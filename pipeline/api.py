@@ -41,7 +41,8 @@ class Pipeline:
 
     def __init__(self, model: str | None = None, num_render_workers: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int | None = None, max_inflight: int | None = None,
-                 device: str = "auto", dtype: str = "auto", *, trust_remote_code: bool = False,
+                 device: str = "auto", dtype: str = "auto", *, engine_window: int | None = None,
+                 trust_remote_code: bool = False,
                  startup_timeout_s: float = 300.0, log_level: str = "WARNING") -> None:
         self._group: ProcessGroup | None = None
         _positive_int("num_render_workers", num_render_workers)
@@ -57,11 +58,14 @@ class Pipeline:
         if max_num_batched_tokens is not None and max_num_batched_tokens < spec.max_model_len:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} is below the model's "
                              f"max length {spec.max_model_len}: a long request could never be scheduled")
-        # The engine admits up to two batches (one running, one forming); the frontend keeps
-        # twice that in flight so the workers stay ahead of the engine.
-        self.engine_window = 2 * max_num_seqs
-        self.max_inflight = max_inflight or 4 * max_num_seqs
-        self.batch_items = max(1, min(16, max_num_seqs))  # requests per message to a worker
+        # The engine's window is what it sorts by length to form batches: a wider one gives
+        # tighter batches (on the 2-core CPU, 8 x max_num_seqs brings padding from 12% to 5% on
+        # short sentences). The frontend keeps twice that in flight so the workers stay ahead
+        # of the engine while finished results wait in the reorder buffer (inside the bound too).
+        _positive_int("engine_window", engine_window)
+        self.max_inflight = max_inflight or 16 * max_num_seqs
+        self.engine_window = engine_window or max(1, self.max_inflight // 2)
+        self.batch_items = max(1, min(16, max_num_seqs, self.engine_window))  # requests per message to a worker
         self.cpu_plan = plan_cpu(num_render_workers, device)
         log.debug("CPU plan: %s", self.cpu_plan)
         self._lock = threading.Lock()
@@ -157,7 +161,8 @@ class Pipeline:
             if self._call is not None and not self._call.finished:
                 # One call at a time: a newer call ends an unfinished stream (its generator was
                 # abandoned or is being interleaved) rather than waiting on it forever.
-                self._call.abort()
+                self._call.abort("this stream was ended because a newer call started on the same Pipeline "
+                                 "(one call runs at a time)")
             progress = None
             if use_tqdm:
                 from tqdm.auto import tqdm

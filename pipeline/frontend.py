@@ -28,6 +28,13 @@ log = logging.getLogger("pipeline")
 WAIT_MS = 100
 HEALTH_CHECK_INTERVAL_S = 0.5
 MAX_WORKER_RESTARTS_PER_CALL = 8
+# Besides the request count, the text held for requests in flight is bounded (kept for re-sending
+# if a worker dies): a window of 100 MB web pages must not hold gigabytes.
+MAX_INFLIGHT_CHARS = 64 * 1024 * 1024
+
+
+def request_size(request: m.RenderParams) -> int:
+    return len(request.prompt) if request.prompt is not None else request.token_ids.size
 
 
 @dataclass
@@ -77,10 +84,12 @@ class Call:
         self.outstanding = [0] * len(group.work)  # requests per worker not yet answered
         self.backlog: deque[m.RenderParams] = deque()  # to (re)send when a worker can take them
         self.ready: dict[int, m.PoolingOutput] = {}  # reorder buffer: index -> output
+        self.inflight_chars = 0
         self.issued = 0
         self.next_index = 0
         self.exhausted = False
         self.finished = False
+        self.ended_by: str | None = None  # set when another call ended this one
         self.next_health_check = 0.0
 
     # ---- the loop ----------------------------------------------------------------------
@@ -88,6 +97,8 @@ class Call:
     def outputs(self) -> Iterator[m.PoolingOutput]:
         try:
             while True:
+                if self.ended_by:
+                    raise PipelineError(self.ended_by)
                 self._issue()
                 while self.next_index in self.ready:
                     out = self.ready.pop(self.next_index)
@@ -105,11 +116,17 @@ class Call:
             if self.progress is not None:
                 self.progress.close()
 
-    def abort(self) -> None:
-        """Drops every request of this call still in flight, in the engine too."""
+    def abort(self, reason: str | None = None) -> None:
+        """Drops every request of this call still in flight, in the engine too.
+
+        With a reason, the call's generator raises it if the caller resumes it later: results
+        it would have yielded are gone, and silently stopping would look like the end of the data.
+        """
+        self.ended_by = reason
         if self.inflight and not self.group.closed:
             self.group.abort(list(self.inflight))
         self.inflight.clear()
+        self.inflight_chars = 0
         self.backlog.clear()
         self.ready.clear()
         self.exhausted = True
@@ -120,7 +137,8 @@ class Call:
         self._send(list(self.backlog))
         self.backlog.clear()
         pending: list[m.RenderParams] = []
-        while not self.exhausted and self.issued - self.next_index < self.max_inflight:
+        while (not self.exhausted and self.issued - self.next_index < self.max_inflight
+               and self.inflight_chars < MAX_INFLIGHT_CHARS):
             try:
                 request = next(self.requests)  # validation errors surface here, in the caller
             except StopIteration:
@@ -128,6 +146,7 @@ class Call:
                 break
             pending.append(request)
             self.issued += 1
+            self.inflight_chars += request_size(request)
             if len(pending) == self.batch_items:
                 self._send(pending)
                 pending = []
@@ -171,6 +190,7 @@ class Call:
                     self.stats.duplicates_dropped += 1  # re-sent, aborted or from an earlier call
                     continue
                 self.outstanding[entry[1]] -= 1
+                self.inflight_chars -= request_size(entry[0])
                 self.ready[out.seq] = out
                 self.stats.requests += 1
                 self.stats.prompt_tokens += out.num_prompt_tokens

@@ -90,7 +90,8 @@ def _flatten(node: dict | None, key: str) -> list[dict]:
 class TruncatingEncoder:
     """Tokenizes text and keeps the first `max_tokens` tokens, special tokens included."""
 
-    def __init__(self, tokenizer: Tokenizer, preprocess: Callable[[str], str] | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, preprocess: Callable[[str], str] | None = None,
+                 chars_per_token_guess: int = CHARS_PER_TOKEN_GUESS, min_prefix_chars: int = 256) -> None:
         tokenizer.no_truncation()
         tokenizer.no_padding()
         self.tokenizer = tokenizer
@@ -99,6 +100,8 @@ class TruncatingEncoder:
         self.num_special_tokens = processor.num_special_tokens_to_add(False) if processor else 0
         # Character-local text preprocessing (e.g. sentence-transformers' do_lower_case).
         self.preprocess = preprocess or (lambda s: s)
+        self.chars_per_token_guess = chars_per_token_guess
+        self.min_prefix_chars = min_prefix_chars
         self.prefix_encodes = 0  # how often the fast path was taken
         self.full_encodes_of_long_text = 0  # how often a long text had to be tokenized whole
 
@@ -120,7 +123,8 @@ class TruncatingEncoder:
         return self._finish(self._encode_long(text, max_tokens), max_tokens)
 
     def _first_prefix_chars(self, max_tokens: int) -> int:
-        return max(256, (self.content_budget(max_tokens) + SAFETY_MARGIN_TOKENS) * CHARS_PER_TOKEN_GUESS)
+        guess = (self.content_budget(max_tokens) + SAFETY_MARGIN_TOKENS) * self.chars_per_token_guess
+        return max(self.min_prefix_chars, guess)
 
     def _encode_long(self, text: str, max_tokens: int) -> Encoding:
         needed = self.content_budget(max_tokens) + SAFETY_MARGIN_TOKENS

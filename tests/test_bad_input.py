@@ -1,0 +1,131 @@
+"""Bad input gets a ValueError/TypeError naming the request and the problem; the group stays usable."""
+
+import json
+
+import numpy as np
+import pytest
+
+from pipeline import Pipeline, PoolingParams
+
+OK = "a perfectly fine sentence"
+
+BAD_PROMPTS = [
+    # (prompts, exception, text the message must contain)
+    ([OK, 3.5], TypeError, "request 1"),
+    ([OK, OK, None], TypeError, "request 2: prompt is None"),
+    ([OK, object()], TypeError, "request 1"),
+    ([[[1, 2], [3, 4]]], TypeError, "request 0: token ids must be a flat list"),
+    ([[101, [2, 3], 102]], TypeError, "request 0"),
+    ([OK, [101, -5, 102]], ValueError, "request 1: token id -5 at position 1"),
+    ([[101, 30522, 102]], ValueError, "request 0: token id 30522 at position 1 is outside the vocabulary"),
+    ([OK, []], ValueError, "request 1: the prompt's token id list is empty"),
+    ([[101, 2.5, 102]], TypeError, "request 0: token ids must be integers"),
+    ([[True, False]], TypeError, "request 0: token ids must be integers, not bools"),
+    ([{"prompt_token_ids": []}], ValueError, "request 0"),
+    ([{"tokens": [1, 2]}], ValueError, "request 0: a dict prompt must have exactly one key"),
+    ([{"prompt": 5}], TypeError, "request 0: 'prompt' must be a str"),
+    ([OK, "bad \ud800 surrogate"], ValueError, "request 1: text is not valid Unicode"),
+    (b"bytes are not text", TypeError, "bytes"),
+    (None, TypeError, "None"),
+    (12, TypeError, "int"),
+]
+
+
+@pytest.mark.parametrize("prompts,exc,message", BAD_PROMPTS, ids=[repr(p[0])[:40] for p in BAD_PROMPTS])
+def test_bad_prompt_gets_a_clear_error(pipe, prompts, exc, message):
+    with pytest.raises(exc, match=_re(message)):
+        pipe.embed(prompts, use_tqdm=False)
+    assert len(pipe.embed([OK], use_tqdm=False)) == 1  # still usable
+
+
+BAD_OPTIONS = [
+    (dict(pooling_params=[PoolingParams()] * 2), ValueError, "pooling_params has 2 entries but there are 3 prompts"),
+    (dict(pooling_params="embed"), TypeError, "pooling_params must be a PoolingParams"),
+    (dict(pooling_params=[PoolingParams(), None, PoolingParams()]), TypeError, "pooling_params[1]"),
+    (dict(pooling_params=PoolingParams(task="classify")), ValueError, "conflicts with the call's task"),
+    (dict(pooling_params=PoolingParams(dimensions=0)), ValueError, "request 0: dimensions=0 is outside [1, 384]"),
+    (dict(pooling_params=PoolingParams(dimensions=385)), ValueError, "dimensions=385"),
+    (dict(pooling_params=PoolingParams(dimensions=float("nan"))), TypeError, "dimensions must be an int"),
+    (dict(pooling_params=PoolingParams(normalize="yes")), TypeError, "normalize must be a bool"),
+    (dict(truncate_prompt_tokens=0), ValueError, "request 0: truncate_prompt_tokens=0"),
+    (dict(truncate_prompt_tokens=1), ValueError, "truncate_prompt_tokens=1 must be -1 or in [2, 512]"),
+    (dict(truncate_prompt_tokens=513), ValueError, "truncate_prompt_tokens=513"),
+    (dict(truncate_prompt_tokens=2.5), TypeError, "truncate_prompt_tokens must be an int"),
+    (dict(pooling_params=PoolingParams(truncate_prompt_tokens=10_000)), ValueError, "request 0"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,message", BAD_OPTIONS, ids=[str(o[0])[:50] for o in BAD_OPTIONS])
+def test_bad_option_gets_a_clear_error(pipe, kwargs, exc, message):
+    with pytest.raises(exc, match=_re(message)):
+        pipe.embed([OK, OK, OK], use_tqdm=False, **kwargs)
+    assert len(pipe.embed([OK], use_tqdm=False)) == 1
+
+
+def test_bad_prompt_deep_in_a_stream_aborts_cleanly(pipe):
+    def source():
+        for i in range(3000):
+            yield OK if i != 2500 else None
+
+    seen = 0
+    with pytest.raises(TypeError, match="request 2500: prompt is None"):
+        for out in pipe.embed_stream(source()):
+            seen += 1
+    assert seen <= 2500
+    outs = pipe.embed([OK] * 20, use_tqdm=False)
+    assert [o.index for o in outs] == list(range(20))
+
+
+def test_stream_with_params_list_of_other_length(pipe):
+    with pytest.raises(ValueError, match="pooling_params has 2 entries but there are more prompts"):
+        list(pipe.embed_stream(iter([OK] * 3), pooling_params=[PoolingParams()] * 2))
+    with pytest.raises(ValueError, match="pooling_params has 4 entries but there are 3 prompts"):
+        list(pipe.embed_stream(iter([OK] * 3), pooling_params=[PoolingParams()] * 4))
+
+
+def test_huge_string_is_truncated_not_an_error(pipe):
+    text = ("lorem ipsum dolor sit amet " * 2_000_000)[:50_000_000]  # 50 MB
+    out = pipe.embed([text, OK], use_tqdm=False)
+    assert out[0].num_prompt_tokens == 256 and out[1].num_prompt_tokens > 2
+
+
+@pytest.mark.parametrize("kwargs,exc,message", [
+    (dict(model="/no/such/model/dir"), ValueError, "does not exist"),
+    (dict(model=42), TypeError, "model must be a local directory path"),
+    (dict(max_num_seqs=0), ValueError, "max_num_seqs must be a positive int"),
+    (dict(max_inflight=-1), ValueError, "max_inflight"),
+    (dict(device="tpu"), ValueError, "device must be"),
+    (dict(dtype="float8"), ValueError, "dtype must be one of"),
+    (dict(max_num_batched_tokens=100), ValueError, "below the model's max length"),
+])
+def test_bad_constructor_arguments(kwargs, exc, message):
+    with pytest.raises(exc, match=_re(message)):
+        Pipeline(**kwargs)
+
+
+def test_model_dir_without_tokenizer_or_config(tmp_path, model_path):
+    no_tok = tmp_path / "no-tokenizer"
+    no_tok.mkdir()
+    (no_tok / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8, "vocab_size": 10}))
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        Pipeline(model=str(no_tok))
+    no_cfg = tmp_path / "no-config"
+    no_cfg.mkdir()
+    (no_cfg / "vocab.txt").write_text("[PAD]\n")
+    with pytest.raises(ValueError, match="has no config.json"):
+        Pipeline(model=str(no_cfg))
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match="is not a directory"):
+        Pipeline(model=str(a_file))
+
+
+def _re(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+def test_no_numpy_float_ids(pipe):
+    with pytest.raises(TypeError, match="request 0: token ids must be integers, got float64"):
+        pipe.embed([np.array([101.0, 102.0])], use_tqdm=False)

@@ -1,0 +1,122 @@
+"""The process group's life: start, close, failures of a step or of the engine, scripts without a main guard."""
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, faulty_model_dir, wait_gone
+from pipeline import EngineDeadError, Pipeline, PipelineError, StepError, corpus
+
+
+def test_close_stops_every_process_and_removes_the_socket_dir():
+    pipe = Pipeline()
+    pids = pipe.pids
+    all_pids = [pids["engine"], *pids["workers"]]
+    sock_dir = pipe._group.dir
+    assert stat.S_IMODE(os.stat(sock_dir).st_mode) == 0o700
+    assert sorted(p.name for p in sock_dir.iterdir() if p.name.startswith("work-") or p.name == "results")
+    assert len(pipe.embed(["hello"], use_tqdm=False)) == 1
+    pipe.close()
+    assert wait_gone(all_pids, 5.0) == []
+    assert not sock_dir.exists()
+    with pytest.raises(PipelineError, match="closed"):
+        pipe.embed(["hello"], use_tqdm=False)
+    pipe.close()  # closing twice is fine
+
+
+def test_works_from_a_plain_script_without_main_guard_and_cleans_up_at_exit(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import json\n"
+        "from pipeline import Pipeline\n"
+        "pipe = Pipeline()\n"  # no `if __name__ == '__main__'`, no close(): the exit must clean up
+        "out = pipe.embed(['from a plain script'], use_tqdm=False)\n"
+        "print(json.dumps({'dim': int(out[0].embedding.shape[0]), 'pids': pipe.pids}))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=180,
+                            cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["dim"] == 384
+    assert wait_gone([report["pids"]["engine"], *report["pids"]["workers"]], 5.0) == []
+
+
+def test_caller_killed_with_sigkill_takes_the_group_down(tmp_path):
+    script = tmp_path / "victim.py"
+    script.write_text(
+        "import json, sys, time\n"
+        "from pipeline import Pipeline\n"
+        "pipe = Pipeline()\n"
+        "print(json.dumps(pipe.pids), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        pids = json.loads(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait()
+    assert wait_gone([pids["engine"], *pids["workers"]], 5.0) == []
+
+
+def test_step_failure_raises_naming_the_requests_and_the_next_call_works(tmp_path, model_path, st_model):
+    trigger = st_model.tokenizer.convert_tokens_to_ids("zebra")
+    good = corpus.sentences(40, seed=41)
+    bad = "A zebra walks into the engine core."
+    with Pipeline(model=str(faulty_model_dir(tmp_path, model_path, trigger)), trust_remote_code=True) as pipe:
+        with pytest.raises(StepError, match="fault token") as info:
+            pipe.embed(good + [bad] + good, use_tqdm=False)
+        assert 40 in info.value.indices  # the culprit is named among the aborted step's requests
+        assert len(info.value.request_ids) == len(info.value.indices) == len(set(info.value.request_ids))
+        assert str(info.value.request_ids[info.value.indices.index(40)]) in str(info.value)
+        outs = pipe.embed(good, use_tqdm=False)  # the engine kept no trace: the next call works
+        np.testing.assert_allclose(np.stack([o.embedding for o in outs]), st_model.encode(good), atol=1e-5, rtol=0)
+        assert pipe.stats()["requests"] == len(good)
+
+
+def test_engine_that_cannot_start_is_a_clear_error(tmp_path, model_path):
+    import shutil
+
+    broken = tmp_path / "broken-weights"
+    shutil.copytree(model_path, broken)
+    (broken / "model.safetensors").write_bytes(b"this is not a safetensors file")
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match="engine core failed to start"):
+        Pipeline(model=str(broken))
+    assert time.monotonic() - start < 60
+    # Nothing of that group is left (checked again by the session's orphan check).
+
+
+def test_engine_killed_mid_call_raises_within_seconds():
+    pipe = Pipeline()
+    try:
+        engine_pid = pipe.pids["engine"]
+        workers = pipe.pids["workers"]
+        texts = corpus.sentences(200, seed=51)
+
+        def endless():
+            while True:
+                yield from texts
+
+        killer = threading.Timer(1.0, os.kill, (engine_pid, signal.SIGKILL))
+        killer.start()
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="engine core exited"):
+            for _ in pipe.embed_stream(endless()):
+                pass
+        assert time.monotonic() - start < 1.0 + 5.0
+        assert wait_gone(workers, 5.0) == []  # the rest of the group was stopped
+        with pytest.raises(PipelineError, match="closed"):
+            pipe.embed(["x"], use_tqdm=False)
+    finally:
+        pipe.close()

@@ -1,0 +1,113 @@
+"""The prefix planner gives exactly the ids of full tokenization + truncation, without tokenizing everything."""
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from pipeline import corpus
+from workers.render import load_tokenizer
+from workers.truncation import TruncatingEncoder, analyse_tokenizer, find_cut
+from core.config import load_model_spec
+
+PIECES = ["the", "quick", "brown", "fox", "naïve", "café", "Ångström", "東京", "日本語のテキスト", "🙂", "🚀🚀",
+          "e\u0301", "x" * 150, "supercalifragilisticexpialidocious", "3.14159", "don't", "U.S.A.", "(parens)",
+          "a-b_c", "ZZZ", "\u00a0", "ÀÉÎ", "Straße"]
+SEPARATORS = [" ", "  ", "\t", "\n", "\n\n", " \t ", "\r\n", "   \n  "]
+
+
+def _full_ids(tok: Tokenizer, text: str, k: int) -> list[int]:
+    tok.enable_truncation(max_length=k)
+    try:
+        return tok.encode(text).ids
+    finally:
+        tok.no_truncation()
+
+
+@pytest.fixture(scope="module")
+def wordpiece(model_path):
+    return load_tokenizer(load_model_spec(model_path))
+
+
+def _train(kind: str) -> Tokenizer:
+    text = corpus.medium_texts(300, seed=7)
+    if kind == "bytelevel-bpe":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=800, special_tokens=["<s>", "</s>"],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(text, trainer)
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>",
+                                                           special_tokens=[("<s>", 0), ("</s>", 1)])
+    elif kind == "metaspace-unigram":
+        tok = Tokenizer(models.Unigram())
+        tok.normalizer = normalizers.NFKC()
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        trainer = trainers.UnigramTrainer(vocab_size=600, special_tokens=["<unk>", "</s>"], unk_token="<unk>")
+        tok.train_from_iterator(text, trainer)
+        tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    else:
+        raise ValueError(kind)
+    return tok
+
+
+@pytest.fixture(scope="module", params=["bundled-wordpiece", "bytelevel-bpe", "metaspace-unigram"])
+def tokenizer(request, wordpiece):
+    return wordpiece if request.param == "bundled-wordpiece" else _train(request.param)
+
+
+def test_these_tokenizers_are_prefix_safe(tokenizer):
+    assert analyse_tokenizer(tokenizer).exact
+
+
+texts = st.lists(st.one_of(st.sampled_from(PIECES), st.text(min_size=1, max_size=12)), min_size=1, max_size=400).flatmap(
+    lambda words: st.lists(st.sampled_from(SEPARATORS), min_size=len(words), max_size=len(words)).map(
+        lambda seps: "".join(w + s for w, s in zip(words, seps))))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow])
+@given(text=texts, k=st.integers(min_value=2, max_value=40), lead=st.sampled_from(["", " ", "\n"]))
+def test_planner_equals_full_tokenization(tokenizer, text, k, lead):
+    # A first prefix of a character or so makes the planner cut and grow even on these short texts.
+    enc = TruncatingEncoder(Tokenizer.from_str(tokenizer.to_str()), chars_per_token_guess=0, min_prefix_chars=1)
+    text = lead + text
+    assert enc.encode(text, k) == _full_ids(tokenizer, text, k)
+
+
+@pytest.mark.parametrize("k", [8, 64, 256, 512])
+def test_long_real_documents(tokenizer, k):
+    enc = TruncatingEncoder(Tokenizer.from_str(tokenizer.to_str()))
+    for seed in range(3):
+        doc = corpus.long_document(300_000, seed=seed)
+        assert enc.encode(doc, k) == _full_ids(tokenizer, doc, k)
+    assert enc.prefix_encodes == 3 and enc.full_encodes_of_long_text == 0  # never the whole document
+
+
+def test_text_without_whitespace_falls_back_to_the_exact_slow_path(wordpiece):
+    enc = TruncatingEncoder(Tokenizer.from_str(wordpiece.to_str()))
+    cjk = "日本語のテキストです。" * 3000
+    assert enc.encode(cjk, 64) == _full_ids(wordpiece, cjk, 64)
+    assert enc.full_encodes_of_long_text == 1
+
+
+def test_unknown_tokenizer_shapes_are_not_trusted():
+    tok = Tokenizer(models.BPE())  # no pre-tokenizer: tokens may span whitespace
+    assert not analyse_tokenizer(tok).exact
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="isolated")
+    assert not analyse_tokenizer(tok).exact
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(split=False)
+    assert not analyse_tokenizer(tok).exact
+
+
+def test_find_cut_is_before_a_whitespace_run():
+    rng = random.Random(0)
+    text = "".join(rng.choice(["word", "x", "  ", " ", "\n", "\t"]) for _ in range(5000))
+    for near in range(10, len(text), 97):
+        cut = find_cut(text, near, " \t\n\r")
+        if cut is not None:
+            assert text[cut] in " \t\n\r" and not text[cut - 1].isspace()
+    assert find_cut("abcdefgh" * 100, 50, " ") is None
