@@ -46,7 +46,7 @@ class Encoder:
                 raise TypeError(f"array dtype {dtype} is not allowed on the wire")
             if arr.nbytes <= INLINE_MAX_BYTES:
                 return (dtype, arr.shape, arr.tobytes())
-            self._frames.append(arr.data)
+            self._frames.append(arr.data.cast("B"))  # a flat byte view, no copy
             return (dtype, arr.shape, len(self._frames) - 1)
         raise NotImplementedError(f"cannot encode {type(obj).__name__} on the wire")
 
@@ -89,7 +89,7 @@ class Decoder:
         elif not isinstance(data, (bytes, bytearray, memoryview)):
             raise ValueError("array data must be bytes or a frame index")
         np_dtype = np.dtype(dtype)
-        if len(data) != math.prod(shape) * np_dtype.itemsize:
+        if memoryview(data).nbytes != math.prod(shape) * np_dtype.itemsize:
             raise ValueError(f"array of shape {tuple(shape)} and dtype {dtype} does not match {len(data)} bytes")
         arr = np.frombuffer(data, dtype=np_dtype).reshape(shape)
         return arr.copy() if self._writable else arr

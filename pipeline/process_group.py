@@ -159,7 +159,11 @@ class ProcessGroup:
 
     def abort(self, request_ids: list[str]) -> None:
         if request_ids and not self.closed:
-            self.control.send_multipart(self.encoder.encode(m.Abort(request_ids)))
+            try:  # never block on an engine that is gone: its requests went with it
+                self.control.send_multipart(self.encoder.encode(m.Abort(request_ids)), zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("could not send an abort for %d requests: the engine core is not reachable",
+                            len(request_ids))
 
     # ---- health ------------------------------------------------------------------------
 

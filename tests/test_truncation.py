@@ -19,6 +19,8 @@ SEPARATORS = [" ", "  ", "\t", "\n", "\n\n", " \t ", "\r\n", "   \n  "]
 
 
 def _full_ids(tok: Tokenizer, text: str, k: int) -> list[int]:
+    """The reference: tokenize the whole text, then truncate (what transformers does)."""
+    tok.no_padding()
     tok.enable_truncation(max_length=k)
     try:
         return tok.encode(text).ids
