@@ -16,6 +16,7 @@ import time
 from collections import OrderedDict
 
 import msgspec
+import numpy as np
 import zmq
 
 from core import messages as m
@@ -113,11 +114,30 @@ class EngineCore:
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             self.log.error("dropped a malformed input message: %s", e)
             return
+        rejected: list[tuple[m.PoolingEngineInput, str]] = []
         for request in msg.items:
             if self.aborted and request.request_id in self.aborted:
                 del self.aborted[request.request_id]
                 continue
-            self.scheduler.add(request)
+            problem = self._invalid(request)
+            if problem:
+                rejected.append((request, problem))
+            else:
+                self.scheduler.add(request)
+        if rejected:  # a well-formed message with bad contents: refuse those requests, keep going
+            self.log.error("rejected %d malformed engine inputs", len(rejected))
+            self.to_front.send_multipart(self.encoder.encode(m.RenderFailed(
+                [r.request_id for r, _ in rejected], [r.seq for r, _ in rejected], [e for _, e in rejected])))
+
+    def _invalid(self, request: m.PoolingEngineInput) -> str | None:
+        ids = request.token_ids
+        if ids.dtype != np.int32 or ids.ndim != 1:
+            return f"engine input must be a 1-D int32 array, got {ids.dtype} with shape {ids.shape}"
+        if not 0 < ids.size <= self.cfg.model.max_model_len:
+            return f"engine input has {ids.size} tokens; the model takes 1 to {self.cfg.model.max_model_len}"
+        if int(ids.min()) < 0 or int(ids.max()) >= self.cfg.model.vocab_size:
+            return f"engine input has token ids outside [0, {self.cfg.model.vocab_size})"
+        return None
 
     def _step(self) -> None:
         in_core = len(self.scheduler)

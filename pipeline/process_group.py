@@ -79,10 +79,14 @@ class ProcessGroup:
             torch_threads=engine_threads, input_endpoint=self.endpoints["engine_in"],
             control_endpoint=self.endpoints["control"], output_endpoint=self.endpoints["results"],
             parent_pid=os.getpid(), log_level=log_level)
-        self.engine = self._spawn("engine", 0, "core.engine", self.engine_cfg, {
-            "OMP_NUM_THREADS": str(engine_threads), "MKL_NUM_THREADS": str(engine_threads)})
-        for i in range(num_workers):
-            self.start_worker(i)
+        try:
+            self.engine = self._spawn("engine", 0, "core.engine", self.engine_cfg, {
+                "OMP_NUM_THREADS": str(engine_threads), "MKL_NUM_THREADS": str(engine_threads)})
+            for i in range(num_workers):
+                self.start_worker(i)
+        except BaseException:
+            self.close()  # what did start must not outlive a failed start
+            raise
 
     def _bind(self, kind: int, endpoint: str) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -185,7 +189,7 @@ class ProcessGroup:
             for i, sock in enumerate(self.work):
                 if self.workers[i] is not None and self.workers[i].alive():
                     sock.send_multipart(self.encoder.encode(m.Shutdown()), zmq.NOBLOCK)
-            if self.engine.alive():
+            if getattr(self, "engine", None) is not None and self.engine.alive():
                 self.control.send_multipart(self.encoder.encode(m.Shutdown()), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
