@@ -30,7 +30,21 @@ class ModelSpec(msgspec.Struct, kw_only=True):
     pooling: str  # "mean" | "cls" | "max" | "last"
     normalize: bool
     do_lower_case: bool  # sentence-transformers lowercases the text itself when set
+    head: str = "none"  # "none" (hidden states) | "sequence_classification" | "token_classification"
+    num_labels: int = 0
+    multi_label: bool = False  # problem_type multi_label_classification: sigmoid per label
+    late_interaction: bool = False  # token embeddings scored with MaxSim (ColBERT style)
+    matryoshka_dimensions: list[int] | None = None
+    tasks: list[str] = []
     trust_remote_code: bool = False
+
+    @property
+    def score_kind(self) -> str | None:
+        if "score" not in self.tasks:
+            return None
+        if self.head == "sequence_classification":
+            return "cross_encoder"
+        return "late_interaction" if self.late_interaction else "bi_encoder"
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -56,6 +70,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     engine_endpoint: str
     output_endpoint: str
     parent_pid: int
+    io_processor: str | None = None  # "package.module:ClassName" plugin, loaded in each worker
     log_level: str = "WARNING"
 
 
@@ -122,10 +137,26 @@ def load_model_spec(model: str | os.PathLike | None, trust_remote_code: bool = F
         max_seq_length = st.get("max_seq_length")
         do_lower_case = bool(st.get("do_lower_case", False))
     default_max = min(int(max_seq_length), max_positions) if isinstance(max_seq_length, int) else max_positions
+    architectures = [str(a) for a in config.get("architectures") or []]
+    head = "none"
+    if any(a.endswith("ForSequenceClassification") for a in architectures):
+        head = "sequence_classification"
+    elif any(a.endswith("ForTokenClassification") for a in architectures):
+        head = "token_classification"
+    id2label = config.get("id2label")
+    num_labels = len(id2label) if isinstance(id2label, dict) and id2label else int(config.get("num_labels") or 2)
+    late_interaction = bool(config.get("late_interaction")) or any("colbert" in a.lower() for a in architectures)
+    if head == "sequence_classification":
+        tasks = ["classify", "score"] if num_labels == 1 else ["classify"]
+    elif head == "token_classification":
+        tasks = ["token_classify"]
+    else:
+        tasks = ["embed", "token_embed", "score"]
+    matryoshka = config.get("matryoshka_dimensions")
     return ModelSpec(
         path=str(root.resolve()),
         model_type=model_type,
-        architectures=[str(a) for a in config.get("architectures") or []],
+        architectures=architectures,
         hidden_size=hidden_size,
         vocab_size=vocab_size,
         max_model_len=int(max_positions),
@@ -133,6 +164,12 @@ def load_model_spec(model: str | os.PathLike | None, trust_remote_code: bool = F
         pooling=pooling,
         normalize=normalize,
         do_lower_case=do_lower_case,
+        head=head,
+        num_labels=num_labels if head != "none" else 0,
+        multi_label=config.get("problem_type") == "multi_label_classification",
+        late_interaction=late_interaction,
+        matryoshka_dimensions=[int(d) for d in matryoshka] if isinstance(matryoshka, list) and matryoshka else None,
+        tasks=tasks,
         trust_remote_code=trust_remote_code,
     )
 

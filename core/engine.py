@@ -131,6 +131,10 @@ class EngineCore:
 
     def _invalid(self, request: m.PoolingEngineInput) -> str | None:
         ids = request.token_ids
+        if request.task not in self.cfg.model.tasks:
+            return f"task {request.task!r} is not one this model runs ({self.cfg.model.tasks})"
+        if request.token_type_start is not None and not 0 <= request.token_type_start < ids.size:
+            return f"token_type_start {request.token_type_start} is outside the prompt"
         if ids.dtype != np.int32 or ids.ndim != 1:
             return f"engine input must be a 1-D int32 array, got {ids.dtype} with shape {ids.shape}"
         if not 0 < ids.size <= self.cfg.model.max_model_len:

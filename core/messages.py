@@ -12,6 +12,8 @@ Flow:  frontend --RenderBatch--> render worker --EngineInputBatch--> engine core
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import numpy as np
 
@@ -30,14 +32,26 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class RenderParams(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One request's raw input and options, before tokenization (frontend -> render worker)."""
+    """One request's raw input and options, before tokenization (frontend -> render worker).
+
+    Exactly one input form is set: `prompt` (text, with `pair` for a cross-encoder's document),
+    `token_ids` (used verbatim), `conversation` (rendered with the chat template) or `raw`
+    (handed to the io_processor plugin's `render`).
+    """
 
     request_id: str  # external id
     seq: int  # position in the caller's input; the frontend restores order with it
+    task: str  # "embed" | "token_embed" | "classify" | "token_classify" | "score"
     max_tokens: int  # keep at most this many tokens (special tokens included), resolved by the frontend
     params: PoolingParams
-    prompt: str | None = None  # text ...
-    token_ids: np.ndarray | None = None  # ... or pre-tokenized ids (int32), used verbatim
+    prompt: str | None = None
+    pair: str | None = None
+    token_ids: np.ndarray | None = None  # int32
+    conversation: list[dict[str, str]] | None = None
+    raw: Any = None
+    max_query_tokens: int | None = None  # pairs: content tokens kept of each side before pairing
+    max_doc_tokens: int | None = None
+    priority: int = 0
 
 
 class PoolingEngineInput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -45,8 +59,12 @@ class PoolingEngineInput(msgspec.Struct, array_like=True, omit_defaults=True):
 
     request_id: str
     seq: int
+    task: str
     token_ids: np.ndarray  # int32, already truncated
     params: PoolingParams
+    # Token type ids are zeros then ones (a text pair): only the index of the first 1 travels.
+    token_type_start: int | None = None
+    priority: int = 0
 
 
 class PoolingOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -62,8 +80,9 @@ class PoolingOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 # ---- batches on the wire -------------------------------------------------------------------
 
 
-class RenderBatch(msgspec.Struct, tag=True, array_like=True):
+class RenderBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     items: list[RenderParams]
+    chat_template: str | None = None  # the call's template for conversations (once per batch)
 
 
 class EngineInputBatch(msgspec.Struct, tag=True, array_like=True):

@@ -1,4 +1,4 @@
-"""Loads the model on its device and turns a batch of engine inputs into pooled outputs."""
+"""Loads the model on its device and turns a batch of engine inputs into per-request outputs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from core.config import ModelSpec
 from core.messages import PoolingEngineInput
-from core.pooling import finish_embeddings, pool
+from core.pooling import apply_activation, finish_embeddings, pool
 
 log = logging.getLogger("engine")
 
@@ -34,15 +34,23 @@ def resolve_dtype(dtype: str, device: torch.device, config_dtype: object) -> tor
     return torch.float16
 
 
+def _model_class(head: str):
+    import transformers
+
+    return {"none": transformers.AutoModel,
+            "sequence_classification": transformers.AutoModelForSequenceClassification,
+            "token_classification": transformers.AutoModelForTokenClassification}[head]
+
+
 class ModelRunner:
     def __init__(self, spec: ModelSpec, device: str, dtype: str) -> None:
-        from transformers import AutoConfig, AutoModel
+        from transformers import AutoConfig
 
         self.spec = spec
         self.device = resolve_device(device)
         config = AutoConfig.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
         self.dtype = resolve_dtype(dtype, self.device, getattr(config, "torch_dtype", None))
-        self.model = AutoModel.from_pretrained(
+        self.model = _model_class(spec.head).from_pretrained(
             spec.path, config=config, dtype=self.dtype, attn_implementation="sdpa",
             trust_remote_code=spec.trust_remote_code,
         ).to(self.device).eval()
@@ -51,34 +59,59 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: list[PoolingEngineInput]) -> tuple[list[np.ndarray], int]:
-        """Returns one float32 vector per request and the number of padded tokens computed."""
+        """Returns one float32 array per request and the number of padded tokens computed."""
         lengths_np = np.fromiter((len(r.token_ids) for r in batch), dtype=np.int64, count=len(batch))
         max_len = int(lengths_np.max())
         ids = np.full((len(batch), max_len), self.pad_token_id, dtype=np.int64)
+        types = np.zeros((len(batch), max_len), dtype=np.int64) if self.uses_token_types else None
         for row, request in enumerate(batch):
             ids[row, : lengths_np[row]] = request.token_ids
+            if types is not None and request.token_type_start is not None:
+                types[row, request.token_type_start: lengths_np[row]] = 1
         input_ids = torch.from_numpy(ids).to(self.device, non_blocking=True)
         lengths = torch.from_numpy(lengths_np).to(self.device)
         mask = (torch.arange(max_len, device=self.device)[None, :] < lengths[:, None]).long()
         kwargs = {"input_ids": input_ids, "attention_mask": mask}
-        if self.uses_token_types:
-            kwargs["token_type_ids"] = torch.zeros_like(input_ids)
-        hidden = self.model(**kwargs).last_hidden_state
-        pooled = pool(hidden, mask, lengths, self.spec.pooling)
-        return self._finish(pooled, batch), len(batch) * max_len
+        if types is not None:
+            kwargs["token_type_ids"] = torch.from_numpy(types).to(self.device, non_blocking=True)
+        output = self.model(**kwargs)
+        if self.spec.head == "none":
+            results = self._from_hidden(output.last_hidden_state, mask, lengths, batch)
+        else:
+            results = self._from_logits(output.logits, lengths_np, batch)
+        return results, len(batch) * max_len
 
-    def _finish(self, pooled: torch.Tensor, batch: list[PoolingEngineInput]) -> list[np.ndarray]:
+    def _from_hidden(self, hidden: torch.Tensor, mask, lengths, batch) -> list[np.ndarray]:
+        out: list[np.ndarray | None] = [None] * len(batch)
         # Requests that share options are finished together (usually the whole batch).
-        groups: dict[tuple[int | None, bool], list[int]] = {}
+        groups: dict[tuple, list[int]] = {}
         for row, request in enumerate(batch):
             p = request.params
             normalize = self.spec.normalize if p.normalize is None else p.normalize
-            groups.setdefault((p.dimensions, normalize), []).append(row)
-        out: list[np.ndarray] = [None] * len(batch)  # type: ignore[list-item]
-        for (dimensions, normalize), rows in groups.items():
-            index = torch.tensor(rows, device=pooled.device) if len(rows) < len(batch) else None
-            part = pooled if index is None else pooled.index_select(0, index)
-            vectors = finish_embeddings(part, dimensions, normalize).cpu().numpy()
-            for i, row in enumerate(rows):
-                out[row] = vectors[i]
+            groups.setdefault((request.task, p.dimensions, normalize), []).append(row)
+        for (task, dimensions, normalize), rows in groups.items():
+            index = torch.tensor(rows, device=hidden.device) if len(rows) < len(batch) else None
+            part = hidden if index is None else hidden.index_select(0, index)
+            if task == "token_embed":
+                vectors = finish_embeddings(part.float(), dimensions, normalize).cpu().numpy()
+                for i, row in enumerate(rows):
+                    out[row] = vectors[i, : int(lengths[row])]
+            else:
+                part_mask = mask if index is None else mask.index_select(0, index)
+                part_lengths = lengths if index is None else lengths.index_select(0, index)
+                pooled = pool(part, part_mask, part_lengths, self.spec.pooling)
+                vectors = finish_embeddings(pooled, dimensions, normalize).cpu().numpy()
+                for i, row in enumerate(rows):
+                    out[row] = vectors[i]
+        return out  # type: ignore[return-value]
+
+    def _from_logits(self, logits: torch.Tensor, lengths: np.ndarray, batch) -> list[np.ndarray]:
+        logits = logits.float()
+        activated = apply_activation(logits, self.spec.num_labels, self.spec.multi_label).cpu().numpy()
+        raw = logits.cpu().numpy()
+        out = []
+        for row, request in enumerate(batch):
+            use_activation = request.params.use_activation is not False
+            values = activated[row] if use_activation else raw[row]
+            out.append(values[: int(lengths[row])] if self.spec.head == "token_classification" else values)
         return out

@@ -32,3 +32,10 @@ def finish_embeddings(pooled: torch.Tensor, dimensions: int | None, normalize: b
     if normalize:
         pooled = F.normalize(pooled, p=2, dim=1)
     return pooled
+
+
+def apply_activation(logits: torch.Tensor, num_labels: int, multi_label: bool) -> torch.Tensor:
+    """Softmax over labels; sigmoid for a single-label score head or a multi-label config."""
+    if num_labels == 1 or multi_label:
+        return torch.sigmoid(logits)
+    return torch.softmax(logits, dim=-1)

@@ -1,7 +1,8 @@
 """Admitted requests and how they are cut into batches.
 
 The engine admits at most `window` requests (it stops reading its socket while full). Each step
-takes one batch that always contains the oldest waiting request -- so no request waits forever
+takes one batch that always contains the oldest waiting request (the oldest of the lowest
+`priority` value when priorities are given) -- so no request waits forever
 and the frontend's reorder buffer keeps moving -- grown with the requests nearest to it in
 length, so little of the forward pass is spent on padding:
 
@@ -41,7 +42,10 @@ class Scheduler:
     def next_batch(self) -> list[PoolingEngineInput]:
         if not self.waiting:
             return []
+        # The anchor: the oldest among the most urgent (lowest priority value) waiting requests.
         oldest = next(iter(self.waiting.values()))
+        if oldest.priority != 0 or any(r.priority for r in self.waiting.values()):
+            oldest = min(self.waiting.values(), key=lambda r: r.priority)  # min() keeps the first of ties
         by_length = sorted(self.waiting.values(), key=lambda r: len(r.token_ids))
         lengths = [len(r.token_ids) for r in by_length]
         lo = by_length.index(oldest)

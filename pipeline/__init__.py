@@ -9,8 +9,9 @@ from core.messages import PoolingParams
 from pipeline.api import Pipeline
 from pipeline.launcher import load_results
 from pipeline.errors import EngineDeadError, PipelineError, StepError, WorkerStartError
-from pipeline.outputs import EmbeddingOutput
+from pipeline.outputs import ClassificationOutput, EmbeddingOutput, PoolingRequestOutput, ScoringOutput
 
-__all__ = ["Pipeline", "PoolingParams", "EmbeddingOutput", "PipelineError", "EngineDeadError", "StepError",
+__all__ = ["Pipeline", "PoolingParams", "EmbeddingOutput", "ClassificationOutput", "ScoringOutput",
+           "PoolingRequestOutput", "PipelineError", "EngineDeadError", "StepError",
            "WorkerStartError", "load_results"]
 __version__ = "0.1.0"

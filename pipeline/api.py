@@ -9,13 +9,16 @@ import threading
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 
+import numpy as np
+
 from core.config import load_model_spec
 from core.messages import PoolingParams
 from pipeline.cpu_plan import plan_cpu
 from pipeline.errors import EngineDeadError, PipelineError
 from pipeline.frontend import Call, CallStats
-from pipeline.inputs import EMBED_TASKS, CallOptions, as_prompt_iterable, build_requests, params_for
-from pipeline.outputs import EmbeddingOutput
+from pipeline.inputs import (CallOptions, as_prompt_iterable, build_requests, check_params, check_priority,
+                             check_text, per_request)
+from pipeline.outputs import ClassificationOutput, EmbeddingOutput, PoolingRequestOutput, ScoringOutput
 from pipeline.process_group import ProcessGroup
 
 log = logging.getLogger("pipeline")
@@ -42,7 +45,7 @@ class Pipeline:
     def __init__(self, model: str | None = None, num_render_workers: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int | None = None, max_inflight: int | None = None,
                  device: str = "auto", dtype: str = "auto", *, engine_window: int | None = None,
-                 trust_remote_code: bool = False,
+                 io_processor: str | None = None, trust_remote_code: bool = False,
                  startup_timeout_s: float = 300.0, log_level: str = "WARNING") -> None:
         self._group: ProcessGroup | None = None
         _positive_int("num_render_workers", num_render_workers)
@@ -66,6 +69,11 @@ class Pipeline:
         self.max_inflight = max_inflight or 16 * max_num_seqs
         self.engine_window = engine_window or max(1, self.max_inflight // 2)
         self.batch_items = max(1, min(16, max_num_seqs, self.engine_window))  # requests per message to a worker
+        self._plugin = None
+        if io_processor is not None:
+            from workers.render import load_plugin
+
+            self._plugin = load_plugin(io_processor)  # in the caller too, for post_process (errors early)
         self.cpu_plan = plan_cpu(num_render_workers, device)
         log.debug("CPU plan: %s", self.cpu_plan)
         self._lock = threading.Lock()
@@ -76,7 +84,7 @@ class Pipeline:
             spec, num_workers=self.cpu_plan.render_workers, engine_threads=self.cpu_plan.engine_threads,
             device=device, dtype=DTYPE_ALIASES[dtype], max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, window=self.engine_window,
-            max_message_items=self.batch_items, log_level=log_level)
+            max_message_items=self.batch_items, io_processor=io_processor, log_level=log_level)
         self._finalizer = weakref.finalize(self, ProcessGroup.close, self._group)
         try:
             self._group.wait_ready(startup_timeout_s)
@@ -109,26 +117,103 @@ class Pipeline:
 
     # ---- calls -----------------------------------------------------------------------------
 
-    def embed(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[EmbeddingOutput]:
+    def embed(self, prompts, pooling_params: ParamsArg = None, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True, priority: PriorityArg = None, chat_template: str | None = None
+              ) -> list[EmbeddingOutput]:
         """Embeds a prompt or a list of prompts; returns a list in input order."""
-        items = as_prompt_iterable(prompts)
-        if not isinstance(items, (list, tuple)):
-            items = list(items)
-        if not items:
-            return []
-        # A list is checked whole before any work starts, so a bad prompt costs nothing.
-        requests = list(self._requests(items, pooling_params, truncate_prompt_tokens, "embed"))
-        return list(self._run(iter(requests), "embed", len(requests), use_tqdm))
+        return self._collect(prompts, "embed", EmbeddingOutput, pooling_params, truncate_prompt_tokens,
+                             use_tqdm, priority, chat_template)
 
-    def embed_stream(self, prompts: Iterable, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-                     truncate_prompt_tokens: int | None = None, use_tqdm: bool = False) -> Iterator[EmbeddingOutput]:
+    def embed_stream(self, prompts: Iterable, pooling_params: ParamsArg = None,
+                     truncate_prompt_tokens: int | None = None, use_tqdm: bool = False,
+                     priority: PriorityArg = None, chat_template: str | None = None) -> Iterator[EmbeddingOutput]:
         """Embeds any iterable (a generator of unknown length too), yielding in input order as
         results complete. Holds at most `max_inflight` requests at a time."""
-        items = as_prompt_iterable(prompts)
+        return self.encode_stream(prompts, "embed", pooling_params, truncate_prompt_tokens, use_tqdm,
+                                  priority, chat_template)
+
+    def classify(self, prompts, pooling_params: ParamsArg = None, truncate_prompt_tokens: int | None = None,
+                 use_tqdm: bool = True, priority: PriorityArg = None, chat_template: str | None = None
+                 ) -> list[ClassificationOutput]:
+        """Class probabilities (softmax, or sigmoid for single-label / multi-label heads) per prompt."""
+        return self._collect(prompts, "classify", ClassificationOutput, pooling_params, truncate_prompt_tokens,
+                             use_tqdm, priority, chat_template)
+
+    def encode(self, prompts, task: str | None = None, pooling_params: ParamsArg = None,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True, priority: PriorityArg = None,
+               chat_template: str | None = None) -> list:
+        """Any task of the model: "embed", "classify", "token_embed", "token_classify", or "plugin"
+        (the io_processor's render/post_process around the forward pass). Defaults to the model's first task."""
+        return list(self.encode_stream(prompts, task, pooling_params, truncate_prompt_tokens, use_tqdm,
+                                       priority, chat_template, materialize=True))
+
+    def encode_stream(self, prompts: Iterable, task: str | None = None, pooling_params: ParamsArg = None,
+                      truncate_prompt_tokens: int | None = None, use_tqdm: bool = False,
+                      priority: PriorityArg = None, chat_template: str | None = None,
+                      materialize: bool = False) -> Iterator:
+        task = task or self.model_spec.tasks[0]
+        plugin = task == "plugin"
+        engine_task = self._engine_task(task)
+        items = as_prompt_iterable(prompts) if not plugin else _plugin_items(prompts)
+        if materialize and not isinstance(items, (list, tuple)):
+            items = list(items)
         total = len(items) if isinstance(items, (list, tuple)) else None
-        requests = self._requests(iter(items), pooling_params, truncate_prompt_tokens, "embed")
-        return self._run(requests, "embed", total, use_tqdm)
+        wrap = OUTPUT_TYPES.get(engine_task, PoolingRequestOutput)
+        requests = self._requests(items, engine_task, pooling_params, truncate_prompt_tokens, priority, plugin)
+        if materialize:
+            requests = iter(list(requests))  # a list is checked whole before any work starts
+        outputs = (wrap(out.request_id, out.seq, out.data, out.num_prompt_tokens)
+                   for out in self._run(requests, total, use_tqdm, chat_template))
+        return self._post_process(outputs) if plugin else outputs
+
+    def score(self, data_1, data_2, pooling_params: ParamsArg = None, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True, priority: PriorityArg = None, max_tokens_per_query: int | None = None,
+              max_tokens_per_doc: int | None = None) -> list[ScoringOutput]:
+        """Scores query/document pairs: 1:1, 1:N (the single query against each document) or N:N.
+
+        The kind follows the model: a cross-encoder (sequence-classification head with one label)
+        reads each pair together; an embedding model gives the cosine similarity of the two
+        embeddings (bi-encoder), or MaxSim over token embeddings for late-interaction models.
+        """
+        kind = self.model_spec.score_kind
+        if kind is None:
+            raise ValueError(f"this model cannot score; it can do {self.model_spec.tasks}")
+        queries, docs = _score_side(data_1, "data_1"), _score_side(data_2, "data_2")
+        if len(queries) != 1 and len(queries) != len(docs):
+            raise ValueError(f"data_1 and data_2 must be 1:1, 1:N or N:N; got {len(queries)} and {len(docs)} items")
+        for name, value in (("max_tokens_per_query", max_tokens_per_query), ("max_tokens_per_doc", max_tokens_per_doc)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if kind == "cross_encoder":
+            return self._score_pairs(queries, docs, pooling_params, truncate_prompt_tokens, use_tqdm, priority,
+                                     max_tokens_per_query, max_tokens_per_doc)
+        if isinstance(pooling_params, (list, tuple)):
+            raise ValueError("per-pair pooling_params apply to cross-encoders only; give one PoolingParams")
+        if max_tokens_per_query is not None or max_tokens_per_doc is not None:
+            raise ValueError("max_tokens_per_query / max_tokens_per_doc apply to cross-encoders only; "
+                             "use truncate_prompt_tokens")
+        task = "embed" if kind == "bi_encoder" else "token_embed"
+        outs = self.encode(list(queries) + list(docs), task, pooling_params, truncate_prompt_tokens, use_tqdm,
+                           priority if not isinstance(priority, (list, tuple)) else None)
+        q_outs, d_outs = outs[: len(queries)], outs[len(queries):]
+        results = []
+        for i, d in enumerate(d_outs):
+            q = q_outs[0] if len(q_outs) == 1 else q_outs[i]
+            value = _cosine(q.data, d.data) if kind == "bi_encoder" else _max_sim(q.data, d.data)
+            results.append(ScoringOutput(f"{q.request_id}|{d.request_id}", i, value,
+                                         q.num_prompt_tokens + d.num_prompt_tokens))
+        return results
+
+    def _score_pairs(self, queries, docs, pooling_params, truncate_prompt_tokens, use_tqdm, priority,
+                     max_query, max_doc) -> list[ScoringOutput]:
+        pairs = [(queries[0] if len(queries) == 1 else queries[i], d) for i, d in enumerate(docs)]
+        for i, (q, d) in enumerate(pairs):
+            check_text(q, i, "query")
+            check_text(d, i, "document")
+        requests = list(self._requests(pairs, "score", pooling_params, truncate_prompt_tokens, priority,
+                                       max_query=max_query, max_doc=max_doc))
+        return [ScoringOutput(out.request_id, out.seq, float(out.data[0]), out.num_prompt_tokens)
+                for out in self._run(iter(requests), len(requests), use_tqdm, None)]
 
     def stats(self) -> dict:
         """Counters of the last call (or the one running), plus the CPU plan and engine facts."""
@@ -142,20 +227,54 @@ class Pipeline:
         stats["engine_window"] = self.engine_window
         return stats
 
-    def _requests(self, prompts, pooling_params, truncate_prompt_tokens, task):
-        if task not in EMBED_TASKS:
-            raise ValueError(f"unknown task {task!r}; this model supports {list(EMBED_TASKS)}")
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _engine_task(self, task: str) -> str:
+        if task == "plugin":
+            if self._plugin is None:
+                raise ValueError("task 'plugin' needs Pipeline(io_processor='package.module:ClassName')")
+            task = getattr(self._plugin, "task", "embed")
+        if not isinstance(task, str) or task not in self.model_spec.tasks or task == "score":
+            can = [t for t in self.model_spec.tasks if t != "score"] + (["plugin"] if self._plugin else [])
+            raise ValueError(f"unknown or unsupported task {task!r}: this model can do {can}"
+                             + (" and score() pairs" if "score" in self.model_spec.tasks else ""))
+        return task
+
+    def _collect(self, prompts, task, wrap, pooling_params, truncate_prompt_tokens, use_tqdm, priority,
+                 chat_template) -> list:
+        self._engine_task(task)
+        items = as_prompt_iterable(prompts)
+        if not isinstance(items, (list, tuple)):
+            items = list(items)
+        if not items:
+            return []
+        return self.encode(items, task, pooling_params, truncate_prompt_tokens, use_tqdm, priority, chat_template)
+
+    def _requests(self, prompts, task, pooling_params, truncate_prompt_tokens, priority, plugin=False,
+                  max_query=None, max_doc=None):
         if truncate_prompt_tokens is not None and (not isinstance(truncate_prompt_tokens, int)
                                                    or isinstance(truncate_prompt_tokens, bool)):
             raise TypeError(f"truncate_prompt_tokens must be an int or None, got {truncate_prompt_tokens!r}")
-        params = params_for(pooling_params, task)
-        params_count = len(pooling_params) if isinstance(pooling_params, (list, tuple)) else None
-        if params_count is not None and isinstance(prompts, (list, tuple)) and params_count != len(prompts):
-            raise ValueError(f"pooling_params has {params_count} entries but there are {len(prompts)} prompts")
-        opts = CallOptions(task, truncate_prompt_tokens, self.num_special_tokens)
-        return build_requests(prompts, params, self.model_spec, opts, f"{next(self._ids)}-", params_count)
+        count = len(prompts) if isinstance(prompts, (list, tuple)) else None
+        if pooling_params is not None and not isinstance(pooling_params, (PoolingParams, list, tuple)):
+            raise TypeError(f"pooling_params must be a PoolingParams, a list of them or None, "
+                            f"got {type(pooling_params).__name__}")
+        params = per_request(PoolingParams() if pooling_params is None else pooling_params, "pooling_params",
+                             lambda p, where: check_params(p, where, task, self.model_spec), count)
+        priorities = per_request(0 if priority is None else priority, "priority", check_priority, count)
+        opts = CallOptions(task, truncate_prompt_tokens, self.num_special_tokens, max_query, max_doc, plugin)
+        return build_requests(iter(prompts), self.model_spec, opts, f"{next(self._ids)}-", params, priorities,
+                              pairs=task == "score")
 
-    def _run(self, requests, task: str, total: int | None, use_tqdm: bool) -> Iterator[EmbeddingOutput]:
+    def _post_process(self, outputs) -> Iterator:
+        for out in outputs:
+            try:
+                yield self._plugin.post_process(out)
+            except Exception as e:
+                raise ValueError(f"request {out.index}: io_processor post_process failed: "
+                                 f"{type(e).__name__}: {e}") from e
+
+    def _run(self, requests, total: int | None, use_tqdm: bool, chat_template: str | None) -> Iterator:
         group = self._live_group()
         with self._lock:
             if self._call is not None and not self._call.finished:
@@ -168,15 +287,13 @@ class Pipeline:
                 from tqdm.auto import tqdm
 
                 progress = tqdm(total=total, desc="Processed prompts", unit="docs", dynamic_ncols=True)
-            call = self._call = Call(group, requests, max_inflight=self.max_inflight,
-                                     batch_items=self.batch_items, progress=progress)
+            call = self._call = Call(group, requests, max_inflight=self.max_inflight, batch_items=self.batch_items,
+                                     progress=progress, chat_template=chat_template)
         return self._results(call)
 
-    def _results(self, call: Call) -> Iterator[EmbeddingOutput]:
+    def _results(self, call: Call) -> Iterator:
         try:
-            for out in call.outputs():
-                yield EmbeddingOutput(request_id=out.request_id, index=out.seq, embedding=out.data,
-                                      num_prompt_tokens=out.num_prompt_tokens)
+            yield from call.outputs()
         except EngineDeadError:
             self.close()  # the group cannot serve without its engine: stop the rest of it
             raise
@@ -184,3 +301,33 @@ class Pipeline:
             self._last_stats = call.stats
             if self._call is call:
                 self._call = None
+
+
+ParamsArg = PoolingParams | Sequence[PoolingParams] | None
+PriorityArg = int | Sequence[int] | None
+OUTPUT_TYPES = {"embed": EmbeddingOutput, "classify": ClassificationOutput}
+
+
+def _plugin_items(data) -> list | Iterable:
+    if data is None:
+        raise TypeError("plugin data must be an item or a list of items, got None")
+    return data if isinstance(data, (list, tuple)) or (isinstance(data, Iterable) and not isinstance(data, (str, dict, bytes))) else [data]
+
+
+def _score_side(data, name: str) -> list:
+    if isinstance(data, str):
+        return [data]
+    if data is None or not isinstance(data, (list, tuple)):
+        raise TypeError(f"{name} must be a str or a list of them, got {type(data).__name__}")
+    if not data:
+        raise ValueError(f"{name} is empty: score needs at least one query and one document")
+    return list(data)
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.dot(a, b) / max(float(np.linalg.norm(a) * np.linalg.norm(b)), 1e-12))
+
+
+def _max_sim(query: np.ndarray, doc: np.ndarray) -> float:
+    """Late interaction: for each query token the best-matching document token, summed."""
+    return float((query @ doc.T).max(axis=1).sum())

@@ -73,12 +73,13 @@ class CallStats:
 
 class Call:
     def __init__(self, group: ProcessGroup, requests: Iterator[m.RenderParams], *, max_inflight: int,
-                 batch_items: int, progress=None) -> None:
+                 batch_items: int, progress=None, chat_template: str | None = None) -> None:
         self.group = group
         self.requests = requests
         self.max_inflight = max_inflight
         self.batch_items = batch_items
         self.progress = progress
+        self.chat_template = chat_template
         self.stats = CallStats()
         self.inflight: dict[str, tuple[m.RenderParams, int]] = {}  # external id -> (request, worker)
         self.outstanding = [0] * len(group.work)  # requests per worker not yet answered
@@ -158,7 +159,7 @@ class Call:
             chunk = items[start:start + self.batch_items]
             worker = min(range(len(self.outstanding)), key=self.outstanding.__getitem__)
             try:
-                self.group.send_work(worker, chunk)
+                self.group.send_work(worker, chunk, self.chat_template)
             except zmq.Again:  # that worker is gone or restarting: try again on the next turn
                 self.backlog.extend(chunk)
                 continue

@@ -9,30 +9,42 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import msgspec
 import numpy as np
 
 from core.config import ModelSpec
 from core.messages import PoolingParams, RenderParams
 
-Prompt = str | Sequence[int] | dict | np.ndarray
-EMBED_TASKS = ("embed",)
+EMBEDDING_TASKS = ("embed", "token_embed")
+ACTIVATION_TASKS = ("classify", "token_classify", "score")
 
 
 @dataclass(frozen=True)
 class CallOptions:
-    task: str
+    task: str  # the task the engine runs
     truncate_prompt_tokens: int | None
     num_special_tokens: int
+    max_query_tokens: int | None = None
+    max_doc_tokens: int | None = None
+    plugin: bool = False  # prompts are raw data for the io_processor plugin
+
+
+def is_conversation(prompt: object) -> bool:
+    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
+            and all(isinstance(m, dict) and "role" in m for m in prompt))
 
 
 def is_single_prompt(prompts: object) -> bool:
-    """A str, a dict, a 1-D integer array or a flat list of ints is one prompt, not a list of them."""
+    """A str, a dict, a 1-D integer array, a flat list of ints or one conversation is one prompt."""
     if isinstance(prompts, (str, dict)):
         return True
     if isinstance(prompts, np.ndarray):
         return prompts.ndim == 1
     if isinstance(prompts, (list, tuple)) and prompts:
+        if is_conversation(prompts):
+            return True
         return all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in prompts)
     return False
 
@@ -49,21 +61,19 @@ def as_prompt_iterable(prompts: object, what: str = "prompts") -> Iterable:
     return prompts
 
 
-def params_for(pooling_params: PoolingParams | Sequence[PoolingParams] | None, task: str) -> Iterator[PoolingParams]:
-    """One PoolingParams per request, checked; a list must be as long as the prompts (checked by the caller)."""
-    if pooling_params is None or isinstance(pooling_params, PoolingParams):
-        single = pooling_params or PoolingParams()
-        _check_params(single, task, None)
-        return itertools.repeat(single)
-    if isinstance(pooling_params, (list, tuple)):
-        for i, p in enumerate(pooling_params):
-            _check_params(p, task, i)
-        return iter(pooling_params)
-    raise TypeError(f"pooling_params must be a PoolingParams, a list of them or None, got {type(pooling_params).__name__}")
+def per_request(value: object, name: str, check, count: int | None) -> tuple[Iterator, int | None]:
+    """One value for every request, or a list with one per request (its length checked later)."""
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check(v, f"{name}[{i}]")
+        if count is not None and len(value) != count:
+            raise ValueError(f"{name} has {len(value)} entries but there are {count} prompts")
+        return iter(value), len(value)
+    check(value, name)
+    return itertools.repeat(value), None
 
 
-def _check_params(p: object, task: str, index: int | None) -> None:
-    where = "pooling_params" if index is None else f"pooling_params[{index}]"
+def check_params(p: object, where: str, task: str, spec: ModelSpec) -> None:
     if not isinstance(p, PoolingParams):
         raise TypeError(f"{where} must be a PoolingParams, got {type(p).__name__}")
     if p.task is not None and p.task != task:
@@ -76,25 +86,51 @@ def _check_params(p: object, task: str, index: int | None) -> None:
         value = getattr(p, name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise TypeError(f"{where}.{name} must be an int or None, got {value!r}")
+    if p.dimensions is not None:
+        if task not in EMBEDDING_TASKS:
+            raise ValueError(f"{where}.dimensions applies to embedding tasks only, not {task!r}")
+        if not 1 <= p.dimensions <= spec.hidden_size:
+            raise ValueError(f"{where}: dimensions={p.dimensions} is outside [1, {spec.hidden_size}]")
+        if spec.matryoshka_dimensions and p.dimensions not in spec.matryoshka_dimensions:
+            raise ValueError(f"{where}: dimensions={p.dimensions} is not among the model's declared "
+                             f"dimensions {spec.matryoshka_dimensions}")
+    if p.normalize is not None and task not in EMBEDDING_TASKS:
+        raise ValueError(f"{where}.normalize applies to embedding tasks; use use_activation for {task!r}")
 
 
-def build_requests(prompts: Iterable, params: Iterator[PoolingParams], spec: ModelSpec, opts: CallOptions,
-                   id_prefix: str, params_count: int | None) -> Iterator[RenderParams]:
-    """Yields one RenderParams per prompt, validating as it goes (never reads ahead)."""
+def check_priority(value: object, where: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{where} must be an int, got {value!r}")
+
+
+def build_requests(prompts: Iterable, spec: ModelSpec, opts: CallOptions, id_prefix: str,
+                   params: tuple[Iterator, int | None], priorities: tuple[Iterator, int | None],
+                   pairs: bool = False) -> Iterator[RenderParams]:
+    """Yields one RenderParams per prompt (a (query, document) tuple when `pairs`), validating as
+    it goes and never reading ahead of what the frontend asks for."""
+    params_it, params_count = params
+    priority_it, priority_count = priorities
     index = -1
     for index, prompt in enumerate(prompts):
-        if params_count is not None and index >= params_count:
-            raise ValueError(f"pooling_params has {params_count} entries but there are more prompts "
-                             f"(prompt {index} has none)")
-        p = next(params)
-        max_tokens = resolve_max_tokens(spec, opts, p, index)
-        text, token_ids = parse_prompt(prompt, index, spec)
-        if p.dimensions is not None and not 1 <= p.dimensions <= spec.hidden_size:
-            raise ValueError(f"request {index}: dimensions={p.dimensions} is outside [1, {spec.hidden_size}]")
-        yield RenderParams(request_id=f"{id_prefix}{index}", seq=index, max_tokens=max_tokens, params=p,
-                           prompt=text, token_ids=token_ids)
-    if params_count is not None and index + 1 != params_count:
-        raise ValueError(f"pooling_params has {params_count} entries but there are {index + 1} prompts")
+        for count, name in ((params_count, "pooling_params"), (priority_count, "priority")):
+            if count is not None and index >= count:
+                raise ValueError(f"{name} has {count} entries but there are more prompts "
+                                 f"(prompt {index} has none)")
+        p = next(params_it)
+        fields: dict[str, Any] = {}
+        if pairs:
+            fields["prompt"], fields["pair"] = prompt
+        elif opts.plugin:
+            fields["raw"] = _check_raw(prompt, index)
+        else:
+            fields = parse_prompt(prompt, index, spec)
+        yield RenderParams(request_id=f"{id_prefix}{index}", seq=index, task=opts.task,
+                           max_tokens=resolve_max_tokens(spec, opts, p, index), params=p,
+                           max_query_tokens=opts.max_query_tokens, max_doc_tokens=opts.max_doc_tokens,
+                           priority=next(priority_it), **fields)
+    for count, name in ((params_count, "pooling_params"), (priority_count, "priority")):
+        if count is not None and index + 1 != count:
+            raise ValueError(f"{name} has {count} entries but there are {index + 1} prompts")
 
 
 def resolve_max_tokens(spec: ModelSpec, opts: CallOptions, p: PoolingParams, index: int) -> int:
@@ -109,35 +145,61 @@ def resolve_max_tokens(spec: ModelSpec, opts: CallOptions, p: PoolingParams, ind
     return limit
 
 
-def parse_prompt(prompt: object, index: int, spec: ModelSpec) -> tuple[str | None, np.ndarray | None]:
+def parse_prompt(prompt: object, index: int, spec: ModelSpec) -> dict[str, Any]:
     if isinstance(prompt, str):
-        return _check_text(prompt, index), None
+        return {"prompt": check_text(prompt, index)}
     if isinstance(prompt, dict):
         keys = set(prompt)
         if keys == {"prompt_token_ids"}:
-            return None, _check_token_ids(prompt["prompt_token_ids"], index, spec)
+            return {"token_ids": _check_token_ids(prompt["prompt_token_ids"], index, spec)}
         if keys == {"prompt"}:
             if not isinstance(prompt["prompt"], str):
                 raise TypeError(f"request {index}: 'prompt' must be a str, got {type(prompt['prompt']).__name__}")
-            return _check_text(prompt["prompt"], index), None
+            return {"prompt": check_text(prompt["prompt"], index)}
         raise ValueError(f"request {index}: a dict prompt must have exactly one key, 'prompt_token_ids' "
                          f"or 'prompt'; got {sorted(map(str, keys))}")
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(x, dict) for x in prompt):
+        return {"conversation": _check_conversation(prompt, index)}
     if isinstance(prompt, (list, tuple, np.ndarray)):
-        return None, _check_token_ids(prompt, index, spec)
+        return {"token_ids": _check_token_ids(prompt, index, spec)}
     if prompt is None:
         raise TypeError(f"request {index}: prompt is None")
-    raise TypeError(f"request {index}: a prompt must be a str, a list of token ids or a dict, "
-                    f"got {type(prompt).__name__}")
+    raise TypeError(f"request {index}: a prompt must be a str, a list of token ids, a dict or a "
+                    f"conversation, got {type(prompt).__name__}")
 
 
-def _check_text(text: str, index: int) -> str:
+def check_text(text: object, index: int, what: str = "text") -> str:
+    if not isinstance(text, str):
+        raise TypeError(f"request {index}: {what} must be a str, got {type(text).__name__}")
     if not text.isascii():
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise ValueError(f"request {index}: text is not valid Unicode (lone surrogate "
+            raise ValueError(f"request {index}: {what} is not valid Unicode (lone surrogate "
                              f"{text[e.start]!r} at character {e.start})") from None
     return text
+
+
+def _check_conversation(conversation: Sequence[dict], index: int) -> list[dict[str, str]]:
+    messages = []
+    for turn, message in enumerate(conversation):
+        if set(message) - {"role", "content"} or not {"role", "content"} <= set(message):
+            raise ValueError(f"request {index}: conversation message {turn} must have exactly the keys "
+                             f"'role' and 'content', got {sorted(map(str, message))}")
+        role = check_text(message["role"], index, f"conversation message {turn} role")
+        content = check_text(message["content"], index, f"conversation message {turn} content")
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def _check_raw(raw: object, index: int) -> object:
+    if raw is None:
+        raise TypeError(f"request {index}: plugin input is None")
+    try:
+        msgspec.msgpack.encode(raw)
+    except (TypeError, msgspec.EncodeError) as e:
+        raise TypeError(f"request {index}: plugin input must be plain data (str, numbers, lists, dicts): {e}") from None
+    return raw
 
 
 def _check_token_ids(ids: object, index: int, spec: ModelSpec) -> np.ndarray:

@@ -8,8 +8,30 @@ import numpy as np
 
 
 @dataclass(slots=True)
-class EmbeddingOutput:
+class PoolingRequestOutput:
     request_id: str  # external id
     index: int  # position in the caller's input
-    embedding: np.ndarray  # 1-D float32
+    data: np.ndarray  # float32: [dim], [num_labels], [num_tokens, dim] or [num_tokens, num_labels]
     num_prompt_tokens: int  # after truncation, special tokens included
+
+
+@dataclass(slots=True)
+class EmbeddingOutput(PoolingRequestOutput):
+    @property
+    def embedding(self) -> np.ndarray:  # 1-D float32
+        return self.data
+
+
+@dataclass(slots=True)
+class ClassificationOutput(PoolingRequestOutput):
+    @property
+    def probs(self) -> np.ndarray:  # 1-D float32 (raw logits with use_activation=False)
+        return self.data
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    request_id: str  # the pair's external id (cross-encoder) or "<query id>|<document id>"
+    index: int  # position of the pair
+    score: float
+    num_prompt_tokens: int  # tokens the model saw for this pair (both sides for bi-encoders)

@@ -54,8 +54,8 @@ class Child:
 
 class ProcessGroup:
     def __init__(self, spec: ModelSpec, *, num_workers: int, engine_threads: int, device: str, dtype: str,
-                 max_num_seqs: int, max_num_batched_tokens: int, window: int, max_message_items: int,
-                 log_level: str = "WARNING") -> None:
+                 max_num_seqs: int, max_num_batched_tokens: int | None, window: int, max_message_items: int,
+                 io_processor: str | None = None, log_level: str = "WARNING") -> None:
         self.spec = spec
         self.dir = Path(tempfile.mkdtemp(prefix="pooling-pipeline-"))  # mode 0700
         os.chmod(self.dir, 0o700)
@@ -73,6 +73,7 @@ class ProcessGroup:
         self.control = self._bind(zmq.PUSH, self.endpoints["control"])
         self.work = [self._bind(zmq.PUSH, ep(f"work-{i}")) for i in range(num_workers)]
         self.log_level = log_level
+        self.io_processor = io_processor
         self.engine_cfg = EngineConfig(
             model=spec, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, window=window, max_message_items=max_message_items,
@@ -97,7 +98,10 @@ class ProcessGroup:
     def _spawn(self, role: str, index: int, module: str, cfg: msgspec.Struct, extra_env: dict) -> Child:
         env = dict(os.environ)
         env.update(extra_env)
-        env["PYTHONPATH"] = PROJECT_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        # The children import what the caller can: this project first, then the caller's own path
+        # (a plugin module next to the caller's script or notebook must import in the workers too).
+        paths = [PROJECT_ROOT] + [os.path.abspath(p or ".") for p in sys.path if os.path.isdir(p or ".")]
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         env["TOKENIZERS_PARALLELISM"] = "false"
         env.setdefault("HF_HUB_OFFLINE", "1")  # models load from local paths only
         log_path = self.dir / f"{role}{index}.log"
@@ -113,7 +117,7 @@ class ProcessGroup:
     def start_worker(self, index: int) -> Child:
         cfg = WorkerConfig(index=index, model=self.spec, work_endpoint=self.work[index].getsockopt_string(zmq.LAST_ENDPOINT),
                            engine_endpoint=self.endpoints["engine_in"], output_endpoint=self.endpoints["results"],
-                           parent_pid=os.getpid(), log_level=self.log_level)
+                           parent_pid=os.getpid(), io_processor=self.io_processor, log_level=self.log_level)
         child = self._spawn("worker", index, "workers.main", cfg, {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
         self.workers[index] = child
         return child
@@ -157,9 +161,10 @@ class ProcessGroup:
                 if not self.results.poll(0):
                     return None
 
-    def send_work(self, worker: int, items: list[m.RenderParams]) -> None:
+    def send_work(self, worker: int, items: list[m.RenderParams], chat_template: str | None = None) -> None:
         # NOBLOCK: a worker that died (no peer on its socket) raises zmq.Again instead of blocking.
-        self.work[worker].send_multipart(self.encoder.encode(m.RenderBatch(items)), zmq.NOBLOCK, copy=False)
+        frames = self.encoder.encode(m.RenderBatch(items, chat_template))
+        self.work[worker].send_multipart(frames, zmq.NOBLOCK, copy=False)
 
     def abort(self, request_ids: list[str]) -> None:
         if request_ids and not self.closed:

@@ -43,7 +43,7 @@ BAD_OPTIONS = [
     (dict(pooling_params="embed"), TypeError, "pooling_params must be a PoolingParams"),
     (dict(pooling_params=[PoolingParams(), None, PoolingParams()]), TypeError, "pooling_params[1]"),
     (dict(pooling_params=PoolingParams(task="classify")), ValueError, "conflicts with the call's task"),
-    (dict(pooling_params=PoolingParams(dimensions=0)), ValueError, "request 0: dimensions=0 is outside [1, 384]"),
+    (dict(pooling_params=PoolingParams(dimensions=0)), ValueError, "pooling_params: dimensions=0 is outside [1, 384]"),
     (dict(pooling_params=PoolingParams(dimensions=385)), ValueError, "dimensions=385"),
     (dict(pooling_params=PoolingParams(dimensions=float("nan"))), TypeError, "dimensions must be an int"),
     (dict(pooling_params=PoolingParams(normalize="yes")), TypeError, "normalize must be a bool"),

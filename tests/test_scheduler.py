@@ -9,7 +9,7 @@ from core.scheduler import Scheduler
 
 
 def _req(i: int, length: int) -> PoolingEngineInput:
-    return PoolingEngineInput(str(i), i, np.zeros(length, dtype=np.int32), PoolingParams())
+    return PoolingEngineInput(str(i), i, "embed", np.zeros(length, dtype=np.int32), PoolingParams())
 
 
 def test_batches_hold_the_oldest_and_respect_limits():

@@ -15,8 +15,8 @@ def test_round_trip_small_and_large_arrays():
     small = np.arange(7, dtype=np.int32)
     large = np.arange(INLINE_MAX_BYTES, dtype=np.int32)  # 16 KB: travels as its own frame
     frames = enc.encode(m.EngineInputBatch(0, [
-        m.PoolingEngineInput("a", 0, small, m.PoolingParams()),
-        m.PoolingEngineInput("b", 1, large, m.PoolingParams(dimensions=8, normalize=False)),
+        m.PoolingEngineInput("a", 0, "embed", small, m.PoolingParams()),
+        m.PoolingEngineInput("b", 1, "embed", large, m.PoolingParams(dimensions=8, normalize=False)),
     ]))
     assert len(frames) == 2
     msg = dec.decode(frames)
@@ -41,7 +41,7 @@ def test_wrong_type_for_the_socket_is_rejected():
     "not an array",
 ])
 def test_malformed_arrays_are_rejected(bad):
-    header = msgspec.msgpack.encode(["EngineInputBatch", 0, [["a", 0, bad, {}]]])
+    header = msgspec.msgpack.encode(["EngineInputBatch", 0, [["a", 0, "embed", bad, {}]]])
     with pytest.raises(msgspec.ValidationError):
         Decoder(m.EngineInbound).decode([header])
 
@@ -49,7 +49,7 @@ def test_malformed_arrays_are_rejected(bad):
 def test_fuzzed_frames_never_crash_the_decoder():
     rng = random.Random(1)
     enc = Encoder()
-    valid = enc.encode(m.EngineInputBatch(3, [m.PoolingEngineInput("x", 1, np.arange(5, dtype=np.int32),
+    valid = enc.encode(m.EngineInputBatch(3, [m.PoolingEngineInput("x", 1, "embed", np.arange(5, dtype=np.int32),
                                                                     m.PoolingParams())]))[0]
     decoders = [Decoder(t) for t in (m.EngineInbound, m.EngineControl, m.WorkerInbound, m.FrontendInbound)]
     rejected = 0

@@ -34,9 +34,10 @@ def main(argv: list[str]) -> int:
     to_front = socket(ctx, zmq.PUSH, cfg.output_endpoint, bind=False)
     encoder = Encoder()
     try:
-        from workers.render import Renderer, load_tokenizer
+        from workers.render import Renderer, load_hf_tokenizer, load_plugin
 
-        renderer = Renderer(cfg.model, load_tokenizer(cfg.model))
+        plugin = load_plugin(cfg.io_processor) if cfg.io_processor else None
+        renderer = Renderer(cfg.model, load_hf_tokenizer(cfg.model), plugin)
     except Exception as e:
         log.exception("cannot load the tokenizer")
         to_front.send_multipart(encoder.encode(m.Ready("worker", cfg.index, os.getpid(), error=f"{type(e).__name__}: {e}")))
@@ -63,7 +64,7 @@ def main(argv: list[str]) -> int:
             continue
         if isinstance(msg, m.Shutdown):
             break
-        inputs, failed = renderer.render(msg.items)
+        inputs, failed = renderer.render(msg.items, msg.chat_template)
         if inputs:
             to_engine.send_multipart(encoder.encode(m.EngineInputBatch(cfg.index, inputs)), copy=False)
         if failed:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 from tokenizers import Tokenizer
 
@@ -10,37 +12,59 @@ from core.messages import PoolingEngineInput, RenderParams
 from workers.truncation import TruncatingEncoder
 
 
-def load_tokenizer(spec: ModelSpec) -> Tokenizer:
-    """The fast tokenizer exactly as transformers configures it for this model.
+def load_hf_tokenizer(spec: ModelSpec):
+    """The tokenizer exactly as transformers configures it for this model.
 
     transformers adjusts the backend from tokenizer_config.json (lowercasing, special tokens), so
-    the backend is taken from AutoTokenizer rather than read from tokenizer.json directly.
+    the fast backend is taken from AutoTokenizer rather than read from tokenizer.json directly.
     """
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
-    backend = getattr(hf, "backend_tokenizer", None)
-    if backend is None:
+    if getattr(hf, "backend_tokenizer", None) is None:
         raise ValueError(f"model {spec.path!r} has no fast tokenizer")
-    return Tokenizer.from_str(backend.to_str())
+    return hf
+
+
+def load_tokenizer(spec: ModelSpec) -> Tokenizer:
+    return Tokenizer.from_str(load_hf_tokenizer(spec).backend_tokenizer.to_str())
+
+
+def load_plugin(target: str):
+    """Instantiates "package.module:ClassName" (an io_processor plugin)."""
+    module_name, sep, class_name = target.partition(":")
+    if not sep or not module_name or not class_name:
+        raise ValueError(f"io_processor must look like 'package.module:ClassName', got {target!r}")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot load io_processor {target!r}: {e}") from None
+    for method in ("render", "post_process"):
+        if not callable(getattr(cls, method, None)):
+            raise ValueError(f"io_processor {target!r} has no {method}() method")
+    return cls()
 
 
 class Renderer:
-    def __init__(self, spec: ModelSpec, tokenizer: Tokenizer) -> None:
+    def __init__(self, spec: ModelSpec, hf_tokenizer, plugin=None) -> None:
         self.spec = spec
+        self.hf = hf_tokenizer  # for chat templates
         preprocess = str.lower if spec.do_lower_case else None
-        self.encoder = TruncatingEncoder(tokenizer, preprocess=preprocess)
+        self.encoder = TruncatingEncoder(Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str()),
+                                         preprocess=preprocess)
+        self.plugin = plugin
         self.tokens_out = 0
 
-    def render(self, items: list[RenderParams]) -> tuple[list[PoolingEngineInput], list[tuple[RenderParams, str]]]:
+    def render(self, items: list[RenderParams], chat_template: str | None = None
+               ) -> tuple[list[PoolingEngineInput], list[tuple[RenderParams, str]]]:
         """Returns the engine inputs and, separately, the requests that failed with why."""
         ready: list[PoolingEngineInput] = []
         failed: list[tuple[RenderParams, str]] = []
         ids_by_pos: dict[int, list[int]] = {}
 
-        # Short texts go through the tokenizer in one batched call; long ones are planned one by one.
-        short = [i for i, it in enumerate(items)
-                 if it.prompt is not None and self.encoder.short_enough(it.prompt, it.max_tokens)]
+        # Short single texts go through the tokenizer in one batched call; the rest one by one.
+        short = [i for i, it in enumerate(items) if it.prompt is not None and it.pair is None
+                 and self.encoder.short_enough(it.prompt, it.max_tokens)]
         if short:
             try:
                 encoded = self.encoder.encode_many([items[i].prompt for i in short],
@@ -50,29 +74,66 @@ class Renderer:
                 pass  # retried one by one below, so the failure lands on the right request
         for pos, item in enumerate(items):
             try:
-                token_ids = self._token_ids(item, ids_by_pos.get(pos))
-            except Exception as e:  # tokenizer errors become per-request errors, never a crash
+                token_ids, type_start = self._render_one(item, ids_by_pos.get(pos), chat_template)
+                self._check(token_ids)
+            except Exception as e:  # any failure becomes this request's error, never a crash
                 failed.append((item, f"{type(e).__name__}: {e}"))
                 continue
             self.tokens_out += len(token_ids)
-            ready.append(PoolingEngineInput(request_id=item.request_id, seq=item.seq,
-                                            token_ids=token_ids, params=item.params))
+            ready.append(PoolingEngineInput(request_id=item.request_id, seq=item.seq, task=item.task,
+                                            token_ids=token_ids, params=item.params,
+                                            token_type_start=type_start, priority=item.priority))
         return ready, failed
 
-    def _token_ids(self, item: RenderParams, encoded: list[int] | None) -> np.ndarray:
+    def _render_one(self, item: RenderParams, encoded: list[int] | None, chat_template: str | None
+                    ) -> tuple[np.ndarray, int | None]:
         if item.max_tokens < self.encoder.num_special_tokens:
             raise ValueError(f"cannot keep {item.max_tokens} tokens: the model adds "
                              f"{self.encoder.num_special_tokens} special tokens")
+        if encoded is not None:
+            return np.asarray(encoded, dtype=np.int32), None
+        if item.raw is not None:
+            if self.plugin is None:
+                raise ValueError("this pipeline has no io_processor to render plugin input")
+            rendered = self.plugin.render(item.raw)
+            if isinstance(rendered, str):
+                return self._ids(self.encoder.encode(rendered, item.max_tokens)), None
+            return self._ids(list(rendered)[: item.max_tokens]), None
         if item.token_ids is not None:
-            ids = np.asarray(item.token_ids, dtype=np.int32)[: item.max_tokens]
-        else:
-            if item.prompt is None:
-                raise ValueError("request has neither text nor token ids")
-            if encoded is None:
-                encoded = self.encoder.encode(item.prompt, item.max_tokens)
-            ids = np.asarray(encoded, dtype=np.int32)
-        if ids.ndim != 1 or ids.size == 0:
+            return np.asarray(item.token_ids, dtype=np.int32)[: item.max_tokens], None
+        if item.conversation is not None:
+            text = self.hf.apply_chat_template(item.conversation, chat_template=chat_template, tokenize=False)
+            # Like transformers' apply_chat_template(tokenize=True): the template owns the special tokens.
+            return self._ids(self.encoder.encode(text, item.max_tokens, add_special_tokens=False)), None
+        if item.prompt is None:
+            raise ValueError("request has no input")
+        if item.pair is not None:
+            ids, type_ids = self.encoder.encode_pair(item.prompt, item.pair, item.max_tokens,
+                                                     item.max_query_tokens, item.max_doc_tokens)
+            return self._ids(ids), compress_token_type_ids(type_ids)
+        return self._ids(self.encoder.encode(item.prompt, item.max_tokens)), None
+
+    @staticmethod
+    def _ids(ids) -> np.ndarray:
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            raise TypeError("rendered input must be a flat list of integer token ids")
+        return arr.astype(np.int32)
+
+    def _check(self, ids: np.ndarray) -> None:
+        if ids.size == 0:
             raise ValueError("prompt is empty after tokenization")
         if int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.spec.vocab_size})")
-        return ids
+
+
+def compress_token_type_ids(type_ids: list[int]) -> int | None:
+    """Zeros then ones -> the index of the first 1 (None when all zeros)."""
+    arr = np.asarray(type_ids)
+    ones = np.flatnonzero(arr)
+    if ones.size == 0:
+        return None
+    start = int(ones[0])
+    if not (arr[start:] == 1).all():
+        raise ValueError("token type ids are not zeros followed by ones")
+    return start

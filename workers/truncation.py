@@ -110,26 +110,55 @@ class TruncatingEncoder:
 
     def short_enough(self, text: str, max_tokens: int) -> bool:
         """Texts this short are tokenized whole: planning would not save anything."""
-        return len(text) <= 2 * self._first_prefix_chars(max_tokens)
+        return len(text) <= 2 * self._first_prefix_chars(self.content_budget(max_tokens))
 
     def encode_many(self, texts: list[str], max_tokens: list[int]) -> list[list[int]]:
         """Batch path for short texts (one call into the tokenizer for all of them)."""
         encodings = self.tokenizer.encode_batch([self.preprocess(t) for t in texts], add_special_tokens=False)
         return [self._finish(enc, k) for enc, k in zip(encodings, max_tokens)]
 
-    def encode(self, text: str, max_tokens: int) -> list[int]:
-        if self.short_enough(text, max_tokens):
-            return self.encode_many([text], [max_tokens])[0]
-        return self._finish(self._encode_long(text, max_tokens), max_tokens)
+    def encode(self, text: str, max_tokens: int, add_special_tokens: bool = True) -> list[int]:
+        """The first `max_tokens` ids of `text` (special tokens included when added)."""
+        if not add_special_tokens:
+            return self.content(text, max_tokens).ids
+        return self._finish(self.content(text, self.content_budget(max_tokens)), max_tokens)
 
-    def _first_prefix_chars(self, max_tokens: int) -> int:
-        guess = (self.content_budget(max_tokens) + SAFETY_MARGIN_TOKENS) * self.chars_per_token_guess
+    def encode_pair(self, first: str, second: str, max_tokens: int, max_first: int | None = None,
+                    max_second: int | None = None) -> tuple[list[int], list[int]]:
+        """A text pair (cross-encoder) with the tokenizer's longest-first truncation: (ids, type ids).
+
+        Neither side can keep more than the pair's content budget, so each side is planned to that
+        (or to its own cap) first; the pair truncation then runs on those prefixes exactly as it
+        would on the whole texts.
+        """
+        processor = self.tokenizer.post_processor
+        budget = max(0, max_tokens - (processor.num_special_tokens_to_add(True) if processor else 0))
+        enc_first = self.content(first, min(budget, max_first) if max_first is not None else budget)
+        enc_second = self.content(second, min(budget, max_second) if max_second is not None else budget)
+        self.tokenizer.enable_truncation(max_length=max_tokens, strategy="longest_first")
+        try:
+            enc = self.tokenizer.post_process(enc_first, enc_second)
+        finally:
+            self.tokenizer.no_truncation()
+        return enc.ids, enc.type_ids
+
+    def content(self, text: str, budget: int) -> Encoding:
+        """The first `budget` tokens of `text`, without special tokens."""
+        if len(text) <= 2 * self._first_prefix_chars(budget):  # planning would not save anything
+            enc = self.tokenizer.encode(self.preprocess(text), add_special_tokens=False)
+        else:
+            enc = self._encode_long(text, budget)
+        enc.truncate(budget)
+        return enc
+
+    def _first_prefix_chars(self, budget: int) -> int:
+        guess = (budget + SAFETY_MARGIN_TOKENS) * self.chars_per_token_guess
         return max(self.min_prefix_chars, guess)
 
-    def _encode_long(self, text: str, max_tokens: int) -> Encoding:
-        needed = self.content_budget(max_tokens) + SAFETY_MARGIN_TOKENS
+    def _encode_long(self, text: str, budget: int) -> Encoding:
+        needed = budget + SAFETY_MARGIN_TOKENS
         if self.rule.exact:
-            length = self._first_prefix_chars(max_tokens)
+            length = self._first_prefix_chars(budget)
             while length < len(text):
                 cut = find_cut(text, length, self.rule.cut_chars)
                 if cut is None:
