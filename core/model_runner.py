@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import numpy as np
@@ -55,7 +56,8 @@ class ModelRunner:
             trust_remote_code=spec.trust_remote_code,
         ).to(self.device).eval()
         self.pad_token_id = int(getattr(config, "pad_token_id", 0) or 0)
-        self.uses_token_types = "token_type_ids" in self.model.forward.__code__.co_varnames
+        # inspect.signature sees through the decorators transformers wraps forward() in.
+        self.uses_token_types = "token_type_ids" in inspect.signature(self.model.forward).parameters
 
     @torch.inference_mode()
     def run(self, batch: list[PoolingEngineInput]) -> tuple[list[np.ndarray], int]:

@@ -26,11 +26,14 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, method
 
 
 def finish_embeddings(pooled: torch.Tensor, dimensions: int | None, normalize: bool) -> torch.Tensor:
-    """Matryoshka truncation to the first `dimensions` values, then optional L2 normalization."""
+    """Matryoshka truncation to the first `dimensions` values, then optional L2 normalization.
+
+    Works on the last axis: [B, H] pooled vectors or [B, L, H] token vectors.
+    """
     if dimensions is not None:
-        pooled = pooled[:, :dimensions]
+        pooled = pooled[..., :dimensions]
     if normalize:
-        pooled = F.normalize(pooled, p=2, dim=1)
+        pooled = F.normalize(pooled, p=2, dim=-1)
     return pooled
 
 

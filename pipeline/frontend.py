@@ -34,7 +34,13 @@ MAX_INFLIGHT_CHARS = 64 * 1024 * 1024
 
 
 def request_size(request: m.RenderParams) -> int:
-    return len(request.prompt) if request.prompt is not None else request.token_ids.size
+    """Roughly the characters (or token ids) held for a request."""
+    size = len(request.prompt or "") + len(request.pair or "")
+    if request.token_ids is not None:
+        size += request.token_ids.size
+    if request.conversation is not None:
+        size += sum(len(turn["content"]) for turn in request.conversation)
+    return max(size, 1)
 
 
 @dataclass

@@ -51,3 +51,13 @@ def test_abort_removes_waiting_and_reports_the_rest():
         sched.add(_req(i, 5))
     assert sched.abort(["1", "3", "99"]) == ["99"]
     assert sorted(sched.waiting) == ["0", "2"]
+
+
+def test_lower_priority_value_runs_first():
+    sched = Scheduler(max_num_seqs=1, max_num_batched_tokens=1024, max_padding_fraction=0.0)
+    for i in range(6):
+        r = _req(i, 10 + i * 50)  # lengths far apart: one request per batch
+        r.priority = 5 if i < 3 else -1
+        sched.add(r)
+    order = [r.seq for _ in range(6) for r in sched.next_batch()]
+    assert order[:3] == [3, 4, 5] and sorted(order[3:]) == [0, 1, 2]

@@ -53,6 +53,9 @@ class Renderer:
         self.encoder = TruncatingEncoder(Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str()),
                                          preprocess=preprocess)
         self.plugin = plugin
+        # A tokenizer that does not hand token_type_ids to its model (RoBERTa style, or a config
+        # that drops them) means the model sees zeros: then no boundary travels either.
+        self.sends_token_types = "token_type_ids" in getattr(hf_tokenizer, "model_input_names", ["token_type_ids"])
         self.tokens_out = 0
 
     def render(self, items: list[RenderParams], chat_template: str | None = None
@@ -110,7 +113,7 @@ class Renderer:
         if item.pair is not None:
             ids, type_ids = self.encoder.encode_pair(item.prompt, item.pair, item.max_tokens,
                                                      item.max_query_tokens, item.max_doc_tokens)
-            return self._ids(ids), compress_token_type_ids(type_ids)
+            return self._ids(ids), compress_token_type_ids(type_ids) if self.sends_token_types else None
         return self._ids(self.encoder.encode(item.prompt, item.max_tokens)), None
 
     @staticmethod
