@@ -71,6 +71,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     output_endpoint: str
     parent_pid: int
     io_processor: str | None = None  # "package.module:ClassName" plugin, loaded in each worker
+    max_message_items: int = 16  # most engine inputs per message (the engine's window counts on it)
     log_level: str = "WARNING"
 
 

@@ -117,7 +117,8 @@ class EngineCore:
         rejected: list[tuple[m.PoolingEngineInput, str]] = []
         for request in msg.items:
             if self.aborted and request.request_id in self.aborted:
-                del self.aborted[request.request_id]
+                if request.window < 0:  # a chunked document's other windows may still come
+                    del self.aborted[request.request_id]
                 continue
             problem = self._invalid(request)
             if problem:
@@ -145,15 +146,20 @@ class EngineCore:
 
     def _step(self) -> None:
         in_core = len(self.scheduler)
-        batch = self.scheduler.next_batch()
         start = time.perf_counter()
+        batch: list[m.PoolingEngineInput] = []
         try:
+            batch = self.scheduler.next_batch()
             vectors, padded = self.runner.run(batch)
         except Exception as e:  # the step's requests are aborted; the engine stays usable
+            if not batch:  # scheduling itself failed: fail everything waiting rather than loop on it
+                batch = list(self.scheduler.waiting.values())
+                self.scheduler.waiting.clear()
             self.log.exception("step failed for %d requests", len(batch))
             reply = m.StepFailed([r.request_id for r in batch], [r.seq for r in batch], f"{type(e).__name__}: {e}")
         else:
-            outputs = [m.PoolingOutput(r.request_id, r.seq, len(r.token_ids), data=v) for r, v in zip(batch, vectors)]
+            outputs = [m.PoolingOutput(r.request_id, r.seq, len(r.token_ids), data=v, window=r.window,
+                                       num_windows=r.num_windows) for r, v in zip(batch, vectors)]
             reply = m.OutputBatch(outputs, time.perf_counter() - start, padded, in_core)
         self.to_front.send_multipart(self.encoder.encode(reply), copy=False)
 

@@ -52,6 +52,9 @@ class RenderParams(msgspec.Struct, array_like=True, omit_defaults=True):
     max_query_tokens: int | None = None  # pairs: content tokens kept of each side before pairing
     max_doc_tokens: int | None = None
     priority: int = 0
+    truncate_left: bool = False  # keep the last tokens instead of the first
+    long_inputs: str = "truncate"  # "truncate" | "error" | "chunk"
+    chunk_overlap: int = 0  # chunk mode: tokens shared by consecutive windows
 
 
 class PoolingEngineInput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -65,6 +68,9 @@ class PoolingEngineInput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Token type ids are zeros then ones (a text pair): only the index of the first 1 travels.
     token_type_start: int | None = None
     priority: int = 0
+    # Chunk mode: this input is window `window` of `num_windows` of one document (same external id).
+    window: int = -1
+    num_windows: int = 0
 
 
 class PoolingOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -75,6 +81,8 @@ class PoolingOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_prompt_tokens: int
     data: np.ndarray | None = None  # float32; None when `error` is set
     error: str | None = None
+    window: int = -1  # chunk mode: which window of the document this is
+    num_windows: int = 0
 
 
 # ---- batches on the wire -------------------------------------------------------------------

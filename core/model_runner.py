@@ -50,7 +50,7 @@ class ModelRunner:
         self.spec = spec
         self.device = resolve_device(device)
         config = AutoConfig.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
-        self.dtype = resolve_dtype(dtype, self.device, getattr(config, "torch_dtype", None))
+        self.dtype = resolve_dtype(dtype, self.device, getattr(config, "dtype", None))
         self.model = _model_class(spec.head).from_pretrained(
             spec.path, config=config, dtype=self.dtype, attn_implementation="sdpa",
             trust_remote_code=spec.trust_remote_code,

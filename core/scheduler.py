@@ -26,18 +26,25 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_padding_fraction = max_padding_fraction
-        # Insertion order is arrival order; keyed by external id so a re-sent request replaces itself.
-        self.waiting: dict[str, PoolingEngineInput] = {}
+        # Insertion order is arrival order; keyed by external id (and chunk window) so a re-sent
+        # request replaces itself.
+        self.waiting: dict[tuple[str, int], PoolingEngineInput] = {}
 
     def __len__(self) -> int:
         return len(self.waiting)
 
     def add(self, request: PoolingEngineInput) -> None:
-        self.waiting[request.request_id] = request
+        self.waiting[(request.request_id, request.window)] = request
 
     def abort(self, request_ids: list[str]) -> list[str]:
-        """Removes these requests; returns the ids that were not here (still on their way)."""
-        return [rid for rid in request_ids if self.waiting.pop(rid, None) is None]
+        """Removes these requests (every window of a chunked one); returns the ids that were not
+        here (still on their way)."""
+        wanted = set(request_ids)
+        found = set()
+        for key in [k for k in self.waiting if k[0] in wanted]:
+            del self.waiting[key]
+            found.add(key[0])
+        return [rid for rid in request_ids if rid not in found]
 
     def next_batch(self) -> list[PoolingEngineInput]:
         if not self.waiting:
@@ -48,7 +55,7 @@ class Scheduler:
             oldest = min(self.waiting.values(), key=lambda r: r.priority)  # min() keeps the first of ties
         by_length = sorted(self.waiting.values(), key=lambda r: len(r.token_ids))
         lengths = [len(r.token_ids) for r in by_length]
-        lo = by_length.index(oldest)
+        lo = next(i for i, r in enumerate(by_length) if r is oldest)  # identity: windows share ids
         hi = lo + 1  # the batch is by_length[lo:hi]
         longest = real = lengths[lo]
         while hi - lo < self.max_num_seqs:
@@ -74,5 +81,5 @@ class Scheduler:
             longest, real = new_longest, new_real
         batch = by_length[lo:hi]
         for request in batch:
-            del self.waiting[request.request_id]
+            del self.waiting[(request.request_id, request.window)]
         return batch

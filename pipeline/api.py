@@ -118,38 +118,49 @@ class Pipeline:
     # ---- calls -----------------------------------------------------------------------------
 
     def embed(self, prompts, pooling_params: ParamsArg = None, truncate_prompt_tokens: int | None = None,
-              use_tqdm: bool = True, priority: PriorityArg = None, chat_template: str | None = None
+              use_tqdm: bool = True, priority: PriorityArg = None, chat_template: str | None = None,
+              long_inputs: str = "truncate", chunk_overlap: int = 0, truncation_side: str | None = None
               ) -> list[EmbeddingOutput]:
-        """Embeds a prompt or a list of prompts; returns a list in input order."""
-        return self._collect(prompts, "embed", EmbeddingOutput, pooling_params, truncate_prompt_tokens,
-                             use_tqdm, priority, chat_template)
+        """Embeds a prompt or a list of prompts; returns a list in input order.
+
+        long_inputs: "truncate" (keep the first -- or with truncation_side="left" the last --
+        tokens), "error" (a ValueError naming the request and its token count) or "chunk" (embed
+        every window of the whole document, `chunk_overlap` tokens shared between neighbours, and
+        pool them into one normalized, token-weighted mean; `.num_windows` says how many).
+        """
+        return self._collect(prompts, "embed", pooling_params, truncate_prompt_tokens, use_tqdm, priority,
+                             chat_template, long_inputs, chunk_overlap, truncation_side)
 
     def embed_stream(self, prompts: Iterable, pooling_params: ParamsArg = None,
                      truncate_prompt_tokens: int | None = None, use_tqdm: bool = False,
-                     priority: PriorityArg = None, chat_template: str | None = None) -> Iterator[EmbeddingOutput]:
+                     priority: PriorityArg = None, chat_template: str | None = None, long_inputs: str = "truncate",
+                     chunk_overlap: int = 0, truncation_side: str | None = None) -> Iterator[EmbeddingOutput]:
         """Embeds any iterable (a generator of unknown length too), yielding in input order as
         results complete. Holds at most `max_inflight` requests at a time."""
         return self.encode_stream(prompts, "embed", pooling_params, truncate_prompt_tokens, use_tqdm,
-                                  priority, chat_template)
+                                  priority, chat_template, long_inputs, chunk_overlap, truncation_side)
 
     def classify(self, prompts, pooling_params: ParamsArg = None, truncate_prompt_tokens: int | None = None,
-                 use_tqdm: bool = True, priority: PriorityArg = None, chat_template: str | None = None
-                 ) -> list[ClassificationOutput]:
+                 use_tqdm: bool = True, priority: PriorityArg = None, chat_template: str | None = None,
+                 long_inputs: str = "truncate", truncation_side: str | None = None) -> list[ClassificationOutput]:
         """Class probabilities (softmax, or sigmoid for single-label / multi-label heads) per prompt."""
-        return self._collect(prompts, "classify", ClassificationOutput, pooling_params, truncate_prompt_tokens,
-                             use_tqdm, priority, chat_template)
+        return self._collect(prompts, "classify", pooling_params, truncate_prompt_tokens, use_tqdm, priority,
+                             chat_template, long_inputs, 0, truncation_side)
 
     def encode(self, prompts, task: str | None = None, pooling_params: ParamsArg = None,
                truncate_prompt_tokens: int | None = None, use_tqdm: bool = True, priority: PriorityArg = None,
-               chat_template: str | None = None) -> list:
+               chat_template: str | None = None, long_inputs: str = "truncate", chunk_overlap: int = 0,
+               truncation_side: str | None = None) -> list:
         """Any task of the model: "embed", "classify", "token_embed", "token_classify", or "plugin"
         (the io_processor's render/post_process around the forward pass). Defaults to the model's first task."""
         return list(self.encode_stream(prompts, task, pooling_params, truncate_prompt_tokens, use_tqdm,
-                                       priority, chat_template, materialize=True))
+                                       priority, chat_template, long_inputs, chunk_overlap, truncation_side,
+                                       materialize=True))
 
     def encode_stream(self, prompts: Iterable, task: str | None = None, pooling_params: ParamsArg = None,
                       truncate_prompt_tokens: int | None = None, use_tqdm: bool = False,
                       priority: PriorityArg = None, chat_template: str | None = None,
+                      long_inputs: str = "truncate", chunk_overlap: int = 0, truncation_side: str | None = None,
                       materialize: bool = False) -> Iterator:
         task = task or self.model_spec.tasks[0]
         plugin = task == "plugin"
@@ -159,10 +170,12 @@ class Pipeline:
             items = list(items)
         total = len(items) if isinstance(items, (list, tuple)) else None
         wrap = OUTPUT_TYPES.get(engine_task, PoolingRequestOutput)
-        requests = self._requests(items, engine_task, pooling_params, truncate_prompt_tokens, priority, plugin)
+        render = self._render_options(engine_task, long_inputs, chunk_overlap, truncation_side)
+        requests = self._requests(items, engine_task, pooling_params, truncate_prompt_tokens, priority, plugin,
+                                  render=render)
         if materialize:
             requests = iter(list(requests))  # a list is checked whole before any work starts
-        outputs = (wrap(out.request_id, out.seq, out.data, out.num_prompt_tokens)
+        outputs = (wrap(out.request_id, out.seq, out.data, out.num_prompt_tokens, max(out.num_windows, 1))
                    for out in self._run(requests, total, use_tqdm, chat_template))
         return self._post_process(outputs) if plugin else outputs
 
@@ -240,18 +253,29 @@ class Pipeline:
                              + (" and score() pairs" if "score" in self.model_spec.tasks else ""))
         return task
 
-    def _collect(self, prompts, task, wrap, pooling_params, truncate_prompt_tokens, use_tqdm, priority,
-                 chat_template) -> list:
+    def _collect(self, prompts, task, *args) -> list:
         self._engine_task(task)
         items = as_prompt_iterable(prompts)
         if not isinstance(items, (list, tuple)):
             items = list(items)
         if not items:
             return []
-        return self.encode(items, task, pooling_params, truncate_prompt_tokens, use_tqdm, priority, chat_template)
+        return self.encode(items, task, *args)
+
+    def _render_options(self, task: str, long_inputs: str, chunk_overlap: int, truncation_side: str | None) -> dict:
+        if long_inputs not in ("truncate", "error", "chunk"):
+            raise ValueError(f"long_inputs must be 'truncate', 'error' or 'chunk', got {long_inputs!r}")
+        if long_inputs == "chunk" and task != "embed":
+            raise ValueError(f"long_inputs='chunk' pools windows into one embedding: it applies to 'embed', not {task!r}")
+        if not isinstance(chunk_overlap, int) or isinstance(chunk_overlap, bool) or chunk_overlap < 0:
+            raise ValueError(f"chunk_overlap must be a non-negative int, got {chunk_overlap!r}")
+        side = truncation_side or str(self._group.worker_info.get("truncation_side", "right") if self._group else "right")
+        if side not in ("left", "right"):
+            raise ValueError(f"truncation_side must be 'left' or 'right', got {truncation_side!r}")
+        return {"truncate_left": side == "left", "long_inputs": long_inputs, "chunk_overlap": chunk_overlap}
 
     def _requests(self, prompts, task, pooling_params, truncate_prompt_tokens, priority, plugin=False,
-                  max_query=None, max_doc=None):
+                  max_query=None, max_doc=None, render: dict | None = None):
         if truncate_prompt_tokens is not None and (not isinstance(truncate_prompt_tokens, int)
                                                    or isinstance(truncate_prompt_tokens, bool)):
             raise TypeError(f"truncate_prompt_tokens must be an int or None, got {truncate_prompt_tokens!r}")
@@ -262,7 +286,8 @@ class Pipeline:
         params = per_request(PoolingParams() if pooling_params is None else pooling_params, "pooling_params",
                              lambda p, where: check_params(p, where, task, self.model_spec), count)
         priorities = per_request(0 if priority is None else priority, "priority", check_priority, count)
-        opts = CallOptions(task, truncate_prompt_tokens, self.num_special_tokens, max_query, max_doc, plugin)
+        opts = CallOptions(task, truncate_prompt_tokens, self.num_special_tokens, max_query, max_doc, plugin,
+                           **(render or {}))
         return build_requests(iter(prompts), self.model_spec, opts, f"{next(self._ids)}-", params, priorities,
                               pairs=task == "score")
 
@@ -288,7 +313,8 @@ class Pipeline:
 
                 progress = tqdm(total=total, desc="Processed prompts", unit="docs", dynamic_ncols=True)
             call = self._call = Call(group, requests, max_inflight=self.max_inflight, batch_items=self.batch_items,
-                                     progress=progress, chat_template=chat_template)
+                                     progress=progress, chat_template=chat_template,
+                                     default_normalize=self.model_spec.normalize)
         return self._results(call)
 
     def _results(self, call: Call) -> Iterator:

@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import zmq
 
 from core import messages as m
@@ -77,15 +78,50 @@ class CallStats:
         }
 
 
+class ChunkSum:
+    """Chunk mode: a document's window vectors pooled back into one (token-weighted mean)."""
+
+    def __init__(self, num_windows: int) -> None:
+        self.num_windows = num_windows
+        self.seen: set[int] = set()
+        self.total: np.ndarray | None = None
+        self.tokens = 0
+
+    def add(self, out: m.PoolingOutput) -> bool:
+        """Adds a window; False for a duplicate (a re-sent request's window seen before)."""
+        if out.window in self.seen:
+            return False
+        self.seen.add(out.window)
+        weighted = out.data.astype(np.float64) * out.num_prompt_tokens
+        self.total = weighted if self.total is None else self.total + weighted
+        self.tokens += out.num_prompt_tokens
+        return True
+
+    @property
+    def complete(self) -> bool:
+        return len(self.seen) == self.num_windows
+
+    def finish(self, out: m.PoolingOutput, params: m.PoolingParams, default_normalize: bool) -> m.PoolingOutput:
+        vector = (self.total / max(self.tokens, 1)).astype(np.float32)
+        if params.dimensions is not None:
+            vector = vector[: params.dimensions]
+        if (params.normalize if params.normalize is not None else default_normalize):
+            vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+        return m.PoolingOutput(out.request_id, out.seq, self.tokens, data=vector, num_windows=self.num_windows)
+
+
 class Call:
     def __init__(self, group: ProcessGroup, requests: Iterator[m.RenderParams], *, max_inflight: int,
-                 batch_items: int, progress=None, chat_template: str | None = None) -> None:
+                 batch_items: int, progress=None, chat_template: str | None = None,
+                 default_normalize: bool = True) -> None:
         self.group = group
         self.requests = requests
         self.max_inflight = max_inflight
         self.batch_items = batch_items
         self.progress = progress
         self.chat_template = chat_template
+        self.default_normalize = default_normalize
+        self.chunks: dict[str, ChunkSum] = {}  # chunk mode: documents with windows still out
         self.stats = CallStats()
         self.inflight: dict[str, tuple[m.RenderParams, int]] = {}  # external id -> (request, worker)
         self.outstanding = [0] * len(group.work)  # requests per worker not yet answered
@@ -133,6 +169,7 @@ class Call:
         if self.inflight and not self.group.closed:
             self.group.abort(list(self.inflight))
         self.inflight.clear()
+        self.chunks.clear()
         self.inflight_chars = 0
         self.backlog.clear()
         self.ready.clear()
@@ -192,10 +229,19 @@ class Call:
             self.stats.max_in_core_seen = max(self.stats.max_in_core_seen, msg.in_core)
             accepted = 0
             for out in msg.outputs:
-                entry = self.inflight.pop(out.request_id, None)
+                entry = self.inflight.get(out.request_id)
                 if entry is None or entry[0].seq != out.seq:
                     self.stats.duplicates_dropped += 1  # re-sent, aborted or from an earlier call
                     continue
+                if out.window >= 0:
+                    chunks = self.chunks.setdefault(out.request_id, ChunkSum(out.num_windows))
+                    if not chunks.add(out):
+                        self.stats.duplicates_dropped += 1
+                    if not chunks.complete:
+                        continue
+                    out = chunks.finish(out, entry[0].params, self.default_normalize)
+                    del self.chunks[out.request_id]
+                del self.inflight[out.request_id]
                 self.outstanding[entry[1]] -= 1
                 self.inflight_chars -= request_size(entry[0])
                 self.ready[out.seq] = out
@@ -232,5 +278,6 @@ class Call:
             lost = [req for req, worker in self.inflight.values() if worker == index]
             for req in lost:
                 del self.inflight[req.request_id]
+                self.chunks.pop(req.request_id, None)  # its windows come again from the new worker
             self.outstanding[index] = 0
             self.backlog.extend(lost)

@@ -29,6 +29,9 @@ class CallOptions:
     max_query_tokens: int | None = None
     max_doc_tokens: int | None = None
     plugin: bool = False  # prompts are raw data for the io_processor plugin
+    truncate_left: bool = False
+    long_inputs: str = "truncate"
+    chunk_overlap: int = 0
 
 
 def is_conversation(prompt: object) -> bool:
@@ -127,7 +130,8 @@ def build_requests(prompts: Iterable, spec: ModelSpec, opts: CallOptions, id_pre
         yield RenderParams(request_id=f"{id_prefix}{index}", seq=index, task=opts.task,
                            max_tokens=resolve_max_tokens(spec, opts, p, index), params=p,
                            max_query_tokens=opts.max_query_tokens, max_doc_tokens=opts.max_doc_tokens,
-                           priority=next(priority_it), **fields)
+                           priority=next(priority_it), truncate_left=opts.truncate_left,
+                           long_inputs=opts.long_inputs, chunk_overlap=opts.chunk_overlap, **fields)
     for count, name in ((params_count, "pooling_params"), (priority_count, "priority")):
         if count is not None and index + 1 != count:
             raise ValueError(f"{name} has {count} entries but there are {index + 1} prompts")

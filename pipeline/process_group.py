@@ -117,7 +117,8 @@ class ProcessGroup:
     def start_worker(self, index: int) -> Child:
         cfg = WorkerConfig(index=index, model=self.spec, work_endpoint=self.work[index].getsockopt_string(zmq.LAST_ENDPOINT),
                            engine_endpoint=self.endpoints["engine_in"], output_endpoint=self.endpoints["results"],
-                           parent_pid=os.getpid(), io_processor=self.io_processor, log_level=self.log_level)
+                           parent_pid=os.getpid(), io_processor=self.io_processor,
+                           max_message_items=self.engine_cfg.max_message_items, log_level=self.log_level)
         child = self._spawn("worker", index, "workers.main", cfg, {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
         self.workers[index] = child
         return child

@@ -20,7 +20,7 @@ def test_batches_hold_the_oldest_and_respect_limits():
         sched.add(r)
     done, nxt = [], 128
     while len(sched):
-        oldest = next(iter(sched.waiting))
+        oldest = next(iter(sched.waiting.values())).request_id
         batch = sched.next_batch()
         assert oldest in {r.request_id for r in batch}
         assert 1 <= len(batch) <= 16
@@ -50,7 +50,7 @@ def test_abort_removes_waiting_and_reports_the_rest():
     for i in range(4):
         sched.add(_req(i, 5))
     assert sched.abort(["1", "3", "99"]) == ["99"]
-    assert sorted(sched.waiting) == ["0", "2"]
+    assert sorted(r.request_id for r in sched.waiting.values()) == ["0", "2"]
 
 
 def test_lower_priority_value_runs_first():

@@ -5,7 +5,9 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+import workers.truncation as truncation
 
 from pipeline import corpus
 from workers.render import load_tokenizer
@@ -15,13 +17,15 @@ from core.config import load_model_spec
 PIECES = ["the", "quick", "brown", "fox", "naïve", "café", "Ångström", "東京", "日本語のテキスト", "🙂", "🚀🚀",
           "e\u0301", "x" * 150, "supercalifragilisticexpialidocious", "3.14159", "don't", "U.S.A.", "(parens)",
           "a-b_c", "ZZZ", "\u00a0", "ÀÉÎ", "Straße"]
-SEPARATORS = [" ", "  ", "\t", "\n", "\n\n", " \t ", "\r\n", "   \n  "]
+SEPARATORS = [" ", "  ", "\t", "\n", "\n\n", " \t ", "\r\n", "   \n  ", ". ", ".\n\n", ", "]
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
-def _full_ids(tok: Tokenizer, text: str, k: int) -> list[int]:
+def _full_ids(tok: Tokenizer, text: str, k: int, left: bool = False) -> list[int]:
     """The reference: tokenize the whole text, then truncate (what transformers does)."""
     tok.no_padding()
-    tok.enable_truncation(max_length=k)
+    tok.enable_truncation(max_length=k, direction="left" if left else "right")
     try:
         return tok.encode(text).ids
     finally:
@@ -44,6 +48,16 @@ def _train(kind: str) -> Tokenizer:
         tok.train_from_iterator(text, trainer)
         tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>",
                                                            special_tokens=[("<s>", 0), ("</s>", 1)])
+    elif kind == "split-bpe":  # Llama-3 / Qwen style: GPT-4 regex, then byte-level mapping
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=800, special_tokens=["<|begin|>"],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(text, trainer)
+        tok.post_processor = processors.TemplateProcessing(single="<|begin|> $A", special_tokens=[("<|begin|>", 0)])
     elif kind == "metaspace-unigram":
         tok = Tokenizer(models.Unigram())
         tok.normalizer = normalizers.NFKC()
@@ -56,7 +70,7 @@ def _train(kind: str) -> Tokenizer:
     return tok
 
 
-@pytest.fixture(scope="module", params=["bundled-wordpiece", "bytelevel-bpe", "metaspace-unigram"])
+@pytest.fixture(scope="module", params=["bundled-wordpiece", "bytelevel-bpe", "split-bpe", "metaspace-unigram"])
 def tokenizer(request, wordpiece):
     return wordpiece if request.param == "bundled-wordpiece" else _train(request.param)
 
@@ -72,21 +86,46 @@ texts = st.lists(st.one_of(st.sampled_from(PIECES), st.text(min_size=1, max_size
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
-@given(text=texts, k=st.integers(min_value=2, max_value=40), lead=st.sampled_from(["", " ", "\n"]))
-def test_planner_equals_full_tokenization(tokenizer, text, k, lead):
-    # A first prefix of a character or so makes the planner cut and grow even on these short texts.
+@given(text=texts, k=st.integers(min_value=2, max_value=40), lead=st.sampled_from(["", " ", "\n"]),
+       left=st.booleans())
+def test_planner_equals_full_tokenization(tokenizer, text, k, lead, left):
+    # A first piece of a character or so makes the planner cut and grow even on these short texts.
     enc = TruncatingEncoder(Tokenizer.from_str(tokenizer.to_str()), chars_per_token_guess=0, min_prefix_chars=1)
     text = lead + text
-    assert enc.encode(text, k) == _full_ids(tokenizer, text, k)
+    assert enc.encode(text, k, left=left) == _full_ids(tokenizer, text, k, left)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(text=texts)
+def test_piecewise_tokenization_for_chunks_equals_whole(tokenizer, text):
+    enc = TruncatingEncoder(Tokenizer.from_str(tokenizer.to_str()))
+    old = truncation.CHUNK_TOKENIZE_CHARS
+    truncation.CHUNK_TOKENIZE_CHARS = 7  # many pieces even in short texts
+    try:
+        ids = [i for piece in enc.content_ids(text) for i in piece]
+    finally:
+        truncation.CHUNK_TOKENIZE_CHARS = old
+    assert ids == tokenizer.encode(text, add_special_tokens=False).ids
 
 
 @pytest.mark.parametrize("k", [8, 64, 256, 512])
-def test_long_real_documents(tokenizer, k):
+@pytest.mark.parametrize("left", [False, True])
+def test_long_real_documents(tokenizer, k, left):
     enc = TruncatingEncoder(Tokenizer.from_str(tokenizer.to_str()))
     for seed in range(3):
         doc = corpus.long_document(300_000, seed=seed)
-        assert enc.encode(doc, k) == _full_ids(tokenizer, doc, k)
+        assert enc.encode(doc, k, left=left) == _full_ids(tokenizer, doc, k, left)
     assert enc.prefix_encodes == 3 and enc.full_encodes_of_long_text == 0  # never the whole document
+
+
+def test_token_count_stops_at_a_prefix_that_proves_too_long(wordpiece):
+    enc = TruncatingEncoder(Tokenizer.from_str(wordpiece.to_str()))
+    doc = corpus.long_document(1_000_000, seed=5)
+    count, exact = enc.count_tokens(doc, 254)
+    assert not exact and 254 < count < 2000 and enc.full_encodes_of_long_text == 0
+    short = "just a few words"
+    assert enc.count_tokens(short, 254) == (len(wordpiece.encode(short, add_special_tokens=False).ids), True)
 
 
 def test_text_without_whitespace_falls_back_to_the_exact_slow_path(wordpiece):

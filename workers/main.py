@@ -50,7 +50,9 @@ def main(argv: list[str]) -> int:
     to_front.send_multipart(encoder.encode(m.Ready(
         "worker", cfg.index, os.getpid(),
         info={"num_special_tokens": renderer.encoder.num_special_tokens,
-              "prefix_truncation": rule.exact, "prefix_truncation_reason": rule.reason},
+              "prefix_truncation": rule.exact, "prefix_truncation_reason": rule.reason,
+              "suffix_truncation": rule.suffix_exact,
+              "truncation_side": str(getattr(renderer.hf, "truncation_side", "right"))},
     )))
     decoder = Decoder(m.WorkerInbound)
     while True:
@@ -65,8 +67,9 @@ def main(argv: list[str]) -> int:
         if isinstance(msg, m.Shutdown):
             break
         inputs, failed = renderer.render(msg.items, msg.chat_template)
-        if inputs:
-            to_engine.send_multipart(encoder.encode(m.EngineInputBatch(cfg.index, inputs)), copy=False)
+        for start in range(0, len(inputs), cfg.max_message_items):  # chunk mode can make many inputs
+            batch = m.EngineInputBatch(cfg.index, inputs[start:start + cfg.max_message_items])
+            to_engine.send_multipart(encoder.encode(batch), copy=False)
         if failed:
             to_front.send_multipart(encoder.encode(m.RenderFailed(
                 [it.request_id for it, _ in failed], [it.seq for it, _ in failed], [err for _, err in failed])))

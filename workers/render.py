@@ -8,7 +8,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from core.config import ModelSpec
-from core.messages import PoolingEngineInput, RenderParams
+from core.messages import PoolingEngineInput, PoolingParams, RenderParams
 from workers.truncation import TruncatingEncoder
 
 
@@ -67,6 +67,7 @@ class Renderer:
 
         # Short single texts go through the tokenizer in one batched call; the rest one by one.
         short = [i for i, it in enumerate(items) if it.prompt is not None and it.pair is None
+                 and it.long_inputs == "truncate" and not it.truncate_left
                  and self.encoder.short_enough(it.prompt, it.max_tokens)]
         if short:
             try:
@@ -76,6 +77,12 @@ class Renderer:
             except Exception:
                 pass  # retried one by one below, so the failure lands on the right request
         for pos, item in enumerate(items):
+            if item.long_inputs == "chunk" and item.prompt is not None:
+                try:
+                    ready.extend(self._windows(item))
+                except Exception as e:
+                    failed.append((item, f"{type(e).__name__}: {e}"))
+                continue
             try:
                 token_ids, type_start = self._render_one(item, ids_by_pos.get(pos), chat_template)
                 self._check(token_ids)
@@ -114,7 +121,46 @@ class Renderer:
             ids, type_ids = self.encoder.encode_pair(item.prompt, item.pair, item.max_tokens,
                                                      item.max_query_tokens, item.max_doc_tokens)
             return self._ids(ids), compress_token_type_ids(type_ids) if self.sends_token_types else None
-        return self._ids(self.encoder.encode(item.prompt, item.max_tokens)), None
+        if item.long_inputs == "error":
+            self._refuse_if_too_long(item)
+        return self._ids(self.encoder.encode(item.prompt, item.max_tokens, left=item.truncate_left)), None
+
+    def _refuse_if_too_long(self, item: RenderParams) -> None:
+        budget = self.encoder.content_budget(item.max_tokens)
+        count, exact = self.encoder.count_tokens(item.prompt, budget)
+        if count > budget:
+            total = count + self.encoder.num_special_tokens
+            raise ValueError(f"prompt has {'' if exact else 'at least '}{total} tokens, more than the "
+                             f"{item.max_tokens} this call keeps (long_inputs='error')")
+
+    def _windows(self, item: RenderParams) -> list[PoolingEngineInput]:
+        """Chunk mode: the whole document in windows of `max_tokens` (special tokens included),
+        consecutive windows sharing `chunk_overlap` tokens. Each window is its own engine input
+        under the document's external id; the frontend pools them back into one embedding."""
+        width = self.encoder.content_budget(item.max_tokens)
+        step = width - item.chunk_overlap
+        if width < 1 or step < 1:
+            raise ValueError(f"chunk_overlap={item.chunk_overlap} leaves no room in windows of "
+                             f"{item.max_tokens} tokens")
+        windows: list[list[int]] = []
+        buffer: list[int] = []
+        for piece in self.encoder.content_ids(item.prompt):
+            buffer.extend(piece)
+            while len(buffer) > width:  # more tokens follow: this window is not the last
+                windows.append(buffer[:width])
+                buffer = buffer[step:]
+        if buffer or not windows:
+            windows.append(buffer)
+        params = PoolingParams(normalize=False)  # raw window vectors: the frontend pools, then normalizes
+        inputs = []
+        for k, content in enumerate(windows):
+            ids = self._ids(self.encoder.with_special_tokens(content))
+            self._check(ids)
+            self.tokens_out += len(ids)
+            inputs.append(PoolingEngineInput(request_id=item.request_id, seq=item.seq, task=item.task,
+                                             token_ids=ids, params=params, priority=item.priority,
+                                             window=k, num_windows=len(windows)))
+        return inputs
 
     @staticmethod
     def _ids(ids) -> np.ndarray:
@@ -140,3 +186,4 @@ def compress_token_type_ids(type_ids: list[int]) -> int | None:
     if not (arr[start:] == 1).all():
         raise ValueError("token type ids are not zeros followed by ones")
     return start
+

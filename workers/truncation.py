@@ -1,50 +1,71 @@
 """Exact truncation without tokenizing the whole text.
 
 A 200k-token web page kept to 256 tokens should cost about what 256 tokens cost. The planner
-tokenizes a character prefix of the text instead of the whole of it, and is exact: the ids equal
-those of full tokenization followed by truncation. That holds when
+tokenizes a character prefix of the text (a suffix when truncating on the left) instead of the
+whole of it, and is exact: the ids equal those of full tokenization followed by truncation.
+That holds when
 
-1. the prefix is cut just before a whitespace run (the character before the cut is not whitespace),
-   so every word of the prefix is a whole word of the full text;
+1. the prefix is cut just before a whitespace run (the character before the cut is not
+   whitespace); a suffix starts at the last whitespace character of a run (one whitespace
+   character, then a word) -- so every word kept is a whole word of the full text, with the
+   space that byte-level BPE and Metaspace attach to it;
 2. the tokenizer's normalizer works character by character (lowercase, NFx, accent stripping,
    BERT cleaning ...) and its pre-tokenizer splits at that whitespace, so the pre-tokens of the
-   prefix are exactly the first pre-tokens of the full text and the model (WordPiece, BPE, Unigram)
-   tokenizes each pre-token on its own;
-3. the prefix yields more tokens than are kept (plus a safety margin); otherwise the prefix is
-   doubled and tried again.
+   piece are exactly the first (last) pre-tokens of the full text and the model (WordPiece, BPE,
+   Unigram) tokenizes each pre-token on its own;
+3. the piece yields more tokens than are kept (plus a safety margin); otherwise it is doubled and
+   tried again.
 
-`analyse_tokenizer` checks (2) on the tokenizer's own description; a tokenizer it cannot vouch for,
-or a text with no usable whitespace (CJK, base64, minified code), takes the slow, full path.
+`analyse_tokenizer` checks (2) on the tokenizer's own description, per family: WordPiece (BERT),
+byte-level BPE (GPT-2 / RoBERTa regex, or the GPT-4-style Split regex of Llama-3 and Qwen, where
+only a space is a safe cut because punctuation swallows the newlines after it) and SentencePiece
+style Metaspace (the space only). A tokenizer it cannot vouch for, or a text with no usable
+whitespace (CJK, base64, minified code), takes the slow, full path: correct first.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Callable
 
 from tokenizers import Encoding, Tokenizer
 
-# Normalizers that map each character on its own (or only touch the ends of the text).
-_LOCAL_NORMALIZERS = {"BertNormalizer", "Lowercase", "NFC", "NFD", "NFKC", "NFKD", "StripAccents",
-                      "Strip", "Prepend", "Nmt", "ByteLevel"}
-# Pre-tokenizers whose pre-tokens never span a whitespace run.
-_WHITESPACE_SPLITTING = {"BertPreTokenizer", "Whitespace", "WhitespaceSplit", "Punctuation", "Digits",
-                         "ByteLevel", "Metaspace"}
+# Normalizers that map each character on its own. (Strip and Prepend touch only the ends of the
+# text: harmless at a prefix's end, not at a suffix's start.)
+_LOCAL_NORMALIZERS = {"BertNormalizer", "Lowercase", "NFC", "NFD", "NFKC", "NFKD", "StripAccents", "Nmt",
+                      "ByteLevel"}
+_START_NORMALIZERS = {"Strip", "Prepend"}
+WHITESPACE = " \t\n\r"
+# Pre-tokenizers whose pieces never span a whitespace run, and where they may be cut.
+_SPLITTERS = {"BertPreTokenizer": WHITESPACE, "Whitespace": WHITESPACE, "WhitespaceSplit": WHITESPACE,
+              "ByteLevel": WHITESPACE, "Metaspace": " "}
+# Pre-tokenizers that only split pieces further (never join across a boundary).
+_REFINERS = {"Punctuation", "Digits", "ByteLevel", "UnicodeScripts"}
+# Split regexes known to end pieces at a space: GPT-4 style, as in Llama-3 (\p{N}{1,3}) and Qwen2 (\p{N}).
+_KNOWN_SPLIT_PATTERNS = {
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+}
 SAFETY_MARGIN_TOKENS = 8
-CHARS_PER_TOKEN_GUESS = 6  # generous for prose; the prefix doubles when it falls short
+CHARS_PER_TOKEN_GUESS = 6  # generous for prose; the piece doubles when it falls short
+CHUNK_TOKENIZE_CHARS = 1 << 16  # chunk mode tokenizes a long document in pieces of about this size
 
 
 @dataclass(frozen=True)
 class PrefixRule:
-    exact: bool  # True when a whitespace-aligned prefix gives exact ids
-    cut_chars: str  # characters a cut may be placed before
+    exact: bool  # a whitespace-aligned prefix gives exact ids
+    cut_chars: str  # characters a cut may be placed at
     reason: str  # why not, when not exact (reported in stats and debug logs)
+    suffix_exact: bool = False  # a suffix (left truncation) gives exact ids too
 
 
 def analyse_tokenizer(tokenizer: Tokenizer) -> PrefixRule:
     desc = json.loads(tokenizer.to_str())
-    cut_chars = " \t\n\r"
+    cut_chars = WHITESPACE
+    suffix_exact = True
     for added in desc.get("added_tokens") or []:
         if any(ch.isspace() for ch in added.get("content", "")):
             return PrefixRule(False, "", f"added token {added.get('content')!r} contains whitespace")
@@ -57,23 +78,33 @@ def analyse_tokenizer(tokenizer: Tokenizer) -> PrefixRule:
                 return PrefixRule(False, "", f"Replace normalizer with pattern {norm.get('pattern')}")
             if pattern == " ":
                 cut_chars = " "  # SentencePiece style: only the space becomes the word marker
+        elif kind in _START_NORMALIZERS:
+            suffix_exact = False  # it would act on the suffix's first character
         elif kind not in _LOCAL_NORMALIZERS:
             return PrefixRule(False, "", f"normalizer {kind} is not known to be prefix-safe")
 
     pre_tokenizers = _flatten(desc.get("pre_tokenizer"), "pretokenizers")
-    if not pre_tokenizers:
-        return PrefixRule(False, "", "no pre-tokenizer: tokens may span whitespace")
+    splitters = []
     for pre in pre_tokenizers:
         kind = pre.get("type")
-        if kind not in _WHITESPACE_SPLITTING:
+        if kind == "Split":
+            pattern = (pre.get("pattern") or {}).get("Regex")
+            if pattern not in _KNOWN_SPLIT_PATTERNS or pre.get("behavior") != "Isolated" or pre.get("invert"):
+                return PrefixRule(False, "", f"Split pre-tokenizer with an unknown pattern {pre.get('pattern')}")
+            splitters.append(" ")
+        elif kind == "ByteLevel" and not pre.get("use_regex", True):
+            continue  # byte mapping of pieces split by another member
+        elif kind == "Metaspace" and pre.get("split") is False:
+            return PrefixRule(False, "", "Metaspace pre-tokenizer that does not split")
+        elif kind in _SPLITTERS:
+            splitters.append(_SPLITTERS[kind])
+        elif kind not in _REFINERS:
             return PrefixRule(False, "", f"pre-tokenizer {kind} is not known to be prefix-safe")
-        if kind == "ByteLevel" and not pre.get("use_regex", True):
-            return PrefixRule(False, "", "ByteLevel pre-tokenizer without its splitting regex")
-        if kind == "Metaspace":
-            if pre.get("split") is False:
-                return PrefixRule(False, "", "Metaspace pre-tokenizer that does not split")
-            cut_chars = " "  # Metaspace splits on the space only, not on tabs or newlines
-    return PrefixRule(True, cut_chars, "")
+    if not splitters:
+        return PrefixRule(False, "", "no pre-tokenizer splits at whitespace: tokens may span it")
+    for chars in splitters:
+        cut_chars = "".join(c for c in cut_chars if c in chars)
+    return PrefixRule(True, cut_chars, "", suffix_exact)
 
 
 def _flatten(node: dict | None, key: str) -> list[dict]:
@@ -88,7 +119,7 @@ def _flatten(node: dict | None, key: str) -> list[dict]:
 
 
 class TruncatingEncoder:
-    """Tokenizes text and keeps the first `max_tokens` tokens, special tokens included."""
+    """Tokenizes text and keeps the first (or last) `max_tokens` tokens, special tokens included."""
 
     def __init__(self, tokenizer: Tokenizer, preprocess: Callable[[str], str] | None = None,
                  chars_per_token_guess: int = CHARS_PER_TOKEN_GUESS, min_prefix_chars: int = 256) -> None:
@@ -98,6 +129,13 @@ class TruncatingEncoder:
         self.rule = analyse_tokenizer(tokenizer)
         processor = tokenizer.post_processor
         self.num_special_tokens = processor.num_special_tokens_to_add(False) if processor else 0
+        self.num_special_tokens_pair = processor.num_special_tokens_to_add(True) if processor else 0
+        # The special tokens around a single text, e.g. [CLS] ... [SEP], from a probe.
+        probe = tokenizer.encode("probe", add_special_tokens=False)
+        wrapped = tokenizer.post_process(tokenizer.encode("probe", add_special_tokens=False)).ids
+        at = next(i for i in range(len(wrapped) - len(probe.ids) + 1)
+                  if wrapped[i:i + len(probe.ids)] == probe.ids)
+        self.special_prefix, self.special_suffix = wrapped[:at], wrapped[at + len(probe.ids):]
         # Character-local text preprocessing (e.g. sentence-transformers' do_lower_case).
         self.preprocess = preprocess or (lambda s: s)
         self.chars_per_token_guess = chars_per_token_guess
@@ -110,18 +148,18 @@ class TruncatingEncoder:
 
     def short_enough(self, text: str, max_tokens: int) -> bool:
         """Texts this short are tokenized whole: planning would not save anything."""
-        return len(text) <= 2 * self._first_prefix_chars(self.content_budget(max_tokens))
+        return len(text) <= 2 * self._first_piece_chars(self.content_budget(max_tokens))
 
     def encode_many(self, texts: list[str], max_tokens: list[int]) -> list[list[int]]:
         """Batch path for short texts (one call into the tokenizer for all of them)."""
         encodings = self.tokenizer.encode_batch([self.preprocess(t) for t in texts], add_special_tokens=False)
-        return [self._finish(enc, k) for enc, k in zip(encodings, max_tokens)]
+        return [self.finish(enc, k) for enc, k in zip(encodings, max_tokens)]
 
-    def encode(self, text: str, max_tokens: int, add_special_tokens: bool = True) -> list[int]:
-        """The first `max_tokens` ids of `text` (special tokens included when added)."""
+    def encode(self, text: str, max_tokens: int, add_special_tokens: bool = True, left: bool = False) -> list[int]:
+        """The first (last, when `left`) `max_tokens` ids of `text`, special tokens included when added."""
         if not add_special_tokens:
-            return self.content(text, max_tokens).ids
-        return self._finish(self.content(text, self.content_budget(max_tokens)), max_tokens)
+            return self.content(text, max_tokens, left).ids
+        return self.finish(self.content(text, self.content_budget(max_tokens), left), max_tokens, left)
 
     def encode_pair(self, first: str, second: str, max_tokens: int, max_first: int | None = None,
                     max_second: int | None = None) -> tuple[list[int], list[int]]:
@@ -131,8 +169,7 @@ class TruncatingEncoder:
         (or to its own cap) first; the pair truncation then runs on those prefixes exactly as it
         would on the whole texts.
         """
-        processor = self.tokenizer.post_processor
-        budget = max(0, max_tokens - (processor.num_special_tokens_to_add(True) if processor else 0))
+        budget = max(0, max_tokens - self.num_special_tokens_pair)
         enc_first = self.content(first, min(budget, max_first) if max_first is not None else budget)
         enc_second = self.content(second, min(budget, max_second) if max_second is not None else budget)
         self.tokenizer.enable_truncation(max_length=max_tokens, strategy="longest_first")
@@ -142,42 +179,74 @@ class TruncatingEncoder:
             self.tokenizer.no_truncation()
         return enc.ids, enc.type_ids
 
-    def content(self, text: str, budget: int) -> Encoding:
-        """The first `budget` tokens of `text`, without special tokens."""
-        if len(text) <= 2 * self._first_prefix_chars(budget):  # planning would not save anything
+    def content(self, text: str, budget: int, left: bool = False) -> Encoding:
+        """The first (last) `budget` tokens of `text`, without special tokens."""
+        if len(text) <= 2 * self._first_piece_chars(budget):  # planning would not save anything
             enc = self.tokenizer.encode(self.preprocess(text), add_special_tokens=False)
         else:
-            enc = self._encode_long(text, budget)
-        enc.truncate(budget)
+            enc, _ = self._encode_long(text, budget, left)
+        enc.truncate(budget, direction="left" if left else "right")
         return enc
 
-    def _first_prefix_chars(self, budget: int) -> int:
+    def count_tokens(self, text: str, budget: int) -> tuple[int, bool]:
+        """Content tokens of `text`: (count, exact). When a prefix already shows more than
+        `budget`, the count is a lower bound and the rest of the text is never tokenized."""
+        if len(text) > 2 * self._first_piece_chars(budget):
+            enc, whole = self._encode_long(text, budget)
+            return len(enc.ids), whole
+        return len(self.tokenizer.encode(self.preprocess(text), add_special_tokens=False).ids), True
+
+    def content_ids(self, text: str) -> Iterator[list[int]]:
+        """All content ids of a text, tokenized in whitespace-aligned pieces (chunk mode): memory
+        stays at one piece's encoding, however long the document. A piece after the first starts
+        with a whitespace run, where a whole-text tokenization starts a new pre-token too."""
+        start = 0
+        piecewise = self.rule.exact and self.rule.suffix_exact
+        while start < len(text):
+            end = len(text)
+            if piecewise and len(text) - start > 2 * CHUNK_TOKENIZE_CHARS:
+                cut = find_cut(text, start + CHUNK_TOKENIZE_CHARS, self.rule.cut_chars)
+                end = cut if cut is not None and cut > start else len(text)
+            yield self.tokenizer.encode(self.preprocess(text[start:end]), add_special_tokens=False).ids
+            start = end
+
+    def with_special_tokens(self, content_ids: list[int]) -> list[int]:
+        return [*self.special_prefix, *content_ids, *self.special_suffix]
+
+    def finish(self, enc: Encoding, max_tokens: int, left: bool = False) -> list[int]:
+        enc.truncate(self.content_budget(max_tokens), direction="left" if left else "right")
+        return self.tokenizer.post_process(enc).ids
+
+    def _first_piece_chars(self, budget: int) -> int:
         guess = (budget + SAFETY_MARGIN_TOKENS) * self.chars_per_token_guess
         return max(self.min_prefix_chars, guess)
 
-    def _encode_long(self, text: str, budget: int) -> Encoding:
+    def _encode_long(self, text: str, budget: int, left: bool = False) -> tuple[Encoding, bool]:
+        """At least `budget` + margin tokens from a prefix (suffix), or the whole text's: (encoding, whole)."""
         needed = budget + SAFETY_MARGIN_TOKENS
-        if self.rule.exact:
-            length = self._first_prefix_chars(budget)
+        if self.rule.exact and (self.rule.suffix_exact or not left):
+            length = self._first_piece_chars(budget)
             while length < len(text):
-                cut = find_cut(text, length, self.rule.cut_chars)
-                if cut is None:
+                if left:
+                    cut = find_suffix_cut(text, len(text) - length, self.rule.cut_chars)
+                    piece = text[cut:] if cut is not None else None
+                else:
+                    cut = find_cut(text, length, self.rule.cut_chars)
+                    piece = text[:cut] if cut is not None else None
+                if piece is None:
                     break  # no whitespace to cut at: full tokenization below
-                enc = self.tokenizer.encode(self.preprocess(text[:cut]), add_special_tokens=False)
+                enc = self.tokenizer.encode(self.preprocess(piece), add_special_tokens=False)
                 if len(enc.ids) >= needed:
                     self.prefix_encodes += 1
-                    return enc
-                length = max(cut, length) * 2
+                    return enc, False
+                length = max(len(piece), length) * 2
         self.full_encodes_of_long_text += 1
-        return self.tokenizer.encode(self.preprocess(text), add_special_tokens=False)
-
-    def _finish(self, enc: Encoding, max_tokens: int) -> list[int]:
-        enc.truncate(self.content_budget(max_tokens))
-        return self.tokenizer.post_process(enc).ids
+        return self.tokenizer.encode(self.preprocess(text), add_special_tokens=False), True
 
 
 def find_cut(text: str, near: int, cut_chars: str) -> int | None:
-    """A cut position p close to `near` with text[p] a cut character and text[p-1] not whitespace.
+    """A prefix end p close to `near`: text[p] starts a whitespace run of cut characters and
+    text[p-1] is not whitespace.
 
     Looks back to near/2 first (a shorter prefix is cheaper), then forward to 4 * near.
     Returns None when the text has no such position in that range.
@@ -194,3 +263,22 @@ def find_cut(text: str, near: int, cut_chars: str) -> int | None:
     if pos == 0 or text[pos - 1].isspace():
         return None  # a run that starts with other whitespace: not a cut we can vouch for
     return pos
+
+
+def find_suffix_cut(text: str, near: int, cut_chars: str) -> int | None:
+    """A suffix start p close to `near` (at or before it first): text[p] is a cut character,
+    text[p+1] is not whitespace -- one whitespace character, then a word."""
+    near = max(0, min(near, len(text) - 2))
+    lo = max(0, near - max(near // 2, 1024))
+    for c_pos in sorted((text.rfind(c, lo, near + 1) for c in cut_chars), reverse=True):
+        if c_pos < 0:
+            continue
+        pos = c_pos
+        while pos >= lo:
+            if text[pos] in cut_chars and pos + 1 < len(text) and not text[pos + 1].isspace():
+                return pos
+            pos = max(text.rfind(c, lo, pos) for c in cut_chars)
+            if pos < 0:
+                break
+        break
+    return None

@@ -1,0 +1,106 @@
+"""Long inputs end to end: left truncation, long_inputs="error" and "chunk" (against a hand-computed reference)."""
+
+import shutil
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from transformers import BertConfig, BertModel
+
+from pipeline import Pipeline, PoolingParams, corpus
+
+TOL = 1e-5
+
+
+def test_left_truncation_keeps_the_last_tokens(pipe, st_model):
+    doc = corpus.long_document(150_000, seed=21)
+    tok = st_model.tokenizer
+    tok.truncation_side = "left"
+    try:
+        ids = tok(doc, truncation=True, max_length=256)["input_ids"]
+    finally:
+        tok.truncation_side = "right"
+    left = pipe.embed([doc, "short"], truncation_side="left", use_tqdm=False)
+    ref = pipe.embed([{"prompt_token_ids": ids}], use_tqdm=False)
+    assert left[0].num_prompt_tokens == 256
+    np.testing.assert_allclose(left[0].embedding, ref[0].embedding, atol=TOL, rtol=0)
+    np.testing.assert_allclose(left[1].embedding, st_model.encode("short"), atol=TOL, rtol=0)
+    with pytest.raises(ValueError, match="truncation_side must be 'left' or 'right'"):
+        pipe.embed([doc], truncation_side="middle")
+
+
+def test_long_inputs_error_names_the_request_and_its_size(pipe):
+    doc = corpus.long_document(400_000, seed=22)
+    with pytest.raises(ValueError, match=r"request 2: .*prompt has at least \d+ tokens, more than the 256"):
+        pipe.embed(["fine", "also fine", doc], long_inputs="error", use_tqdm=False)
+    medium = " ".join(["word"] * 300)  # short enough to count exactly
+    with pytest.raises(ValueError, match="request 0: .*prompt has 302 tokens, more than the 256"):
+        pipe.embed([medium], long_inputs="error", use_tqdm=False)
+    assert len(pipe.embed(["fine"], long_inputs="error", use_tqdm=False)) == 1
+    with pytest.raises(ValueError, match="long_inputs must be"):
+        pipe.embed(["x"], long_inputs="drop")
+
+
+def _chunk_reference(st_model, doc: str, max_tokens: int, overlap: int) -> tuple[np.ndarray, int]:
+    """By hand: whole-document ids, windows, one forward per window, token-weighted mean, normalize."""
+    tok, model = st_model.tokenizer, st_model[0].auto_model
+    ids = tok(doc, add_special_tokens=False)["input_ids"]
+    width, step = max_tokens - 2, max_tokens - 2 - overlap
+    starts = [0]
+    while starts[-1] + width < len(ids):
+        starts.append(starts[-1] + step)
+    total, tokens = np.zeros(384), 0
+    with torch.inference_mode():
+        for s in starts:
+            window = [tok.cls_token_id, *ids[s:s + width], tok.sep_token_id]
+            hidden = model(input_ids=torch.tensor([window])).last_hidden_state[0]
+            total += hidden.mean(0).double().numpy() * len(window)
+            tokens += len(window)
+    vec = total / tokens
+    return vec / np.linalg.norm(vec), len(starts)
+
+
+def test_chunk_mode_equals_a_hand_computed_reference_and_keeps_order(pipe, st_model):
+    docs = [corpus.long_document(n, seed=23 + n) for n in (3_000, 9_000, 1_000)]
+    prompts = [docs[0], "a short sentence in between", docs[1], docs[2]]
+    outs = pipe.embed(prompts, long_inputs="chunk", chunk_overlap=32, truncate_prompt_tokens=128, use_tqdm=False)
+    assert [o.index for o in outs] == [0, 1, 2, 3]
+    for prompt, out in zip(prompts, outs):
+        ref, windows = _chunk_reference(st_model, prompt, 128, 32)
+        assert out.num_windows == windows
+        np.testing.assert_allclose(out.embedding, ref, atol=TOL, rtol=0)
+    assert outs[1].num_windows == 1 and outs[2].num_windows > 5
+    dims = pipe.embed(docs[:1], long_inputs="chunk", pooling_params=PoolingParams(dimensions=64), use_tqdm=False)
+    assert dims[0].embedding.shape == (64,) and abs(np.linalg.norm(dims[0].embedding) - 1) < 1e-5
+    with pytest.raises(ValueError, match="chunk_overlap=200 leaves no room"):
+        pipe.embed(docs[:1], long_inputs="chunk", chunk_overlap=200, truncate_prompt_tokens=128, use_tqdm=False)
+
+
+def _peak_rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float(psutil.Process(pid).memory_info().rss) / 2**20
+
+
+def test_chunk_mode_on_a_million_token_document_stays_bounded(tmp_path, model_path):
+    """A tiny model keeps the forward pass short; what is measured is the pipeline's memory."""
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=512)
+    target = tmp_path / "tiny"
+    BertModel(config).save_pretrained(target)
+    for f in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(f"{model_path}/{f}", target / f)
+    doc = corpus.long_document(4_100_000, seed=24)  # about a million tokens
+    with Pipeline(model=str(target)) as pipe:
+        before = {pid: _peak_rss_mb(pid) for pid in [pipe.pids["engine"], *pipe.pids["workers"]]}
+        out = pipe.embed([doc, "after it"], long_inputs="chunk", use_tqdm=False)
+        after = {pid: _peak_rss_mb(pid) for pid in before}
+        stats = pipe.stats()
+    assert out[0].num_prompt_tokens > 1_000_000 and out[0].num_windows > 1900
+    assert stats["max_in_core_seen"] <= pipe.engine_window
+    for pid in before:  # a few times the document's 4 MB of text, not its token objects
+        assert after[pid] - before[pid] < 400, (pid, before[pid], after[pid])
