@@ -4,8 +4,8 @@ One loop owns all engine state (the scheduler's window, the set of aborted ids):
   1. read control messages (Abort, Shutdown) -- always, even when the window is full;
   2. admit inputs from the render workers while the window has room for one more message
      (while it is full the input socket is not read, so back-pressure reaches the workers);
-  3. run one batch, pool, send its outputs. A step that raises aborts exactly its requests
-     by external id and reports them; the loop goes on.
+  3. run one batch, pool, send its outputs. A step that raises is retried request by request,
+     so only the culprit fails; it is dropped by external id and reported; the loop goes on.
 """
 
 from __future__ import annotations
@@ -146,22 +146,37 @@ class EngineCore:
 
     def _step(self) -> None:
         in_core = len(self.scheduler)
-        start = time.perf_counter()
-        batch: list[m.PoolingEngineInput] = []
         try:
             batch = self.scheduler.next_batch()
+        except Exception as e:  # scheduling itself failed: fail everything waiting rather than loop on it
+            self.log.exception("scheduling failed")
+            batch = list(self.scheduler.waiting.values())
+            self.scheduler.waiting.clear()
+            self._send(m.StepFailed([r.request_id for r in batch], [r.seq for r in batch], f"{type(e).__name__}: {e}"))
+            return
+        self._run(batch, in_core, isolate=True)
+
+    def _run(self, batch: list[m.PoolingEngineInput], in_core: int, isolate: bool) -> None:
+        start = time.perf_counter()
+        try:
             vectors, padded = self.runner.run(batch)
-        except Exception as e:  # the step's requests are aborted; the engine stays usable
-            if not batch:  # scheduling itself failed: fail everything waiting rather than loop on it
-                batch = list(self.scheduler.waiting.values())
-                self.scheduler.waiting.clear()
-            self.log.exception("step failed for %d requests", len(batch))
-            reply = m.StepFailed([r.request_id for r in batch], [r.seq for r in batch], f"{type(e).__name__}: {e}")
-        else:
-            outputs = [m.PoolingOutput(r.request_id, r.seq, len(r.token_ids), data=v, window=r.window,
-                                       num_windows=r.num_windows) for r, v in zip(batch, vectors)]
-            reply = m.OutputBatch(outputs, time.perf_counter() - start, padded, in_core)
-        self.to_front.send_multipart(self.encoder.encode(reply), copy=False)
+        except Exception as e:  # the failed requests are dropped here; the engine stays usable
+            if isolate and len(batch) > 1:
+                # One bad input must not cost its batch: run each request alone, so only the
+                # culprit fails and the others get their results.
+                self.log.warning("step of %d requests failed (%s); isolating the culprit", len(batch), e)
+                for request in batch:
+                    self._run([request], in_core, isolate=False)
+                return
+            self.log.error("step failed for %s: %s: %s", [r.request_id for r in batch], type(e).__name__, e)
+            self._send(m.StepFailed([r.request_id for r in batch], [r.seq for r in batch], f"{type(e).__name__}: {e}"))
+            return
+        outputs = [m.PoolingOutput(r.request_id, r.seq, len(r.token_ids), data=v, window=r.window,
+                                   num_windows=r.num_windows) for r, v in zip(batch, vectors)]
+        self._send(m.OutputBatch(outputs, time.perf_counter() - start, padded, in_core))
+
+    def _send(self, msg) -> None:
+        self.to_front.send_multipart(self.encoder.encode(msg), copy=False)
 
 
 def main(argv: list[str]) -> int:

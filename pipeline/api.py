@@ -119,49 +119,54 @@ class Pipeline:
 
     def embed(self, prompts, pooling_params: ParamsArg = None, truncate_prompt_tokens: int | None = None,
               use_tqdm: bool = True, priority: PriorityArg = None, chat_template: str | None = None,
-              long_inputs: str = "truncate", chunk_overlap: int = 0, truncation_side: str | None = None
-              ) -> list[EmbeddingOutput]:
+              long_inputs: str = "truncate", chunk_overlap: int = 0, truncation_side: str | None = None,
+              errors: str = "raise") -> list[EmbeddingOutput]:
         """Embeds a prompt or a list of prompts; returns a list in input order.
 
         long_inputs: "truncate" (keep the first -- or with truncation_side="left" the last --
         tokens), "error" (a ValueError naming the request and its token count) or "chunk" (embed
         every window of the whole document, `chunk_overlap` tokens shared between neighbours, and
         pool them into one normalized, token-weighted mean; `.num_windows` says how many).
+
+        errors: "raise" (the first bad request raises, naming it; everything else in flight is
+        aborted) or "return" (a bad request's output has `.error` and no data; the others go on).
         """
         return self._collect(prompts, "embed", pooling_params, truncate_prompt_tokens, use_tqdm, priority,
-                             chat_template, long_inputs, chunk_overlap, truncation_side)
+                             chat_template, long_inputs, chunk_overlap, truncation_side, errors)
 
     def embed_stream(self, prompts: Iterable, pooling_params: ParamsArg = None,
                      truncate_prompt_tokens: int | None = None, use_tqdm: bool = False,
                      priority: PriorityArg = None, chat_template: str | None = None, long_inputs: str = "truncate",
-                     chunk_overlap: int = 0, truncation_side: str | None = None) -> Iterator[EmbeddingOutput]:
+                     chunk_overlap: int = 0, truncation_side: str | None = None,
+                     errors: str = "raise") -> Iterator[EmbeddingOutput]:
         """Embeds any iterable (a generator of unknown length too), yielding in input order as
         results complete. Holds at most `max_inflight` requests at a time."""
         return self.encode_stream(prompts, "embed", pooling_params, truncate_prompt_tokens, use_tqdm,
-                                  priority, chat_template, long_inputs, chunk_overlap, truncation_side)
+                                  priority, chat_template, long_inputs, chunk_overlap, truncation_side, errors)
 
     def classify(self, prompts, pooling_params: ParamsArg = None, truncate_prompt_tokens: int | None = None,
                  use_tqdm: bool = True, priority: PriorityArg = None, chat_template: str | None = None,
-                 long_inputs: str = "truncate", truncation_side: str | None = None) -> list[ClassificationOutput]:
+                 long_inputs: str = "truncate", truncation_side: str | None = None,
+                 errors: str = "raise") -> list[ClassificationOutput]:
         """Class probabilities (softmax, or sigmoid for single-label / multi-label heads) per prompt."""
         return self._collect(prompts, "classify", pooling_params, truncate_prompt_tokens, use_tqdm, priority,
-                             chat_template, long_inputs, 0, truncation_side)
+                             chat_template, long_inputs, 0, truncation_side, errors)
 
     def encode(self, prompts, task: str | None = None, pooling_params: ParamsArg = None,
                truncate_prompt_tokens: int | None = None, use_tqdm: bool = True, priority: PriorityArg = None,
                chat_template: str | None = None, long_inputs: str = "truncate", chunk_overlap: int = 0,
-               truncation_side: str | None = None) -> list:
+               truncation_side: str | None = None, errors: str = "raise") -> list:
         """Any task of the model: "embed", "classify", "token_embed", "token_classify", or "plugin"
         (the io_processor's render/post_process around the forward pass). Defaults to the model's first task."""
         return list(self.encode_stream(prompts, task, pooling_params, truncate_prompt_tokens, use_tqdm,
                                        priority, chat_template, long_inputs, chunk_overlap, truncation_side,
-                                       materialize=True))
+                                       errors, materialize=True))
 
     def encode_stream(self, prompts: Iterable, task: str | None = None, pooling_params: ParamsArg = None,
                       truncate_prompt_tokens: int | None = None, use_tqdm: bool = False,
                       priority: PriorityArg = None, chat_template: str | None = None,
                       long_inputs: str = "truncate", chunk_overlap: int = 0, truncation_side: str | None = None,
-                      materialize: bool = False) -> Iterator:
+                      errors: str = "raise", materialize: bool = False) -> Iterator:
         task = task or self.model_spec.tasks[0]
         plugin = task == "plugin"
         engine_task = self._engine_task(task)
@@ -170,18 +175,18 @@ class Pipeline:
             items = list(items)
         total = len(items) if isinstance(items, (list, tuple)) else None
         wrap = OUTPUT_TYPES.get(engine_task, PoolingRequestOutput)
-        render = self._render_options(engine_task, long_inputs, chunk_overlap, truncation_side)
+        render = self._render_options(engine_task, long_inputs, chunk_overlap, truncation_side, errors)
         requests = self._requests(items, engine_task, pooling_params, truncate_prompt_tokens, priority, plugin,
                                   render=render)
         if materialize:
             requests = iter(list(requests))  # a list is checked whole before any work starts
-        outputs = (wrap(out.request_id, out.seq, out.data, out.num_prompt_tokens, max(out.num_windows, 1))
-                   for out in self._run(requests, total, use_tqdm, chat_template))
+        outputs = (wrap(out.request_id, out.seq, out.data, out.num_prompt_tokens, max(out.num_windows, 1), out.error)
+                   for out in self._run(requests, total, use_tqdm, chat_template, errors))
         return self._post_process(outputs) if plugin else outputs
 
     def score(self, data_1, data_2, pooling_params: ParamsArg = None, truncate_prompt_tokens: int | None = None,
               use_tqdm: bool = True, priority: PriorityArg = None, max_tokens_per_query: int | None = None,
-              max_tokens_per_doc: int | None = None) -> list[ScoringOutput]:
+              max_tokens_per_doc: int | None = None, errors: str = "raise") -> list[ScoringOutput]:
         """Scores query/document pairs: 1:1, 1:N (the single query against each document) or N:N.
 
         The kind follows the model: a cross-encoder (sequence-classification head with one label)
@@ -199,7 +204,7 @@ class Pipeline:
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
         if kind == "cross_encoder":
             return self._score_pairs(queries, docs, pooling_params, truncate_prompt_tokens, use_tqdm, priority,
-                                     max_tokens_per_query, max_tokens_per_doc)
+                                     max_tokens_per_query, max_tokens_per_doc, errors)
         if isinstance(pooling_params, (list, tuple)):
             raise ValueError("per-pair pooling_params apply to cross-encoders only; give one PoolingParams")
         if max_tokens_per_query is not None or max_tokens_per_doc is not None:
@@ -207,26 +212,32 @@ class Pipeline:
                              "use truncate_prompt_tokens")
         task = "embed" if kind == "bi_encoder" else "token_embed"
         outs = self.encode(list(queries) + list(docs), task, pooling_params, truncate_prompt_tokens, use_tqdm,
-                           priority if not isinstance(priority, (list, tuple)) else None)
+                           priority if not isinstance(priority, (list, tuple)) else None, errors=errors)
         q_outs, d_outs = outs[: len(queries)], outs[len(queries):]
         results = []
         for i, d in enumerate(d_outs):
             q = q_outs[0] if len(q_outs) == 1 else q_outs[i]
-            value = _cosine(q.data, d.data) if kind == "bi_encoder" else _max_sim(q.data, d.data)
+            error = q.error or d.error
+            if error is not None:
+                value = float("nan")
+            else:
+                value = _cosine(q.data, d.data) if kind == "bi_encoder" else _max_sim(q.data, d.data)
             results.append(ScoringOutput(f"{q.request_id}|{d.request_id}", i, value,
-                                         q.num_prompt_tokens + d.num_prompt_tokens))
+                                         q.num_prompt_tokens + d.num_prompt_tokens, error))
         return results
 
     def _score_pairs(self, queries, docs, pooling_params, truncate_prompt_tokens, use_tqdm, priority,
-                     max_query, max_doc) -> list[ScoringOutput]:
+                     max_query, max_doc, errors) -> list[ScoringOutput]:
         pairs = [(queries[0] if len(queries) == 1 else queries[i], d) for i, d in enumerate(docs)]
         for i, (q, d) in enumerate(pairs):
             check_text(q, i, "query")
             check_text(d, i, "document")
+        render = self._render_options("score", "truncate", 0, None, errors)
         requests = list(self._requests(pairs, "score", pooling_params, truncate_prompt_tokens, priority,
-                                       max_query=max_query, max_doc=max_doc))
-        return [ScoringOutput(out.request_id, out.seq, float(out.data[0]), out.num_prompt_tokens)
-                for out in self._run(iter(requests), len(requests), use_tqdm, None)]
+                                       max_query=max_query, max_doc=max_doc, render=render))
+        return [ScoringOutput(out.request_id, out.seq, float(out.data[0]) if out.error is None else float("nan"),
+                              out.num_prompt_tokens, out.error)
+                for out in self._run(iter(requests), len(requests), use_tqdm, None, errors)]
 
     def stats(self) -> dict:
         """Counters of the last call (or the one running), plus the CPU plan and engine facts."""
@@ -262,7 +273,10 @@ class Pipeline:
             return []
         return self.encode(items, task, *args)
 
-    def _render_options(self, task: str, long_inputs: str, chunk_overlap: int, truncation_side: str | None) -> dict:
+    def _render_options(self, task: str, long_inputs: str, chunk_overlap: int, truncation_side: str | None,
+                        errors: str = "raise") -> dict:
+        if errors not in ("raise", "return"):
+            raise ValueError(f"errors must be 'raise' or 'return', got {errors!r}")
         if long_inputs not in ("truncate", "error", "chunk"):
             raise ValueError(f"long_inputs must be 'truncate', 'error' or 'chunk', got {long_inputs!r}")
         if long_inputs == "chunk" and task != "embed":
@@ -272,7 +286,8 @@ class Pipeline:
         side = truncation_side or str(self._group.worker_info.get("truncation_side", "right") if self._group else "right")
         if side not in ("left", "right"):
             raise ValueError(f"truncation_side must be 'left' or 'right', got {truncation_side!r}")
-        return {"truncate_left": side == "left", "long_inputs": long_inputs, "chunk_overlap": chunk_overlap}
+        return {"truncate_left": side == "left", "long_inputs": long_inputs, "chunk_overlap": chunk_overlap,
+                "errors": errors}
 
     def _requests(self, prompts, task, pooling_params, truncate_prompt_tokens, priority, plugin=False,
                   max_query=None, max_doc=None, render: dict | None = None):
@@ -293,13 +308,17 @@ class Pipeline:
 
     def _post_process(self, outputs) -> Iterator:
         for out in outputs:
+            if out.error is not None:
+                yield out  # nothing to post-process: the error output itself
+                continue
             try:
                 yield self._plugin.post_process(out)
             except Exception as e:
                 raise ValueError(f"request {out.index}: io_processor post_process failed: "
                                  f"{type(e).__name__}: {e}") from e
 
-    def _run(self, requests, total: int | None, use_tqdm: bool, chat_template: str | None) -> Iterator:
+    def _run(self, requests, total: int | None, use_tqdm: bool, chat_template: str | None,
+             errors: str = "raise") -> Iterator:
         group = self._live_group()
         with self._lock:
             if self._call is not None and not self._call.finished:
@@ -314,7 +333,7 @@ class Pipeline:
                 progress = tqdm(total=total, desc="Processed prompts", unit="docs", dynamic_ncols=True)
             call = self._call = Call(group, requests, max_inflight=self.max_inflight, batch_items=self.batch_items,
                                      progress=progress, chat_template=chat_template,
-                                     default_normalize=self.model_spec.normalize)
+                                     default_normalize=self.model_spec.normalize, errors=errors)
         return self._results(call)
 
     def _results(self, call: Call) -> Iterator:

@@ -22,6 +22,7 @@ import zmq
 
 from core import messages as m
 from pipeline.errors import PipelineError, StepError
+from pipeline.inputs import FailedRequest
 from pipeline.process_group import ProcessGroup
 
 log = logging.getLogger("pipeline")
@@ -57,6 +58,7 @@ class CallStats:
     max_in_core_seen: int = 0
     duplicates_dropped: int = 0
     worker_restarts: int = 0
+    errors: int = 0
 
     def as_dict(self) -> dict:
         wall = self.wall_s or (time.perf_counter() - self.start)
@@ -75,6 +77,7 @@ class CallStats:
             "max_in_core_seen": self.max_in_core_seen,
             "duplicates_dropped": self.duplicates_dropped,
             "worker_restarts": self.worker_restarts,
+            "errors": self.errors,
         }
 
 
@@ -113,7 +116,7 @@ class ChunkSum:
 class Call:
     def __init__(self, group: ProcessGroup, requests: Iterator[m.RenderParams], *, max_inflight: int,
                  batch_items: int, progress=None, chat_template: str | None = None,
-                 default_normalize: bool = True) -> None:
+                 default_normalize: bool = True, errors: str = "raise") -> None:
         self.group = group
         self.requests = requests
         self.max_inflight = max_inflight
@@ -121,6 +124,7 @@ class Call:
         self.progress = progress
         self.chat_template = chat_template
         self.default_normalize = default_normalize
+        self.errors = errors  # "raise": the first failure ends the call; "return": it becomes an output
         self.chunks: dict[str, ChunkSum] = {}  # chunk mode: documents with windows still out
         self.stats = CallStats()
         self.inflight: dict[str, tuple[m.RenderParams, int]] = {}  # external id -> (request, worker)
@@ -188,8 +192,12 @@ class Call:
             except StopIteration:
                 self.exhausted = True
                 break
-            pending.append(request)
             self.issued += 1
+            if isinstance(request, FailedRequest):  # refused in the caller (errors="return")
+                self.ready[request.seq] = m.PoolingOutput(request.request_id, request.seq, 0, error=request.error)
+                self.stats.errors += 1
+                continue
+            pending.append(request)
             self.inflight_chars += request_size(request)
             if len(pending) == self.batch_items:
                 self._send(pending)
@@ -254,17 +262,36 @@ class Call:
                 self.progress.set_postfix_str(f"{self.stats.prompt_tokens / max(wall, 1e-9):,.0f} tok/s", refresh=False)
         elif isinstance(msg, m.RenderFailed):
             for rid, seq, error in zip(msg.request_ids, msg.seqs, msg.errors):
-                if rid in self.inflight:
-                    raise ValueError(f"request {seq}: {error}")
+                if self._owns(rid, seq):
+                    if self.errors != "return":
+                        raise ValueError(f"request {seq}: {error}")
+                    self._fail(rid, seq, f"request {seq}: {error}")
         elif isinstance(msg, m.StepFailed):
-            mine = [(rid, seq) for rid, seq in zip(msg.request_ids, msg.seqs) if rid in self.inflight]
-            if mine:
+            mine = [(rid, seq) for rid, seq in zip(msg.request_ids, msg.seqs) if self._owns(rid, seq)]
+            if mine and self.errors != "return":
                 for rid, _ in mine:
-                    del self.inflight[rid]  # already aborted in the engine
+                    del self.inflight[rid]  # already dropped in the engine
                 raise StepError(
                     f"the engine core failed a step for requests {[s for _, s in mine]} "
                     f"(ids {[r for r, _ in mine]}): {msg.error}",
                     [r for r, _ in mine], [s for _, s in mine])
+            for rid, seq in mine:
+                self._fail(rid, seq, f"request {seq}: the model failed on it: {msg.error}")
+
+    def _owns(self, request_id: str, seq: int) -> bool:
+        entry = self.inflight.get(request_id)
+        return entry is not None and entry[0].seq == seq
+
+    def _fail(self, request_id: str, seq: int, error: str) -> None:
+        """errors="return": this request's output carries the error; the call goes on."""
+        request, worker = self.inflight.pop(request_id)
+        self.outstanding[worker] -= 1
+        self.inflight_chars -= request_size(request)
+        self.chunks.pop(request_id, None)
+        self.ready[seq] = m.PoolingOutput(request_id, seq, 0, error=error)
+        self.stats.errors += 1
+        if self.progress is not None:
+            self.progress.update(1)
 
     def _check_health(self) -> None:
         self.next_health_check = time.monotonic() + HEALTH_CHECK_INTERVAL_S

@@ -22,6 +22,15 @@ ACTIVATION_TASKS = ("classify", "token_classify", "score")
 
 
 @dataclass(frozen=True)
+class FailedRequest:
+    """A request refused in the caller (errors="return"): it becomes an error output, never sent."""
+
+    request_id: str
+    seq: int
+    error: str
+
+
+@dataclass(frozen=True)
 class CallOptions:
     task: str  # the task the engine runs
     truncate_prompt_tokens: int | None
@@ -32,6 +41,7 @@ class CallOptions:
     truncate_left: bool = False
     long_inputs: str = "truncate"
     chunk_overlap: int = 0
+    errors: str = "raise"  # "return": a bad request becomes an error output, the others go on
 
 
 def is_conversation(prompt: object) -> bool:
@@ -119,19 +129,25 @@ def build_requests(prompts: Iterable, spec: ModelSpec, opts: CallOptions, id_pre
             if count is not None and index >= count:
                 raise ValueError(f"{name} has {count} entries but there are more prompts "
                                  f"(prompt {index} has none)")
-        p = next(params_it)
-        fields: dict[str, Any] = {}
-        if pairs:
-            fields["prompt"], fields["pair"] = prompt
-        elif opts.plugin:
-            fields["raw"] = _check_raw(prompt, index)
-        else:
-            fields = parse_prompt(prompt, index, spec)
-        yield RenderParams(request_id=f"{id_prefix}{index}", seq=index, task=opts.task,
-                           max_tokens=resolve_max_tokens(spec, opts, p, index), params=p,
-                           max_query_tokens=opts.max_query_tokens, max_doc_tokens=opts.max_doc_tokens,
-                           priority=next(priority_it), truncate_left=opts.truncate_left,
-                           long_inputs=opts.long_inputs, chunk_overlap=opts.chunk_overlap, **fields)
+        p, priority = next(params_it), next(priority_it)
+        try:
+            fields: dict[str, Any] = {}
+            if pairs:
+                fields["prompt"], fields["pair"] = prompt
+            elif opts.plugin:
+                fields["raw"] = _check_raw(prompt, index)
+            else:
+                fields = parse_prompt(prompt, index, spec)
+            max_tokens = resolve_max_tokens(spec, opts, p, index)
+        except (ValueError, TypeError) as e:
+            if opts.errors != "return":
+                raise
+            yield FailedRequest(f"{id_prefix}{index}", index, str(e))
+            continue
+        yield RenderParams(request_id=f"{id_prefix}{index}", seq=index, task=opts.task, max_tokens=max_tokens,
+                           params=p, max_query_tokens=opts.max_query_tokens, max_doc_tokens=opts.max_doc_tokens,
+                           priority=priority, truncate_left=opts.truncate_left, long_inputs=opts.long_inputs,
+                           chunk_overlap=opts.chunk_overlap, **fields)
     for count, name in ((params_count, "pooling_params"), (priority_count, "priority")):
         if count is not None and index + 1 != count:
             raise ValueError(f"{name} has {count} entries but there are {index + 1} prompts")

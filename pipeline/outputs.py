@@ -14,6 +14,7 @@ class PoolingRequestOutput:
     data: np.ndarray  # float32: [dim], [num_labels], [num_tokens, dim] or [num_tokens, num_labels]
     num_prompt_tokens: int  # after truncation, special tokens included (chunk mode: all windows')
     num_windows: int = 1  # chunk mode: windows the document was embedded in
+    error: str | None = None  # errors="return": what went wrong ("request i: ..."); data is None then
 
 
 @dataclass(slots=True)
@@ -34,5 +35,6 @@ class ClassificationOutput(PoolingRequestOutput):
 class ScoringOutput:
     request_id: str  # the pair's external id (cross-encoder) or "<query id>|<document id>"
     index: int  # position of the pair
-    score: float
+    score: float  # NaN when `error` is set
     num_prompt_tokens: int  # tokens the model saw for this pair (both sides for bi-encoders)
+    error: str | None = None
