@@ -21,7 +21,7 @@ import zmq
 
 from core import messages as m
 from core.config import EngineConfig
-from core.runtime import exit_with_parent, setup_logging, socket
+from core.runtime import BusyClock, exit_with_parent, setup_logging, socket, start_heartbeat
 from core.scheduler import Scheduler
 from core.serial import Decoder, Encoder
 
@@ -55,6 +55,7 @@ class EngineCore:
         self.input_decoder = Decoder(m.EngineInbound)
         self.control_decoder = Decoder(m.EngineControl)
         self.running = True
+        self.clock = BusyClock()
 
     def ready_info(self) -> dict:
         import torch
@@ -68,6 +69,7 @@ class EngineCore:
         control = socket(ctx, zmq.PULL, self.cfg.control_endpoint, bind=False)
         self.to_front = to_front
         to_front.send_multipart(self.encoder.encode(m.Ready("engine", 0, os.getpid(), info=self.ready_info())))
+        start_heartbeat(ctx, self.cfg.output_endpoint, "engine", 0, self.clock)
         while self.running:
             has_room = self._has_room()
             poller = zmq.Poller()
@@ -81,7 +83,8 @@ class EngineCore:
             if inputs in events and self.running:
                 self._drain(inputs, self._on_inputs, while_=self._has_room)
             if len(self.scheduler) and self.running:
-                self._step()
+                with self.clock:
+                    self._step()
 
     def _has_room(self) -> bool:
         return len(self.scheduler) + self.cfg.max_message_items <= self.cfg.window

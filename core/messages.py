@@ -144,8 +144,17 @@ class Ready(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     info: dict[str, str | int | float | bool | None] = {}
 
 
+class Heartbeat(msgspec.Struct, tag=True, array_like=True):
+    """Sent every second by a thread of each child: it is alive, and how long its loop has been
+    inside one piece of work (a wedged step shows here; a stopped process stops sending)."""
+
+    role: str
+    index: int
+    busy_s: float
+
+
 # What each socket accepts.
 WorkerInbound = RenderBatch | Shutdown
 EngineInbound = EngineInputBatch
 EngineControl = Abort | Shutdown
-FrontendInbound = OutputBatch | RenderFailed | StepFailed | Ready
+FrontendInbound = OutputBatch | RenderFailed | StepFailed | Ready | Heartbeat

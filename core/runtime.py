@@ -11,6 +11,7 @@ import time
 import zmq
 
 PARENT_CHECK_INTERVAL_S = 0.5
+HEARTBEAT_INTERVAL_S = 1.0
 
 
 def setup_logging(level: str, role: str) -> logging.Logger:
@@ -48,3 +49,43 @@ def socket(ctx: zmq.Context, kind: int, endpoint: str, bind: bool) -> zmq.Socket
     else:
         sock.connect(endpoint)
     return sock
+
+
+class BusyClock:
+    """When the owning loop started its current piece of work (None when idle)."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+
+    def __enter__(self) -> "BusyClock":
+        self.since = time.monotonic()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.since = None
+
+    def busy_s(self) -> float:
+        since = self.since
+        return 0.0 if since is None else time.monotonic() - since
+
+
+def start_heartbeat(ctx: zmq.Context, endpoint: str, role: str, index: int, clock: BusyClock) -> None:
+    """A daemon thread that sends Heartbeat every second on its own socket (sockets are not
+    shared between threads). torch and the tokenizers release the GIL, so it runs during work."""
+    from core.messages import Heartbeat
+    from core.serial import Encoder
+
+    def beat() -> None:
+        sock = socket(ctx, zmq.PUSH, endpoint, bind=False)
+        sock.setsockopt(zmq.SNDHWM, 16)  # never queue more than a few if the frontend is not reading
+        encoder = Encoder()
+        while True:
+            try:
+                sock.send_multipart(encoder.encode(Heartbeat(role, index, clock.busy_s())), zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            except zmq.ZMQError:
+                return  # the context is being destroyed: the process is exiting
+            time.sleep(HEARTBEAT_INTERVAL_S)
+
+    threading.Thread(target=beat, name="heartbeat", daemon=True).start()

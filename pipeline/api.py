@@ -46,7 +46,8 @@ class Pipeline:
                  max_num_batched_tokens: int | None = None, max_inflight: int | None = None,
                  device: str = "auto", dtype: str = "auto", *, engine_window: int | None = None,
                  io_processor: str | None = None, trust_remote_code: bool = False,
-                 startup_timeout_s: float = 300.0, log_level: str = "WARNING") -> None:
+                 startup_timeout_s: float = 300.0, heartbeat_timeout_s: float = 30.0, step_timeout_s: float = 600.0,
+                 log_level: str = "WARNING") -> None:
         self._group: ProcessGroup | None = None
         _positive_int("num_render_workers", num_render_workers)
         _positive_int("max_num_seqs", max_num_seqs, allow_none=False)
@@ -54,6 +55,10 @@ class Pipeline:
         _positive_int("max_inflight", max_inflight)
         if not isinstance(device, str) or not DEVICE_PATTERN.fullmatch(device):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+        for name, value in (("startup_timeout_s", startup_timeout_s), ("heartbeat_timeout_s", heartbeat_timeout_s),
+                            ("step_timeout_s", step_timeout_s)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         if dtype not in DTYPE_ALIASES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_ALIASES)}, got {dtype!r}")
         self.model_spec = spec = load_model_spec(model, trust_remote_code=trust_remote_code)
@@ -84,7 +89,8 @@ class Pipeline:
             spec, num_workers=self.cpu_plan.render_workers, engine_threads=self.cpu_plan.engine_threads,
             device=device, dtype=DTYPE_ALIASES[dtype], max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, window=self.engine_window,
-            max_message_items=self.batch_items, io_processor=io_processor, log_level=log_level)
+            max_message_items=self.batch_items, io_processor=io_processor, log_level=log_level,
+            heartbeat_timeout_s=heartbeat_timeout_s, step_timeout_s=step_timeout_s)
         self._finalizer = weakref.finalize(self, ProcessGroup.close, self._group)
         try:
             self._group.wait_ready(startup_timeout_s)

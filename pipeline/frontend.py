@@ -142,6 +142,7 @@ class Call:
     # ---- the loop ----------------------------------------------------------------------
 
     def outputs(self) -> Iterator[m.PoolingOutput]:
+        self.group.reset_liveness()
         try:
             while True:
                 if self.ended_by:

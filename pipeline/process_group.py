@@ -55,7 +55,8 @@ class Child:
 class ProcessGroup:
     def __init__(self, spec: ModelSpec, *, num_workers: int, engine_threads: int, device: str, dtype: str,
                  max_num_seqs: int, max_num_batched_tokens: int | None, window: int, max_message_items: int,
-                 io_processor: str | None = None, log_level: str = "WARNING") -> None:
+                 io_processor: str | None = None, log_level: str = "WARNING",
+                 heartbeat_timeout_s: float = 30.0, step_timeout_s: float = 600.0) -> None:
         self.spec = spec
         self.dir = Path(tempfile.mkdtemp(prefix="pooling-pipeline-"))  # mode 0700
         os.chmod(self.dir, 0o700)
@@ -74,6 +75,12 @@ class ProcessGroup:
         self.work = [self._bind(zmq.PUSH, ep(f"work-{i}")) for i in range(num_workers)]
         self.log_level = log_level
         self.io_processor = io_processor
+        # Liveness: a child that sends nothing for heartbeat_timeout_s (stopped, wedged) or stays
+        # inside one piece of work for step_timeout_s is treated as dead. Nothing waits forever.
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.step_timeout_s = step_timeout_s
+        self.last_seen: dict[tuple[str, int], float] = {}
+        self.busy_s: dict[tuple[str, int], float] = {}
         self.engine_cfg = EngineConfig(
             model=spec, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, window=window, max_message_items=max_message_items,
@@ -112,6 +119,8 @@ class ProcessGroup:
                 env=env, cwd=PROJECT_ROOT, close_fds=True)
         child = Child(role, index, proc, log_path)
         self.children.append(child)
+        self.last_seen[(role, index)] = time.monotonic()
+        self.busy_s[(role, index)] = 0.0
         return child
 
     def start_worker(self, index: int) -> Child:
@@ -156,11 +165,30 @@ class ProcessGroup:
         while True:
             frames = self.results.recv_multipart(copy=False)
             try:
-                return self.decoder.decode(frames)
+                msg = self.decoder.decode(frames)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 log.error("dropped a malformed message from a child: %s", e)
                 if not self.results.poll(0):
                     return None
+                continue
+            self._note(msg)
+            return msg
+
+    def _note(self, msg) -> None:
+        now = time.monotonic()
+        if isinstance(msg, m.Heartbeat):
+            self.last_seen[(msg.role, msg.index)] = now
+            self.busy_s[(msg.role, msg.index)] = msg.busy_s
+        elif isinstance(msg, (m.OutputBatch, m.StepFailed)):
+            self.last_seen[("engine", 0)] = now
+        elif isinstance(msg, m.Ready):
+            self.last_seen[(msg.role, msg.index)] = now
+
+    def reset_liveness(self) -> None:
+        """Between calls nobody reads the heartbeats: a new call starts every clock afresh."""
+        now = time.monotonic()
+        for key in self.last_seen:
+            self.last_seen[key] = now
 
     def send_work(self, worker: int, items: list[m.RenderParams], chat_template: str | None = None) -> None:
         # NOBLOCK: a worker that died (no peer on its socket) raises zmq.Again instead of blocking.
@@ -178,12 +206,37 @@ class ProcessGroup:
     # ---- health ------------------------------------------------------------------------
 
     def check_alive(self) -> list[int]:
-        """Raises EngineDeadError if the engine is gone; returns the indices of dead workers."""
+        """Raises EngineDeadError if the engine is gone or wedged; returns the indices of dead
+        workers (a wedged worker is killed first, so it is dead too)."""
         if not self.engine.alive():
             tail = self.engine.log_tail()
             raise EngineDeadError(f"engine core exited with code {self.engine.proc.returncode}"
                                   + (f"; its last output:\n{tail}" if tail else ""))
-        return [i for i, w in enumerate(self.workers) if w is not None and not w.alive()]
+        wedged = self._wedged("engine", 0)
+        if wedged:
+            self.engine.proc.kill()
+            raise EngineDeadError(f"engine core {wedged}; it was killed")
+        dead = []
+        for i, worker in enumerate(self.workers):
+            if worker is None:
+                continue
+            wedged = self._wedged("worker", i) if worker.alive() else None
+            if wedged:
+                log.warning("render worker %d %s; killing it", i, wedged)
+                worker.proc.kill()
+                worker.proc.wait()
+            if not worker.alive():
+                dead.append(i)
+        return dead
+
+    def _wedged(self, role: str, index: int) -> str | None:
+        silent = time.monotonic() - self.last_seen.get((role, index), time.monotonic())
+        if silent > self.heartbeat_timeout_s:
+            return f"sent no heartbeat for {silent:.0f} s (stopped or wedged)"
+        busy = self.busy_s.get((role, index), 0.0)
+        if busy > self.step_timeout_s:
+            return f"has been stuck in one piece of work for {busy:.0f} s"
+        return None
 
     # ---- tear-down -----------------------------------------------------------------------
 

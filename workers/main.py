@@ -19,7 +19,7 @@ import zmq
 
 from core import messages as m
 from core.config import WorkerConfig
-from core.runtime import exit_with_parent, setup_logging, socket
+from core.runtime import BusyClock, exit_with_parent, setup_logging, socket, start_heartbeat
 from core.serial import Decoder, Encoder
 
 POLL_MS = 500
@@ -55,6 +55,8 @@ def main(argv: list[str]) -> int:
               "truncation_side": str(getattr(renderer.hf, "truncation_side", "right"))},
     )))
     decoder = Decoder(m.WorkerInbound)
+    clock = BusyClock()
+    start_heartbeat(ctx, cfg.output_endpoint, "worker", cfg.index, clock)
     while True:
         if not work.poll(POLL_MS):
             continue
@@ -66,7 +68,8 @@ def main(argv: list[str]) -> int:
             continue
         if isinstance(msg, m.Shutdown):
             break
-        inputs, failed = renderer.render(msg.items, msg.chat_template)
+        with clock:
+            inputs, failed = renderer.render(msg.items, msg.chat_template)
         for start in range(0, len(inputs), cfg.max_message_items):  # chunk mode can make many inputs
             batch = m.EngineInputBatch(cfg.index, inputs[start:start + cfg.max_message_items])
             to_engine.send_multipart(encoder.encode(batch), copy=False)
