@@ -183,8 +183,8 @@ class Call:
     # ---- sending -------------------------------------------------------------------------
 
     def _issue(self) -> None:
-        self._send(list(self.backlog))
-        self.backlog.clear()
+        backlog, self.backlog = list(self.backlog), deque()
+        self._send(backlog)  # what cannot be sent yet goes back into self.backlog
         pending: list[m.RenderParams] = []
         while (not self.exhausted and self.issued - self.next_index < self.max_inflight
                and self.inflight_chars < MAX_INFLIGHT_CHARS):

@@ -81,6 +81,8 @@ class ProcessGroup:
         self.step_timeout_s = step_timeout_s
         self.last_seen: dict[tuple[str, int], float] = {}
         self.busy_s: dict[tuple[str, int], float] = {}
+        self.ready: set[tuple[str, int]] = set()  # heartbeats are expected only once a child is ready
+        self.startup_timeout_s = 300.0
         self.engine_cfg = EngineConfig(
             model=spec, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, window=window, max_message_items=max_message_items,
@@ -121,6 +123,7 @@ class ProcessGroup:
         self.children.append(child)
         self.last_seen[(role, index)] = time.monotonic()
         self.busy_s[(role, index)] = 0.0
+        self.ready.discard((role, index))
         return child
 
     def start_worker(self, index: int) -> Child:
@@ -140,6 +143,7 @@ class ProcessGroup:
 
     def wait_ready(self, timeout_s: float) -> None:
         """Waits for a Ready from every child; raises with the child's own log if one fails."""
+        self.startup_timeout_s = timeout_s
         pending = {("engine", 0)} | {("worker", i) for i in range(len(self.workers))}
         deadline = time.monotonic() + timeout_s
         while pending:
@@ -183,6 +187,8 @@ class ProcessGroup:
             self.last_seen[("engine", 0)] = now
         elif isinstance(msg, m.Ready):
             self.last_seen[(msg.role, msg.index)] = now
+            if msg.error is None:
+                self.ready.add((msg.role, msg.index))
 
     def reset_liveness(self) -> None:
         """Between calls nobody reads the heartbeats: a new call starts every clock afresh."""
@@ -230,6 +236,9 @@ class ProcessGroup:
         return dead
 
     def _wedged(self, role: str, index: int) -> str | None:
+        if (role, index) not in self.ready:  # still loading its model or tokenizer
+            starting = time.monotonic() - self.last_seen.get((role, index), time.monotonic())
+            return f"did not become ready in {starting:.0f} s" if starting > self.startup_timeout_s else None
         silent = time.monotonic() - self.last_seen.get((role, index), time.monotonic())
         if silent > self.heartbeat_timeout_s:
             return f"sent no heartbeat for {silent:.0f} s (stopped or wedged)"
