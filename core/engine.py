@@ -106,7 +106,10 @@ class EngineCore:
         if isinstance(msg, m.Shutdown):
             self.running = False
             return
-        for rid in self.scheduler.abort(msg.request_ids):
+        self.scheduler.abort(msg.request_ids)
+        # Remember every aborted id, not only those still on their way: a chunked document's
+        # other windows may still come, and ids are never reused.
+        for rid in msg.request_ids:
             self.aborted[rid] = None
         while len(self.aborted) > MAX_REMEMBERED_ABORTS:
             self.aborted.popitem(last=False)
@@ -120,8 +123,6 @@ class EngineCore:
         rejected: list[tuple[m.PoolingEngineInput, str]] = []
         for request in msg.items:
             if self.aborted and request.request_id in self.aborted:
-                if request.window < 0:  # a chunked document's other windows may still come
-                    del self.aborted[request.request_id]
                 continue
             problem = self._invalid(request)
             if problem:

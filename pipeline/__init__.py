@@ -7,7 +7,7 @@
 
 from core.messages import PoolingParams
 from pipeline.api import Pipeline
-from pipeline.launcher import load_results
+from pipeline.results_store import load_results
 from pipeline.errors import EngineDeadError, PipelineError, StepError, WorkerStartError
 from pipeline.outputs import ClassificationOutput, EmbeddingOutput, PoolingRequestOutput, ScoringOutput
 

@@ -1,165 +1,200 @@
-"""`pipeline-run`: embed a corpus from files into chunked .npy arrays on disk.
+"""`pipeline-run`: a resumable, sharded offline job from files to arrays on disk.
 
     pipeline-run                                   # the bundled sample, default model -> ./pipeline-out
-    pipeline-run --input docs.jsonl --text-field body --id-field url --output out/
+    pipeline-run --input corpus/ --output out/ --text-field body --id-field url --precision int8
+    pipeline-run --input 'dumps/*.jsonl' --output out-3/ --shard 3/8 --resume     # machine 3 of 8
     cat lines.txt | pipeline-run --input - --output out/
 
-Inputs are streamed (never loaded whole): JSONL (one object per line, the text under
---text-field, the id under --id-field, else the line number) or plain text (one record per line).
-The output directory holds embeddings-NNNNN.npy (float32 [rows, dim]) with ids-NNNNN.json beside
-each, and manifest.json; `pipeline.load_results(DIR)` reads them back in input order.
+Inputs are streamed, never loaded whole. Results go to chunked files with a manifest
+(pipeline/results_store.py); `--resume` continues a crashed job with identical output, and on a
+missing or empty directory simply starts it, so one command line serves every (re)start.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
+import itertools
+import os
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
+from pipeline.records import expand_inputs, read_records
+from pipeline.results_store import FORMATS, PRECISIONS, ResultWriter, load_results  # noqa: F401 (re-export)
 
 SAMPLE = Path(__file__).resolve().parent / "data" / "sample.jsonl"
+TASKS = ("embed", "classify", "token_embed", "token_classify")
+COUNT_LINES_UP_TO_BYTES = 2 << 30  # count records for the ETA when the inputs are smaller than this
 
 
-def read_records(paths: list[str], text_field: str, id_field: str | None, limit: int | None) -> Iterator[tuple[str, str]]:
-    """(id, text) pairs from the inputs, one line at a time."""
-    count = 0
-    for path in paths:
-        stream = sys.stdin if path == "-" else open(path, encoding="utf-8")
-        name = "stdin" if path == "-" else path
-        try:
-            is_jsonl = path != "-" and path.endswith((".jsonl", ".json", ".ndjson"))
-            for line_no, line in enumerate(stream, start=1):
-                if limit is not None and count >= limit:
-                    return
-                line = line.rstrip("\n")
-                if is_jsonl or (path == "-" and line.startswith("{")):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except ValueError as e:
-                        raise ValueError(f"{name} line {line_no}: not valid JSON ({e})") from None
-                    if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                        raise ValueError(f"{name} line {line_no}: no string field {text_field!r}")
-                    rid = str(record[id_field]) if id_field and id_field in record else f"{name}:{line_no}"
-                    text = record[text_field]
-                else:
-                    rid, text = f"{name}:{line_no}", line
-                count += 1
-                yield rid, text
-        finally:
-            if stream is not sys.stdin:
-                stream.close()
+def parse_shard(value: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in value.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard must look like I/N, got {value!r}") from None
+    if n < 1 or not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"--shard I/N needs 0 <= I < N, got {value!r}")
+    return i, n
 
 
-def model_hash(model_dir: str) -> str:
-    """sha256 over the model's config and weight files (names and bytes)."""
-    digest = hashlib.sha256()
-    for path in sorted(Path(model_dir).iterdir()):
-        if path.is_file() and path.suffix in (".json", ".safetensors", ".bin", ".txt", ".model"):
-            digest.update(path.name.encode())
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    digest.update(block)
-    return digest.hexdigest()
-
-
-def load_results(directory: str | Path) -> tuple[list[str], np.ndarray]:
-    """Reads a pipeline-run output directory back: (ids, array [rows, dim]) in input order."""
-    directory = Path(directory)
-    manifest = json.loads((directory / "manifest.json").read_text())
-    ids: list[str] = []
-    arrays = []
-    for chunk in manifest["chunks"]:
-        arrays.append(np.load(directory / chunk["data"]))
-        ids.extend(json.loads((directory / chunk["ids"]).read_text()))
-    data = np.concatenate(arrays) if arrays else np.zeros((0, manifest.get("dim", 0)), dtype=np.float32)
-    return ids, data
-
-
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pipeline-run", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--input", nargs="+", default=[str(SAMPLE)], help="JSONL or text files, or - for stdin")
+    ap.add_argument("--input", nargs="+", default=[str(SAMPLE)],
+                    help="JSONL, text (one record per line) or Parquet files, directories, globs, or - for stdin")
     ap.add_argument("--output", default="pipeline-out")
     ap.add_argument("--model", default=None, help="local model directory (default: bundled all-MiniLM-L6-v2)")
+    ap.add_argument("--task", default="embed", choices=TASKS)
     ap.add_argument("--text-field", default="text")
     ap.add_argument("--id-field", default="id")
     ap.add_argument("--workers", type=int, default=None, help="render workers (default: planned from the cores)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--truncate", type=int, default=None, help="keep at most this many tokens per record")
-    ap.add_argument("--limit", type=int, default=None, help="stop after this many records")
+    ap.add_argument("--long-inputs", default="truncate", choices=("truncate", "chunk", "error"))
+    ap.add_argument("--precision", default="float32", choices=PRECISIONS)
+    ap.add_argument("--format", default="npy", choices=FORMATS)
+    ap.add_argument("--shard", type=parse_shard, default=(0, 1), metavar="I/N",
+                    help="process only records whose index %% N == I")
+    ap.add_argument("--resume", action="store_true", help="continue the job in --output (or start it)")
+    ap.add_argument("--errors", default="raise", choices=("raise", "return"),
+                    help="return: failed records go to errors-*.jsonl and the run goes on")
+    ap.add_argument("--limit", type=int, default=None, help="stop after this many records (of this shard)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--chunk-rows", type=int, default=65536, help="rows per output file")
+    ap.add_argument("--chunk-rows", type=int, default=65536, help="records per output chunk")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
-    args = ap.parse_args(argv)
+    return ap
 
-    from pipeline import Pipeline
 
-    out_dir = Path(args.output)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ids: list[str] = []
-    rows: list[np.ndarray] = []
-    chunks: list[dict] = []
+def count_records(files: list[str], shard: tuple[int, int]) -> int | None:
+    """Lines in the inputs (for the progress bar's ETA), when that is cheap to know."""
+    if any(f == "-" or f.endswith(".parquet") for f in files):
+        return None
+    if sum(os.path.getsize(f) for f in files) > COUNT_LINES_UP_TO_BYTES:
+        return None
     total = 0
-    records = read_records(args.input, args.text_field, args.id_field, args.limit)
-    id_buffer: deque[str] = deque()  # ids of records handed to the pipeline, not yet written
+    for f in files:
+        with open(f, "rb") as fh:
+            data = fh.read()
+            total += data.count(b"\n") + (0 if data.endswith(b"\n") or not data else 1)
+    return len(range(shard[0], total, shard[1]))
 
-    def texts() -> Iterator[str]:
-        for rid, text in records:
-            id_buffer.append(rid)  # ids are consumed in the same order the results come back
-            yield text
 
-    def flush() -> None:
-        if not rows:
-            return
-        index = len(chunks)
-        data_name, ids_name = f"embeddings-{index:05d}.npy", f"ids-{index:05d}.json"
-        np.save(out_dir / data_name, np.stack(rows).astype(np.float32, copy=False))
-        (out_dir / ids_name).write_text(json.dumps(ids))
-        chunks.append({"data": data_name, "ids": ids_name, "rows": len(rows)})
-        rows.clear()
-        ids.clear()
+def peak_rss_mb(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
 
-    start = time.perf_counter()
-    with Pipeline(model=args.model, num_render_workers=args.workers, max_num_seqs=args.max_num_seqs,
-                  device=args.device, dtype=args.dtype) as pipe:
-        dim = None
-        for out in pipe.embed_stream(texts(), truncate_prompt_tokens=args.truncate, use_tqdm=not args.quiet):
-            rows.append(out.embedding)
-            ids.append(id_buffer.popleft())
-            dim = out.embedding.shape[0]
-            total += 1
-            if len(rows) >= args.chunk_rows:
-                flush()
-        flush()
-        stats = pipe.stats()
-        spec = pipe.model_spec
-    wall = time.perf_counter() - start
-    manifest = {
-        "version": __import__("pipeline").__version__,
-        "task": "embed",
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as e:
+        print(f"pipeline-run: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipeline import Pipeline, __version__
+    from core.config import load_model_spec
+
+    files = expand_inputs(args.input)
+    spec = load_model_spec(args.model)
+    from pipeline.launcher_hash import model_hash
+
+    job = {
+        "version": __version__,
+        "task": args.task,
         "model": spec.path,
         "model_sha256": model_hash(spec.path),
-        "params": {"truncate_prompt_tokens": args.truncate, "max_num_seqs": args.max_num_seqs,
-                   "pooling": spec.pooling, "normalize": spec.normalize},
-        "inputs": args.input,
-        "rows": total,
-        "dim": dim,
-        "chunks": chunks,
-        "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))},
+        "inputs": [os.path.abspath(f) if f != "-" else f for f in files],
+        "shard": list(args.shard),
+        "params": {"truncate": args.truncate, "long_inputs": args.long_inputs, "precision": args.precision,
+                   "format": args.format, "text_field": args.text_field, "id_field": args.id_field,
+                   "chunk_rows": args.chunk_rows, "pooling": spec.pooling, "normalize": spec.normalize},
     }
-    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
-    print(f"embedded {total} records in {wall:.1f} s ({total / max(stats['wall_s'], 1e-9):.1f} records/s, "
-          f"{stats['tokens_per_s']:.0f} tokens/s, engine busy {stats['engine_busy_fraction']:.0%}) -> {out_dir}/")
+    writer = ResultWriter(args.output, job, resume=args.resume)
+    if writer.manifest.get("complete"):
+        print(f"pipeline-run: {args.output} is complete ({writer.records_done} records); nothing to do")
+        return 0
+    records = read_records(files, args.text_field, args.id_field, args.shard, skip=writer.records_done)
+    total = count_records(files, args.shard)
+    remaining = None if total is None else max(0, total - writer.records_done)
+    if args.limit is not None:
+        records = itertools.islice(records, max(0, args.limit - writer.records_done))
+        remaining = max(0, args.limit - writer.records_done) if remaining is None else \
+            min(remaining, max(0, args.limit - writer.records_done))
+    pending: deque = deque()  # records handed to the pipeline, in order, not yet written
+
+    def texts():
+        for record in records:
+            pending.append(record)
+            yield record.text
+
+    start = time.perf_counter()
+    progress = None
+    if not args.quiet:
+        from tqdm.auto import tqdm
+
+        progress = tqdm(total=remaining, desc="pipeline-run", unit="records", dynamic_ncols=True)
+    with Pipeline(model=args.model, num_render_workers=args.workers, max_num_seqs=args.max_num_seqs,
+                  device=args.device, dtype=args.dtype) as pipe:
+        tokens = 0
+        for out in pipe.encode_stream(texts(), args.task, truncate_prompt_tokens=args.truncate,
+                                      long_inputs=args.long_inputs, errors=args.errors):
+            record = pending.popleft()
+            writer.add(record.index, record.id, out.data, out.error)
+            tokens += out.num_prompt_tokens
+            if writer.pending_records >= args.chunk_rows:
+                writer.flush(_stats(pipe, start))
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f} tok/s", refresh=False)
+        stats = _stats(pipe, start)
+        stats["peak_rss_mb"] = {"frontend": peak_rss_mb(os.getpid()), "engine": peak_rss_mb(pipe.pids["engine"]),
+                                "workers": [peak_rss_mb(p) for p in pipe.pids["workers"]]}
+    if progress is not None:
+        progress.close()
+    writer.close(stats)
+    _print_summary(writer, stats, args.output)
     return 0
+
+
+def _stats(pipe, start: float) -> dict:
+    s = pipe.stats()
+    return {"wall_s": time.perf_counter() - start, "records": s["requests"], "tokens": s["prompt_tokens"],
+            "engine_busy_fraction": s["engine_busy_fraction"], "padding_fraction": s["padding_fraction"],
+            "errors": s["errors"], "cpu_plan": s["cpu_plan"]}
+
+
+def _print_summary(writer: ResultWriter, stats: dict, out_dir: str) -> None:
+    m = writer.manifest
+    wall = stats["wall_s"]
+    rss = stats["peak_rss_mb"]
+    rows = [
+        ("records (this run)", f"{stats['records'] + stats['errors']}"),
+        ("records in output", f"{m['rows']} ({m['errors']} failed)"),
+        ("tokens", f"{stats['tokens']:,}"),
+        ("wall time", f"{wall:.1f} s"),
+        ("throughput", f"{stats['records'] / max(wall, 1e-9):.1f} records/s, {stats['tokens'] / max(wall, 1e-9):,.0f} tokens/s"),
+        ("engine busy", f"{stats['engine_busy_fraction']:.0%}"),
+        ("padding efficiency", f"{1 - stats['padding_fraction']:.0%}"),
+        ("peak RSS", f"frontend {rss['frontend']:.0f} MB, engine {rss['engine']:.0f} MB, workers "
+                     + ", ".join(f"{w:.0f} MB" for w in rss["workers"] if w is not None)),
+        ("errors", f"{m['errors']}" + (" (see errors-*.jsonl)" if m["errors"] else "")),
+        ("output", f"{out_dir}/"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    print(f"embedded {stats['records']} records")
 
 
 if __name__ == "__main__":

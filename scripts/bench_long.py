@@ -16,30 +16,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_embed import median_time  # noqa: E402  (this folder is on sys.path when run as a script)
 from core.config import default_model_path, load_model_spec  # noqa: E402
 from pipeline import Pipeline, corpus  # noqa: E402
 from workers.render import load_tokenizer  # noqa: E402
 from workers.truncation import TruncatingEncoder  # noqa: E402
 
 CHARS_PER_TOKEN = 4.0
-
-
-def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
