@@ -360,9 +360,12 @@ OUTPUT_TYPES = {"embed": EmbeddingOutput, "classify": ClassificationOutput}
 
 
 def _plugin_items(data) -> list | Iterable:
+    """Plugin input: a list or other iterable of raw items, or a single item (a str or dict is one item)."""
     if data is None:
         raise TypeError("plugin data must be an item or a list of items, got None")
-    return data if isinstance(data, (list, tuple)) or (isinstance(data, Iterable) and not isinstance(data, (str, dict, bytes))) else [data]
+    if isinstance(data, (str, dict, bytes)) or not isinstance(data, Iterable):
+        return [data]
+    return data
 
 
 def _score_side(data, name: str) -> list:

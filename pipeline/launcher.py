@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="process only records whose index %% N == I")
     ap.add_argument("--resume", action="store_true", help="continue the job in --output (or start it)")
     ap.add_argument("--errors", default="raise", choices=("raise", "return"),
-                    help="return: failed records go to errors-*.jsonl and the run goes on")
+                    help="return: failed records go to errors.jsonl and the run goes on")
     ap.add_argument("--limit", type=int, default=None, help="stop after this many records (of this shard)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
@@ -190,7 +190,7 @@ def _print_summary(writer: ResultWriter, stats: dict, out_dir: str) -> None:
         ("padding efficiency", f"{1 - stats['padding_fraction']:.0%}"),
         ("peak RSS", f"frontend {rss['frontend']:.0f} MB, engine {rss['engine']:.0f} MB, workers "
                      + ", ".join(f"{w:.0f} MB" for w in rss["workers"] if w is not None)),
-        ("errors", f"{m['errors']}" + (" (see errors-*.jsonl)" if m["errors"] else "")),
+        ("errors", f"{m['errors']}" + (" (see errors.jsonl)" if m["errors"] else "")),
         ("output", f"{out_dir}/"),
     ]
     width = max(len(k) for k, _ in rows)

@@ -131,6 +131,10 @@ class ResultWriter:
 
     def close(self, stats: dict) -> None:
         self.flush(stats)
+        # One errors.jsonl for the whole job (the per-chunk files are what a resume relies on).
+        lines = [(self.dir / c["errors"]).read_bytes() for c in self.manifest["chunks"] if c.get("errors")]
+        if lines:
+            _atomic_write(self.dir / "errors.jsonl", b"".join(lines))
         self.manifest["complete"] = True
         self.manifest["stats"] = stats
         self._write_manifest()

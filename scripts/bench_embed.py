@@ -27,7 +27,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
 
 from core.config import default_model_path  # noqa: E402
 from pipeline import Pipeline, corpus  # noqa: E402

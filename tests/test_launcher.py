@@ -176,7 +176,7 @@ def test_errors_return_lists_failed_records_and_goes_on(tmp_path, st_model):
     _run(["--input", str(path), "--output", str(out), "--long-inputs", "error", "--errors", "return"])
     ids, data = load_results(out)
     assert ids == ["a", "c"] and np.abs(data - st_model.encode(["short one", "short two"])).max() <= TOL
-    errors = [json.loads(line) for line in (out / "errors-00000.jsonl").read_text().splitlines()]
+    errors = [json.loads(line) for line in (out / "errors.jsonl").read_text().splitlines()]
     assert [e["id"] for e in errors] == ["b"] and "long_inputs='error'" in errors[0]["error"]
 
 

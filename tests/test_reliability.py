@@ -6,7 +6,6 @@ import signal
 import threading
 import time
 
-import msgspec
 import numpy as np
 import psutil
 import pytest
