@@ -10,6 +10,7 @@ One loop owns all engine state (the scheduler's window, the set of aborted ids):
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import time
@@ -26,6 +27,9 @@ from core.scheduler import Scheduler
 from core.serial import Decoder, Encoder
 
 IDLE_POLL_MS = 500
+# Batches of ever-changing shapes fragment the C heap: freed memory stays in the process unless it
+# is handed back now and then (a soak of 1M requests grew the engine by 124 MB without this).
+TRIM_EVERY_STEPS = 256
 # Default batch shape by device. On a CPU the cost per padded token is flat from ~100 tokens and
 # rises past ~4k (caches), and padding is paid in full; a GPU wants big batches and hides padding.
 CPU_BATCH_TOKENS, GPU_BATCH_TOKENS = 2048, 16384
@@ -55,6 +59,7 @@ class EngineCore:
         self.input_decoder = Decoder(m.EngineInbound)
         self.control_decoder = Decoder(m.EngineControl)
         self.running = True
+        self.steps = 0
         self.clock = BusyClock()
 
     def ready_info(self) -> dict:
@@ -85,6 +90,9 @@ class EngineCore:
             if len(self.scheduler) and self.running:
                 with self.clock:
                     self._step()
+                self.steps += 1
+                if self.steps % TRIM_EVERY_STEPS == 0:
+                    release_free_memory()
 
     def _has_room(self) -> bool:
         return len(self.scheduler) + self.cfg.max_message_items <= self.cfg.window
@@ -181,6 +189,14 @@ class EngineCore:
 
     def _send(self, msg) -> None:
         self.to_front.send_multipart(self.encoder.encode(msg), copy=False)
+
+
+def release_free_memory() -> None:
+    """glibc's malloc_trim: return free heap pages to the system (a no-op elsewhere)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def main(argv: list[str]) -> int:

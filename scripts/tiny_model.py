@@ -1,0 +1,27 @@
+"""A tiny BERT built on the fly (random weights, the bundled tokenizer): a model whose forward pass
+costs almost nothing, so the CPU side of the pipeline -- tokenization, transport, scheduling --
+is what gets measured. That is what a GPU engine looks like from the CPU."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def build_tiny_model(target: str | Path | None = None) -> str:
+    import torch
+    from transformers import BertConfig, BertModel
+
+    from core.config import default_model_path
+
+    target = Path(target or tempfile.mkdtemp(prefix="tiny-bert-"))
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=512)
+    BertModel(config).save_pretrained(target)
+    for name in TOKENIZER_FILES:
+        shutil.copy(Path(default_model_path()) / name, target / name)
+    return str(target)
