@@ -45,6 +45,7 @@ class Pipeline:
     def __init__(self, model: str | None = None, num_render_workers: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int | None = None, max_inflight: int | None = None,
                  device: str = "auto", dtype: str = "auto", *, engine_window: int | None = None,
+                 engine_threads: int | None = None,
                  io_processor: str | None = None, trust_remote_code: bool = False,
                  startup_timeout_s: float = 300.0, heartbeat_timeout_s: float = 30.0, step_timeout_s: float = 600.0,
                  log_level: str = "WARNING") -> None:
@@ -79,7 +80,8 @@ class Pipeline:
             from workers.render import load_plugin
 
             self._plugin = load_plugin(io_processor)  # in the caller too, for post_process (errors early)
-        self.cpu_plan = plan_cpu(num_render_workers, device)
+        _positive_int("engine_threads", engine_threads)
+        self.cpu_plan = plan_cpu(num_render_workers, device, engine_threads=engine_threads)
         log.debug("CPU plan: %s", self.cpu_plan)
         self._lock = threading.Lock()
         self._call: Call | None = None

@@ -42,8 +42,16 @@ def cuda_expected(device: str) -> bool:
     return os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi") is not None
 
 
-def plan_cpu(num_render_workers: int | None, device: str, cores: int | None = None) -> CpuPlan:
-    cores = cores or available_cores()
+def plan_cpu(num_render_workers: int | None, device: str, cores: int | None = None,
+             engine_threads: int | None = None) -> CpuPlan:
+    plan = _plan(num_render_workers, device, cores or available_cores())
+    if engine_threads is None:
+        return plan
+    return CpuPlan(plan.cores, plan.render_workers, engine_threads, plan.accelerator_expected,
+                   plan.reason + f"; engine threads fixed at {engine_threads} by the caller")
+
+
+def _plan(num_render_workers: int | None, device: str, cores: int) -> CpuPlan:
     gpu = cuda_expected(device)
     if gpu:
         workers = num_render_workers or max(1, min(cores - 1, 16))
