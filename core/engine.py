@@ -75,12 +75,13 @@ class EngineCore:
         self.to_front = to_front
         to_front.send_multipart(self.encoder.encode(m.Ready("engine", 0, os.getpid(), info=self.ready_info())))
         start_heartbeat(ctx, self.cfg.output_endpoint, "engine", 0, self.clock)
+        # While the window is full the input socket is simply not polled: back-pressure.
+        control_only, both = zmq.Poller(), zmq.Poller()
+        control_only.register(control, zmq.POLLIN)
+        both.register(control, zmq.POLLIN)
+        both.register(inputs, zmq.POLLIN)
         while self.running:
-            has_room = self._has_room()
-            poller = zmq.Poller()
-            poller.register(control, zmq.POLLIN)
-            if has_room:
-                poller.register(inputs, zmq.POLLIN)
+            poller = both if self._has_room() else control_only
             timeout = 0 if len(self.scheduler) else IDLE_POLL_MS
             events = dict(poller.poll(timeout))
             if control in events:

@@ -27,9 +27,6 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     use_activation: bool | None = None
     truncate_prompt_tokens: int | None = None
 
-    def clone(self) -> "PoolingParams":
-        return msgspec.structs.replace(self)
-
 
 class RenderParams(msgspec.Struct, array_like=True, omit_defaults=True):
     """One request's raw input and options, before tokenization (frontend -> render worker).

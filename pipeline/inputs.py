@@ -18,7 +18,6 @@ from core.config import ModelSpec
 from core.messages import PoolingParams, RenderParams
 
 EMBEDDING_TASKS = ("embed", "token_embed")
-ACTIVATION_TASKS = ("classify", "token_classify", "score")
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,6 @@ class Renderer:
         # A tokenizer that does not hand token_type_ids to its model (RoBERTa style, or a config
         # that drops them) means the model sees zeros: then no boundary travels either.
         self.sends_token_types = "token_type_ids" in getattr(hf_tokenizer, "model_input_names", ["token_type_ids"])
-        self.tokens_out = 0
 
     def render(self, items: list[RenderParams], chat_template: str | None = None
                ) -> tuple[list[PoolingEngineInput], list[tuple[RenderParams, str]]]:
@@ -89,7 +88,6 @@ class Renderer:
             except Exception as e:  # any failure becomes this request's error, never a crash
                 failed.append((item, f"{type(e).__name__}: {e}"))
                 continue
-            self.tokens_out += len(token_ids)
             ready.append(PoolingEngineInput(request_id=item.request_id, seq=item.seq, task=item.task,
                                             token_ids=token_ids, params=item.params,
                                             token_type_start=type_start, priority=item.priority))
@@ -156,7 +154,6 @@ class Renderer:
         for k, content in enumerate(windows):
             ids = self._ids(self.encoder.with_special_tokens(content))
             self._check(ids)
-            self.tokens_out += len(ids)
             inputs.append(PoolingEngineInput(request_id=item.request_id, seq=item.seq, task=item.task,
                                              token_ids=ids, params=params, priority=item.priority,
                                              window=k, num_windows=len(windows)))
