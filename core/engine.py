@@ -22,7 +22,7 @@ import zmq
 
 from core import messages as m
 from core.config import EngineConfig
-from core.runtime import BusyClock, exit_with_parent, setup_logging, socket, start_heartbeat
+from core.runtime import BusyClock, exit_with_parent, run_maybe_profiled, setup_logging, socket, start_heartbeat
 from core.scheduler import Scheduler
 from core.serial import Decoder, Encoder
 
@@ -34,6 +34,8 @@ TRIM_EVERY_STEPS = 256
 # rises past ~4k (caches), and padding is paid in full; a GPU wants big batches and hides padding.
 CPU_BATCH_TOKENS, GPU_BATCH_TOKENS = 2048, 16384
 CPU_MAX_PADDING, GPU_MAX_PADDING = 0.05, 0.25
+# The measured step overhead, in padded tokens, is capped (a noisy probe must not mean "any padding").
+MAX_OVERHEAD_TOKENS = 1 << 16
 # Ids aborted before their input arrived are remembered so the late input is dropped. Bounded:
 # the frontend never has more than its window in flight, so older entries can only be strays.
 MAX_REMEMBERED_ABORTS = 1 << 20
@@ -52,14 +54,25 @@ class EngineCore:
         on_cpu = self.runner.device.type == "cpu"
         self.max_num_batched_tokens = cfg.max_num_batched_tokens or max(
             CPU_BATCH_TOKENS if on_cpu else GPU_BATCH_TOKENS, cfg.model.max_model_len)
+        # What one step's fixed cost is worth in padded tokens: lets the scheduler fill batches
+        # when a step is mostly overhead (a small model, a GPU) and keep them tight when not.
+        try:
+            self.step_overhead_s, per_token_s = self.runner.step_cost(self.max_num_batched_tokens)
+            overhead_tokens = min(self.step_overhead_s / per_token_s, MAX_OVERHEAD_TOKENS)
+        except Exception as e:  # a model that cannot run a synthetic batch still serves
+            log.warning("could not measure the step cost (%s); batches stay tight", e)
+            self.step_overhead_s, overhead_tokens = 0.0, 0.0
         self.scheduler = Scheduler(cfg.max_num_seqs, self.max_num_batched_tokens,
-                                   CPU_MAX_PADDING if on_cpu else GPU_MAX_PADDING)
+                                   CPU_MAX_PADDING if on_cpu else GPU_MAX_PADDING, overhead_tokens)
         self.aborted: OrderedDict[str, None] = OrderedDict()
         self.encoder = Encoder()
         self.input_decoder = Decoder(m.EngineInbound)
         self.control_decoder = Decoder(m.EngineControl)
         self.running = True
         self.steps = 0
+        # Stage times not yet reported (they ride on the next OutputBatch).
+        self.render_s: dict[int, float] = {}
+        self.admit_s = 0.0
         self.clock = BusyClock()
 
     def ready_info(self) -> dict:
@@ -67,7 +80,9 @@ class EngineCore:
 
         return {"device": str(self.runner.device), "dtype": str(self.runner.dtype).removeprefix("torch."),
                 "torch_threads": torch.get_num_threads(),
-                "max_num_batched_tokens": self.max_num_batched_tokens}
+                "max_num_batched_tokens": self.max_num_batched_tokens,
+                "step_overhead_ms": round(1000 * self.step_overhead_s, 3),
+                "step_overhead_tokens": round(self.scheduler.overhead_tokens, 1)}
 
     def serve(self, ctx: zmq.Context, to_front: zmq.Socket) -> None:
         inputs = socket(ctx, zmq.PULL, self.cfg.input_endpoint, bind=True)
@@ -124,15 +139,29 @@ class EngineCore:
             self.aborted.popitem(last=False)
 
     def _on_inputs(self, frames) -> None:
+        start = time.perf_counter()
+        try:
+            self._admit(frames)
+        finally:
+            self.admit_s += time.perf_counter() - start
+
+    def _admit(self, frames) -> None:
         try:
             msg = self.input_decoder.decode(frames)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            items = msg.unpack()
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
             self.log.error("dropped a malformed input message: %s", e)
             return
+        if 0.0 < msg.render_s < 1e6:  # a stat only: anything odd is ignored
+            self.render_s[msg.worker] = self.render_s.get(msg.worker, 0.0) + msg.render_s
+        if self.aborted:
+            items = [r for r in items if r.request_id not in self.aborted]
+        if self._all_valid(items, msg.token_ids):  # the usual case: one check for the whole message
+            for request in items:
+                self.scheduler.add(request)
+            return
         rejected: list[tuple[m.PoolingEngineInput, str]] = []
-        for request in msg.items:
-            if self.aborted and request.request_id in self.aborted:
-                continue
+        for request in items:
             problem = self._invalid(request)
             if problem:
                 rejected.append((request, problem))
@@ -142,6 +171,20 @@ class EngineCore:
             self.log.error("rejected %d malformed engine inputs", len(rejected))
             self.to_front.send_multipart(self.encoder.encode(m.RenderFailed(
                 [r.request_id for r, _ in rejected], [r.seq for r, _ in rejected], [e for _, e in rejected])))
+
+    def _all_valid(self, items: list[m.PoolingEngineInput], all_ids: np.ndarray) -> bool:
+        """True when every input passes `_invalid`'s checks (False says "look at each one").
+        `all_ids` holds every item's ids (and maybe more: those of aborted ones)."""
+        if not items:
+            return True
+        model = self.cfg.model
+        for r in items:
+            ids = r.token_ids
+            if (r.task not in model.tasks or ids.dtype != np.int32 or ids.ndim != 1
+                    or not 0 < ids.size <= model.max_model_len
+                    or (r.token_type_start is not None and not 0 <= r.token_type_start < ids.size)):
+                return False
+        return int(all_ids.min()) >= 0 and int(all_ids.max()) < model.vocab_size
 
     def _invalid(self, request: m.PoolingEngineInput) -> str | None:
         ids = request.token_ids
@@ -163,8 +206,7 @@ class EngineCore:
             batch = self.scheduler.next_batch()
         except Exception as e:  # scheduling itself failed: fail everything waiting rather than loop on it
             self.log.exception("scheduling failed")
-            batch = list(self.scheduler.waiting.values())
-            self.scheduler.waiting.clear()
+            batch = self.scheduler.take_all()
             self._send(m.StepFailed([r.request_id for r in batch], [r.seq for r in batch], f"{type(e).__name__}: {e}"))
             return
         self._run(batch, in_core, isolate=True)
@@ -186,7 +228,8 @@ class EngineCore:
             return
         outputs = [m.PoolingOutput(r.request_id, r.seq, len(r.token_ids), data=v, window=r.window,
                                    num_windows=r.num_windows) for r, v in zip(batch, vectors)]
-        self._send(m.OutputBatch(outputs, time.perf_counter() - start, padded, in_core))
+        self._send(m.OutputBatch.pack(outputs, time.perf_counter() - start, padded, in_core, self.render_s, self.admit_s))
+        self.render_s, self.admit_s = {}, 0.0
 
     def _send(self, msg) -> None:
         self.to_front.send_multipart(self.encoder.encode(msg), copy=False)
@@ -213,7 +256,7 @@ def main(argv: list[str]) -> int:
         to_front.send_multipart(Encoder().encode(m.Ready("engine", 0, os.getpid(), error=f"{type(e).__name__}: {e}")))
         to_front.close(linger=2000)
         return 1
-    engine.serve(ctx, to_front)
+    run_maybe_profiled(lambda: engine.serve(ctx, to_front), "engine")
     log.info("shutting down")
     ctx.destroy(linger=0)
     return 0

@@ -60,7 +60,7 @@ class PoolingEngineInput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     seq: int
     task: str
-    token_ids: np.ndarray  # int32, already truncated
+    token_ids: np.ndarray | None  # int32, already truncated (packed per batch on the wire: None there)
     params: PoolingParams
     # Token type ids are zeros then ones (a text pair): only the index of the first 1 travels.
     token_type_start: int | None = None
@@ -76,7 +76,7 @@ class PoolingOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     seq: int
     num_prompt_tokens: int
-    data: np.ndarray | None = None  # float32; None when `error` is set
+    data: np.ndarray | None = None  # float32; None when `error` is set (or packed in its OutputBatch)
     error: str | None = None
     window: int = -1  # chunk mode: which window of the document this is
     num_windows: int = 0
@@ -91,15 +91,78 @@ class RenderBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True)
 
 
 class EngineInputBatch(msgspec.Struct, tag=True, array_like=True):
+    """Engine inputs with their token ids packed into one array (one buffer per message instead
+    of one per request: decoding and validating cost per message, not per request).
+    Build it with `pack`; `unpack` gives the inputs back with their ids."""
+
     worker: int
-    items: list[PoolingEngineInput]
+    items: list[PoolingEngineInput]  # token_ids None: they are in `token_ids` below
+    token_ids: np.ndarray  # int32, every item's ids back to back
+    lengths: np.ndarray  # int64, one per item
+    render_s: float = 0.0  # the worker's rendering time since its previous message (for stats)
+
+    @classmethod
+    def pack(cls, worker: int, items: list[PoolingEngineInput], render_s: float = 0.0) -> EngineInputBatch:
+        """Takes the items' ids into one array (the items themselves are left without them)."""
+        arrays = [item.token_ids for item in items]
+        flat = np.concatenate(arrays).astype(np.int32, copy=False) if arrays else np.zeros(0, np.int32)
+        lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
+        for item in items:
+            item.token_ids = None
+        return cls(worker, items, flat, lengths, render_s)
+
+    def unpack(self) -> list[PoolingEngineInput]:
+        """The items, each with a view of its ids. ValueError when the parts do not fit together."""
+        lengths = self.lengths
+        if (lengths.ndim != 1 or lengths.dtype.kind != "i" or len(lengths) != len(self.items)
+                or self.token_ids.ndim != 1 or (lengths.size and int(lengths.min()) < 0)
+                or int(lengths.sum()) != self.token_ids.size):
+            raise ValueError("packed token ids do not match the items' lengths")
+        if any(item.token_ids is not None for item in self.items):
+            raise ValueError("token ids must travel packed, not in the items")
+        start = 0
+        for item, length in zip(self.items, lengths.tolist()):
+            item.token_ids = self.token_ids[start:start + length]
+            start += length
+        return self.items
 
 
 class OutputBatch(msgspec.Struct, tag=True, array_like=True):
+    """A step's outputs. When they are all vectors of one size (embeddings, class probabilities,
+    scores) their data travels as one [n, dim] array; `pack` / `unpack` do that."""
+
     outputs: list[PoolingOutput]
     busy_s: float  # engine time spent on this batch (forward + pooling)
     padded_tokens: int  # tokens the forward pass computed, padding included
     in_core: int  # requests admitted in the engine when this batch was formed
+    data: np.ndarray | None = None  # [len(outputs), dim]: row i is outputs[i].data
+    # Stage times since the previous OutputBatch, for stats: rendering per worker (reported by
+    # the workers with their inputs) and the engine's own time reading and admitting inputs.
+    render_s: dict[int, float] = {}
+    admit_s: float = 0.0
+
+    @classmethod
+    def pack(cls, outputs: list[PoolingOutput], busy_s: float, padded_tokens: int, in_core: int,
+             render_s: dict[int, float] | None = None, admit_s: float = 0.0) -> OutputBatch:
+        arrays = [out.data for out in outputs]
+        stacked = None
+        if (arrays and all(a is not None and a.ndim == 1 for a in arrays)
+                and len({a.shape for a in arrays}) == 1 and len({a.dtype for a in arrays}) == 1):
+            stacked = np.stack(arrays)
+            for out in outputs:
+                out.data = None
+        return cls(outputs, busy_s, padded_tokens, in_core, stacked, render_s or {}, admit_s)
+
+    def unpack(self) -> list[PoolingOutput]:
+        """The outputs, each with its own copy of its row. ValueError when the rows do not fit."""
+        if self.data is None:
+            return self.outputs
+        if self.data.ndim != 2 or self.data.shape[0] != len(self.outputs):
+            raise ValueError("packed output rows do not match the outputs")
+        # Copies: a caller keeping a few results must not keep whole batches alive.
+        for out, row in zip(self.outputs, self.data):
+            out.data = row.copy()
+        return self.outputs
 
 
 class RenderFailed(msgspec.Struct, tag=True, array_like=True):

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 
 import numpy as np
 import torch
 
 from core.config import ModelSpec
-from core.messages import PoolingEngineInput
+from core.messages import PoolingEngineInput, PoolingParams
 from core.pooling import apply_activation, finish_embeddings, pool
 
 log = logging.getLogger("engine")
@@ -58,6 +59,32 @@ class ModelRunner:
         self.pad_token_id = int(getattr(config, "pad_token_id", 0) or 0)
         # inspect.signature sees through the decorators transformers wraps forward() in.
         self.uses_token_types = "token_type_ids" in inspect.signature(self.model.forward).parameters
+
+    def step_cost(self, max_tokens: int) -> tuple[float, float]:
+        """Measures one step's fixed cost and its cost per padded token: (overhead_s, per_token_s).
+
+        Times a tiny batch and a batch of up to 512 tokens (best of two after a warm-up, which
+        also builds the kernels for those shapes) and fits a line through the two points.
+        """
+        length = max(1, min(128, self.spec.max_model_len))
+        rows = max(1, min(max_tokens, 512) // length)
+        token = min(1000, self.spec.vocab_size - 1)
+
+        def timed(num_rows: int, num_tokens: int) -> float:
+            batch = [PoolingEngineInput(f"probe{i}", i, self.spec.tasks[0], np.full(num_tokens, token, np.int32),
+                                        PoolingParams()) for i in range(num_rows)]
+            best = float("inf")
+            for attempt in range(3):
+                start = time.perf_counter()
+                self.run(batch)
+                if attempt:
+                    best = min(best, time.perf_counter() - start)
+            return best
+
+        small_tokens, large_tokens = min(8, length), rows * length
+        small, large = timed(1, small_tokens), timed(rows, length)
+        per_token = max((large - small) / max(large_tokens - small_tokens, 1), 1e-12)
+        return max(small - per_token * small_tokens, 0.0), per_token
 
     @torch.inference_mode()
     def run(self, batch: list[PoolingEngineInput]) -> tuple[list[np.ndarray], int]:

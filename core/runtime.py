@@ -56,12 +56,14 @@ class BusyClock:
 
     def __init__(self) -> None:
         self.since: float | None = None
+        self.last_s = 0.0  # how long the last piece of work took
 
     def __enter__(self) -> "BusyClock":
         self.since = time.monotonic()
         return self
 
     def __exit__(self, *exc) -> None:
+        self.last_s = time.monotonic() - self.since
         self.since = None
 
     def busy_s(self) -> float:
@@ -89,3 +91,20 @@ def start_heartbeat(ctx: zmq.Context, endpoint: str, role: str, index: int, cloc
             time.sleep(HEARTBEAT_INTERVAL_S)
 
     threading.Thread(target=beat, name="heartbeat", daemon=True).start()
+
+
+def run_maybe_profiled(fn, name: str) -> None:
+    """Runs `fn()`; under cProfile when PIPELINE_PROFILE_DIR is set, writing `<dir>/<name>.prof`
+    (read it with `python -m pstats`). How to see where a child process spends its time."""
+    directory = os.environ.get("PIPELINE_PROFILE_DIR")
+    if not directory:
+        fn()
+        return
+    import cProfile
+
+    profiler = cProfile.Profile()
+    try:
+        profiler.runcall(fn)
+    finally:
+        os.makedirs(directory, exist_ok=True)
+        profiler.dump_stats(os.path.join(directory, f"{name}.prof"))

@@ -10,76 +10,129 @@ length, so little of the forward pass is spent on padding:
 * padding at most `max_padding_fraction` of the padded tokens (after a first few requests).
   On a CPU the forward pass costs about the same per padded token from ~100 tokens up, so a
   smaller, tighter batch is cheaper than a full one with padding; a GPU tolerates more padding
-  and wants bigger batches.
+  and wants bigger batches;
+* past that cap, a request still joins when it makes the step cheaper per real token, counting
+  the step's fixed cost (`overhead_tokens`: the engine measures it as the padded tokens one
+  step's overhead is worth). For a big model on a CPU that is a few tokens and changes nothing;
+  for a small model, or a GPU, a step costs mostly overhead and batches fill up.
 """
 
 from __future__ import annotations
+
+import bisect
+import itertools
 
 from core.messages import PoolingEngineInput
 
 # Below this many requests a batch grows whatever the padding (per-batch overhead dominates).
 MIN_BATCH_BEFORE_PADDING_LIMIT = 4
 
+Key = tuple[str, int]  # (external id, chunk window)
+
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_padding_fraction: float) -> None:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_padding_fraction: float,
+                 overhead_tokens: float = 0.0) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_padding_fraction = max_padding_fraction
+        self.overhead_tokens = overhead_tokens
         # Insertion order is arrival order; keyed by external id (and chunk window) so a re-sent
         # request replaces itself.
-        self.waiting: dict[tuple[str, int], PoolingEngineInput] = {}
+        self.waiting: dict[Key, PoolingEngineInput] = {}
+        # The same requests sorted by (length, arrival), kept sorted as they come and go, so a
+        # step costs a binary search and a slice rather than a sort of the whole window.
+        self._by_length: list[tuple[int, int, Key]] = []
+        self._arrival: dict[Key, int] = {}
+        self._counter = itertools.count()
+        self._urgent = 0  # waiting requests with a priority other than 0
 
     def __len__(self) -> int:
         return len(self.waiting)
 
     def add(self, request: PoolingEngineInput) -> None:
-        self.waiting[(request.request_id, request.window)] = request
+        key = (request.request_id, request.window)
+        if key in self.waiting:  # a re-sent request: the new copy takes the old one's place
+            self._forget([key])
+        arrival = self._arrival.setdefault(key, next(self._counter))
+        self.waiting[key] = request
+        bisect.insort(self._by_length, (len(request.token_ids), arrival, key))
+        self._urgent += request.priority != 0
 
     def abort(self, request_ids: list[str]) -> list[str]:
         """Removes these requests (every window of a chunked one); returns the ids that were not
         here (still on their way)."""
         wanted = set(request_ids)
-        found = set()
-        for key in [k for k in self.waiting if k[0] in wanted]:
-            del self.waiting[key]
-            found.add(key[0])
+        keys = [k for k in self.waiting if k[0] in wanted]
+        self._forget(keys)
+        for key in keys:
+            del self._arrival[key]
+        found = {k[0] for k in keys}
         return [rid for rid in request_ids if rid not in found]
+
+    def take_all(self) -> list[PoolingEngineInput]:
+        """Empties the scheduler, returning what was waiting (in arrival order)."""
+        batch = list(self.waiting.values())
+        self.waiting.clear()
+        self._by_length.clear()
+        self._arrival.clear()
+        self._urgent = 0
+        return batch
+
+    def _forget(self, keys: list[Key]) -> None:
+        if not keys:
+            return
+        gone = set(keys)
+        for key in keys:
+            self._urgent -= self.waiting.pop(key).priority != 0
+        self._by_length = [e for e in self._by_length if e[2] not in gone]
 
     def next_batch(self) -> list[PoolingEngineInput]:
         if not self.waiting:
             return []
         # The anchor: the oldest among the most urgent (lowest priority value) waiting requests.
         oldest = next(iter(self.waiting.values()))
-        if oldest.priority != 0 or any(r.priority for r in self.waiting.values()):
+        if self._urgent:
             oldest = min(self.waiting.values(), key=lambda r: r.priority)  # min() keeps the first of ties
-        by_length = sorted(self.waiting.values(), key=lambda r: len(r.token_ids))
-        lengths = [len(r.token_ids) for r in by_length]
-        lo = next(i for i, r in enumerate(by_length) if r is oldest)  # identity: windows share ids
+        anchor_key = (oldest.request_id, oldest.window)
+        by_length = self._by_length
+        lo = bisect.bisect_left(by_length, (len(oldest.token_ids), self._arrival[anchor_key], anchor_key))
         hi = lo + 1  # the batch is by_length[lo:hi]
-        longest = real = lengths[lo]
+        longest = real = by_length[lo][0]
         while hi - lo < self.max_num_seqs:
             count = hi - lo
             # (padding it adds, side, longest after, its length): a shorter request pads itself
             # up to `longest`; a longer one pads every request already in the batch.
             options = []
             if lo > 0:
-                options.append((longest - lengths[lo - 1], "left", longest, lengths[lo - 1]))
-            if hi < len(lengths):
-                options.append(((lengths[hi] - longest) * count, "right", lengths[hi], lengths[hi]))
+                shorter = by_length[lo - 1][0]
+                options.append((longest - shorter, "left", longest, shorter))
+            if hi < len(by_length):
+                longer = by_length[hi][0]
+                options.append(((longer - longest) * count, "right", longer, longer))
             options = [o for o in options if o[2] * (count + 1) <= self.max_num_batched_tokens]
             if not options:
                 break
             _, side, new_longest, length = min(options)
             padded, new_real = new_longest * (count + 1), real + length
-            if count >= MIN_BATCH_BEFORE_PADDING_LIMIT and padded - new_real > self.max_padding_fraction * padded:
+            if (count >= MIN_BATCH_BEFORE_PADDING_LIMIT and padded - new_real > self.max_padding_fraction * padded
+                    and not self._cheaper_per_token(real, longest * count, new_real, padded)):
                 break
             if side == "left":
                 lo -= 1
             else:
                 hi += 1
             longest, real = new_longest, new_real
-        batch = by_length[lo:hi]
-        for request in batch:
-            del self.waiting[(request.request_id, request.window)]
+        keys = [key for _, _, key in by_length[lo:hi]]
+        del by_length[lo:hi]
+        batch = []
+        for key in keys:
+            request = self.waiting.pop(key)
+            del self._arrival[key]
+            self._urgent -= request.priority != 0
+            batch.append(request)
         return batch
+
+    def _cheaper_per_token(self, real: int, padded: int, new_real: int, new_padded: int) -> bool:
+        """Whether real tokens per unit of step cost (overhead + padded tokens) go up."""
+        return new_real * (self.overhead_tokens + padded) > real * (self.overhead_tokens + new_padded)

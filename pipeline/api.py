@@ -15,7 +15,8 @@ from core.config import load_model_spec
 from core.messages import PoolingParams
 from pipeline.cpu_plan import plan_cpu
 from pipeline.errors import EngineDeadError, PipelineError
-from pipeline.frontend import Call, CallStats
+from pipeline.call_stats import CallStats
+from pipeline.frontend import Call
 from pipeline.inputs import (CallOptions, as_prompt_iterable, build_requests, check_params, check_priority,
                              check_text, per_request)
 from pipeline.outputs import ClassificationOutput, EmbeddingOutput, PoolingRequestOutput, ScoringOutput
@@ -27,6 +28,7 @@ DTYPE_ALIASES = {"auto": "auto", "float32": "float32", "float": "float32", "fp32
                  "float16": "float16", "half": "float16", "fp16": "float16",
                  "bfloat16": "bfloat16", "bf16": "bfloat16"}
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
+MAX_MESSAGE_ITEMS = 64
 
 
 def _positive_int(name: str, value: object, allow_none: bool = True) -> None:
@@ -74,7 +76,10 @@ class Pipeline:
         _positive_int("engine_window", engine_window)
         self.max_inflight = max_inflight or 16 * max_num_seqs
         self.engine_window = engine_window or max(1, self.max_inflight // 2)
-        self.batch_items = max(1, min(16, max_num_seqs, self.engine_window))  # requests per message to a worker
+        # Requests per message to a worker (and from it to the engine): per-message costs (a
+        # socket round, a decode) are paid once per this many; 64 measured 12% faster than 16
+        # with a tokenizer-bound load.
+        self.batch_items = max(1, min(MAX_MESSAGE_ITEMS, max_num_seqs, self.engine_window))
         self._plugin = None
         if io_processor is not None:
             from workers.render import load_plugin

@@ -15,12 +15,12 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
 
 from core import messages as m
+from pipeline.call_stats import CallStats
 from pipeline.errors import PipelineError, StepError
 from pipeline.inputs import FailedRequest
 from pipeline.process_group import ProcessGroup
@@ -43,42 +43,6 @@ def request_size(request: m.RenderParams) -> int:
     if request.conversation is not None:
         size += sum(len(turn["content"]) for turn in request.conversation)
     return max(size, 1)
-
-
-@dataclass
-class CallStats:
-    start: float = field(default_factory=time.perf_counter)
-    wall_s: float = 0.0
-    engine_busy_s: float = 0.0
-    requests: int = 0
-    prompt_tokens: int = 0
-    padded_tokens: int = 0
-    batches: int = 0
-    max_inflight_seen: int = 0
-    max_in_core_seen: int = 0
-    duplicates_dropped: int = 0
-    worker_restarts: int = 0
-    errors: int = 0
-
-    def as_dict(self) -> dict:
-        wall = self.wall_s or (time.perf_counter() - self.start)
-        return {
-            "wall_s": wall,
-            "engine_busy_s": self.engine_busy_s,
-            "engine_busy_fraction": self.engine_busy_s / wall if wall > 0 else 0.0,
-            "requests": self.requests,
-            "prompt_tokens": self.prompt_tokens,
-            "padded_tokens": self.padded_tokens,
-            "padding_fraction": 1 - self.prompt_tokens / self.padded_tokens if self.padded_tokens else 0.0,
-            "batches": self.batches,
-            "requests_per_s": self.requests / wall if wall > 0 else 0.0,
-            "tokens_per_s": self.prompt_tokens / wall if wall > 0 else 0.0,
-            "max_inflight_seen": self.max_inflight_seen,
-            "max_in_core_seen": self.max_in_core_seen,
-            "duplicates_dropped": self.duplicates_dropped,
-            "worker_restarts": self.worker_restarts,
-            "errors": self.errors,
-        }
 
 
 class ChunkSum:
@@ -147,7 +111,9 @@ class Call:
             while True:
                 if self.ended_by:
                     raise PipelineError(self.ended_by)
+                started = time.perf_counter()
                 self._issue()
+                self.stats.frontend_busy_s += time.perf_counter() - started
                 while self.next_index in self.ready:
                     out = self.ready.pop(self.next_index)
                     self.next_index += 1
@@ -223,19 +189,29 @@ class Call:
 
     def _wait(self) -> None:
         if self.group.results.poll(WAIT_MS):
+            started = time.perf_counter()
             while self.group.results.poll(0):
                 msg = self.group.recv()
                 if msg is not None:
                     self._handle(msg)
+            self.stats.frontend_busy_s += time.perf_counter() - started
         if time.monotonic() >= self.next_health_check:
             self._check_health()
 
     def _handle(self, msg) -> None:
         if isinstance(msg, m.OutputBatch):
-            self.stats.engine_busy_s += msg.busy_s
-            self.stats.padded_tokens += msg.padded_tokens
-            self.stats.batches += 1
-            self.stats.max_in_core_seen = max(self.stats.max_in_core_seen, msg.in_core)
+            stats = self.stats
+            stats.engine_busy_s += msg.busy_s
+            stats.engine_admit_s += msg.admit_s
+            for worker, seconds in msg.render_s.items():
+                stats.render_busy_s[worker] = stats.render_busy_s.get(worker, 0.0) + seconds
+            stats.padded_tokens += msg.padded_tokens
+            stats.batches += 1
+            stats.max_in_core_seen = max(stats.max_in_core_seen, msg.in_core)
+            stats.depths["engine_window"].add(msg.in_core)
+            stats.depths["batch_size"].add(len(msg.outputs))
+            stats.depths["frontend_inflight"].add(self.issued - self.next_index)
+            stats.depths["reorder_buffer"].add(len(self.ready))
             accepted = 0
             for out in msg.outputs:
                 entry = self.inflight.get(out.request_id)

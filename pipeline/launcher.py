@@ -20,6 +20,7 @@ import time
 from collections import deque
 from pathlib import Path
 
+from pipeline.call_stats import format_stats
 from pipeline.records import expand_inputs, read_records
 from pipeline.results_store import FORMATS, PRECISIONS, ResultWriter, load_results  # noqa: F401 (re-export)
 
@@ -173,7 +174,8 @@ def _stats(pipe, start: float) -> dict:
     s = pipe.stats()
     return {"wall_s": time.perf_counter() - start, "records": s["requests"], "tokens": s["prompt_tokens"],
             "engine_busy_fraction": s["engine_busy_fraction"], "padding_fraction": s["padding_fraction"],
-            "errors": s["errors"], "cpu_plan": s["cpu_plan"]}
+            "padding_efficiency": s["padding_efficiency"], "batches": s["batches"],
+            "errors": s["errors"], "cpu_plan": s["cpu_plan"], "stages": s["stages"], "queue_depths": s["queue_depths"]}
 
 
 def _print_summary(writer: ResultWriter, stats: dict, out_dir: str) -> None:
@@ -196,6 +198,8 @@ def _print_summary(writer: ResultWriter, stats: dict, out_dir: str) -> None:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
+    for line in format_stats(stats):
+        print(line)
     print(f"embedded {stats['records']} records")
 
 

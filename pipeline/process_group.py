@@ -174,7 +174,9 @@ class ProcessGroup:
             frames = self.results.recv_multipart(copy=False)
             try:
                 msg = self.decoder.decode(frames)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                if isinstance(msg, m.OutputBatch):
+                    msg.unpack()  # each output gets its row of the packed data
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
                 log.error("dropped a malformed message from a child: %s", e)
                 if not self.results.poll(0):
                     return None

@@ -93,9 +93,11 @@ def test_hostile_frames_on_every_socket_are_dropped(pipe, st_model):
         m.Shutdown(), m.Abort(["nope"]), m.Ready("engine", 0, 1),
         m.RenderBatch([m.RenderParams("x", 0, "embed", 8, m.PoolingParams(), prompt="stray")]),
         m.OutputBatch([m.PoolingOutput("ghost", 3, 2, data=np.ones(384, np.float32))], 0.1, 2, 1),
-        m.EngineInputBatch(0, [m.PoolingEngineInput("ghost", 0, "embed", np.array([101, 102], np.int32),
+        m.OutputBatch.pack([m.PoolingOutput("ghost", 4, 2, data=np.ones(384, np.float32))], 0.1, 2, 1),
+        m.OutputBatch([m.PoolingOutput("ghost", 5, 2)], 0.1, 2, 1, np.ones((3, 384), np.float32)),
+        m.EngineInputBatch.pack(0, [m.PoolingEngineInput("ghost", 0, "embed", np.array([101, 102], np.int32),
                                                     m.PoolingParams())]),
-        m.EngineInputBatch(0, [m.PoolingEngineInput("bad", 0, "embed", np.array([10**6], np.int32),
+        m.EngineInputBatch.pack(0, [m.PoolingEngineInput("bad", 0, "embed", np.array([10**6], np.int32),
                                                     m.PoolingParams())]),
     )]
     valid = enc.encode(m.RenderBatch([m.RenderParams("y", 1, "embed", 16, m.PoolingParams(), prompt="hi")]))[0]

@@ -61,3 +61,60 @@ def test_lower_priority_value_runs_first():
         sched.add(r)
     order = [r.seq for _ in range(6) for r in sched.next_batch()]
     assert order[:3] == [3, 4, 5] and sorted(order[3:]) == [0, 1, 2]
+
+
+def _reference_batch(waiting: list[PoolingEngineInput], max_num_seqs: int, max_tokens: int, max_padding: float,
+                     overhead_tokens: float) -> list[str]:
+    """The batching rule written plainly (a full sort per step), to check the incremental index."""
+    oldest = min(waiting, key=lambda r: r.priority)
+    by_length = sorted(waiting, key=lambda r: len(r.token_ids))
+    lengths = [len(r.token_ids) for r in by_length]
+    lo = next(i for i, r in enumerate(by_length) if r is oldest)
+    hi, longest, real = lo + 1, lengths[lo], lengths[lo]
+    while hi - lo < max_num_seqs:
+        count, options = hi - lo, []
+        if lo > 0:
+            options.append((longest - lengths[lo - 1], "left", longest, lengths[lo - 1]))
+        if hi < len(lengths):
+            options.append(((lengths[hi] - longest) * count, "right", lengths[hi], lengths[hi]))
+        options = [o for o in options if o[2] * (count + 1) <= max_tokens]
+        if not options:
+            break
+        _, side, new_longest, length = min(options)
+        padded, new_real = new_longest * (count + 1), real + length
+        cheaper = new_real * (overhead_tokens + longest * count) > real * (overhead_tokens + padded)
+        if count >= 4 and padded - new_real > max_padding * padded and not cheaper:
+            break
+        lo, hi = (lo - 1, hi) if side == "left" else (lo, hi + 1)
+        longest, real = new_longest, new_real
+    return [r.request_id for r in by_length[lo:hi]]
+
+
+def test_incremental_index_matches_the_plain_rule():
+    rng = random.Random(3)
+    for overhead in (0.0, 40.0, 5000.0):
+        sched = Scheduler(32, 1024, 0.05, overhead_tokens=overhead)
+        waiting: list[PoolingEngineInput] = []
+        for i in range(3000):
+            request = _req(i, rng.choice([4, 5, 6, 9, 17, 30, 31, 64, 200]))
+            request.priority = rng.choice([0, 0, 0, 0, 1, -1])
+            sched.add(request)
+            waiting.append(request)
+            if rng.random() < 0.01:  # an abort now and then
+                gone = waiting.pop(rng.randrange(len(waiting)))
+                assert sched.abort([gone.request_id, "never-seen"]) == ["never-seen"]
+            if rng.random() < 0.3 and waiting:
+                expected = _reference_batch(waiting, 32, 1024, 0.05, overhead)
+                assert [r.request_id for r in sched.next_batch()] == expected
+                waiting = [r for r in waiting if r.request_id not in set(expected)]
+                assert len(sched) == len(waiting)
+
+
+def test_step_overhead_fills_batches_past_the_padding_cap():
+    lengths = [10, 20, 30, 40, 50, 60, 70, 80]
+    tight, full = Scheduler(64, 4096, 0.05), Scheduler(64, 4096, 0.05, overhead_tokens=10_000)
+    for i, length in enumerate(lengths):
+        tight.add(_req(i, length))
+        full.add(_req(i, length))
+    assert len(tight.next_batch()) < len(lengths)  # padding cap: the batch stops early
+    assert len(full.next_batch()) == len(lengths)  # a step that is mostly overhead takes them all

@@ -14,16 +14,47 @@ def test_round_trip_small_and_large_arrays():
     enc, dec = Encoder(), Decoder(m.EngineInbound)
     small = np.arange(7, dtype=np.int32)
     large = np.arange(INLINE_MAX_BYTES, dtype=np.int32)  # 16 KB: travels as its own frame
-    frames = enc.encode(m.EngineInputBatch(0, [
+    frames = enc.encode(m.EngineInputBatch.pack(0, [
         m.PoolingEngineInput("a", 0, "embed", small, m.PoolingParams()),
         m.PoolingEngineInput("b", 1, "embed", large, m.PoolingParams(dimensions=8, normalize=False)),
     ]))
-    assert len(frames) == 2
-    msg = dec.decode(frames)
-    assert [i.request_id for i in msg.items] == ["a", "b"]
-    np.testing.assert_array_equal(msg.items[0].token_ids, small)
-    np.testing.assert_array_equal(msg.items[1].token_ids, large)
-    assert msg.items[1].params == m.PoolingParams(dimensions=8, normalize=False)
+    assert len(frames) == 2  # the packed ids are big enough for their own frame
+    items = dec.decode(frames).unpack()
+    assert [i.request_id for i in items] == ["a", "b"]
+    np.testing.assert_array_equal(items[0].token_ids, small)
+    np.testing.assert_array_equal(items[1].token_ids, large)
+    assert items[1].params == m.PoolingParams(dimensions=8, normalize=False)
+
+
+def test_packed_parts_that_do_not_fit_are_rejected():
+    dec = Decoder(m.EngineInbound)
+    item = m.PoolingEngineInput("a", 0, "embed", None, m.PoolingParams())
+    for ids, lengths in [(np.arange(5, dtype=np.int32), np.array([4])),  # lengths do not add up
+                         (np.arange(5, dtype=np.int32), np.array([5, 0])),  # one length too many
+                         (np.arange(5, dtype=np.int32), np.array([-1])),
+                         (np.arange(6, dtype=np.int32).reshape(2, 3), np.array([6]))]:
+        msg = dec.decode(Encoder().encode(m.EngineInputBatch(0, [item], ids, lengths)))
+        with pytest.raises(ValueError):
+            msg.unpack()
+    inline = m.PoolingEngineInput("a", 0, "embed", np.arange(2, dtype=np.int32), m.PoolingParams())
+    msg = dec.decode(Encoder().encode(m.EngineInputBatch(0, [inline], np.zeros(0, np.int32), np.array([0]))))
+    with pytest.raises(ValueError, match="packed"):
+        msg.unpack()
+
+
+def test_output_vectors_travel_as_one_array_and_come_back_as_rows():
+    enc, dec = Encoder(), Decoder(m.FrontendInbound, writable_arrays=True)
+    vectors = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+    outs = [m.PoolingOutput(str(i), i, 4, data=vectors[i]) for i in range(3)]
+    msg = dec.decode(enc.encode(m.OutputBatch.pack(outs, 0.1, 12, 3)))
+    assert msg.data is not None and msg.data.shape == (3, 8)
+    rows = msg.unpack()
+    np.testing.assert_array_equal(np.stack([o.data for o in rows]), vectors)
+    # Token vectors differ in length per request: they stay per output.
+    ragged = [m.PoolingOutput("a", 0, 2, data=np.ones((2, 4), np.float32)),
+              m.PoolingOutput("b", 1, 3, data=np.ones((3, 4), np.float32))]
+    msg = dec.decode(enc.encode(m.OutputBatch.pack(ragged, 0.1, 6, 2)))
+    assert msg.data is None and [o.data.shape for o in msg.unpack()] == [(2, 4), (3, 4)]
 
 
 def test_wrong_type_for_the_socket_is_rejected():
@@ -41,7 +72,7 @@ def test_wrong_type_for_the_socket_is_rejected():
     "not an array",
 ])
 def test_malformed_arrays_are_rejected(bad):
-    header = msgspec.msgpack.encode(["EngineInputBatch", 0, [["a", 0, "embed", bad, {}]]])
+    header = msgspec.msgpack.encode(["EngineInputBatch", 0, [["a", 0, "embed", None, {}]], bad, ["<i8", [1], b"\x03" + b"\x00" * 7]])
     with pytest.raises(msgspec.ValidationError):
         Decoder(m.EngineInbound).decode([header])
 
@@ -49,8 +80,8 @@ def test_malformed_arrays_are_rejected(bad):
 def test_fuzzed_frames_never_crash_the_decoder():
     rng = random.Random(1)
     enc = Encoder()
-    valid = enc.encode(m.EngineInputBatch(3, [m.PoolingEngineInput("x", 1, "embed", np.arange(5, dtype=np.int32),
-                                                                    m.PoolingParams())]))[0]
+    valid = enc.encode(m.EngineInputBatch.pack(3, [m.PoolingEngineInput("x", 1, "embed", np.arange(5, dtype=np.int32),
+                                                                         m.PoolingParams())]))[0]
     decoders = [Decoder(t) for t in (m.EngineInbound, m.EngineControl, m.WorkerInbound, m.FrontendInbound)]
     rejected = 0
     for i in range(3000):

@@ -19,7 +19,7 @@ import zmq
 
 from core import messages as m
 from core.config import WorkerConfig
-from core.runtime import BusyClock, exit_with_parent, setup_logging, socket, start_heartbeat
+from core.runtime import BusyClock, exit_with_parent, run_maybe_profiled, setup_logging, socket, start_heartbeat
 from core.serial import Decoder, Encoder
 
 POLL_MS = 500
@@ -54,9 +54,19 @@ def main(argv: list[str]) -> int:
               "suffix_truncation": rule.suffix_exact,
               "truncation_side": str(getattr(renderer.hf, "truncation_side", "right"))},
     )))
-    decoder = Decoder(m.WorkerInbound)
     clock = BusyClock()
     start_heartbeat(ctx, cfg.output_endpoint, "worker", cfg.index, clock)
+    run_maybe_profiled(lambda: serve(cfg, renderer, work, to_engine, to_front, clock, log), f"worker{cfg.index}")
+    log.info("shutting down")
+    ctx.destroy(linger=0)
+    return 0
+
+
+def serve(cfg: WorkerConfig, renderer, work: zmq.Socket, to_engine: zmq.Socket, to_front: zmq.Socket,
+          clock: BusyClock, log) -> None:
+    """The loop: RenderBatch in, EngineInputBatch (and RenderFailed) out, until Shutdown."""
+    decoder, encoder = Decoder(m.WorkerInbound), Encoder()
+    render_s = 0.0  # time spent rendering, not yet reported (it rides on the next EngineInputBatch)
     while True:
         if not work.poll(POLL_MS):
             continue
@@ -67,18 +77,17 @@ def main(argv: list[str]) -> int:
             log.error("dropped a malformed message: %s", e)
             continue
         if isinstance(msg, m.Shutdown):
-            break
+            return
         with clock:
             inputs, failed = renderer.render(msg.items, msg.chat_template)
+        render_s += clock.last_s
         for start in range(0, len(inputs), cfg.max_message_items):  # chunk mode can make many inputs
-            batch = m.EngineInputBatch(cfg.index, inputs[start:start + cfg.max_message_items])
+            batch = m.EngineInputBatch.pack(cfg.index, inputs[start:start + cfg.max_message_items], render_s)
+            render_s = 0.0
             to_engine.send_multipart(encoder.encode(batch), copy=False)
         if failed:
             to_front.send_multipart(encoder.encode(m.RenderFailed(
                 [it.request_id for it, _ in failed], [it.seq for it, _ in failed], [err for _, err in failed])))
-    log.info("shutting down")
-    ctx.destroy(linger=0)
-    return 0
 
 
 if __name__ == "__main__":

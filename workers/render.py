@@ -65,8 +65,9 @@ class Renderer:
         ids_by_pos: dict[int, list[int]] = {}
 
         # Short single texts go through the tokenizer in one batched call; the rest one by one.
+        min_tokens = self.encoder.num_special_tokens
         short = [i for i, it in enumerate(items) if it.prompt is not None and it.pair is None
-                 and it.long_inputs == "truncate" and not it.truncate_left
+                 and it.long_inputs == "truncate" and not it.truncate_left and it.max_tokens >= min_tokens
                  and self.encoder.short_enough(it.prompt, it.max_tokens)]
         if short:
             try:
@@ -75,6 +76,7 @@ class Renderer:
                 ids_by_pos.update(zip(short, encoded))
             except Exception:
                 pass  # retried one by one below, so the failure lands on the right request
+        unchecked: list[tuple[RenderParams, PoolingEngineInput]] = []
         for pos, item in enumerate(items):
             if item.long_inputs == "chunk" and item.prompt is not None:
                 try:
@@ -84,14 +86,33 @@ class Renderer:
                 continue
             try:
                 token_ids, type_start = self._render_one(item, ids_by_pos.get(pos), chat_template)
-                self._check(token_ids)
             except Exception as e:  # any failure becomes this request's error, never a crash
                 failed.append((item, f"{type(e).__name__}: {e}"))
                 continue
-            ready.append(PoolingEngineInput(request_id=item.request_id, seq=item.seq, task=item.task,
-                                            token_ids=token_ids, params=item.params,
-                                            token_type_start=type_start, priority=item.priority))
+            unchecked.append((item, PoolingEngineInput(
+                request_id=item.request_id, seq=item.seq, task=item.task, token_ids=token_ids,
+                params=item.params, token_type_start=type_start, priority=item.priority)))
+        ready.extend(self._checked(unchecked, failed))
         return ready, failed
+
+    def _checked(self, rendered: list[tuple[RenderParams, PoolingEngineInput]],
+                 failed: list[tuple[RenderParams, str]]) -> list[PoolingEngineInput]:
+        """The inputs whose ids the model can take; the others go to `failed`. One check for the
+        whole batch in the usual case, request by request only when it finds a problem."""
+        if not rendered:
+            return []
+        arrays = [inp.token_ids for _, inp in rendered]
+        flat = np.concatenate(arrays)
+        if min(map(len, arrays)) > 0 and int(flat.min()) >= 0 and int(flat.max()) < self.spec.vocab_size:
+            return [inp for _, inp in rendered]
+        good = []
+        for item, inp in rendered:
+            try:
+                self._check(inp.token_ids)
+                good.append(inp)
+            except ValueError as e:
+                failed.append((item, f"{type(e).__name__}: {e}"))
+        return good
 
     def _render_one(self, item: RenderParams, encoded: list[int] | None, chat_template: str | None
                     ) -> tuple[np.ndarray, int | None]:

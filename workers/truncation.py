@@ -126,6 +126,13 @@ class TruncatingEncoder:
         tokenizer.no_truncation()
         tokenizer.no_padding()
         self.tokenizer = tokenizer
+        # A twin that truncates and adds special tokens inside the tokenizer (Rust), for the batch
+        # path of short texts: one call per batch instead of two Python calls per text.
+        self.batch_tokenizer = Tokenizer.from_str(tokenizer.to_str())
+        self.batch_tokenizer.no_padding()
+        self._batch_limit: int | None = None
+        # encode_batch_fast (tokenizers >= 0.21) skips character offsets, which are never used here.
+        self._encode_batch = getattr(self.batch_tokenizer, "encode_batch_fast", self.batch_tokenizer.encode_batch)
         self.rule = analyse_tokenizer(tokenizer)
         processor = tokenizer.post_processor
         self.num_special_tokens = processor.num_special_tokens_to_add(False) if processor else 0
@@ -151,9 +158,22 @@ class TruncatingEncoder:
         return len(text) <= 2 * self._first_piece_chars(self.content_budget(max_tokens))
 
     def encode_many(self, texts: list[str], max_tokens: list[int]) -> list[list[int]]:
-        """Batch path for short texts (one call into the tokenizer for all of them)."""
-        encodings = self.tokenizer.encode_batch([self.preprocess(t) for t in texts], add_special_tokens=False)
-        return [self.finish(enc, k) for enc, k in zip(encodings, max_tokens)]
+        """Batch path for short texts: the first `max_tokens` ids of each, special tokens included,
+        with one call into the tokenizer per distinct `max_tokens` (usually one per batch).
+        The tokenizer's own truncation keeps `max_tokens` minus the special tokens, then adds
+        them: the same ids as `encode`."""
+        out: list[list[int]] = [[] for _ in texts]
+        groups: dict[int, list[int]] = {}
+        for i, k in enumerate(max_tokens):
+            groups.setdefault(k, []).append(i)
+        for k, rows in groups.items():
+            if k != self._batch_limit:
+                self.batch_tokenizer.enable_truncation(max_length=k)
+                self._batch_limit = k
+            encodings = self._encode_batch([self.preprocess(texts[i]) for i in rows])
+            for i, enc in zip(rows, encodings):
+                out[i] = enc.ids
+        return out
 
     def encode(self, text: str, max_tokens: int, add_special_tokens: bool = True, left: bool = False) -> list[int]:
         """The first (last, when `left`) `max_tokens` ids of `text`, special tokens included when added."""
