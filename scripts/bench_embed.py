@@ -1,23 +1,39 @@
 #!/usr/bin/env python
-"""Throughput of the pipeline vs sentence-transformers vs the model's forward pass alone.
+"""The reference embedding benchmark: the pipeline against what people use today, side by side.
 
-All three run in this one process and one run, side by side, on the same real text (built from
-the Python standard library's docstrings, see pipeline/corpus.py), so the ratios hold on a noisy
-shared machine. Each measurement is repeated and the median is reported.
+Everything runs in this one process and one run, on the same real text (built from the Python
+standard library's docstrings, see pipeline/corpus.py), so the ratios hold on a noisy shared
+machine. Each measurement is repeated and the median is reported.
 
-    python scripts/bench_embed.py                 # all cases, 3 repeats
-    python scripts/bench_embed.py --cases a c --repeats 5
+    python scripts/bench_embed.py                          # all workloads, 3 repeats
+    python scripts/bench_embed.py --cases a d --repeats 5  # some of them
+    python scripts/bench_embed.py --device cuda --dtype float16
 
-Cases: (a) short sentences, (b) medium texts, (c) long documents of 50k-140k tokens truncated
-to 256 tokens. The "limit" is the model's forward pass alone on the inputs already tokenized and
-truncated, sorted by length and cut into batches under the same token budget as the engine's:
-what the pipeline could reach if tokenization, transport and scheduling were free.
+Workloads: (a) short sentences, (b) medium texts, (c) long documents of 50k-140k tokens kept to
+256 tokens, (d) mixed: mostly sentences, some medium texts and a few long documents, shuffled.
+Measured on each, in turn:
+
+* pipeline            -- `Pipeline.embed(texts)`, the whole process group;
+* pipeline, token ids -- the same inputs already tokenized (what tokenization costs it);
+* sentence-transformers `encode` (batch 32);
+* transformers loop   -- what one writes by hand: tokenizer(batch, padding, truncation), forward,
+                         mean pooling, normalize, in input order (batch 32);
+* forward limit       -- the model's forward pass and pooling alone on the inputs already
+                         tokenized, sorted by length and cut under the engine's token budget:
+                         what the pipeline could reach if everything else were free.
+
+Prints a markdown table of throughputs and ratios and the pipeline's own stage statistics, and
+writes `<out>/bench_embed.json` and, when matplotlib is installed (`pip install -e ".[bench]"`),
+`<out>/bench_embed.png`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
+import random
 import statistics
 import sys
 import time
@@ -27,11 +43,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
 from core.config import default_model_path  # noqa: E402
 from pipeline import Pipeline, corpus  # noqa: E402
+from pipeline.call_stats import format_stats  # noqa: E402
 
 CHARS_PER_TOKEN = 4.0  # measured on the docstring corpus with the bundled tokenizer (printed below)
+LABELS = {"a": "(a) short sentences", "b": "(b) medium texts", "c": "(c) long docs -> 256", "d": "(d) mixed"}
+METHODS = ("pipeline", "pipeline_token_ids", "sentence_transformers", "transformers_loop", "forward_limit")
+METHOD_LABELS = {"pipeline": "pipeline", "pipeline_token_ids": "pipeline, token ids",
+                 "sentence_transformers": "sentence-transformers", "transformers_loop": "transformers loop",
+                 "forward_limit": "forward limit"}
 
 
 def build_cases(selected: list[str], n_short: int, n_medium: int, n_long: int) -> dict[str, list[str]]:
@@ -42,13 +63,17 @@ def build_cases(selected: list[str], n_short: int, n_medium: int, n_long: int) -
         cases["b"] = corpus.medium_texts(n_medium, seed=2, min_chars=600, max_chars=4000)
     if "c" in selected:
         cases["c"] = corpus.long_documents(n_long, int(50_000 * CHARS_PER_TOKEN), int(140_000 * CHARS_PER_TOKEN), seed=3)
+    if "d" in selected:
+        mixed = (corpus.sentences(n_short // 2, seed=4)
+                 + corpus.medium_texts(n_medium // 2, seed=5, min_chars=600, max_chars=4000)
+                 + corpus.long_documents(max(1, n_long // 10), int(20_000 * CHARS_PER_TOKEN),
+                                         int(60_000 * CHARS_PER_TOKEN), seed=6))
+        random.Random(7).shuffle(mixed)
+        cases["d"] = mixed
     return cases
 
 
-def forward_limit(model, token_lists: list[list[int]], max_num_seqs: int, max_tokens: int, device: str) -> float:
-    """Seconds for the forward pass + pooling alone, on length-sorted batches built beforehand."""
-    import torch
-
+def length_sorted_batches(token_lists: list[list[int]], max_num_seqs: int, max_tokens: int) -> list[list[list[int]]]:
     order = sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]))
     batches, current = [], []
     for i in order:
@@ -59,8 +84,20 @@ def forward_limit(model, token_lists: list[list[int]], max_num_seqs: int, max_to
         current.append(token_lists[i])
     if current:
         batches.append(current)
+    return batches
+
+
+def mean_pool_normalize(torch, hidden, mask):
+    m = mask.unsqueeze(-1).to(hidden.dtype)
+    return torch.nn.functional.normalize((hidden * m).sum(1) / m.sum(1).clamp(min=1e-9), dim=1)
+
+
+def forward_limit(model, token_lists: list[list[int]], max_num_seqs: int, max_tokens: int, device) -> float:
+    """Seconds for the forward pass + pooling alone, on length-sorted batches built beforehand."""
+    import torch
+
     tensors = []
-    for batch in batches:
+    for batch in length_sorted_batches(token_lists, max_num_seqs, max_tokens):
         width = max(map(len, batch))
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -72,10 +109,20 @@ def forward_limit(model, token_lists: list[list[int]], max_num_seqs: int, max_to
     with torch.inference_mode():
         for ids, mask in tensors:
             hidden = model(input_ids=ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids)).last_hidden_state
-            m = mask.unsqueeze(-1).to(hidden.dtype)
-            pooled = torch.nn.functional.normalize((hidden * m).sum(1) / m.sum(1).clamp(min=1e-9), dim=1)
-            pooled.cpu()
+            mean_pool_normalize(torch, hidden, mask).cpu()
     return time.perf_counter() - start
+
+
+def transformers_loop(tokenizer, model, texts: list[str], batch_size: int, max_length: int, device) -> None:
+    """The loop people write by hand with transformers alone."""
+    import torch
+
+    with torch.inference_mode():
+        for start in range(0, len(texts), batch_size):
+            enc = tokenizer(texts[start:start + batch_size], padding=True, truncation=True, max_length=max_length,
+                            return_tensors="pt").to(device)
+            hidden = model(**enc).last_hidden_state
+            mean_pool_normalize(torch, hidden, enc["attention_mask"]).cpu()
 
 
 def median_time(fn, repeats: int) -> float:
@@ -87,16 +134,41 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def draw_chart(results: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(METHODS)
+    for k, method in enumerate(METHODS):
+        speedups = [r["docs_per_s"][method] / r["docs_per_s"]["sentence_transformers"] for r in results]
+        xs = [i + (k - (len(METHODS) - 1) / 2) * width for i in range(len(results))]
+        ax.bar(xs, speedups, width, label=METHOD_LABELS[method])
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks(range(len(results)), [LABELS[r["case"]] for r in results])
+    ax.set_ylabel("throughput / sentence-transformers")
+    ax.set_title("Embedding throughput (all-MiniLM-L6-v2), higher is better")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", nargs="+", default=["a", "b", "c"], choices=["a", "b", "c"])
+    ap.add_argument("--cases", nargs="+", default=["a", "b", "c", "d"], choices=list(LABELS))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--n-short", type=int, default=2000)
     ap.add_argument("--n-medium", type=int, default=200)
     ap.add_argument("--n-long", type=int, default=50)
-    ap.add_argument("--st-batch-size", type=int, default=32)
+    ap.add_argument("--batch-size", type=int, default=32, help="for sentence-transformers and the transformers loop")
+    ap.add_argument("--out", default="bench-out", help="directory for bench_embed.json and bench_embed.png")
     args = ap.parse_args()
 
     import torch
@@ -108,50 +180,81 @@ def main() -> None:
     pipe = Pipeline(device=args.device, dtype=args.dtype)
     startup_s = time.perf_counter() - start
     engine = pipe.stats()["engine"]
-    torch.set_num_threads(int(engine["torch_threads"]))  # the reference gets the engine's threads
+    torch.set_num_threads(int(engine["torch_threads"]))  # the references get the engine's threads
     torch_dtype = getattr(torch, engine["dtype"])
-    st = SentenceTransformer(model_path, device=args.device if args.device != "auto" else engine["device"],
-                             model_kwargs={"dtype": torch_dtype})
-    model = st[0].auto_model
+    st = SentenceTransformer(model_path, device=engine["device"], model_kwargs={"dtype": torch_dtype})
+    model, tokenizer, max_length = st[0].auto_model, st.tokenizer, st.max_seq_length
     budget = int(engine["max_num_batched_tokens"])
     print(f"model {model_path}\nengine {engine}\ncpu plan {pipe.cpu_plan.as_dict()}\nstartup {startup_s:.1f} s")
 
-    rows = []
+    results = []
     try:
         for name, texts in cases.items():
-            token_lists = st.tokenizer(texts, truncation=True, max_length=st.max_seq_length)["input_ids"]
+            token_lists = tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
             tokens = sum(map(len, token_lists))
             if name == "c":
-                full = st.tokenizer(texts[:3], add_special_tokens=False)["input_ids"]
+                full = tokenizer(texts[:3], add_special_tokens=False)["input_ids"]
                 sizes = [len(t) for t in full]
                 print(f"case c: first documents have {sizes} tokens, {sum(map(len, texts[:3])) / sum(sizes):.2f} chars/token")
-            pipe.embed(texts[: min(len(texts), 64)], use_tqdm=False)  # warm-up
-            st.encode(texts[: min(len(texts), 64)], batch_size=args.st_batch_size)
-            busy = []
+            warm = texts[: min(len(texts), 64)]
+            pipe.embed(warm, use_tqdm=False)
+            st.encode(warm, batch_size=args.batch_size)
+            transformers_loop(tokenizer, model, warm, args.batch_size, max_length, st.device)
+            runs: dict[str, list] = {"busy": [], "stats": []}
 
-            def run_pipeline():
-                pipe.embed(texts, use_tqdm=False)
-                busy.append(pipe.stats()["engine_busy_fraction"])
+            def run_pipeline(inputs):
+                pipe.embed(inputs, use_tqdm=False)
+                stats = pipe.stats()
+                runs["busy"].append(stats["engine_busy_fraction"])
+                runs["stats"].append(stats)
 
-            t_pipe = median_time(run_pipeline, args.repeats)
-            t_st = median_time(lambda: st.encode(texts, batch_size=args.st_batch_size), args.repeats)
-            t_limit = statistics.median(
-                forward_limit(model, token_lists, pipe.max_num_seqs, budget, st.device) for _ in range(args.repeats))
-            rows.append((name, len(texts), tokens, t_pipe, t_st, t_limit, statistics.median(busy)))
-            print(f"case {name} done: pipeline {t_pipe:.2f}s  sentence-transformers {t_st:.2f}s  limit {t_limit:.2f}s", flush=True)
+            seconds = {
+                "pipeline": median_time(lambda: run_pipeline(texts), args.repeats),
+                "pipeline_token_ids": median_time(lambda: pipe.embed(token_lists, use_tqdm=False), args.repeats),
+                "sentence_transformers": median_time(lambda: st.encode(texts, batch_size=args.batch_size), args.repeats),
+                "transformers_loop": median_time(
+                    lambda: transformers_loop(tokenizer, model, texts, args.batch_size, max_length, st.device), args.repeats),
+                "forward_limit": statistics.median(
+                    forward_limit(model, token_lists, pipe.max_num_seqs, budget, st.device) for _ in range(args.repeats)),
+            }
+            stats = runs["stats"][len(runs["stats"]) // 2]
+            results.append({"case": name, "docs": len(texts), "kept_tokens": tokens, "seconds": seconds,
+                            "docs_per_s": {k: len(texts) / v for k, v in seconds.items()},
+                            "engine_busy": statistics.median(runs["busy"]),
+                            "padding_efficiency": stats["padding_efficiency"],
+                            "stages": stats["stages"], "queue_depths": stats["queue_depths"]})
+            print(f"case {name} done: " + "  ".join(f"{METHOD_LABELS[k]} {v:.2f}s" for k, v in seconds.items()), flush=True)
+            for line in format_stats(stats):
+                print(f"  {line}")
     finally:
         pipe.close()
 
     print()
-    print("| case | docs | kept tokens | pipeline docs/s | sentence-transformers docs/s | forward limit docs/s "
-          "| pipeline / ST | pipeline / limit | engine busy |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    labels = {"a": "(a) short sentences", "b": "(b) medium texts", "c": "(c) long docs -> 256"}
-    for name, n, tokens, t_pipe, t_st, t_limit, busy in rows:
-        print(f"| {labels[name]} | {n} | {tokens} | {n / t_pipe:.1f} | {n / t_st:.1f} | {n / t_limit:.1f} "
-              f"| {t_st / t_pipe:.2f}x | {t_limit / t_pipe:.2f} | {busy:.0%} |")
+    print("| workload | docs | kept tokens | " + " | ".join(f"{METHOD_LABELS[k]} docs/s" for k in METHODS)
+          + " | pipeline / ST | pipeline / transformers loop | pipeline / limit | token ids / limit | engine busy |")
+    print("|---|---|---|" + "---|" * len(METHODS) + "---|---|---|---|---|")
+    for r in results:
+        s = r["seconds"]
+        print(f"| {LABELS[r['case']]} | {r['docs']} | {r['kept_tokens']} | "
+              + " | ".join(f"{r['docs_per_s'][k]:.1f}" for k in METHODS)
+              + f" | {s['sentence_transformers'] / s['pipeline']:.2f}x | {s['transformers_loop'] / s['pipeline']:.2f}x"
+              f" | {s['forward_limit'] / s['pipeline']:.2f} | {s['forward_limit'] / s['pipeline_token_ids']:.2f}"
+              f" | {r['engine_busy']:.0%} |")
     print(f"\nmedian of {args.repeats} repeats; torch threads {torch.get_num_threads()} for the references, "
           f"engine {engine}")
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"model": model_path, "repeats": args.repeats, "engine": engine, "cpu_plan": pipe.cpu_plan.as_dict(),
+              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                          "torch": torch.__version__},
+              "startup_s": startup_s, "results": results}
+    (out / "bench_embed.json").write_text(json.dumps(record, indent=2))
+    print(f"record: {out / 'bench_embed.json'}")
+    if draw_chart(results, out / "bench_embed.png"):
+        print(f"chart: {out / 'bench_embed.png'}")
+    else:
+        print("no chart: matplotlib is not installed (pip install -e \".[bench]\")")
 
 
 if __name__ == "__main__":

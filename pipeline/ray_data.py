@@ -1,0 +1,154 @@
+"""Scale-out through Ray Data: one process group per Ray actor, fed by `Dataset.map_batches`.
+
+    import ray
+    from pipeline.ray_data import PoolingBatches
+
+    ds = ray.data.read_parquet("s3://bucket/corpus/")
+    ds = ds.map_batches(PoolingBatches, fn_constructor_kwargs={"task": "embed"},
+                        batch_size=1024, num_cpus=4, compute=ray.data.ActorPoolStrategy(size=8))
+    ds.write_parquet("s3://bucket/embeddings/")
+
+Each actor starts its own frontend + render workers + engine core, sized from what Ray gave it:
+its CPUs become render workers and engine threads (the same CPU plan as on one machine), and a
+GPU, when it has one, runs the engine (Ray sets CUDA_VISIBLE_DEVICES for the actor; the engine
+process inherits it). The group lives as long as the actor and is closed when the actor exits
+(and if the actor is killed outright, the children notice their parent is gone and exit).
+
+Needs the `[ray]` extra (`pip install -e ".[ray]"`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from typing import Any
+
+import numpy as np
+
+# The column a task's output goes to, unless the caller names another.
+OUTPUT_COLUMNS = {"embed": "embedding", "classify": "probs", "score": "score",
+                  "token_embed": "token_embeddings", "token_classify": "token_probs"}
+ERROR_COLUMN = "error"
+
+
+def actor_resources() -> tuple[int, int]:
+    """(CPUs, GPUs) Ray assigned to the calling actor or task; (cores, 0) outside Ray."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            assigned = ray.get_runtime_context().get_assigned_resources()
+            return max(1, int(assigned.get("CPU", 1))), int(assigned.get("GPU", 0))
+    except Exception:  # not inside a Ray worker: size for this machine
+        pass
+    from pipeline.cpu_plan import available_cores
+
+    return available_cores(), 0
+
+
+class PoolingBatches:
+    """A callable class for `ray.data.Dataset.map_batches`: batch in, batch with the output column out.
+
+    task: "embed" | "classify" | "score" | "token_embed" | "token_classify".
+    text_column: the input text; score also takes `pair_column` (the documents; `text_column`
+    holds the queries). The output goes to `output_column` (default: embedding, probs, score,
+    token_embeddings, token_probs): a 2-D array for vector tasks, one array per row for token
+    tasks, floats for score. `errors="return"` keeps going past a bad row: its output is None
+    (NaN for score) and the `error` column says why (empty for rows that worked).
+    Other keyword arguments go to the task's call (e.g. truncate_prompt_tokens, dimensions,
+    long_inputs); `pipeline_kwargs` to the `Pipeline` constructor.
+    """
+
+    def __init__(self, task: str = "embed", *, model: str | None = None, text_column: str = "text",
+                 pair_column: str | None = None, output_column: str | None = None, errors: str = "raise",
+                 device: str = "auto", dtype: str = "auto", num_render_workers: int | None = None,
+                 pipeline_kwargs: dict | None = None, **call_kwargs: Any) -> None:
+        from pipeline.api import Pipeline
+        from pipeline.cpu_plan import plan_cpu
+
+        if task not in OUTPUT_COLUMNS:
+            raise ValueError(f"task must be one of {sorted(OUTPUT_COLUMNS)}, got {task!r}")
+        if task == "score" and pair_column is None:
+            raise ValueError("task 'score' needs pair_column (the documents; text_column holds the queries)")
+        if errors not in ("raise", "return"):
+            raise ValueError(f"errors must be 'raise' or 'return', got {errors!r}")
+        self.task = task
+        self.text_column = text_column
+        self.pair_column = pair_column
+        self.output_column = output_column or OUTPUT_COLUMNS[task]
+        self.errors = errors
+        self.call_kwargs = call_kwargs
+        cpus, gpus = actor_resources()
+        if device == "auto":
+            device = "cuda" if gpus > 0 else "cpu"
+        plan = plan_cpu(num_render_workers, device, cores=cpus)
+        kwargs = dict(pipeline_kwargs or {})
+        kwargs.setdefault("engine_threads", plan.engine_threads)
+        self.pipe = Pipeline(model=model, num_render_workers=plan.render_workers, device=device, dtype=dtype,
+                             **kwargs)
+        self.resources = {"cpus": cpus, "gpus": gpus, "render_workers": plan.render_workers,
+                          "engine_threads": kwargs["engine_threads"], "device": device}
+        atexit.register(self.close)  # a normal actor exit; a kill is covered by the children's watchdog
+
+    def __call__(self, batch):
+        texts = _column(batch, self.text_column)
+        common = {"use_tqdm": False, "errors": self.errors, **self.call_kwargs}
+        if self.task == "score":
+            outs = self.pipe.score(texts, _column(batch, self.pair_column), **common)
+            values = np.array([o.score for o in outs], dtype=np.float32)
+        else:
+            call = {"embed": self.pipe.embed, "classify": self.pipe.classify}.get(self.task)
+            outs = call(texts, **common) if call else self.pipe.encode(texts, self.task, **common)
+            arrays = [o.data for o in outs]
+            values = _as_column(arrays, ragged=self.task.startswith("token_"))
+        columns = {self.output_column: values}
+        if self.errors == "return":
+            columns[ERROR_COLUMN] = np.array([o.error or "" for o in outs], dtype=object)
+        return _with_columns(batch, columns)
+
+    def close(self) -> None:
+        pipe = getattr(self, "pipe", None)
+        if pipe is not None:
+            pipe.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _column(batch, name: str) -> list:
+    try:
+        values = batch[name]
+    except (KeyError, IndexError):
+        have = list(batch.columns) if hasattr(batch, "columns") else list(batch)
+        raise ValueError(f"the batch has no column {name!r} (it has {have})") from None
+    return [v.item() if isinstance(v, np.generic) else v for v in values]
+
+
+def _as_column(arrays: list[np.ndarray | None], ragged: bool) -> np.ndarray:
+    """A 2-D array when every row has one same-shaped vector, else one object per row."""
+    if not ragged and arrays and all(a is not None for a in arrays) and len({a.shape for a in arrays}) == 1:
+        return np.stack(arrays)
+    column = np.empty(len(arrays), dtype=object)
+    for i, a in enumerate(arrays):
+        column[i] = a
+    return column
+
+
+def _with_columns(batch, columns: dict[str, np.ndarray]):
+    if hasattr(batch, "assign"):  # pandas
+        batch = batch.copy()
+        for name, values in columns.items():
+            batch[name] = list(values) if values.ndim > 1 else values
+        return batch
+    out = dict(batch)
+    out.update(columns)
+    return out
+
+
+def default_ray_init_kwargs(address: str) -> dict:
+    """ray.init arguments: `local` starts a private instance on this machine (no dashboard,
+    loopback only); anything else (e.g. `auto`) joins a running cluster."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if address == "local":
+        return {"include_dashboard": False, "_node_ip_address": "127.0.0.1", "log_to_driver": False}
+    return {"address": address, "log_to_driver": False}
