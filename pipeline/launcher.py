@@ -3,6 +3,7 @@
     pipeline-run                                   # the bundled sample, default model -> ./pipeline-out
     pipeline-run --input corpus/ --output out/ --text-field body --id-field url --precision int8
     pipeline-run --input 'dumps/*.jsonl' --output out-3/ --shard 3/8 --resume     # machine 3 of 8
+    pipeline-run --ray --ray-address auto --input 'dumps/*.jsonl' --output out/   # a Ray cluster
     cat lines.txt | pipeline-run --input - --output out/
 
 Inputs are streamed, never loaded whole. Results go to chunked files with a manifest
@@ -65,6 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--chunk-rows", type=int, default=65536, help="records per output chunk")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ray = ap.add_argument_group("Ray (pip install -e \".[ray]\"; see the README)")
+    ray.add_argument("--ray", action="store_true", help="run the job with Ray Data: one process group per actor")
+    ray.add_argument("--ray-address", default="local",
+                     help="local: start a private Ray instance on this machine (default); auto: join the "
+                          "running cluster (ray start); or a cluster address")
+    ray.add_argument("--ray-actors", type=int, default=None, help="default: one per GPU, else CPUs / CPUs per actor")
+    ray.add_argument("--ray-cpus-per-actor", type=int, default=None,
+                     help="CPUs each actor's process group gets (default: up to 8; with GPUs, its share)")
+    ray.add_argument("--ray-batch-size", type=int, default=1024, help="records per map_batches call")
+    ray.add_argument("--ray-num-cpus", type=int, default=None, help="CPUs of a --ray-address local instance")
     return ap
 
 
@@ -121,6 +132,10 @@ def run(args: argparse.Namespace) -> int:
                    "format": args.format, "text_field": args.text_field, "id_field": args.id_field,
                    "chunk_rows": args.chunk_rows, "pooling": spec.pooling, "normalize": spec.normalize},
     }
+    if args.ray:
+        from pipeline.ray_job import run_ray
+
+        return run_ray(args, job, files)
     writer = ResultWriter(args.output, job, resume=args.resume)
     if writer.manifest.get("complete"):
         print(f"pipeline-run: {args.output} is complete ({writer.records_done} records); nothing to do")

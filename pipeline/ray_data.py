@@ -56,13 +56,15 @@ class PoolingBatches:
     tasks, floats for score. `errors="return"` keeps going past a bad row: its output is None
     (NaN for score) and the `error` column says why (empty for rows that worked).
     Other keyword arguments go to the task's call (e.g. truncate_prompt_tokens, dimensions,
-    long_inputs); `pipeline_kwargs` to the `Pipeline` constructor.
+    long_inputs; None means the default); `pipeline_kwargs` to the `Pipeline` constructor;
+    `tokens_column` adds each row's token count.
     """
 
     def __init__(self, task: str = "embed", *, model: str | None = None, text_column: str = "text",
                  pair_column: str | None = None, output_column: str | None = None, errors: str = "raise",
                  device: str = "auto", dtype: str = "auto", num_render_workers: int | None = None,
-                 pipeline_kwargs: dict | None = None, **call_kwargs: Any) -> None:
+                 pipeline_kwargs: dict | None = None, tokens_column: str | None = None,
+                 **call_kwargs: Any) -> None:
         from pipeline.api import Pipeline
         from pipeline.cpu_plan import plan_cpu
 
@@ -77,7 +79,8 @@ class PoolingBatches:
         self.pair_column = pair_column
         self.output_column = output_column or OUTPUT_COLUMNS[task]
         self.errors = errors
-        self.call_kwargs = call_kwargs
+        self.tokens_column = tokens_column
+        self.call_kwargs = {k: v for k, v in call_kwargs.items() if v is not None}
         cpus, gpus = actor_resources()
         if device == "auto":
             device = "cuda" if gpus > 0 else "cpu"
@@ -102,6 +105,8 @@ class PoolingBatches:
             arrays = [o.data for o in outs]
             values = _as_column(arrays, ragged=self.task.startswith("token_"))
         columns = {self.output_column: values}
+        if self.tokens_column:
+            columns[self.tokens_column] = np.array([o.num_prompt_tokens for o in outs], dtype=np.int64)
         if self.errors == "return":
             columns[ERROR_COLUMN] = np.array([o.error or "" for o in outs], dtype=object)
         return _with_columns(batch, columns)
@@ -145,10 +150,14 @@ def _with_columns(batch, columns: dict[str, np.ndarray]):
     return out
 
 
-def default_ray_init_kwargs(address: str) -> dict:
+def default_ray_init_kwargs(address: str, num_cpus: int | None = None) -> dict:
     """ray.init arguments: `local` starts a private instance on this machine (no dashboard,
-    loopback only); anything else (e.g. `auto`) joins a running cluster."""
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    loopback only, `num_cpus` CPUs); anything else (e.g. `auto`) joins a running cluster."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # never phone home
     if address == "local":
-        return {"include_dashboard": False, "_node_ip_address": "127.0.0.1", "log_to_driver": False}
+        kwargs = {"address": "local", "include_dashboard": False, "_node_ip_address": "127.0.0.1",
+                  "log_to_driver": False}
+        if num_cpus is not None:
+            kwargs["num_cpus"] = num_cpus
+        return kwargs
     return {"address": address, "log_to_driver": False}

@@ -107,17 +107,11 @@ class ResultWriter:
         """Commits what was added as one chunk: data, ids and errors files first, the manifest last."""
         if not self.pending_records:
             return
-        number = len(self.manifest["chunks"])
-        chunk: dict = {"rows": len(self.rows), "records": self.pending_records}
+        chunk = write_chunk(self.dir, f"{len(self.manifest['chunks']):05d}", self.rows, self.indices, self.ids,
+                            self.errors, self.job["task"], self.job["params"]["format"], self.quantize)
+        chunk["records"] = self.pending_records
         if self.rows:
-            chunk.update(self._write_data(number))
-            ids_name = f"ids-{number:05d}.json"
-            _atomic_write(self.dir / ids_name, json.dumps({"index": self.indices, "id": self.ids}).encode())
-            chunk["ids"] = ids_name
-        if self.errors:
-            errors_name = f"errors-{number:05d}.jsonl"
-            _atomic_write(self.dir / errors_name, "".join(json.dumps(e) + "\n" for e in self.errors).encode())
-            chunk["errors"] = errors_name
+            self.manifest.setdefault("dim", int(self.rows[0].shape[-1]))
         self.manifest["chunks"].append(chunk)
         self.manifest["records_done"] += self.pending_records
         self.manifest["rows"] += len(self.rows)
@@ -140,38 +134,66 @@ class ResultWriter:
         self._write_manifest()
 
     def _write_manifest(self) -> None:
-        _atomic_write(self.dir / "manifest.json", json.dumps(self.manifest, indent=2).encode())
+        write_manifest(self.dir, self.manifest)
 
-    def _write_data(self, number: int) -> dict:
-        token_task = self.job["task"] in TOKEN_TASKS
-        if token_task:  # variable rows per record: concatenated, with offsets
-            lengths = [len(r) for r in self.rows]
-            data = self.quantize(np.concatenate(self.rows))
-            extra = {"offsets": np.concatenate([[0], np.cumsum(lengths)]).tolist()}
-        else:
-            data = self.quantize(np.stack(self.rows))
-            extra = {}
-        self.manifest.setdefault("dim", int(self.rows[0].shape[-1]))
-        if self.job["params"]["format"] == "parquet":
-            import pyarrow as pa
-            import pyarrow.parquet as pq
 
-            name = f"data-{number:05d}.parquet"
-            table = pa.table({"index": self.indices, "id": self.ids,
-                              "data": [row.tobytes() for row in _split(data, extra.get("offsets"))]})
-            buffer = io.BytesIO()
-            pq.write_table(table, buffer)
-            _atomic_write(self.dir / name, buffer.getvalue())
-            return {"data": name, "dtype": str(data.dtype), "shape": list(data.shape[1:]), **extra}
-        name = f"data-{number:05d}.npy"
-        _atomic_write(self.dir / name, _npy_bytes(data))
-        return {"data": name, **extra}
+def write_manifest(directory: Path, manifest: dict) -> None:
+    _atomic_write(directory / "manifest.json", json.dumps(manifest, indent=2).encode())
+
+
+def write_chunk(directory: Path, name: str, rows: list[np.ndarray], indices: list[int], ids: list[str],
+                errors: list[dict], task: str, fmt: str, quantize: Quantizer) -> dict:
+    """Writes one chunk's files atomically -- data-NAME.(npy|parquet) with ids-NAME.json beside it,
+    errors-NAME.jsonl when some records failed -- and returns its manifest entry. Writing the same
+    name again replaces the chunk (a retried task never duplicates rows)."""
+    chunk: dict = {"rows": len(rows), "records": len(rows) + len(errors)}
+    if rows:
+        chunk.update(_write_data(directory, name, rows, indices, ids, task, fmt, quantize))
+        ids_name = f"ids-{name}.json"
+        _atomic_write(directory / ids_name, json.dumps({"index": indices, "id": ids}).encode())
+        chunk["ids"] = ids_name
+    if errors:
+        errors_name = f"errors-{name}.jsonl"
+        _atomic_write(directory / errors_name, "".join(json.dumps(e) + "\n" for e in errors).encode())
+        chunk["errors"] = errors_name
+    return chunk
+
+
+def _write_data(directory: Path, name: str, rows: list[np.ndarray], indices: list[int], ids: list[str],
+                task: str, fmt: str, quantize: Quantizer) -> dict:
+    if task in TOKEN_TASKS:  # variable rows per record: concatenated, with offsets
+        lengths = [len(r) for r in rows]
+        data = quantize(np.concatenate(rows))
+        extra = {"offsets": np.concatenate([[0], np.cumsum(lengths)]).tolist()}
+    else:
+        data = quantize(np.stack(rows))
+        extra = {}
+    if fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        file_name = f"data-{name}.parquet"
+        table = pa.table({"index": indices, "id": ids,
+                          "data": [row.tobytes() for row in _split(data, extra.get("offsets"))]})
+        buffer = io.BytesIO()
+        pq.write_table(table, buffer)
+        _atomic_write(directory / file_name, buffer.getvalue())
+        return {"data": file_name, "dtype": str(data.dtype), "shape": list(data.shape[1:]), **extra}
+    file_name = f"data-{name}.npy"
+    _atomic_write(directory / file_name, _npy_bytes(data))
+    return {"data": file_name, **extra}
 
 
 def _split(data: np.ndarray, offsets: list[int] | None) -> list[np.ndarray]:
     if offsets is None:
         return list(data)
     return [data[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
+
+
+def load_manifest(directory: str | Path) -> dict | None:
+    """The manifest of an output directory, or None when there is none."""
+    path = Path(directory) / "manifest.json"
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def load_results(*directories: str | Path) -> tuple[list[str], np.ndarray | list[np.ndarray]]:
@@ -194,6 +216,8 @@ def load_results(*directories: str | Path) -> tuple[list[str], np.ndarray | list
             if not chunk.get("rows"):
                 continue
             ids = json.loads((directory / chunk["ids"]).read_text())
+            offset = chunk.get("index_offset", 0)  # Ray jobs: chunk-local indices
+            indices = [offset + i for i in ids["index"]]
             if chunk["data"].endswith(".parquet"):
                 import pyarrow.parquet as pq
 
@@ -203,7 +227,7 @@ def load_results(*directories: str | Path) -> tuple[list[str], np.ndarray | list
             else:
                 rows = _split(np.load(directory / chunk["data"]), chunk.get("offsets"))
             rows = [dequantize(r, manifest) for r in rows]
-            parts.extend(zip(ids["index"], ids["id"], rows))
+            parts.extend(zip(indices, ids["id"], rows))
     parts.sort(key=lambda p: p[0])
     ids_out = [p[1] for p in parts]
     rows_out = [p[2] for p in parts]

@@ -78,6 +78,25 @@ def _running(pid: int) -> bool:
         return False
 
 
+TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def build_small_bert(root: Path, name: str, model_cls, model_path: str, **config_kwargs) -> str:
+    """A small BERT of a transformers class (a head, a config option), random weights, with the
+    bundled tokenizer: a model to check a task against transformers' own forward pass."""
+    from transformers import BertConfig
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=128, **config_kwargs)
+    model = model_cls(config).eval()
+    target = root / name
+    model.save_pretrained(target)
+    for f in TOKENIZER_FILES:
+        shutil.copy(f"{model_path}/{f}", target / f)
+    return str(target)
+
+
 def faulty_model_dir(tmp_path: Path, model_path: str, trigger_token_id: int) -> Path:
     """A real model whose forward raises when a chosen token id is in the batch.
 

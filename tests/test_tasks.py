@@ -11,36 +11,24 @@ import torch
 from transformers import (AutoTokenizer, BertConfig, BertForSequenceClassification, BertForTokenClassification,
                           BertModel)
 
+from conftest import build_small_bert
 from pipeline import ClassificationOutput, Pipeline, PoolingParams, corpus
 
 TOL = 1e-5
-TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 QUERIES = ["what is a generator in python", "how do I open a file", "sort a list of numbers"]
 DOCS = corpus.medium_texts(3, seed=61)
-
-
-def _build(root, name, model_cls, model_path, **config_kwargs):
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=64, max_position_embeddings=128, **config_kwargs)
-    model = model_cls(config).eval()
-    target = root / name
-    model.save_pretrained(target)
-    for f in TOKENIZER_FILES:
-        shutil.copy(f"{model_path}/{f}", target / f)
-    return str(target)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, model_path):
     root = tmp_path_factory.mktemp("models")
     return {
-        "cross": _build(root, "cross", BertForSequenceClassification, model_path, num_labels=1),
-        "classify3": _build(root, "classify3", BertForSequenceClassification, model_path, num_labels=3),
-        "multilabel": _build(root, "multilabel", BertForSequenceClassification, model_path, num_labels=3,
+        "cross": build_small_bert(root, "cross", BertForSequenceClassification, model_path, num_labels=1),
+        "classify3": build_small_bert(root, "classify3", BertForSequenceClassification, model_path, num_labels=3),
+        "multilabel": build_small_bert(root, "multilabel", BertForSequenceClassification, model_path, num_labels=3,
                              problem_type="multi_label_classification"),
-        "token_cls": _build(root, "token_cls", BertForTokenClassification, model_path, num_labels=5),
-        "colbert": _build(root, "colbert", BertModel, model_path, late_interaction=True,
+        "token_cls": build_small_bert(root, "token_cls", BertForTokenClassification, model_path, num_labels=5),
+        "colbert": build_small_bert(root, "colbert", BertModel, model_path, late_interaction=True,
                           matryoshka_dimensions=[16, 32]),
     }
 

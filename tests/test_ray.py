@@ -1,0 +1,153 @@
+"""Ray Data scale-out on a local Ray instance limited to this machine (2 CPUs, no dashboard,
+loopback only): map_batches and `pipeline-run --ray` give the single-machine API's results,
+every id once; every task of the API is reachable; no process group outlives its actor."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+ray = pytest.importorskip("ray", reason="the [ray] extra is not installed (pip install -e '.[ray]')")
+
+from transformers import BertForSequenceClassification, BertForTokenClassification  # noqa: E402
+
+from conftest import ROOT, build_small_bert  # noqa: E402
+from pipeline import Pipeline, corpus  # noqa: E402
+from pipeline.ray_data import PoolingBatches, _column, default_ray_init_kwargs  # noqa: E402
+from pipeline.results_store import load_results  # noqa: E402
+
+TOL = 1e-5
+N_TEXTS = 2000
+
+
+@pytest.fixture(scope="module")
+def records():
+    texts = corpus.sentences(N_TEXTS - 200, seed=81) + corpus.medium_texts(200, seed=82)
+    return [{"id": f"rec-{i:05d}", "text": t} for i, t in enumerate(texts)]
+
+
+@pytest.fixture(scope="module")
+def expected(pipe, records):
+    outs = pipe.embed([r["text"] for r in records], use_tqdm=False)
+    return {r["id"]: o.embedding for r, o in zip(records, outs)}
+
+
+def group_processes() -> list[psutil.Process]:
+    """Engine cores and render workers started by anything but this test process."""
+    mine = {p.pid for p in psutil.Process().children(recursive=True)}
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if ("-m core.engine" in cmd or "-m workers.main" in cmd) and p.info["pid"] not in mine:
+            found.append(p)
+    return found
+
+
+def assert_no_group_left(timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while group_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not group_processes(), f"process groups outlived their Ray actors: {group_processes()}"
+
+
+def test_pipeline_run_ray_matches_the_api(tmp_path, records, expected):
+    """The launcher starts its own local Ray instance (2 CPUs), reads JSONL with Ray Data and
+    writes the launcher's output format; load_results reads it back in input order."""
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "out"
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.run([sys.executable, "-m", "pipeline.launcher", "--ray", "--ray-num-cpus", "2",
+                           "--ray-batch-size", "256", "--input", str(src), "--output", str(out), "--quiet"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"embedded {len(records)} records" in proc.stdout
+    ids, vectors = load_results(out)
+    assert ids == [r["id"] for r in records]  # every id once, in input order
+    want = np.stack([expected[i] for i in ids])
+    assert np.abs(vectors - want).max() <= TOL
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["rows"] == len(records) and manifest["ray"]["actors"] >= 1
+    assert len(manifest["chunks"]) > 1  # several write tasks: the per-chunk offsets are exercised
+    # A complete job is not redone.
+    again = subprocess.run([sys.executable, "-m", "pipeline.launcher", "--ray", "--resume", "--input", str(src),
+                            "--output", str(out), "--quiet"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 0 and "nothing to do" in again.stdout
+    assert_no_group_left()
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(**default_ray_init_kwargs("local", num_cpus=2), object_store_memory=256 * 2**20)
+    yield ray
+    ray.shutdown()
+    assert_no_group_left()
+
+
+def test_map_batches_embed_matches_the_api(local_ray, records, expected):
+    ds = ray.data.from_items(records, override_num_blocks=8)
+    ds = ds.map_batches(PoolingBatches, fn_constructor_kwargs={"task": "embed"}, batch_size=200, num_cpus=1,
+                        compute=ray.data.ActorPoolStrategy(size=1), batch_format="numpy")
+    rows = ds.take_all()
+    ids = [r["id"] for r in rows]
+    assert sorted(ids) == sorted(expected) and len(set(ids)) == len(ids)  # every id exactly once
+    diff = max(float(np.abs(np.asarray(r["embedding"]) - expected[r["id"]]).max()) for r in rows)
+    assert diff <= TOL
+
+
+@pytest.fixture(scope="module")
+def small_models(tmp_path_factory, model_path):
+    root = tmp_path_factory.mktemp("ray-models")
+    return {"cross": build_small_bert(root, "cross", BertForSequenceClassification, model_path, num_labels=1),
+            "classify3": build_small_bert(root, "classify3", BertForSequenceClassification, model_path, num_labels=3),
+            "token_cls": build_small_bert(root, "token_cls", BertForTokenClassification, model_path, num_labels=5)}
+
+
+def test_every_task_through_map_batches(local_ray, small_models):
+    """classify, score (two columns) and a token task, as pandas batches, with bad rows returned."""
+    import pandas as pd
+
+    texts = corpus.sentences(60, seed=83)
+    docs = corpus.medium_texts(60, seed=84)
+    frame = pd.DataFrame({"id": range(60), "text": texts, "doc": docs})
+    cases = [("classify", small_models["classify3"], {}, "probs"),
+             ("score", small_models["cross"], {"pair_column": "doc"}, "score"),
+             ("token_classify", small_models["token_cls"], {}, "token_probs")]
+    for task, model, extra, column in cases:
+        ds = ray.data.from_pandas(frame).map_batches(
+            PoolingBatches, fn_constructor_kwargs={"task": task, "model": model, **extra}, batch_size=25,
+            num_cpus=1, compute=ray.data.ActorPoolStrategy(size=1), batch_format="pandas")
+        got = ds.to_pandas().sort_values("id")
+        with Pipeline(model=model) as pipe:
+            if task == "score":
+                want = [o.score for o in pipe.score(texts, docs, use_tqdm=False)]
+                np.testing.assert_allclose(got[column].to_numpy(dtype=np.float64), want, atol=TOL, rtol=0)
+                continue
+            outs = pipe.classify(texts, use_tqdm=False) if task == "classify" else \
+                pipe.encode(texts, task, use_tqdm=False)
+        assert len(got) == 60
+        for value, out in zip(got[column], outs):
+            np.testing.assert_allclose(np.asarray(value, dtype=np.float32).reshape(out.data.shape), out.data,
+                                       atol=TOL, rtol=0)
+
+
+def test_bad_rows_are_returned_with_errors(local_ray):
+    items = [{"id": 0, "text": "fine"}, {"id": 1, "text": None}, {"id": 2, "text": "also fine"}]
+    ds = ray.data.from_items(items).map_batches(
+        PoolingBatches, fn_constructor_kwargs={"task": "embed", "errors": "return"}, batch_size=10, num_cpus=1,
+        compute=ray.data.ActorPoolStrategy(size=1), batch_format="numpy")
+    rows = sorted(ds.take_all(), key=lambda r: r["id"])
+    assert [bool(r["error"]) for r in rows] == [False, True, False]
+    assert "request 1" in rows[1]["error"]
+    assert rows[1]["embedding"] is None and np.asarray(rows[0]["embedding"]).shape == (384,)
+
+
+def test_a_missing_column_is_a_clear_error():
+    with pytest.raises(ValueError, match="no column 'body'"):
+        _column({"text": np.array(["x"])}, "body")
