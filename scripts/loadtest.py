@@ -115,6 +115,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=None, help="default: 1 .. cores")
     ap.add_argument("--threads", type=int, nargs="+", default=None, help="engine threads (default: the CPU plan)")
     ap.add_argument("--requests", type=int, default=None, help="per run (default: 40000 tiny, 2000 real)")
+    ap.add_argument("--texts", choices=["short", "medium"], default="short",
+                    help="short sentences (~24 tokens) or medium texts (600-4000 characters, kept to 256 tokens)")
     ap.add_argument("--max-seconds", type=float, default=120)
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: 256 tiny, the Pipeline's default real")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -127,7 +129,8 @@ def main() -> None:
     workers_list = args.workers or list(range(1, cores + 1))
     model = build_tiny_model() if args.regime == "tiny" else None
     n = args.requests or (40_000 if args.regime == "tiny" else 2_000)
-    pool = corpus.sentences(5000, seed=5)
+    pool = corpus.sentences(5000, seed=5) if args.texts == "short" else \
+        corpus.medium_texts(2000, seed=5, min_chars=600, max_chars=4000)
     texts = [pool[i % len(pool)] for i in range(n)]
     batch_shape = {}
     if args.max_num_seqs or args.regime == "tiny":
@@ -144,7 +147,7 @@ def main() -> None:
             for line in run["stats_lines"]:
                 print(f"  {line}")
 
-    print(f"\nregime {args.regime}, {n:,} short texts per run, {cores} cores, batch shape {batch_shape or 'default'}")
+    print(f"\nregime {args.regime}, {n:,} {args.texts} texts per run, {cores} cores, batch shape {batch_shape or 'default'}")
     print("| workers | engine threads | requests/s | tokens/s | engine busy | padding eff. | complete+ordered "
           "| CPU% frontend / engine / workers | peak RSS MB frontend / engine / workers |")
     print("|---|---|---|---|---|---|---|---|---|")
