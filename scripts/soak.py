@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import psutil  # noqa: E402
 
 from pipeline import Pipeline, corpus  # noqa: E402
+from pipeline.call_stats import format_stats  # noqa: E402
 from tiny_model import build_tiny_model  # noqa: E402
 
 
@@ -44,7 +45,9 @@ def main() -> None:
     model = None if args.real_model else build_tiny_model()
     pool = corpus.sentences(5000, seed=9)
     samples = []
-    with Pipeline(model=model, num_render_workers=args.workers) as pipe:
+    # The tiny model gets the batch shape of the GPU engine it stands for (as in loadtest.py).
+    shape = {} if args.real_model else {"max_num_seqs": 256, "max_num_batched_tokens": 16384}
+    with Pipeline(model=model, num_render_workers=args.workers, **shape) as pipe:
         pids = {"frontend": os.getpid(), "engine": pipe.pids["engine"]}
         pids.update({f"worker{i}": p for i, p in enumerate(pipe.pids["workers"])})
         start = time.perf_counter()
@@ -75,6 +78,8 @@ def main() -> None:
     print(f"\n{last[0]:,} requests in {last[1]:.0f} s = {last[0] / last[1]:,.0f} requests/s; "
           f"max in flight {stats['max_inflight_seen']} (bound {pipe.max_inflight}), "
           f"max in engine {stats['max_in_core_seen']} (bound {pipe.engine_window})")
+    for line in format_stats(stats):
+        print(line)
 
 
 if __name__ == "__main__":

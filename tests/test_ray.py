@@ -22,12 +22,12 @@ from pipeline.ray_data import PoolingBatches, _column, default_ray_init_kwargs  
 from pipeline.results_store import load_results  # noqa: E402
 
 TOL = 1e-5
-N_TEXTS = 2000
+N_TEXTS = 3000
 
 
 @pytest.fixture(scope="module")
 def records():
-    texts = corpus.sentences(N_TEXTS - 200, seed=81) + corpus.medium_texts(200, seed=82)
+    texts = corpus.sentences(N_TEXTS - 300, seed=81) + corpus.medium_texts(300, seed=82)
     return [{"id": f"rec-{i:05d}", "text": t} for i, t in enumerate(texts)]
 
 
