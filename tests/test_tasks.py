@@ -261,7 +261,7 @@ def test_io_processor_plugin(tmp_path, st_model, monkeypatch):
 
 
 def test_plugin_task_without_a_plugin_is_a_clear_error(pipe):
-    with pytest.raises(ValueError, match="task 'plugin' needs Pipeline\(io_processor="):
+    with pytest.raises(ValueError, match=r"task 'plugin' needs Pipeline\(io_processor="):
         pipe.encode([{"a": 1}], task="plugin")
-    with pytest.raises(ValueError, match="unsupported task 'classify': this model can do \['embed', 'token_embed'\]"):
+    with pytest.raises(ValueError, match=r"unsupported task 'classify': this model can do \['embed', 'token_embed'\]"):
         pipe.classify(["x"])
