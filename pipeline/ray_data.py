@@ -53,8 +53,9 @@ class PoolingBatches:
     text_column: the input text; score also takes `pair_column` (the documents; `text_column`
     holds the queries). The output goes to `output_column` (default: embedding, probs, score,
     token_embeddings, token_probs): a 2-D array for vector tasks, one array per row for token
-    tasks, floats for score. `errors="return"` keeps going past a bad row: its output is None
-    (NaN for score) and the `error` column says why (empty for rows that worked).
+    tasks, floats for score. `errors="return"` keeps going past a bad row: the `error` column says
+    why (empty for rows that worked) and its output is NaN (token tasks: no rows), so the column
+    keeps one type across batches, as Ray Data needs.
     Other keyword arguments go to the task's call (e.g. truncate_prompt_tokens, dimensions,
     long_inputs; None means the default); `pipeline_kwargs` to the `Pipeline` constructor;
     `tokens_column` adds each row's token count.
@@ -92,17 +93,32 @@ class PoolingBatches:
         self.resources = {"cpus": cpus, "gpus": gpus, "render_workers": plan.render_workers,
                           "engine_threads": kwargs["engine_threads"], "device": device}
         atexit.register(self.close)  # a normal actor exit; a kill is covered by the children's watchdog
+        # The shape of one output (per token for token tasks), for the rows that fail.
+        self.failed_row = None if task == "score" else self._failed_row()
+
+    def _failed_row(self) -> np.ndarray:
+        data = self._run(["probe"], None, use_tqdm=False, **self.call_kwargs)[0].data
+        if self.task.startswith("token_"):
+            return np.zeros((0, data.shape[-1]), dtype=np.float32)
+        return np.full(data.shape, np.nan, dtype=np.float32)
+
+    def _run(self, texts: list, pairs: list | None, **kwargs):
+        if self.task == "score":
+            return self.pipe.score(texts, pairs, **kwargs)
+        if self.task == "embed":
+            return self.pipe.embed(texts, **kwargs)
+        if self.task == "classify":
+            return self.pipe.classify(texts, **kwargs)
+        return self.pipe.encode(texts, self.task, **kwargs)
 
     def __call__(self, batch):
         texts = _column(batch, self.text_column)
-        common = {"use_tqdm": False, "errors": self.errors, **self.call_kwargs}
+        pairs = _column(batch, self.pair_column) if self.task == "score" else None
+        outs = self._run(texts, pairs, use_tqdm=False, errors=self.errors, **self.call_kwargs)
         if self.task == "score":
-            outs = self.pipe.score(texts, _column(batch, self.pair_column), **common)
             values = np.array([o.score for o in outs], dtype=np.float32)
         else:
-            call = {"embed": self.pipe.embed, "classify": self.pipe.classify}.get(self.task)
-            outs = call(texts, **common) if call else self.pipe.encode(texts, self.task, **common)
-            arrays = [o.data for o in outs]
+            arrays = [self.failed_row if o.error is not None else o.data for o in outs]
             values = _as_column(arrays, ragged=self.task.startswith("token_"))
         columns = {self.output_column: values}
         if self.tokens_column:
@@ -129,9 +145,9 @@ def _column(batch, name: str) -> list:
     return [v.item() if isinstance(v, np.generic) else v for v in values]
 
 
-def _as_column(arrays: list[np.ndarray | None], ragged: bool) -> np.ndarray:
-    """A 2-D array when every row has one same-shaped vector, else one object per row."""
-    if not ragged and arrays and all(a is not None for a in arrays) and len({a.shape for a in arrays}) == 1:
+def _as_column(arrays: list[np.ndarray], ragged: bool) -> np.ndarray:
+    """A 2-D array for vectors, one object per row for token tasks (their lengths differ)."""
+    if not ragged and arrays:
         return np.stack(arrays)
     column = np.empty(len(arrays), dtype=object)
     for i, a in enumerate(arrays):

@@ -22,7 +22,7 @@ import ray
 from ray.data import Datasink
 from ray.data.block import BlockAccessor
 
-from pipeline.results_store import TOKEN_TASKS, Quantizer, write_chunk, write_manifest
+from pipeline.results_store import Quantizer, write_chunk, write_manifest
 
 DATA_COLUMN, TOKENS_COLUMN, ERROR_COLUMN = "data", "num_tokens", "error"
 

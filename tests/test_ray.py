@@ -2,6 +2,7 @@
 loopback only): map_batches and `pipeline-run --ray` give the single-machine API's results,
 every id once; every task of the API is reachable; no process group outlives its actor."""
 
+import gc
 import json
 import os
 import subprocess
@@ -37,22 +38,26 @@ def expected(pipe, records):
     return {r["id"]: o.embedding for r, o in zip(records, outs)}
 
 
-def group_processes() -> list[psutil.Process]:
-    """Engine cores and render workers started by anything but this test process."""
+def group_processes() -> set[int]:
+    """Engine cores and render workers of this interpreter, not started by this test process."""
     mine = {p.pid for p in psutil.Process().children(recursive=True)}
-    found = []
+    found = set()
     for p in psutil.process_iter(["pid", "cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if ("-m core.engine" in cmd or "-m workers.main" in cmd) and p.info["pid"] not in mine:
-            found.append(p)
+        cmd = p.info["cmdline"] or []
+        if (cmd[:1] == [sys.executable] and ("core.engine" in cmd or "workers.main" in cmd)
+                and p.info["pid"] not in mine):
+            found.add(p.info["pid"])
     return found
+
+
+BEFORE = group_processes()  # another run's groups on this machine are not ours to judge
 
 
 def assert_no_group_left(timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while group_processes() and time.monotonic() < deadline:
+    while group_processes() - BEFORE and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not group_processes(), f"process groups outlived their Ray actors: {group_processes()}"
+    assert not group_processes() - BEFORE, f"process groups outlived their Ray actors: {group_processes() - BEFORE}"
 
 
 def test_pipeline_run_ray_matches_the_api(tmp_path, records, expected):
@@ -87,6 +92,7 @@ def local_ray():
     ray.init(**default_ray_init_kwargs("local", num_cpus=2), object_store_memory=256 * 2**20)
     yield ray
     ray.shutdown()
+    gc.collect()  # Ray's leftovers with finalizers go now, not in the middle of a later test
     assert_no_group_left()
 
 
@@ -145,9 +151,37 @@ def test_bad_rows_are_returned_with_errors(local_ray):
     rows = sorted(ds.take_all(), key=lambda r: r["id"])
     assert [bool(r["error"]) for r in rows] == [False, True, False]
     assert "request 1" in rows[1]["error"]
-    assert rows[1]["embedding"] is None and np.asarray(rows[0]["embedding"]).shape == (384,)
+    assert np.isnan(np.asarray(rows[1]["embedding"])).all() and np.isfinite(np.asarray(rows[0]["embedding"])).all()
 
 
 def test_a_missing_column_is_a_clear_error():
     with pytest.raises(ValueError, match="no column 'body'"):
         _column({"text": np.array(["x"])}, "body")
+
+
+def test_pipeline_run_ray_errors_return_and_clear_refusals(local_ray, tmp_path, capsys):
+    """In-process on the module's Ray instance: failed records go to errors.jsonl under their own
+    input index (chunk offsets applied), and what --ray cannot do is refused clearly."""
+    from pipeline.launcher import main
+
+    texts = corpus.sentences(40, seed=85)
+    lines = [json.dumps({"id": f"r{i}", "text": None if i in (7, 33) else t}) for i, t in enumerate(texts)]
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    assert main(["--ray", "--input", str(src), "--output", str(out), "--errors", "return", "--ray-batch-size", "8",
+                 "--quiet"]) == 0
+    ids, vectors = load_results(out)
+    assert ids == [f"r{i}" for i in range(40) if i not in (7, 33)] and vectors.shape == (38, 384)
+    errors = [json.loads(line) for line in (out / "errors.jsonl").read_text().splitlines()]
+    assert [(e["index"], e["id"]) for e in errors] == [(7, "r7"), (33, "r33")]
+
+    no_ids = tmp_path / "no-ids.jsonl"
+    no_ids.write_text('{"text": "a"}\n')
+    for argv, message in [(["--input", str(no_ids)], "no ['id'] field"),
+                          (["--input", str(src), "--precision", "int8"], "cannot calibrate int8"),
+                          (["--input", str(src), "--shard", "1/2"], "drop --shard"),
+                          (["--input", str(src)], "already holds a job")]:
+        target = out if message == "already holds a job" else tmp_path / "refused"
+        assert main(["--ray", *argv, "--output", str(target), "--quiet"]) == 2
+        assert message in capsys.readouterr().err

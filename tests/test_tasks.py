@@ -8,7 +8,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from transformers import (AutoTokenizer, BertConfig, BertForSequenceClassification, BertForTokenClassification,
+from transformers import (AutoTokenizer, BertForSequenceClassification, BertForTokenClassification,
                           BertModel)
 
 from conftest import build_small_bert
