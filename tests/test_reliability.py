@@ -79,11 +79,17 @@ def test_keyboard_interrupt_aborts_the_call_and_the_group_stays_usable(pipe, st_
     # Collect garbage first: CPython loses a KeyboardInterrupt raised while a __del__ runs, and
     # earlier tests (Ray's, in this process) leave objects with finalizers behind.
     gc.collect()
-    timer = threading.Timer(0.8, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        pipe.embed(texts, use_tqdm=False)
-    timer.join()
+    # Python's own Ctrl-C handler, whatever this process inherited (a shell's background job
+    # starts with SIGINT ignored, and then no KeyboardInterrupt would ever come).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        timer = threading.Timer(0.8, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            pipe.embed(texts, use_tqdm=False)
+        timer.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     outs = pipe.embed(texts[:30], use_tqdm=False)
     np.testing.assert_allclose(np.stack([o.embedding for o in outs]), st_model.encode(texts[:30]), atol=TOL, rtol=0)
     assert pipe.stats()["requests"] == 30 and pipe.stats()["duplicates_dropped"] >= 0
