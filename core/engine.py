@@ -156,7 +156,7 @@ class EngineCore:
             self.render_s[msg.worker] = self.render_s.get(msg.worker, 0.0) + msg.render_s
         if self.aborted:
             items = [r for r in items if r.request_id not in self.aborted]
-        if self._all_valid(items, msg.token_ids):  # the usual case: one check for the whole message
+        if self._all_valid(msg, items):  # the usual case: one check for the whole message
             for request in items:
                 self.scheduler.add(request)
             return
@@ -172,19 +172,18 @@ class EngineCore:
             self.to_front.send_multipart(self.encoder.encode(m.RenderFailed(
                 [r.request_id for r, _ in rejected], [r.seq for r, _ in rejected], [e for _, e in rejected])))
 
-    def _all_valid(self, items: list[m.PoolingEngineInput], all_ids: np.ndarray) -> bool:
+    def _all_valid(self, msg: m.EngineInputBatch, items: list[m.PoolingEngineInput]) -> bool:
         """True when every input passes `_invalid`'s checks (False says "look at each one").
-        `all_ids` holds every item's ids (and maybe more: those of aborted ones)."""
-        if not items:
-            return True
+        The array checks run once on the message's packed ids (aborted items' included, which
+        only makes it stricter); per item only what is not in the array remains."""
         model = self.cfg.model
-        for r in items:
-            ids = r.token_ids
-            if (r.task not in model.tasks or ids.dtype != np.int32 or ids.ndim != 1
-                    or not 0 < ids.size <= model.max_model_len
-                    or (r.token_type_start is not None and not 0 <= r.token_type_start < ids.size)):
-                return False
-        return int(all_ids.min()) >= 0 and int(all_ids.max()) < model.vocab_size
+        ids, lengths = msg.token_ids, msg.lengths
+        if ids.dtype != np.int32 or (lengths.size and (int(lengths.min()) < 1 or int(lengths.max()) > model.max_model_len)):
+            return False
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= model.vocab_size):
+            return False
+        return all(r.task in model.tasks and (r.token_type_start is None or 0 <= r.token_type_start < r.token_ids.size)
+                   for r in items)
 
     def _invalid(self, request: m.PoolingEngineInput) -> str | None:
         ids = request.token_ids

@@ -90,8 +90,6 @@ class PoolingBatches:
         kwargs.setdefault("engine_threads", plan.engine_threads)
         self.pipe = Pipeline(model=model, num_render_workers=plan.render_workers, device=device, dtype=dtype,
                              **kwargs)
-        self.resources = {"cpus": cpus, "gpus": gpus, "render_workers": plan.render_workers,
-                          "engine_threads": kwargs["engine_threads"], "device": device}
         atexit.register(self.close)  # a normal actor exit; a kill is covered by the children's watchdog
         # The shape of one output (per token for token tasks), for the rows that fail.
         self.failed_row = None if task == "score" else self._failed_row()

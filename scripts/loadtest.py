@@ -41,7 +41,7 @@ import psutil  # noqa: E402
 from pipeline import Pipeline, corpus  # noqa: E402
 from pipeline.call_stats import format_stats  # noqa: E402
 from pipeline.cpu_plan import available_cores  # noqa: E402
-from tiny_model import build_tiny_model  # noqa: E402
+from tiny_model import TINY_BATCH_SHAPE, build_tiny_model  # noqa: E402
 
 
 class Sampler:
@@ -134,9 +134,9 @@ def main() -> None:
     texts = [pool[i % len(pool)] for i in range(n)]
     batch_shape = {}
     if args.max_num_seqs or args.regime == "tiny":
-        batch_shape["max_num_seqs"] = args.max_num_seqs or 256
+        batch_shape["max_num_seqs"] = args.max_num_seqs or TINY_BATCH_SHAPE["max_num_seqs"]
     if args.max_num_batched_tokens or args.regime == "tiny":
-        batch_shape["max_num_batched_tokens"] = args.max_num_batched_tokens or 16384
+        batch_shape["max_num_batched_tokens"] = args.max_num_batched_tokens or TINY_BATCH_SHAPE["max_num_batched_tokens"]
     runs = []
     for threads in args.threads or [None]:
         for workers in workers_list:

@@ -24,7 +24,7 @@ import psutil  # noqa: E402
 
 from pipeline import Pipeline, corpus  # noqa: E402
 from pipeline.call_stats import format_stats  # noqa: E402
-from tiny_model import build_tiny_model  # noqa: E402
+from tiny_model import TINY_BATCH_SHAPE, build_tiny_model  # noqa: E402
 
 
 def rss_mb(pid: int) -> float:
@@ -45,8 +45,7 @@ def main() -> None:
     model = None if args.real_model else build_tiny_model()
     pool = corpus.sentences(5000, seed=9)
     samples = []
-    # The tiny model gets the batch shape of the GPU engine it stands for (as in loadtest.py).
-    shape = {} if args.real_model else {"max_num_seqs": 256, "max_num_batched_tokens": 16384}
+    shape = {} if args.real_model else TINY_BATCH_SHAPE
     with Pipeline(model=model, num_render_workers=args.workers, **shape) as pipe:
         pids = {"frontend": os.getpid(), "engine": pipe.pids["engine"]}
         pids.update({f"worker{i}": p for i, p in enumerate(pipe.pids["workers"])})

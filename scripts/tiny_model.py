@@ -9,6 +9,9 @@ import tempfile
 from pathlib import Path
 
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# The tiny model stands for a GPU engine, so it gets a GPU's batch shape (the CPU budget of 2048
+# tokens is tuned for a real model's forward pass, not for a step that is mostly overhead).
+TINY_BATCH_SHAPE = {"max_num_seqs": 256, "max_num_batched_tokens": 16384}
 
 
 def build_tiny_model(target: str | Path | None = None) -> str:
