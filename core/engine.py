@@ -1,4 +1,4 @@
-"""Engine core process: `python -m core.engine '<EngineConfig JSON>'`.
+"""Engine core process: `python -m pooling_pipeline.core.engine '<EngineConfig JSON>'`.
 
 One loop owns all engine state (the scheduler's window, the set of aborted ids):
   1. read control messages (Abort, Shutdown) -- always, even when the window is full;
@@ -19,12 +19,18 @@ from collections import OrderedDict
 import msgspec
 import numpy as np
 import zmq
-
-from core import messages as m
-from core.config import EngineConfig
-from core.runtime import BusyClock, exit_with_parent, run_maybe_profiled, setup_logging, socket, start_heartbeat
-from core.scheduler import Scheduler
-from core.serial import Decoder, Encoder
+from pooling_pipeline.core import messages as m
+from pooling_pipeline.core.config import EngineConfig
+from pooling_pipeline.core.runtime import (
+    BusyClock,
+    exit_with_parent,
+    run_maybe_profiled,
+    setup_logging,
+    socket,
+    start_heartbeat,
+)
+from pooling_pipeline.core.scheduler import Scheduler
+from pooling_pipeline.core.serial import Decoder, Encoder
 
 IDLE_POLL_MS = 500
 # Batches of ever-changing shapes fragment the C heap: freed memory stays in the process unless it
@@ -44,8 +50,7 @@ MAX_REMEMBERED_ABORTS = 1 << 20
 class EngineCore:
     def __init__(self, cfg: EngineConfig, log) -> None:
         import torch
-
-        from core.model_runner import ModelRunner
+        from pooling_pipeline.core.model_runner import ModelRunner
 
         self.cfg = cfg
         self.log = log
@@ -132,7 +137,7 @@ class EngineCore:
             return
         self.scheduler.abort(msg.request_ids)
         # Remember every aborted id, not only those still on their way: a chunked document's
-        # other windows may still come, and ids are never reused.
+        # other chunks may still come, and ids are never reused.
         for rid in msg.request_ids:
             self.aborted[rid] = None
         while len(self.aborted) > MAX_REMEMBERED_ABORTS:
@@ -170,7 +175,7 @@ class EngineCore:
         if rejected:  # a well-formed message with bad contents: refuse those requests, keep going
             self.log.error("rejected %d malformed engine inputs", len(rejected))
             self.to_front.send_multipart(self.encoder.encode(m.RenderFailed(
-                [r.request_id for r, _ in rejected], [r.seq for r, _ in rejected], [e for _, e in rejected])))
+                [r.request_id for r, _ in rejected], [r.index for r, _ in rejected], [e for _, e in rejected])))
 
     def _all_valid(self, msg: m.EngineInputBatch, items: list[m.PoolingEngineInput]) -> bool:
         """True when every input passes `_invalid`'s checks (False says "look at each one").
@@ -206,7 +211,7 @@ class EngineCore:
         except Exception as e:  # scheduling itself failed: fail everything waiting rather than loop on it
             self.log.exception("scheduling failed")
             batch = self.scheduler.take_all()
-            self._send(m.StepFailed([r.request_id for r in batch], [r.seq for r in batch], f"{type(e).__name__}: {e}"))
+            self._send(m.StepFailed([r.request_id for r in batch], [r.index for r in batch], f"{type(e).__name__}: {e}"))
             return
         self._run(batch, in_core, isolate=True)
 
@@ -223,10 +228,10 @@ class EngineCore:
                     self._run([request], in_core, isolate=False)
                 return
             self.log.error("step failed for %s: %s: %s", [r.request_id for r in batch], type(e).__name__, e)
-            self._send(m.StepFailed([r.request_id for r in batch], [r.seq for r in batch], f"{type(e).__name__}: {e}"))
+            self._send(m.StepFailed([r.request_id for r in batch], [r.index for r in batch], f"{type(e).__name__}: {e}"))
             return
-        outputs = [m.PoolingOutput(r.request_id, r.seq, len(r.token_ids), data=v, window=r.window,
-                                   num_windows=r.num_windows) for r, v in zip(batch, vectors)]
+        outputs = [m.PoolingOutput(r.request_id, r.index, len(r.token_ids), data=v, chunk=r.chunk,
+                                   num_chunks=r.num_chunks) for r, v in zip(batch, vectors)]
         self._send(m.OutputBatch.pack(outputs, time.perf_counter() - start, padded, in_core, self.render_s, self.admit_s))
         self.render_s, self.admit_s = {}, 0.0
 

@@ -12,20 +12,37 @@ Flow:  frontend --RenderBatch--> render worker --EngineInputBatch--> engine core
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
+from pooling_pipeline.core.options import EMBEDDING_TASKS, LongInputs, PositiveInt, Task
 
 
 class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Per-request pooling options. `None` means "the model's default"."""
 
-    task: str | None = None
-    normalize: bool | None = None
-    dimensions: int | None = None
-    use_activation: bool | None = None
-    truncate_prompt_tokens: int | None = None
+    task: Task | None = None
+    normalize: bool | None = None  # embedding tasks: L2-normalize the vector
+    dimensions: PositiveInt | None = None  # embedding tasks (Matryoshka): keep the first k values
+    use_activation: bool | None = None  # classify / score / token_classify: softmax or sigmoid
+    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None  # -1: the model's maximum
+
+    def verify(self, where: str, task: str, model) -> None:
+        """Checks these options against the call's task and the model (a `ModelSpec`).
+        Types and ranges were checked where the object was built (`checked`)."""
+        if self.task is not None and self.task != task:
+            raise ValueError(f"{where}.task={self.task!r} conflicts with the call's task {task!r}")
+        if self.dimensions is not None:
+            if task not in EMBEDDING_TASKS:
+                raise ValueError(f"{where}.dimensions applies to embedding tasks only, not {task!r}")
+            if self.dimensions > model.hidden_size:
+                raise ValueError(f"{where}: dimensions={self.dimensions} is outside [1, {model.hidden_size}]")
+            if model.matryoshka_dimensions and self.dimensions not in model.matryoshka_dimensions:
+                raise ValueError(f"{where}: dimensions={self.dimensions} is not among the model's declared "
+                                 f"dimensions {model.matryoshka_dimensions}")
+        if self.normalize is not None and task not in EMBEDDING_TASKS:
+            raise ValueError(f"{where}.normalize applies to embedding tasks; use use_activation for {task!r}")
 
 
 class RenderParams(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -37,8 +54,8 @@ class RenderParams(msgspec.Struct, array_like=True, omit_defaults=True):
     """
 
     request_id: str  # external id
-    seq: int  # position in the caller's input; the frontend restores order with it
-    task: str  # "embed" | "token_embed" | "classify" | "token_classify" | "score"
+    index: int  # position in the caller's input; the frontend restores order with it
+    task: Task
     max_tokens: int  # keep at most this many tokens (special tokens included), resolved by the frontend
     params: PoolingParams
     prompt: str | None = None
@@ -50,36 +67,36 @@ class RenderParams(msgspec.Struct, array_like=True, omit_defaults=True):
     max_doc_tokens: int | None = None
     priority: int = 0
     truncate_left: bool = False  # keep the last tokens instead of the first
-    long_inputs: str = "truncate"  # "truncate" | "error" | "chunk"
-    chunk_overlap: int = 0  # chunk mode: tokens shared by consecutive windows
+    long_inputs: LongInputs = "truncate"
+    chunk_overlap: int = 0  # chunk mode: tokens shared by consecutive chunks
 
 
 class PoolingEngineInput(msgspec.Struct, array_like=True, omit_defaults=True):
     """One request's token ids and params, ready for the engine core (render worker -> engine)."""
 
     request_id: str
-    seq: int
-    task: str
+    index: int
+    task: Task
     token_ids: np.ndarray | None  # int32, already truncated (packed per batch on the wire: None there)
     params: PoolingParams
     # Token type ids are zeros then ones (a text pair): only the index of the first 1 travels.
     token_type_start: int | None = None
     priority: int = 0
-    # Chunk mode: this input is window `window` of `num_windows` of one document (same external id).
-    window: int = -1
-    num_windows: int = 0
+    # Chunk mode: this input is chunk `chunk` of `num_chunks` of one long document (same external id).
+    chunk: int = -1
+    num_chunks: int = 0
 
 
 class PoolingOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """One request's result (engine core -> frontend)."""
 
     request_id: str
-    seq: int
+    index: int
     num_prompt_tokens: int
     data: np.ndarray | None = None  # float32; None when `error` is set (or packed in its OutputBatch)
     error: str | None = None
-    window: int = -1  # chunk mode: which window of the document this is
-    num_windows: int = 0
+    chunk: int = -1  # chunk mode: which chunk of the document this is
+    num_chunks: int = 0
 
 
 # ---- batches on the wire -------------------------------------------------------------------
@@ -169,7 +186,7 @@ class RenderFailed(msgspec.Struct, tag=True, array_like=True):
     """A render worker could not turn some requests into engine inputs."""
 
     request_ids: list[str]
-    seqs: list[int]
+    indices: list[int]
     errors: list[str]
 
 
@@ -177,7 +194,7 @@ class StepFailed(msgspec.Struct, tag=True, array_like=True):
     """A model step raised; its requests were aborted in the engine."""
 
     request_ids: list[str]
-    seqs: list[int]
+    indices: list[int]
     error: str
 
 

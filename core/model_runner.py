@@ -8,10 +8,10 @@ import time
 
 import numpy as np
 import torch
-
-from core.config import ModelSpec
-from core.messages import PoolingEngineInput, PoolingParams
-from core.pooling import apply_activation, finish_embeddings, pool
+from pooling_pipeline.core.config import ModelSpec
+from pooling_pipeline.core.messages import PoolingEngineInput, PoolingParams
+from pooling_pipeline.core.pooling import apply_activation, pool
+from pooling_pipeline.core.vectors import finish_embeddings
 
 log = logging.getLogger("engine")
 
@@ -122,14 +122,14 @@ class ModelRunner:
             index = torch.tensor(rows, device=hidden.device) if len(rows) < len(batch) else None
             part = hidden if index is None else hidden.index_select(0, index)
             if task == "token_embed":
-                vectors = finish_embeddings(part.float(), dimensions, normalize).cpu().numpy()
+                vectors = finish_embeddings(part.float().cpu().numpy(), dimensions, normalize)
                 for i, row in enumerate(rows):
                     out[row] = vectors[i, : int(lengths[row])]
             else:
                 part_mask = mask if index is None else mask.index_select(0, index)
                 part_lengths = lengths if index is None else lengths.index_select(0, index)
                 pooled = pool(part, part_mask, part_lengths, self.spec.pooling)
-                vectors = finish_embeddings(pooled, dimensions, normalize).cpu().numpy()
+                vectors = finish_embeddings(pooled.cpu().numpy(), dimensions, normalize)
                 for i, row in enumerate(rows):
                     out[row] = vectors[i]
         return out  # type: ignore[return-value]

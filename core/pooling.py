@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, method: str) -> torch.Tensor:
@@ -23,18 +22,6 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, method
     if method == "last":
         return hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1]
     raise ValueError(f"unknown pooling method {method!r}")
-
-
-def finish_embeddings(pooled: torch.Tensor, dimensions: int | None, normalize: bool) -> torch.Tensor:
-    """Matryoshka truncation to the first `dimensions` values, then optional L2 normalization.
-
-    Works on the last axis: [B, H] pooled vectors or [B, L, H] token vectors.
-    """
-    if dimensions is not None:
-        pooled = pooled[..., :dimensions]
-    if normalize:
-        pooled = F.normalize(pooled, p=2, dim=-1)
-    return pooled
 
 
 def apply_activation(logits: torch.Tensor, num_labels: int, multi_label: bool) -> torch.Tensor:

@@ -58,7 +58,7 @@ class BusyClock:
         self.since: float | None = None
         self.last_s = 0.0  # how long the last piece of work took
 
-    def __enter__(self) -> "BusyClock":
+    def __enter__(self) -> BusyClock:
         self.since = time.monotonic()
         return self
 
@@ -74,8 +74,8 @@ class BusyClock:
 def start_heartbeat(ctx: zmq.Context, endpoint: str, role: str, index: int, clock: BusyClock) -> None:
     """A daemon thread that sends Heartbeat every second on its own socket (sockets are not
     shared between threads). torch and the tokenizers release the GIL, so it runs during work."""
-    from core.messages import Heartbeat
-    from core.serial import Encoder
+    from pooling_pipeline.core.messages import Heartbeat
+    from pooling_pipeline.core.serial import Encoder
 
     def beat() -> None:
         sock = socket(ctx, zmq.PUSH, endpoint, bind=False)

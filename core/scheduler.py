@@ -22,12 +22,12 @@ from __future__ import annotations
 import bisect
 import itertools
 
-from core.messages import PoolingEngineInput
+from pooling_pipeline.core.messages import PoolingEngineInput
 
 # Below this many requests a batch grows whatever the padding (per-batch overhead dominates).
 MIN_BATCH_BEFORE_PADDING_LIMIT = 4
 
-Key = tuple[str, int]  # (external id, chunk window)
+Key = tuple[str, int]  # (external id, chunk of a long document)
 
 
 class Scheduler:
@@ -37,7 +37,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_padding_fraction = max_padding_fraction
         self.overhead_tokens = overhead_tokens
-        # Insertion order is arrival order; keyed by external id (and chunk window) so a re-sent
+        # Insertion order is arrival order; keyed by external id (and chunk) so a re-sent
         # request replaces itself.
         self.waiting: dict[Key, PoolingEngineInput] = {}
         # The same requests sorted by (length, arrival), kept sorted as they come and go, so a
@@ -51,7 +51,7 @@ class Scheduler:
         return len(self.waiting)
 
     def add(self, request: PoolingEngineInput) -> None:
-        key = (request.request_id, request.window)
+        key = (request.request_id, request.chunk)
         if key in self.waiting:  # a re-sent request: the new copy takes the old one's place
             self._forget([key])
         arrival = self._arrival.setdefault(key, next(self._counter))
@@ -60,7 +60,7 @@ class Scheduler:
         self._urgent += request.priority != 0
 
     def abort(self, request_ids: list[str]) -> list[str]:
-        """Removes these requests (every window of a chunked one); returns the ids that were not
+        """Removes these requests (every chunk of a chunked one); returns the ids that were not
         here (still on their way)."""
         wanted = set(request_ids)
         keys = [k for k in self.waiting if k[0] in wanted]
@@ -94,7 +94,7 @@ class Scheduler:
         oldest = next(iter(self.waiting.values()))
         if self._urgent:
             oldest = min(self.waiting.values(), key=lambda r: r.priority)  # min() keeps the first of ties
-        anchor_key = (oldest.request_id, oldest.window)
+        anchor_key = (oldest.request_id, oldest.chunk)
         by_length = self._by_length
         lo = bisect.bisect_left(by_length, (len(oldest.token_ids), self._arrival[anchor_key], anchor_key))
         hi = lo + 1  # the batch is by_length[lo:hi]

@@ -11,7 +11,8 @@ it -- instead of producing a bogus array. No pickle anywhere.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 import numpy as np

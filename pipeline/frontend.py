@@ -18,12 +18,12 @@ from collections.abc import Iterator
 
 import numpy as np
 import zmq
-
-from core import messages as m
-from pipeline.call_stats import CallStats
-from pipeline.errors import PipelineError, StepError
-from pipeline.inputs import FailedRequest
-from pipeline.process_group import ProcessGroup
+from pooling_pipeline.call_stats import CallStats
+from pooling_pipeline.core import messages as m
+from pooling_pipeline.core.vectors import finish_embeddings
+from pooling_pipeline.errors import PipelineError, StepError
+from pooling_pipeline.inputs import CallOptions, FailedRequest
+from pooling_pipeline.process_group import ProcessGroup
 
 log = logging.getLogger("pipeline")
 
@@ -46,19 +46,19 @@ def request_size(request: m.RenderParams) -> int:
 
 
 class ChunkSum:
-    """Chunk mode: a document's window vectors pooled back into one (token-weighted mean)."""
+    """Chunk mode: a document's chunk vectors pooled back into one (token-weighted mean)."""
 
-    def __init__(self, num_windows: int) -> None:
-        self.num_windows = num_windows
+    def __init__(self, num_chunks: int) -> None:
+        self.num_chunks = num_chunks
         self.seen: set[int] = set()
         self.total: np.ndarray | None = None
         self.tokens = 0
 
     def add(self, out: m.PoolingOutput) -> bool:
-        """Adds a window; False for a duplicate (a re-sent request's window seen before)."""
-        if out.window in self.seen:
+        """Adds a chunk; False for a duplicate (a re-sent request's chunk seen before)."""
+        if out.chunk in self.seen:
             return False
-        self.seen.add(out.window)
+        self.seen.add(out.chunk)
         weighted = out.data.astype(np.float64) * out.num_prompt_tokens
         self.total = weighted if self.total is None else self.total + weighted
         self.tokens += out.num_prompt_tokens
@@ -66,30 +66,27 @@ class ChunkSum:
 
     @property
     def complete(self) -> bool:
-        return len(self.seen) == self.num_windows
+        return len(self.seen) == self.num_chunks
 
     def finish(self, out: m.PoolingOutput, params: m.PoolingParams, default_normalize: bool) -> m.PoolingOutput:
-        vector = (self.total / max(self.tokens, 1)).astype(np.float32)
-        if params.dimensions is not None:
-            vector = vector[: params.dimensions]
-        if (params.normalize if params.normalize is not None else default_normalize):
-            vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
-        return m.PoolingOutput(out.request_id, out.seq, self.tokens, data=vector, num_windows=self.num_windows)
+        mean = (self.total / max(self.tokens, 1)).astype(np.float32)
+        normalize = params.normalize if params.normalize is not None else default_normalize
+        vector = finish_embeddings(mean, params.dimensions, normalize)
+        return m.PoolingOutput(out.request_id, out.index, self.tokens, data=vector, num_chunks=self.num_chunks)
 
 
 class Call:
-    def __init__(self, group: ProcessGroup, requests: Iterator[m.RenderParams], *, max_inflight: int,
-                 batch_items: int, progress=None, chat_template: str | None = None,
-                 default_normalize: bool = True, errors: str = "raise") -> None:
+    def __init__(self, group: ProcessGroup, requests: Iterator[m.RenderParams | FailedRequest], opts: CallOptions, *,
+                 max_inflight: int, batch_items: int, progress=None, default_normalize: bool = True) -> None:
         self.group = group
         self.requests = requests
         self.max_inflight = max_inflight
         self.batch_items = batch_items
         self.progress = progress
-        self.chat_template = chat_template
+        self.chat_template = opts.chat_template
         self.default_normalize = default_normalize
-        self.errors = errors  # "raise": the first failure ends the call; "return": it becomes an output
-        self.chunks: dict[str, ChunkSum] = {}  # chunk mode: documents with windows still out
+        self.errors = opts.errors  # "raise": the first failure ends the call; "return": it becomes an output
+        self.chunks: dict[str, ChunkSum] = {}  # chunk mode: documents with chunks still out
         self.stats = CallStats()
         self.inflight: dict[str, tuple[m.RenderParams, int]] = {}  # external id -> (request, worker)
         self.outstanding = [0] * len(group.work)  # requests per worker not yet answered
@@ -102,6 +99,8 @@ class Call:
         self.finished = False
         self.ended_by: str | None = None  # set when another call ended this one
         self.next_health_check = 0.0
+        self.handlers = {m.OutputBatch: self._on_outputs, m.RenderFailed: self._on_render_failed,
+                         m.StepFailed: self._on_step_failed}
 
     # ---- the loop ----------------------------------------------------------------------
 
@@ -161,7 +160,7 @@ class Call:
                 break
             self.issued += 1
             if isinstance(request, FailedRequest):  # refused in the caller (errors="return")
-                self.ready[request.seq] = m.PoolingOutput(request.request_id, request.seq, 0, error=request.error)
+                self.ready[request.index] = m.PoolingOutput(request.request_id, request.index, 0, error=request.error)
                 self.stats.errors += 1
                 continue
             pending.append(request)
@@ -174,16 +173,16 @@ class Call:
 
     def _send(self, items: list[m.RenderParams]) -> None:
         for start in range(0, len(items), self.batch_items):
-            chunk = items[start:start + self.batch_items]
+            batch = items[start:start + self.batch_items]
             worker = min(range(len(self.outstanding)), key=self.outstanding.__getitem__)
             try:
-                self.group.send_work(worker, chunk, self.chat_template)
+                self.group.send_work(worker, batch, self.chat_template)
             except zmq.Again:  # that worker is gone or restarting: try again on the next turn
-                self.backlog.extend(chunk)
+                self.backlog.extend(batch)
                 continue
-            for request in chunk:
+            for request in batch:
                 self.inflight[request.request_id] = (request, worker)
-            self.outstanding[worker] += len(chunk)
+            self.outstanding[worker] += len(batch)
 
     # ---- receiving ------------------------------------------------------------------------
 
@@ -199,73 +198,86 @@ class Call:
             self._check_health()
 
     def _handle(self, msg) -> None:
-        if isinstance(msg, m.OutputBatch):
-            stats = self.stats
-            stats.engine_busy_s += msg.busy_s
-            stats.engine_admit_s += msg.admit_s
-            for worker, seconds in msg.render_s.items():
-                stats.render_busy_s[worker] = stats.render_busy_s.get(worker, 0.0) + seconds
-            stats.padded_tokens += msg.padded_tokens
-            stats.batches += 1
-            stats.max_in_core_seen = max(stats.max_in_core_seen, msg.in_core)
-            stats.depths["engine_window"].add(msg.in_core)
-            stats.depths["batch_size"].add(len(msg.outputs))
-            stats.depths["frontend_inflight"].add(self.issued - self.next_index)
-            stats.depths["reorder_buffer"].add(len(self.ready))
-            accepted = 0
-            for out in msg.outputs:
-                entry = self.inflight.get(out.request_id)
-                if entry is None or entry[0].seq != out.seq:
-                    self.stats.duplicates_dropped += 1  # re-sent, aborted or from an earlier call
+        handler = self.handlers.get(type(msg))
+        if handler is not None:  # Ready and Heartbeat only concern the process group
+            handler(msg)
+
+    def _on_outputs(self, msg: m.OutputBatch) -> None:
+        stats = self.stats
+        stats.engine_busy_s += msg.busy_s
+        stats.engine_admit_s += msg.admit_s
+        for worker, seconds in msg.render_s.items():
+            stats.render_busy_s[worker] = stats.render_busy_s.get(worker, 0.0) + seconds
+        stats.padded_tokens += msg.padded_tokens
+        stats.batches += 1
+        stats.max_in_core_seen = max(stats.max_in_core_seen, msg.in_core)
+        stats.depths["engine_window"].add(msg.in_core)
+        stats.depths["batch_size"].add(len(msg.outputs))
+        stats.depths["frontend_inflight"].add(self.issued - self.next_index)
+        stats.depths["reorder_buffer"].add(len(self.ready))
+        accepted = 0
+        for out in msg.outputs:
+            entry = self.inflight.get(out.request_id)
+            if entry is None or entry[0].index != out.index:
+                stats.duplicates_dropped += 1  # re-sent, aborted or from an earlier call
+                continue
+            if out.chunk >= 0:
+                chunks = self.chunks.setdefault(out.request_id, ChunkSum(out.num_chunks))
+                if not chunks.add(out):
+                    stats.duplicates_dropped += 1
+                if not chunks.complete:
                     continue
-                if out.window >= 0:
-                    chunks = self.chunks.setdefault(out.request_id, ChunkSum(out.num_windows))
-                    if not chunks.add(out):
-                        self.stats.duplicates_dropped += 1
-                    if not chunks.complete:
-                        continue
-                    out = chunks.finish(out, entry[0].params, self.default_normalize)
-                    del self.chunks[out.request_id]
-                del self.inflight[out.request_id]
-                self.outstanding[entry[1]] -= 1
-                self.inflight_chars -= request_size(entry[0])
-                self.ready[out.seq] = out
-                self.stats.requests += 1
-                self.stats.prompt_tokens += out.num_prompt_tokens
-                accepted += 1
-            if self.progress is not None and accepted:
-                self.progress.update(accepted)
-                wall = time.perf_counter() - self.stats.start
-                self.progress.set_postfix_str(f"{self.stats.prompt_tokens / max(wall, 1e-9):,.0f} tok/s", refresh=False)
-        elif isinstance(msg, m.RenderFailed):
-            for rid, seq, error in zip(msg.request_ids, msg.seqs, msg.errors):
-                if self._owns(rid, seq):
-                    if self.errors != "return":
-                        raise ValueError(f"request {seq}: {error}")
-                    self._fail(rid, seq, f"request {seq}: {error}")
-        elif isinstance(msg, m.StepFailed):
-            mine = [(rid, seq) for rid, seq in zip(msg.request_ids, msg.seqs) if self._owns(rid, seq)]
-            if mine and self.errors != "return":
-                for rid, _ in mine:
-                    del self.inflight[rid]  # already dropped in the engine
-                raise StepError(
-                    f"the engine core failed a step for requests {[s for _, s in mine]} "
-                    f"(ids {[r for r, _ in mine]}): {msg.error}",
-                    [r for r, _ in mine], [s for _, s in mine])
-            for rid, seq in mine:
-                self._fail(rid, seq, f"request {seq}: the model failed on it: {msg.error}")
+                out = chunks.finish(out, entry[0].params, self.default_normalize)
+                del self.chunks[out.request_id]
+            self._settle(out.request_id)
+            self.ready[out.index] = out
+            stats.requests += 1
+            stats.prompt_tokens += out.num_prompt_tokens
+            accepted += 1
+        if self.progress is not None and accepted:
+            self.progress.update(accepted)
+            wall = time.perf_counter() - stats.start
+            self.progress.set_postfix_str(f"{stats.prompt_tokens / max(wall, 1e-9):,.0f} tok/s", refresh=False)
 
-    def _owns(self, request_id: str, seq: int) -> bool:
+    def _on_render_failed(self, msg: m.RenderFailed) -> None:
+        for rid, index, error in zip(msg.request_ids, msg.indices, msg.errors):
+            if self._owns(rid, index):
+                if self.errors != "return":
+                    raise ValueError(f"request {index}: {error}")
+                self._fail(rid, index, f"request {index}: {error}")
+
+    def _on_step_failed(self, msg: m.StepFailed) -> None:
+        # One request appears once however many of its chunks the failed step held.
+        mine = dict.fromkeys((rid, index) for rid, index in zip(msg.request_ids, msg.indices)
+                             if self._owns(rid, index))
+        if mine and self.errors != "return":
+            # The call ends: `abort` (on the way out) drops these and every other request still
+            # in flight by external id, other chunks of a failed document included.
+            raise StepError(
+                f"the engine core failed a step for requests {[i for _, i in mine]} "
+                f"(ids {[r for r, _ in mine]}): {msg.error}",
+                [r for r, _ in mine], [i for _, i in mine])
+        for rid, index in mine:
+            self._fail(rid, index, f"request {index}: the model failed on it: {msg.error}")
+
+    def _owns(self, request_id: str, index: int) -> bool:
         entry = self.inflight.get(request_id)
-        return entry is not None and entry[0].seq == seq
+        return entry is not None and entry[0].index == index
 
-    def _fail(self, request_id: str, seq: int, error: str) -> None:
-        """errors="return": this request's output carries the error; the call goes on."""
+    def _settle(self, request_id: str) -> m.RenderParams:
+        """The request is answered: it leaves the in-flight window."""
         request, worker = self.inflight.pop(request_id)
         self.outstanding[worker] -= 1
         self.inflight_chars -= request_size(request)
-        self.chunks.pop(request_id, None)
-        self.ready[seq] = m.PoolingOutput(request_id, seq, 0, error=error)
+        return request
+
+    def _fail(self, request_id: str, index: int, error: str) -> None:
+        """errors="return": this request's output carries the error; the call goes on."""
+        request = self._settle(request_id)
+        if request.long_inputs == "chunk":  # its other chunks would be computed for nothing
+            self.chunks.pop(request_id, None)
+            self.group.abort([request_id])
+        self.ready[index] = m.PoolingOutput(request_id, index, 0, error=error)
         self.stats.errors += 1
         if self.progress is not None:
             self.progress.update(1)

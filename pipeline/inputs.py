@@ -9,15 +9,24 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
+from pooling_pipeline.core.config import ModelSpec
+from pooling_pipeline.core.messages import PoolingParams, RenderParams
+from pooling_pipeline.core.options import (
+    ErrorsMode,
+    LongInputs,
+    NonNegativeInt,
+    PositiveInt,
+    Task,
+    TruncationSide,
+    checked,
+)
 
-from core.config import ModelSpec
-from core.messages import PoolingParams, RenderParams
-
-EMBEDDING_TASKS = ("embed", "token_embed")
+# Priorities travel as msgpack ints and are compared in the engine: keep them in int64.
+PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -25,22 +34,64 @@ class FailedRequest:
     """A request refused in the caller (errors="return"): it becomes an error output, never sent."""
 
     request_id: str
-    seq: int
+    index: int
     error: str
 
 
+class CallOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything one call was asked for: built and checked once (`checked`), carried to the Call."""
+
+    task: Task  # what the engine runs
+    plugin: bool = False  # prompts are raw items for the io_processor plugin
+    pairs: bool = False  # prompts are (query, document) pairs for a cross-encoder
+    pooling_params: Any = None  # one PoolingParams, a list with one per prompt, or None
+    priority: Any = None  # one int, a list with one per prompt, or None (lower runs first)
+    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    use_tqdm: bool = True
+    chat_template: str | None = None
+    long_inputs: LongInputs = "truncate"
+    chunk_overlap: NonNegativeInt = 0  # chunk mode: tokens shared by consecutive chunks
+    truncation_side: TruncationSide | None = None  # None: the tokenizer's own
+    errors: ErrorsMode = "raise"
+    max_tokens_per_query: PositiveInt | None = None  # cross-encoder pairs: content tokens per side
+    max_tokens_per_doc: PositiveInt | None = None
+
+    def __post_init__(self) -> None:
+        if self.long_inputs == "chunk" and self.task != "embed":
+            raise ValueError(f"long_inputs='chunk' pools chunks into one embedding: it applies to 'embed', "
+                             f"not {self.task!r}")
+
+
 @dataclass(frozen=True)
-class CallOptions:
-    task: str  # the task the engine runs
-    truncate_prompt_tokens: int | None
+class Tokenization:
+    """What the render workers reported about the model's tokenizer at start-up."""
+
     num_special_tokens: int
-    max_query_tokens: int | None = None
-    max_doc_tokens: int | None = None
-    plugin: bool = False  # prompts are raw data for the io_processor plugin
-    truncate_left: bool = False
-    long_inputs: str = "truncate"
-    chunk_overlap: int = 0
-    errors: str = "raise"  # "return": a bad request becomes an error output, the others go on
+    truncation_side: str  # the tokenizer's default
+
+
+def build_requests(prompts: object, opts: CallOptions, spec: ModelSpec, tokenization: Tokenization,
+                   id_prefix: str) -> tuple[Iterator[RenderParams | FailedRequest], int | None]:
+    """The call's requests, lazily, and how many there are when that is known.
+
+    A list is checked here as far as can be without reading it all (per-request options); each
+    prompt is checked as it is drawn, so a generator is never read ahead of the frontend."""
+    if opts.pairs:
+        items: Iterable = prompts  # the API pairs queries with documents
+    elif opts.plugin:
+        items = _plugin_items(prompts)
+    else:
+        items = as_prompt_iterable(prompts)
+    count = len(items) if isinstance(items, (list, tuple)) else None
+    if opts.pooling_params is not None and not isinstance(opts.pooling_params, (PoolingParams, list, tuple)):
+        raise TypeError(f"pooling_params must be a PoolingParams, a list of them or None, "
+                        f"got {type(opts.pooling_params).__name__}")
+    params = per_request(PoolingParams() if opts.pooling_params is None else opts.pooling_params,
+                         "pooling_params", lambda p, where: check_params(p, where, opts.task, spec), count)
+    priorities = per_request(0 if opts.priority is None else opts.priority, "priority", check_priority, count)
+    side = opts.truncation_side or tokenization.truncation_side
+    return _requests(iter(items), opts, spec, tokenization.num_special_tokens, side == "left", id_prefix,
+                     params, priorities), count
 
 
 def is_conversation(prompt: object) -> bool:
@@ -73,6 +124,15 @@ def as_prompt_iterable(prompts: object, what: str = "prompts") -> Iterable:
     return prompts
 
 
+def _plugin_items(data) -> list | Iterable:
+    """Plugin input: a list or other iterable of raw items, or a single item (a str or dict is one item)."""
+    if data is None:
+        raise TypeError("plugin data must be an item or a list of items, got None")
+    if isinstance(data, (str, dict, bytes)) or not isinstance(data, Iterable):
+        return [data]
+    return data
+
+
 def per_request(value: object, name: str, check, count: int | None) -> tuple[Iterator, int | None]:
     """One value for every request, or a list with one per request (its length checked later)."""
     if isinstance(value, (list, tuple)):
@@ -88,37 +148,22 @@ def per_request(value: object, name: str, check, count: int | None) -> tuple[Ite
 def check_params(p: object, where: str, task: str, spec: ModelSpec) -> None:
     if not isinstance(p, PoolingParams):
         raise TypeError(f"{where} must be a PoolingParams, got {type(p).__name__}")
-    if p.task is not None and p.task != task:
-        raise ValueError(f"{where}.task={p.task!r} conflicts with the call's task {task!r}")
-    for name in ("normalize", "use_activation"):
-        value = getattr(p, name)
-        if value is not None and not isinstance(value, bool):
-            raise TypeError(f"{where}.{name} must be a bool or None, got {value!r}")
-    for name in ("dimensions", "truncate_prompt_tokens"):
-        value = getattr(p, name)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-            raise TypeError(f"{where}.{name} must be an int or None, got {value!r}")
-    if p.dimensions is not None:
-        if task not in EMBEDDING_TASKS:
-            raise ValueError(f"{where}.dimensions applies to embedding tasks only, not {task!r}")
-        if not 1 <= p.dimensions <= spec.hidden_size:
-            raise ValueError(f"{where}: dimensions={p.dimensions} is outside [1, {spec.hidden_size}]")
-        if spec.matryoshka_dimensions and p.dimensions not in spec.matryoshka_dimensions:
-            raise ValueError(f"{where}: dimensions={p.dimensions} is not among the model's declared "
-                             f"dimensions {spec.matryoshka_dimensions}")
-    if p.normalize is not None and task not in EMBEDDING_TASKS:
-        raise ValueError(f"{where}.normalize applies to embedding tasks; use use_activation for {task!r}")
+    # The caller may have built it with any values: check types and ranges as msgspec declares them.
+    checked(PoolingParams, msgspec.structs.asdict(p), f"{where}.")
+    p.verify(where, task, spec)
 
 
 def check_priority(value: object, where: str) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{where} must be an int, got {value!r}")
+    if not PRIORITY_MIN <= value <= PRIORITY_MAX:
+        raise ValueError(f"{where} must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {value}")
 
 
-def build_requests(prompts: Iterable, spec: ModelSpec, opts: CallOptions, id_prefix: str,
-                   params: tuple[Iterator, int | None], priorities: tuple[Iterator, int | None],
-                   pairs: bool = False) -> Iterator[RenderParams]:
-    """Yields one RenderParams per prompt (a (query, document) tuple when `pairs`), validating as
+def _requests(prompts: Iterator, opts: CallOptions, spec: ModelSpec, num_special_tokens: int, truncate_left: bool,
+              id_prefix: str, params: tuple[Iterator, int | None],
+              priorities: tuple[Iterator, int | None]) -> Iterator[RenderParams | FailedRequest]:
+    """Yields one RenderParams per prompt (a (query, document) tuple for pairs), validating as
     it goes and never reading ahead of what the frontend asks for."""
     params_it, params_count = params
     priority_it, priority_count = priorities
@@ -131,36 +176,39 @@ def build_requests(prompts: Iterable, spec: ModelSpec, opts: CallOptions, id_pre
         p, priority = next(params_it), next(priority_it)
         try:
             fields: dict[str, Any] = {}
-            if pairs:
-                fields["prompt"], fields["pair"] = prompt
+            if opts.pairs:
+                query, document = prompt
+                fields["prompt"] = check_text(query, index, "query")
+                fields["pair"] = check_text(document, index, "document")
             elif opts.plugin:
                 fields["raw"] = _check_raw(prompt, index)
             else:
                 fields = parse_prompt(prompt, index, spec)
-            max_tokens = resolve_max_tokens(spec, opts, p, index)
+            max_tokens = resolve_max_tokens(spec, opts, num_special_tokens, p, index)
         except (ValueError, TypeError) as e:
             if opts.errors != "return":
                 raise
             yield FailedRequest(f"{id_prefix}{index}", index, str(e))
             continue
-        yield RenderParams(request_id=f"{id_prefix}{index}", seq=index, task=opts.task, max_tokens=max_tokens,
-                           params=p, max_query_tokens=opts.max_query_tokens, max_doc_tokens=opts.max_doc_tokens,
-                           priority=priority, truncate_left=opts.truncate_left, long_inputs=opts.long_inputs,
-                           chunk_overlap=opts.chunk_overlap, **fields)
+        yield RenderParams(request_id=f"{id_prefix}{index}", index=index, task=opts.task, max_tokens=max_tokens,
+                           params=p, max_query_tokens=opts.max_tokens_per_query,
+                           max_doc_tokens=opts.max_tokens_per_doc, priority=priority, truncate_left=truncate_left,
+                           long_inputs=opts.long_inputs, chunk_overlap=opts.chunk_overlap, **fields)
     for count, name in ((params_count, "pooling_params"), (priority_count, "priority")):
         if count is not None and index + 1 != count:
             raise ValueError(f"{name} has {count} entries but there are {index + 1} prompts")
 
 
-def resolve_max_tokens(spec: ModelSpec, opts: CallOptions, p: PoolingParams, index: int) -> int:
+def resolve_max_tokens(spec: ModelSpec, opts: CallOptions, num_special_tokens: int, p: PoolingParams,
+                       index: int) -> int:
     limit = opts.truncate_prompt_tokens if opts.truncate_prompt_tokens is not None else p.truncate_prompt_tokens
     if limit is None:
         return spec.default_max_tokens
     if limit == -1:
         return spec.max_model_len
-    if limit < max(1, opts.num_special_tokens) or limit > spec.max_model_len:
+    if limit < max(1, num_special_tokens) or limit > spec.max_model_len:
         raise ValueError(f"request {index}: truncate_prompt_tokens={limit} must be -1 or in "
-                         f"[{max(1, opts.num_special_tokens)}, {spec.max_model_len}] for this model")
+                         f"[{max(1, num_special_tokens)}, {spec.max_model_len}] for this model")
     return limit
 
 

@@ -12,8 +12,8 @@ class PoolingRequestOutput:
     request_id: str  # external id
     index: int  # position in the caller's input
     data: np.ndarray  # float32: [dim], [num_labels], [num_tokens, dim] or [num_tokens, num_labels]
-    num_prompt_tokens: int  # after truncation, special tokens included (chunk mode: all windows')
-    num_windows: int = 1  # chunk mode: windows the document was embedded in
+    num_prompt_tokens: int  # after truncation, special tokens included (chunk mode: all chunks')
+    num_chunks: int = 1  # chunk mode: chunks the document was embedded in
     error: str | None = None  # errors="return": what went wrong ("request i: ..."); data is None then
 
 

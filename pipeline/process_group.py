@@ -20,15 +20,14 @@ from pathlib import Path
 
 import msgspec
 import zmq
-
-from core import messages as m
-from core.config import EngineConfig, ModelSpec, WorkerConfig
-from core.serial import Decoder, Encoder
-from pipeline.errors import EngineDeadError, WorkerStartError
+from pooling_pipeline.core import messages as m
+from pooling_pipeline.core.config import EngineConfig, ModelSpec, WorkerConfig
+from pooling_pipeline.core.runtime import socket
+from pooling_pipeline.core.serial import Decoder, Encoder
+from pooling_pipeline.errors import EngineDeadError, WorkerStartError
 
 log = logging.getLogger("pipeline")
 
-PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
 SHUTDOWN_GRACE_S = 3.0
 LOG_TAIL_CHARS = 3000
 
@@ -70,9 +69,9 @@ class ProcessGroup:
         self.engine_info: dict = {}
         ep = lambda name: f"ipc://{self.dir}/{name}"  # noqa: E731
         self.endpoints = {"results": ep("results"), "control": ep("control"), "engine_in": ep("engine-in")}
-        self.results = self._bind(zmq.PULL, self.endpoints["results"])
-        self.control = self._bind(zmq.PUSH, self.endpoints["control"])
-        self.work = [self._bind(zmq.PUSH, ep(f"work-{i}")) for i in range(num_workers)]
+        self.results = socket(self.ctx, zmq.PULL, self.endpoints["results"], bind=True)
+        self.control = socket(self.ctx, zmq.PUSH, self.endpoints["control"], bind=True)
+        self.work = [socket(self.ctx, zmq.PUSH, ep(f"work-{i}"), bind=True) for i in range(num_workers)]
         self.log_level = log_level
         self.io_processor = io_processor
         # Liveness: a child that sends nothing for heartbeat_timeout_s (stopped, wedged) or stays
@@ -90,7 +89,7 @@ class ProcessGroup:
             control_endpoint=self.endpoints["control"], output_endpoint=self.endpoints["results"],
             parent_pid=os.getpid(), log_level=log_level)
         try:
-            self.engine = self._spawn("engine", 0, "core.engine", self.engine_cfg, {
+            self.engine = self._spawn("engine", 0, "pooling_pipeline.core.engine", self.engine_cfg, {
                 "OMP_NUM_THREADS": str(engine_threads), "MKL_NUM_THREADS": str(engine_threads),
                 # oneDNN caches a compiled kernel per batch shape (1024 by default): with shapes that
                 # change every step that cache grew the engine by 124 MB over a 1M-request soak.
@@ -102,19 +101,14 @@ class ProcessGroup:
             self.close()  # what did start must not outlive a failed start
             raise
 
-    def _bind(self, kind: int, endpoint: str) -> zmq.Socket:
-        sock = self.ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(endpoint)
-        return sock
-
     def _spawn(self, role: str, index: int, module: str, cfg: msgspec.Struct, extra_env: dict) -> Child:
         env = dict(os.environ)
         env.update(extra_env)
-        # The children import what the caller can: this project first, then the caller's own path
-        # (a plugin module next to the caller's script or notebook must import in the workers too).
-        paths = [PROJECT_ROOT] + [os.path.abspath(p or ".") for p in sys.path if os.path.isdir(p or ".")]
-        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        if self.io_processor is not None:
+            # A plugin module next to the caller's script or notebook must import in the workers
+            # too: they get the caller's import path (the project itself is installed).
+            paths = [os.path.abspath(p or ".") for p in sys.path if os.path.isdir(p or ".")]
+            env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         env["TOKENIZERS_PARALLELISM"] = "false"
         env.setdefault("HF_HUB_OFFLINE", "1")  # models load from local paths only
         log_path = self.dir / f"{role}{index}.log"
@@ -122,7 +116,9 @@ class ProcessGroup:
             proc = subprocess.Popen(
                 [sys.executable, "-m", module, msgspec.json.encode(cfg).decode()],
                 stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                env=env, cwd=PROJECT_ROOT, close_fds=True)
+                # The private directory as working directory: nothing in the caller's (a local
+                # `core/` or `pipeline.py`) can shadow a module the children import.
+                env=env, cwd=self.dir, close_fds=True)
         child = Child(role, index, proc, log_path)
         self.children.append(child)
         self.last_seen[(role, index)] = time.monotonic()
@@ -135,7 +131,8 @@ class ProcessGroup:
                            engine_endpoint=self.endpoints["engine_in"], output_endpoint=self.endpoints["results"],
                            parent_pid=os.getpid(), io_processor=self.io_processor,
                            max_message_items=self.engine_cfg.max_message_items, log_level=self.log_level)
-        child = self._spawn("worker", index, "workers.main", cfg, {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+        child = self._spawn("worker", index, "pooling_pipeline.workers.main", cfg,
+                            {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
         self.workers[index] = child
         return child
 
@@ -259,14 +256,17 @@ class ProcessGroup:
         if self.closed:
             return
         self.closed = True
-        try:
-            for i, sock in enumerate(self.work):
-                if self.workers[i] is not None and self.workers[i].alive():
-                    sock.send_multipart(self.encoder.encode(m.Shutdown()), zmq.NOBLOCK)
-            if getattr(self, "engine", None) is not None and self.engine.alive():
-                self.control.send_multipart(self.encoder.encode(m.Shutdown()), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
+        # Every live child is asked on its own: one that cannot be reached must not keep the
+        # others from their orderly exit (the rest are killed after the grace period).
+        asks = [(sock, self.workers[i]) for i, sock in enumerate(self.work)]
+        asks.append((self.control, getattr(self, "engine", None)))
+        shutdown = self.encoder.encode(m.Shutdown())
+        for sock, child in asks:
+            if child is not None and child.alive():
+                try:
+                    sock.send_multipart(shutdown, zmq.NOBLOCK)
+                except zmq.ZMQError as e:
+                    log.debug("could not ask %s to shut down: %s", child.name, e)
         deadline = time.monotonic() + SHUTDOWN_GRACE_S
         for child in self.children:
             try:

@@ -35,17 +35,16 @@ import os
 import platform
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from core.config import default_model_path  # noqa: E402
-from pipeline import Pipeline, corpus  # noqa: E402
-from pipeline.call_stats import format_stats  # noqa: E402
+import corpus
+from pooling_pipeline import Pipeline  # noqa: E402
+from pooling_pipeline.call_stats import format_stats  # noqa: E402
+from pooling_pipeline.core.config import default_model_path  # noqa: E402
 
 CHARS_PER_TOKEN = 4.0  # measured on the docstring corpus with the bundled tokenizer (printed below)
 LABELS = {"a": "(a) short sentences", "b": "(b) medium texts", "c": "(c) long docs -> 256", "d": "(d) mixed"}

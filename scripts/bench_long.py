@@ -17,18 +17,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import corpus
 from bench_embed import median_time  # noqa: E402  (this folder is on sys.path when run as a script)
-from core.config import default_model_path, load_model_spec  # noqa: E402
-from pipeline import Pipeline, corpus  # noqa: E402
-from workers.render import load_tokenizer  # noqa: E402
-from workers.truncation import TruncatingEncoder  # noqa: E402
+from pooling_pipeline import Pipeline  # noqa: E402
+from pooling_pipeline.core.config import default_model_path, load_model_spec  # noqa: E402
+from pooling_pipeline.workers.render import load_tokenizer  # noqa: E402
+from pooling_pipeline.workers.truncation import TruncatingTokenizer  # noqa: E402
 
 CHARS_PER_TOKEN = 4.0
 
@@ -41,7 +39,7 @@ def main() -> None:
     args = ap.parse_args()
 
     tokenizer = load_tokenizer(load_model_spec(default_model_path()))
-    encoder = TruncatingEncoder(tokenizer)
+    encoder = TruncatingTokenizer(tokenizer)
     docs100k = [corpus.long_document(int(100_000 * CHARS_PER_TOKEN), seed=s) for s in range(5)]
     print(f"documents for the render test: {[len(tokenizer.encode(d).ids) for d in docs100k[:2]]} tokens ...")
     render_rows = []

@@ -27,21 +27,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import threading
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import corpus
 import psutil  # noqa: E402
-
-from pipeline import Pipeline, corpus  # noqa: E402
-from pipeline.call_stats import format_stats  # noqa: E402
-from pipeline.cpu_plan import available_cores  # noqa: E402
-from tiny_model import TINY_BATCH_SHAPE, build_tiny_model  # noqa: E402
+from pooling_pipeline import Pipeline  # noqa: E402
+from pooling_pipeline.call_stats import format_stats  # noqa: E402
+from pooling_pipeline.cpu_plan import available_cores  # noqa: E402
+from tiny_models import TINY_BATCH_SHAPE, build_tiny_model  # noqa: E402
 
 
 class Sampler:
@@ -92,7 +90,8 @@ def run_once(model: str | None, workers: int, threads: int | None, texts: list[s
         procs = sampler.finish()
         stats = pipe.stats()
     complete = done == len(texts)
-    return {"workers": workers, "threads_requested": threads, "engine_threads": stats["cpu_plan"]["engine_threads"] if threads is None else threads,
+    engine_threads = stats["cpu_plan"]["engine_threads"] if threads is None else threads
+    return {"workers": workers, "threads_requested": threads, "engine_threads": engine_threads,
             "requests": done, "complete": complete, "wall_s": wall, "requests_per_s": done / wall,
             "tokens_per_s": stats["prompt_tokens"] / wall, "engine_busy": stats["engine_busy_fraction"],
             "padding_efficiency": 1 - stats["padding_fraction"], "max_inflight": stats["max_inflight_seen"],

@@ -12,19 +12,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import corpus
 import psutil  # noqa: E402
-
-from pipeline import Pipeline, corpus  # noqa: E402
-from pipeline.call_stats import format_stats  # noqa: E402
-from tiny_model import TINY_BATCH_SHAPE, build_tiny_model  # noqa: E402
+from pooling_pipeline import Pipeline  # noqa: E402
+from pooling_pipeline.call_stats import format_stats  # noqa: E402
+from tiny_models import TINY_BATCH_SHAPE, build_tiny_model  # noqa: E402
 
 
 def rss_mb(pid: int) -> float:

@@ -4,8 +4,7 @@ import json
 
 import numpy as np
 import pytest
-
-from pipeline import Pipeline, PoolingParams
+from pooling_pipeline import Pipeline, PoolingParams
 
 OK = "a perfectly fine sentence"
 
@@ -43,14 +42,15 @@ BAD_OPTIONS = [
     (dict(pooling_params="embed"), TypeError, "pooling_params must be a PoolingParams"),
     (dict(pooling_params=[PoolingParams(), None, PoolingParams()]), TypeError, "pooling_params[1]"),
     (dict(pooling_params=PoolingParams(task="classify")), ValueError, "conflicts with the call's task"),
-    (dict(pooling_params=PoolingParams(dimensions=0)), ValueError, "pooling_params: dimensions=0 is outside [1, 384]"),
+    (dict(pooling_params=PoolingParams(dimensions=0)), ValueError,
+     "pooling_params.dimensions must be a positive int or None, got 0"),
     (dict(pooling_params=PoolingParams(dimensions=385)), ValueError, "dimensions=385"),
-    (dict(pooling_params=PoolingParams(dimensions=float("nan"))), TypeError, "dimensions must be an int"),
+    (dict(pooling_params=PoolingParams(dimensions=float("nan"))), TypeError, "dimensions must be a positive int or None"),
     (dict(pooling_params=PoolingParams(normalize="yes")), TypeError, "normalize must be a bool"),
-    (dict(pooling_params=PoolingParams(dimensions=float("inf"))), TypeError, "dimensions must be an int"),
+    (dict(pooling_params=PoolingParams(dimensions=float("inf"))), TypeError, "dimensions must be a positive int or None"),
     (dict(truncate_prompt_tokens=float("nan")), TypeError, "truncate_prompt_tokens must be an int"),
     (dict(priority=float("inf")), TypeError, "priority must be an int"),
-    (dict(errors="ignore"), ValueError, "errors must be 'raise' or 'return'"),
+    (dict(errors="ignore"), ValueError, "errors must be one of 'raise', 'return', got 'ignore'"),
     (dict(truncate_prompt_tokens=0), ValueError, "request 0: truncate_prompt_tokens=0"),
     (dict(truncate_prompt_tokens=1), ValueError, "truncate_prompt_tokens=1 must be -1 or in [2, 512]"),
     (dict(truncate_prompt_tokens=513), ValueError, "truncate_prompt_tokens=513"),
@@ -73,7 +73,7 @@ def test_bad_prompt_deep_in_a_stream_aborts_cleanly(pipe):
 
     seen = 0
     with pytest.raises(TypeError, match="request 2500: prompt is None"):
-        for out in pipe.embed_stream(source()):
+        for _ in pipe.embed_stream(source()):
             seen += 1
     assert seen <= 2500
     outs = pipe.embed([OK] * 20, use_tqdm=False)

@@ -2,10 +2,10 @@
 
 import itertools
 
+import corpus
 import numpy as np
 import pytest
-
-from pipeline import EmbeddingOutput, PipelineError, PoolingParams, corpus
+from pooling_pipeline import EmbeddingOutput, PipelineError, PoolingParams
 
 TOL = 1e-5
 

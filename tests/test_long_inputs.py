@@ -1,14 +1,14 @@
 """Long inputs end to end: left truncation, long_inputs="error" and "chunk" (against a hand-computed reference)."""
 
-import shutil
+import time
 
+import corpus
 import numpy as np
 import psutil
 import pytest
 import torch
-from transformers import BertConfig, BertModel
-
-from pipeline import Pipeline, PoolingParams, corpus
+from pooling_pipeline import Pipeline, PoolingParams, StepError
+from tiny_models import build_bert, faulty_model_dir
 
 TOL = 1e-5
 
@@ -26,7 +26,7 @@ def test_left_truncation_keeps_the_last_tokens(pipe, st_model):
     assert left[0].num_prompt_tokens == 256
     np.testing.assert_allclose(left[0].embedding, ref[0].embedding, atol=TOL, rtol=0)
     np.testing.assert_allclose(left[1].embedding, st_model.encode("short"), atol=TOL, rtol=0)
-    with pytest.raises(ValueError, match="truncation_side must be 'left' or 'right'"):
+    with pytest.raises(ValueError, match="truncation_side must be one of 'left', 'right' or None"):
         pipe.embed([doc], truncation_side="middle")
 
 
@@ -68,9 +68,9 @@ def test_chunk_mode_equals_a_hand_computed_reference_and_keeps_order(pipe, st_mo
     assert [o.index for o in outs] == [0, 1, 2, 3]
     for prompt, out in zip(prompts, outs):
         ref, windows = _chunk_reference(st_model, prompt, 128, 32)
-        assert out.num_windows == windows
+        assert out.num_chunks == windows
         np.testing.assert_allclose(out.embedding, ref, atol=TOL, rtol=0)
-    assert outs[1].num_windows == 1 and outs[2].num_windows > 5
+    assert outs[1].num_chunks == 1 and outs[2].num_chunks > 5
     dims = pipe.embed(docs[:1], long_inputs="chunk", pooling_params=PoolingParams(dimensions=64), use_tqdm=False)
     assert dims[0].embedding.shape == (64,) and abs(np.linalg.norm(dims[0].embedding) - 1) < 1e-5
     with pytest.raises(ValueError, match="chunk_overlap=200 leaves no room"):
@@ -87,20 +87,54 @@ def _peak_rss_mb(pid: int) -> float:
 
 def test_chunk_mode_on_a_million_token_document_stays_bounded(tmp_path, model_path):
     """A tiny model keeps the forward pass short; what is measured is the pipeline's memory."""
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+    target = build_bert(tmp_path / "tiny", hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=32, max_position_embeddings=512)
-    target = tmp_path / "tiny"
-    BertModel(config).save_pretrained(target)
-    for f in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(f"{model_path}/{f}", target / f)
     doc = corpus.long_document(4_100_000, seed=24)  # about a million tokens
     with Pipeline(model=str(target)) as pipe:
         before = {pid: _peak_rss_mb(pid) for pid in [pipe.pids["engine"], *pipe.pids["workers"]]}
         out = pipe.embed([doc, "after it"], long_inputs="chunk", use_tqdm=False)
         after = {pid: _peak_rss_mb(pid) for pid in before}
         stats = pipe.stats()
-    assert out[0].num_prompt_tokens > 1_000_000 and out[0].num_windows > 1900
+    assert out[0].num_prompt_tokens > 1_000_000 and out[0].num_chunks > 1900
     assert stats["max_in_core_seen"] <= pipe.engine_window
     for pid in before:  # a few times the document's 4 MB of text, not its token objects
         assert after[pid] - before[pid] < 400, (pid, before[pid], after[pid])
+
+
+@pytest.mark.parametrize("errors", ["raise", "return"])
+def test_a_failed_step_listing_two_chunks_of_one_document(tmp_path, model_path, st_model, errors):
+    """A step can fail with several chunks of one document in it (the engine fails every waiting
+    request when scheduling itself fails). The document fails once -- StepError, or one error
+    output -- and everything else is unharmed."""
+    import threading
+
+    import zmq
+    from pooling_pipeline.core import messages as m
+
+    trigger = st_model.tokenizer.convert_tokens_to_ids("zebra")
+    doc = corpus.long_document(400_000, seed=25)  # hundreds of chunks: still in flight after a second
+    with Pipeline(model=str(faulty_model_dir(tmp_path, model_path, trigger)), trust_remote_code=True) as pipe:
+        group = pipe._group
+
+        def fail_two_chunks_of_the_document() -> None:
+            time.sleep(1.0)
+            rid, (request, _) = next(iter(pipe._call.inflight.items()))
+            sock = zmq.Context.instance().socket(zmq.PUSH)
+            sock.connect(group.endpoints["results"])
+            sock.send_multipart(group.encoder.encode(
+                m.StepFailed([rid, rid], [request.index, request.index], "RuntimeError: boom")))
+            sock.close(linger=1000)
+
+        injector = threading.Thread(target=fail_two_chunks_of_the_document)
+        injector.start()
+        try:
+            if errors == "raise":
+                with pytest.raises(StepError, match="boom"):
+                    pipe.embed([doc, "short text"], long_inputs="chunk", use_tqdm=False)
+            else:
+                outs = pipe.embed([doc, "short text"], long_inputs="chunk", errors="return", use_tqdm=False)
+                assert "boom" in outs[0].error and outs[0].data is None
+                assert outs[1].error is None
+        finally:
+            injector.join()
+        assert pipe.embed(["the next call works"], use_tqdm=False)[0].error is None

@@ -9,11 +9,12 @@ import sys
 import threading
 import time
 
+import corpus
 import numpy as np
 import pytest
-
-from conftest import ROOT, faulty_model_dir, wait_gone
-from pipeline import EngineDeadError, Pipeline, PipelineError, StepError, corpus
+from helpers import wait_gone
+from pooling_pipeline import EngineDeadError, Pipeline, PipelineError, StepError
+from tiny_models import faulty_model_dir
 
 
 def test_close_stops_every_process_and_removes_the_socket_dir():
@@ -36,12 +37,12 @@ def test_works_from_a_plain_script_without_main_guard_and_cleans_up_at_exit(tmp_
     script = tmp_path / "script.py"
     script.write_text(
         "import json\n"
-        "from pipeline import Pipeline\n"
+        "from pooling_pipeline import Pipeline\n"
         "pipe = Pipeline()\n"  # no `if __name__ == '__main__'`, no close(): the exit must clean up
         "out = pipe.embed(['from a plain script'], use_tqdm=False)\n"
         "print(json.dumps({'dim': int(out[0].embedding.shape[0]), 'pids': pipe.pids}))\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ)
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=180,
                             cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -54,12 +55,12 @@ def test_caller_killed_with_sigkill_takes_the_group_down(tmp_path):
     script = tmp_path / "victim.py"
     script.write_text(
         "import json, sys, time\n"
-        "from pipeline import Pipeline\n"
+        "from pooling_pipeline import Pipeline\n"
         "pipe = Pipeline()\n"
         "print(json.dumps(pipe.pids), flush=True)\n"
         "time.sleep(600)\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ)
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
     try:
         pids = json.loads(proc.stdout.readline())
@@ -120,3 +121,40 @@ def test_engine_killed_mid_call_raises_within_seconds():
             pipe.embed(["x"], use_tqdm=False)
     finally:
         pipe.close()
+
+
+def test_installs_one_namespace_and_runs_next_to_a_users_own_core_workers_and_pipeline(tmp_path):
+    """A user's project often has its own `core/` (Django apps), `workers/` or `pipeline.py`: none
+    of them may shadow this package's modules, in the caller or in the children it starts."""
+    for name in ("core", "workers"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise ImportError('the user\\'s own {name} was imported')\n")
+        (tmp_path / name / "messages.py").write_text("raise ImportError('the user\\'s own module was imported')\n")
+    (tmp_path / "pipeline.py").write_text("raise ImportError(\"the user's own pipeline.py was imported\")\n")
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import importlib.util, json, sys\n"
+        "sys.path.remove(sys.path[0])\n"  # look at what is installed, not at this directory
+        "generic = [n for n in ('core', 'workers', 'pipeline') if importlib.util.find_spec(n) is not None]\n"
+        "sys.path.insert(0, '')\n"
+        "from pooling_pipeline import Pipeline, PoolingParams\n"
+        "with Pipeline() as pipe:\n"
+        "    out = pipe.embed(['a text'], pooling_params=PoolingParams(dimensions=8), use_tqdm=False)\n"
+        "print(json.dumps({'generic': generic, 'dim': int(out[0].embedding.shape[0])}))\n"
+    )
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report == {"generic": [], "dim": 8}
+
+
+def test_close_asks_every_child_even_when_one_cannot_be_reached():
+    """One worker's socket failing must not keep the engine and the other workers from their
+    orderly shutdown (they would be SIGKILLed after the grace period)."""
+    pipe = Pipeline(num_render_workers=2)
+    group = pipe._group
+    group.work[0].close()  # sending Shutdown to worker 0 now raises ZMQError
+    pipe.close()
+    assert group.engine.proc.returncode == 0
+    assert group.workers[1].proc.returncode == 0
+    assert wait_gone([group.workers[0].proc.pid], 5.0) == []

@@ -15,12 +15,13 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed (pip install -e '.[ray]')")
 
+import corpus
+from helpers import ROOT, wait_gone
+from pooling_pipeline import Pipeline  # noqa: E402
+from pooling_pipeline.integrations.ray_data import PoolingBatches, _column, default_ray_init_kwargs  # noqa: E402
+from pooling_pipeline.jobs.results_store import load_results  # noqa: E402
+from tiny_models import build_bert
 from transformers import BertForSequenceClassification, BertForTokenClassification  # noqa: E402
-
-from conftest import ROOT, build_small_bert  # noqa: E402
-from pipeline import Pipeline, corpus  # noqa: E402
-from pipeline.ray_data import PoolingBatches, _column, default_ray_init_kwargs  # noqa: E402
-from pipeline.results_store import load_results  # noqa: E402
 
 TOL = 1e-5
 N_TEXTS = 3000
@@ -44,7 +45,7 @@ def group_processes() -> set[int]:
     found = set()
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = p.info["cmdline"] or []
-        if (cmd[:1] == [sys.executable] and ("core.engine" in cmd or "workers.main" in cmd)
+        if (cmd[:1] == [sys.executable] and ("pooling_pipeline.core.engine" in cmd or "pooling_pipeline.workers.main" in cmd)
                 and p.info["pid"] not in mine):
             found.add(p.info["pid"])
     return found
@@ -67,7 +68,7 @@ def test_pipeline_run_ray_matches_the_api(tmp_path, records, expected):
     src.write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp_path / "out"
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    proc = subprocess.run([sys.executable, "-m", "pipeline.launcher", "--ray", "--ray-num-cpus", "2",
+    proc = subprocess.run([sys.executable, "-m", "pooling_pipeline.jobs.launcher", "--ray", "--ray-num-cpus", "2",
                            "--ray-batch-size", "256", "--input", str(src), "--output", str(out), "--quiet"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -80,7 +81,7 @@ def test_pipeline_run_ray_matches_the_api(tmp_path, records, expected):
     assert manifest["complete"] and manifest["rows"] == len(records) and manifest["ray"]["actors"] >= 1
     assert len(manifest["chunks"]) > 1  # several write tasks: the per-chunk offsets are exercised
     # A complete job is not redone.
-    again = subprocess.run([sys.executable, "-m", "pipeline.launcher", "--ray", "--resume", "--input", str(src),
+    again = subprocess.run([sys.executable, "-m", "pooling_pipeline.jobs.launcher", "--ray", "--resume", "--input", str(src),
                             "--output", str(out), "--quiet"], cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=120)
     assert again.returncode == 0 and "nothing to do" in again.stdout
@@ -110,9 +111,9 @@ def test_map_batches_embed_matches_the_api(local_ray, records, expected):
 @pytest.fixture(scope="module")
 def small_models(tmp_path_factory, model_path):
     root = tmp_path_factory.mktemp("ray-models")
-    return {"cross": build_small_bert(root, "cross", BertForSequenceClassification, model_path, num_labels=1),
-            "classify3": build_small_bert(root, "classify3", BertForSequenceClassification, model_path, num_labels=3),
-            "token_cls": build_small_bert(root, "token_cls", BertForTokenClassification, model_path, num_labels=5)}
+    return {"cross": build_bert(root / "cross", BertForSequenceClassification, num_labels=1),
+            "classify3": build_bert(root / "classify3", BertForSequenceClassification, num_labels=3),
+            "token_cls": build_bert(root / "token_cls", BertForTokenClassification, num_labels=5)}
 
 
 def test_every_task_through_map_batches(local_ray, small_models):
@@ -154,6 +155,18 @@ def test_bad_rows_are_returned_with_errors(local_ray):
     assert np.isnan(np.asarray(rows[1]["embedding"])).all() and np.isfinite(np.asarray(rows[0]["embedding"])).all()
 
 
+def test_pooling_batches_closes_its_group_when_collected():
+    """The object owns its process group: when it is collected, the group goes (nothing keeps it
+    alive until the interpreter exits)."""
+    fn = PoolingBatches("embed", num_render_workers=1)
+    out = fn({"text": np.array(["a text"], dtype=object)})
+    assert out["embedding"].shape == (1, 384)
+    pids = [fn.pipe.pids["engine"], *fn.pipe.pids["workers"]]
+    del fn, out
+    gc.collect()
+    assert wait_gone(pids, 5.0) == []
+
+
 def test_a_missing_column_is_a_clear_error():
     with pytest.raises(ValueError, match="no column 'body'"):
         _column({"text": np.array(["x"])}, "body")
@@ -162,7 +175,7 @@ def test_a_missing_column_is_a_clear_error():
 def test_pipeline_run_ray_errors_return_and_clear_refusals(local_ray, tmp_path, capsys):
     """In-process on the module's Ray instance: failed records go to errors.jsonl under their own
     input index (chunk offsets applied), and what --ray cannot do is refused clearly."""
-    from pipeline.launcher import main
+    from pooling_pipeline.jobs.launcher import main
 
     texts = corpus.sentences(40, seed=85)
     lines = [json.dumps({"id": f"r{i}", "text": None if i in (7, 33) else t}) for i, t in enumerate(texts)]

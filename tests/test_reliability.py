@@ -7,15 +7,16 @@ import signal
 import threading
 import time
 
+import corpus
 import numpy as np
 import psutil
 import pytest
 import zmq
-
-from conftest import faulty_model_dir, wait_gone
-from core import messages as m
-from core.serial import Encoder
-from pipeline import EngineDeadError, Pipeline, StepError, corpus
+from helpers import wait_gone
+from pooling_pipeline import EngineDeadError, Pipeline, StepError
+from pooling_pipeline.core import messages as m
+from pooling_pipeline.core.serial import Encoder
+from tiny_models import faulty_model_dir
 
 TOL = 1e-5
 
@@ -26,7 +27,7 @@ def test_killed_render_worker_is_replaced_and_nothing_is_lost_or_doubled(st_mode
     rng = random.Random(7)
     with Pipeline(num_render_workers=2, max_num_seqs=16) as pipe:
         restarts = 0
-        for trial in range(3):
+        for _ in range(3):
             victim = rng.choice(pipe.pids["workers"])
             killer = threading.Timer(rng.uniform(0.1, 1.0), os.kill, (victim, signal.SIGKILL))
             killer.start()

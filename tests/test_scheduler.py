@@ -3,9 +3,8 @@
 import random
 
 import numpy as np
-
-from core.messages import PoolingEngineInput, PoolingParams
-from core.scheduler import Scheduler
+from pooling_pipeline.core.messages import PoolingEngineInput, PoolingParams
+from pooling_pipeline.core.scheduler import Scheduler
 
 
 def _req(i: int, length: int) -> PoolingEngineInput:
@@ -29,7 +28,7 @@ def test_batches_hold_the_oldest_and_respect_limits():
         while nxt < len(arrivals) and len(sched) < 128:
             sched.add(arrivals[nxt])
             nxt += 1
-    assert sorted(r.seq for r in done) == list(range(400))
+    assert sorted(r.index for r in done) == list(range(400))
 
 
 def test_similar_lengths_are_grouped():
@@ -59,7 +58,7 @@ def test_lower_priority_value_runs_first():
         r = _req(i, 10 + i * 50)  # lengths far apart: one request per batch
         r.priority = 5 if i < 3 else -1
         sched.add(r)
-    order = [r.seq for _ in range(6) for r in sched.next_batch()]
+    order = [r.index for _ in range(6) for r in sched.next_batch()]
     assert order[:3] == [3, 4, 5] and sorted(order[3:]) == [0, 1, 2]
 
 

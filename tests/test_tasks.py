@@ -5,14 +5,13 @@ import shutil
 import sys
 import textwrap
 
+import corpus
 import numpy as np
 import pytest
 import torch
-from transformers import (AutoTokenizer, BertForSequenceClassification, BertForTokenClassification,
-                          BertModel)
-
-from conftest import build_small_bert
-from pipeline import ClassificationOutput, Pipeline, PoolingParams, corpus
+from pooling_pipeline import ClassificationOutput, Pipeline, PoolingParams
+from tiny_models import build_bert
+from transformers import AutoTokenizer, BertForSequenceClassification, BertForTokenClassification, BertModel
 
 TOL = 1e-5
 QUERIES = ["what is a generator in python", "how do I open a file", "sort a list of numbers"]
@@ -23,12 +22,12 @@ DOCS = corpus.medium_texts(3, seed=61)
 def models(tmp_path_factory, model_path):
     root = tmp_path_factory.mktemp("models")
     return {
-        "cross": build_small_bert(root, "cross", BertForSequenceClassification, model_path, num_labels=1),
-        "classify3": build_small_bert(root, "classify3", BertForSequenceClassification, model_path, num_labels=3),
-        "multilabel": build_small_bert(root, "multilabel", BertForSequenceClassification, model_path, num_labels=3,
+        "cross": build_bert(root / "cross", BertForSequenceClassification, num_labels=1),
+        "classify3": build_bert(root / "classify3", BertForSequenceClassification, num_labels=3),
+        "multilabel": build_bert(root / "multilabel", BertForSequenceClassification, num_labels=3,
                              problem_type="multi_label_classification"),
-        "token_cls": build_small_bert(root, "token_cls", BertForTokenClassification, model_path, num_labels=5),
-        "colbert": build_small_bert(root, "colbert", BertModel, model_path, late_interaction=True,
+        "token_cls": build_bert(root / "token_cls", BertForTokenClassification, num_labels=5),
+        "colbert": build_bert(root / "colbert", BertModel, late_interaction=True,
                           matryoshka_dimensions=[16, 32]),
     }
 

@@ -2,17 +2,16 @@
 
 import random
 
+import corpus
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pooling_pipeline.core.config import load_model_spec
+from pooling_pipeline.workers.render import load_tokenizer
+from pooling_pipeline.workers.truncation import TruncatingTokenizer, analyse_tokenizer, find_cut
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 import workers.truncation as truncation
-
-from pipeline import corpus
-from workers.render import load_tokenizer
-from workers.truncation import TruncatingEncoder, analyse_tokenizer, find_cut
-from core.config import load_model_spec
 
 PIECES = ["the", "quick", "brown", "fox", "naïve", "café", "Ångström", "東京", "日本語のテキスト", "🙂", "🚀🚀",
           "e\u0301", "x" * 150, "supercalifragilisticexpialidocious", "3.14159", "don't", "U.S.A.", "(parens)",
@@ -90,7 +89,7 @@ texts = st.lists(st.one_of(st.sampled_from(PIECES), st.text(min_size=1, max_size
        left=st.booleans())
 def test_planner_equals_full_tokenization(tokenizer, text, k, lead, left):
     # A first piece of a character or so makes the planner cut and grow even on these short texts.
-    enc = TruncatingEncoder(Tokenizer.from_str(tokenizer.to_str()), chars_per_token_guess=0, min_prefix_chars=1)
+    enc = TruncatingTokenizer(Tokenizer.from_str(tokenizer.to_str()), chars_per_token_guess=0, min_prefix_chars=1)
     text = lead + text
     assert enc.encode(text, k, left=left) == _full_ids(tokenizer, text, k, left)
 
@@ -99,7 +98,7 @@ def test_planner_equals_full_tokenization(tokenizer, text, k, lead, left):
                                                                   HealthCheck.too_slow])
 @given(text=texts)
 def test_piecewise_tokenization_for_chunks_equals_whole(tokenizer, text):
-    enc = TruncatingEncoder(Tokenizer.from_str(tokenizer.to_str()))
+    enc = TruncatingTokenizer(Tokenizer.from_str(tokenizer.to_str()))
     old = truncation.CHUNK_TOKENIZE_CHARS
     truncation.CHUNK_TOKENIZE_CHARS = 7  # many pieces even in short texts
     try:
@@ -112,7 +111,7 @@ def test_piecewise_tokenization_for_chunks_equals_whole(tokenizer, text):
 @pytest.mark.parametrize("k", [8, 64, 256, 512])
 @pytest.mark.parametrize("left", [False, True])
 def test_long_real_documents(tokenizer, k, left):
-    enc = TruncatingEncoder(Tokenizer.from_str(tokenizer.to_str()))
+    enc = TruncatingTokenizer(Tokenizer.from_str(tokenizer.to_str()))
     for seed in range(3):
         doc = corpus.long_document(300_000, seed=seed)
         assert enc.encode(doc, k, left=left) == _full_ids(tokenizer, doc, k, left)
@@ -120,7 +119,7 @@ def test_long_real_documents(tokenizer, k, left):
 
 
 def test_token_count_stops_at_a_prefix_that_proves_too_long(wordpiece):
-    enc = TruncatingEncoder(Tokenizer.from_str(wordpiece.to_str()))
+    enc = TruncatingTokenizer(Tokenizer.from_str(wordpiece.to_str()))
     doc = corpus.long_document(1_000_000, seed=5)
     count, exact = enc.count_tokens(doc, 254)
     assert not exact and 254 < count < 2000 and enc.full_encodes_of_long_text == 0
@@ -129,7 +128,7 @@ def test_token_count_stops_at_a_prefix_that_proves_too_long(wordpiece):
 
 
 def test_text_without_whitespace_falls_back_to_the_exact_slow_path(wordpiece):
-    enc = TruncatingEncoder(Tokenizer.from_str(wordpiece.to_str()))
+    enc = TruncatingTokenizer(Tokenizer.from_str(wordpiece.to_str()))
     cjk = "日本語のテキストです。" * 3000
     assert enc.encode(cjk, 64) == _full_ids(wordpiece, cjk, 64)
     assert enc.full_encodes_of_long_text == 1

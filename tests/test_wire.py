@@ -5,9 +5,8 @@ import random
 import msgspec
 import numpy as np
 import pytest
-
-from core import messages as m
-from core.serial import INLINE_MAX_BYTES, Decoder, Encoder
+from pooling_pipeline.core import messages as m
+from pooling_pipeline.core.serial import INLINE_MAX_BYTES, Decoder, Encoder
 
 
 def test_round_trip_small_and_large_arrays():
@@ -72,7 +71,8 @@ def test_wrong_type_for_the_socket_is_rejected():
     "not an array",
 ])
 def test_malformed_arrays_are_rejected(bad):
-    header = msgspec.msgpack.encode(["EngineInputBatch", 0, [["a", 0, "embed", None, {}]], bad, ["<i8", [1], b"\x03" + b"\x00" * 7]])
+    header = msgspec.msgpack.encode(["EngineInputBatch", 0, [["a", 0, "embed", None, {}]], bad,
+                                     ["<i8", [1], b"\x03" + b"\x00" * 7]])
     with pytest.raises(msgspec.ValidationError):
         Decoder(m.EngineInbound).decode([header])
 

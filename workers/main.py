@@ -1,4 +1,4 @@
-"""Render worker process: `python -m workers.main '<WorkerConfig JSON>'`.
+"""Render worker process: `python -m pooling_pipeline.workers.main '<WorkerConfig JSON>'`.
 
 Pulls RenderBatch from the frontend, renders it, pushes EngineInputBatch straight to the engine
 core and per-request failures back to the frontend. Started as its own module entry point (never
@@ -16,11 +16,17 @@ import sys
 
 import msgspec
 import zmq
-
-from core import messages as m
-from core.config import WorkerConfig
-from core.runtime import BusyClock, exit_with_parent, run_maybe_profiled, setup_logging, socket, start_heartbeat
-from core.serial import Decoder, Encoder
+from pooling_pipeline.core import messages as m
+from pooling_pipeline.core.config import WorkerConfig
+from pooling_pipeline.core.runtime import (
+    BusyClock,
+    exit_with_parent,
+    run_maybe_profiled,
+    setup_logging,
+    socket,
+    start_heartbeat,
+)
+from pooling_pipeline.core.serial import Decoder, Encoder
 
 POLL_MS = 500
 
@@ -34,7 +40,7 @@ def main(argv: list[str]) -> int:
     to_front = socket(ctx, zmq.PUSH, cfg.output_endpoint, bind=False)
     encoder = Encoder()
     try:
-        from workers.render import Renderer, load_hf_tokenizer, load_plugin
+        from pooling_pipeline.workers.render import Renderer, load_hf_tokenizer, load_plugin
 
         plugin = load_plugin(cfg.io_processor) if cfg.io_processor else None
         renderer = Renderer(cfg.model, load_hf_tokenizer(cfg.model), plugin)
@@ -46,10 +52,10 @@ def main(argv: list[str]) -> int:
 
     work = socket(ctx, zmq.PULL, cfg.work_endpoint, bind=False)
     to_engine = socket(ctx, zmq.PUSH, cfg.engine_endpoint, bind=False)
-    rule = renderer.encoder.rule
+    rule = renderer.tokenizer.rule
     to_front.send_multipart(encoder.encode(m.Ready(
         "worker", cfg.index, os.getpid(),
-        info={"num_special_tokens": renderer.encoder.num_special_tokens,
+        info={"num_special_tokens": renderer.tokenizer.num_special_tokens,
               "prefix_truncation": rule.exact, "prefix_truncation_reason": rule.reason,
               "suffix_truncation": rule.suffix_exact,
               "truncation_side": str(getattr(renderer.hf, "truncation_side", "right"))},
@@ -87,7 +93,7 @@ def serve(cfg: WorkerConfig, renderer, work: zmq.Socket, to_engine: zmq.Socket, 
             to_engine.send_multipart(encoder.encode(batch), copy=False)
         if failed:
             to_front.send_multipart(encoder.encode(m.RenderFailed(
-                [it.request_id for it, _ in failed], [it.seq for it, _ in failed], [err for _, err in failed])))
+                [it.request_id for it, _ in failed], [it.index for it, _ in failed], [err for _, err in failed])))
 
 
 if __name__ == "__main__":

@@ -5,11 +5,10 @@ from __future__ import annotations
 import importlib
 
 import numpy as np
+from pooling_pipeline.core.config import ModelSpec
+from pooling_pipeline.core.messages import PoolingEngineInput, PoolingParams, RenderParams
+from pooling_pipeline.workers.truncation import TruncatingTokenizer
 from tokenizers import Tokenizer
-
-from core.config import ModelSpec
-from core.messages import PoolingEngineInput, PoolingParams, RenderParams
-from workers.truncation import TruncatingEncoder
 
 
 def load_hf_tokenizer(spec: ModelSpec):
@@ -50,7 +49,7 @@ class Renderer:
         self.spec = spec
         self.hf = hf_tokenizer  # for chat templates
         preprocess = str.lower if spec.do_lower_case else None
-        self.encoder = TruncatingEncoder(Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str()),
+        self.tokenizer = TruncatingTokenizer(Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str()),
                                          preprocess=preprocess)
         self.plugin = plugin
         # A tokenizer that does not hand token_type_ids to its model (RoBERTa style, or a config
@@ -65,13 +64,13 @@ class Renderer:
         ids_by_pos: dict[int, list[int]] = {}
 
         # Short single texts go through the tokenizer in one batched call; the rest one by one.
-        min_tokens = self.encoder.num_special_tokens
+        min_tokens = self.tokenizer.num_special_tokens
         short = [i for i, it in enumerate(items) if it.prompt is not None and it.pair is None
                  and it.long_inputs == "truncate" and not it.truncate_left and it.max_tokens >= min_tokens
-                 and self.encoder.short_enough(it.prompt, it.max_tokens)]
+                 and self.tokenizer.short_enough(it.prompt, it.max_tokens)]
         if short:
             try:
-                encoded = self.encoder.encode_many([items[i].prompt for i in short],
+                encoded = self.tokenizer.encode_many([items[i].prompt for i in short],
                                                    [items[i].max_tokens for i in short])
                 ids_by_pos.update(zip(short, encoded))
             except Exception:
@@ -80,7 +79,7 @@ class Renderer:
         for pos, item in enumerate(items):
             if item.long_inputs == "chunk" and item.prompt is not None:
                 try:
-                    ready.extend(self._windows(item))
+                    ready.extend(self._chunks(item))
                 except Exception as e:
                     failed.append((item, f"{type(e).__name__}: {e}"))
                 continue
@@ -90,7 +89,7 @@ class Renderer:
                 failed.append((item, f"{type(e).__name__}: {e}"))
                 continue
             unchecked.append((item, PoolingEngineInput(
-                request_id=item.request_id, seq=item.seq, task=item.task, token_ids=token_ids,
+                request_id=item.request_id, index=item.index, task=item.task, token_ids=token_ids,
                 params=item.params, token_type_start=type_start, priority=item.priority)))
         ready.extend(self._checked(unchecked, failed))
         return ready, failed
@@ -116,9 +115,9 @@ class Renderer:
 
     def _render_one(self, item: RenderParams, encoded: list[int] | None, chat_template: str | None
                     ) -> tuple[np.ndarray, int | None]:
-        if item.max_tokens < self.encoder.num_special_tokens:
+        if item.max_tokens < self.tokenizer.num_special_tokens:
             raise ValueError(f"cannot keep {item.max_tokens} tokens: the model adds "
-                             f"{self.encoder.num_special_tokens} special tokens")
+                             f"{self.tokenizer.num_special_tokens} special tokens")
         if encoded is not None:
             return np.asarray(encoded, dtype=np.int32), None
         if item.raw is not None:
@@ -126,58 +125,58 @@ class Renderer:
                 raise ValueError("this pipeline has no io_processor to render plugin input")
             rendered = self.plugin.render(item.raw)
             if isinstance(rendered, str):
-                return self._ids(self.encoder.encode(rendered, item.max_tokens)), None
+                return self._ids(self.tokenizer.encode(rendered, item.max_tokens)), None
             return self._ids(list(rendered)[: item.max_tokens]), None
         if item.token_ids is not None:
             return np.asarray(item.token_ids, dtype=np.int32)[: item.max_tokens], None
         if item.conversation is not None:
             text = self.hf.apply_chat_template(item.conversation, chat_template=chat_template, tokenize=False)
             # Like transformers' apply_chat_template(tokenize=True): the template owns the special tokens.
-            return self._ids(self.encoder.encode(text, item.max_tokens, add_special_tokens=False)), None
+            return self._ids(self.tokenizer.encode(text, item.max_tokens, add_special_tokens=False)), None
         if item.prompt is None:
             raise ValueError("request has no input")
         if item.pair is not None:
-            ids, type_ids = self.encoder.encode_pair(item.prompt, item.pair, item.max_tokens,
+            ids, type_ids = self.tokenizer.encode_pair(item.prompt, item.pair, item.max_tokens,
                                                      item.max_query_tokens, item.max_doc_tokens)
             return self._ids(ids), compress_token_type_ids(type_ids) if self.sends_token_types else None
         if item.long_inputs == "error":
             self._refuse_if_too_long(item)
-        return self._ids(self.encoder.encode(item.prompt, item.max_tokens, left=item.truncate_left)), None
+        return self._ids(self.tokenizer.encode(item.prompt, item.max_tokens, left=item.truncate_left)), None
 
     def _refuse_if_too_long(self, item: RenderParams) -> None:
-        budget = self.encoder.content_budget(item.max_tokens)
-        count, exact = self.encoder.count_tokens(item.prompt, budget)
+        budget = self.tokenizer.content_budget(item.max_tokens)
+        count, exact = self.tokenizer.count_tokens(item.prompt, budget)
         if count > budget:
-            total = count + self.encoder.num_special_tokens
+            total = count + self.tokenizer.num_special_tokens
             raise ValueError(f"prompt has {'' if exact else 'at least '}{total} tokens, more than the "
                              f"{item.max_tokens} this call keeps (long_inputs='error')")
 
-    def _windows(self, item: RenderParams) -> list[PoolingEngineInput]:
-        """Chunk mode: the whole document in windows of `max_tokens` (special tokens included),
-        consecutive windows sharing `chunk_overlap` tokens. Each window is its own engine input
+    def _chunks(self, item: RenderParams) -> list[PoolingEngineInput]:
+        """Chunk mode: the whole document in chunks of `max_tokens` (special tokens included),
+        consecutive chunks sharing `chunk_overlap` tokens. Each chunk is its own engine input
         under the document's external id; the frontend pools them back into one embedding."""
-        width = self.encoder.content_budget(item.max_tokens)
+        width = self.tokenizer.content_budget(item.max_tokens)
         step = width - item.chunk_overlap
         if width < 1 or step < 1:
-            raise ValueError(f"chunk_overlap={item.chunk_overlap} leaves no room in windows of "
+            raise ValueError(f"chunk_overlap={item.chunk_overlap} leaves no room in chunks of "
                              f"{item.max_tokens} tokens")
-        windows: list[list[int]] = []
+        chunks: list[list[int]] = []
         buffer: list[int] = []
-        for piece in self.encoder.content_ids(item.prompt):
+        for piece in self.tokenizer.content_ids(item.prompt):
             buffer.extend(piece)
-            while len(buffer) > width:  # more tokens follow: this window is not the last
-                windows.append(buffer[:width])
+            while len(buffer) > width:  # more tokens follow: this chunk is not the last
+                chunks.append(buffer[:width])
                 buffer = buffer[step:]
-        if buffer or not windows:
-            windows.append(buffer)
-        params = PoolingParams(normalize=False)  # raw window vectors: the frontend pools, then normalizes
+        if buffer or not chunks:
+            chunks.append(buffer)
+        params = PoolingParams(normalize=False)  # raw chunk vectors: the frontend pools, then normalizes
         inputs = []
-        for k, content in enumerate(windows):
-            ids = self._ids(self.encoder.with_special_tokens(content))
+        for k, content in enumerate(chunks):
+            ids = self._ids(self.tokenizer.with_special_tokens(content))
             self._check(ids)
-            inputs.append(PoolingEngineInput(request_id=item.request_id, seq=item.seq, task=item.task,
+            inputs.append(PoolingEngineInput(request_id=item.request_id, index=item.index, task=item.task,
                                              token_ids=ids, params=params, priority=item.priority,
-                                             window=k, num_windows=len(windows)))
+                                             chunk=k, num_chunks=len(chunks)))
         return inputs
 
     @staticmethod

@@ -26,9 +26,8 @@ whitespace (CJK, base64, minified code), takes the slow, full path: correct firs
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable
 
 from tokenizers import Encoding, Tokenizer
 
@@ -118,7 +117,7 @@ def _flatten(node: dict | None, key: str) -> list[dict]:
     return [node]
 
 
-class TruncatingEncoder:
+class TruncatingTokenizer:
     """Tokenizes text and keeps the first (or last) `max_tokens` tokens, special tokens included."""
 
     def __init__(self, tokenizer: Tokenizer, preprocess: Callable[[str], str] | None = None,

@@ -7,7 +7,7 @@
     cat lines.txt | pipeline-run --input - --output out/
 
 Inputs are streamed, never loaded whole. Results go to chunked files with a manifest
-(pipeline/results_store.py); `--resume` continues a crashed job with identical output, and on a
+(jobs/results_store.py); `--resume` continues a crashed job with identical output, and on a
 missing or empty directory simply starts it, so one command line serves every (re)start.
 """
 
@@ -21,13 +21,14 @@ import time
 from collections import deque
 from pathlib import Path
 
-from pipeline.call_stats import format_stats
-from pipeline.records import expand_inputs, read_records
-from pipeline.results_store import FORMATS, PRECISIONS, ResultWriter, load_results  # noqa: F401 (re-export)
+from pooling_pipeline.call_stats import format_stats
+from pooling_pipeline.core.options import ERRORS_MODES, LONG_INPUTS, TASKS
+from pooling_pipeline.jobs.records import expand_inputs, read_records
+from pooling_pipeline.jobs.results_store import FORMATS, PRECISIONS, ResultWriter
 
 SAMPLE = Path(__file__).resolve().parent / "data" / "sample.jsonl"
-TASKS = ("embed", "classify", "token_embed", "token_classify")
-COUNT_LINES_UP_TO_BYTES = 2 << 30  # count records for the ETA when the inputs are smaller than this
+# Pair scoring needs two texts per record: not a task of this one-text-per-record job.
+JOB_TASKS = tuple(t for t in TASKS if t != "score")
 
 
 def parse_shard(value: str) -> tuple[int, int]:
@@ -47,19 +48,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="JSONL, text (one record per line) or Parquet files, directories, globs, or - for stdin")
     ap.add_argument("--output", default="pipeline-out")
     ap.add_argument("--model", default=None, help="local model directory (default: bundled all-MiniLM-L6-v2)")
-    ap.add_argument("--task", default="embed", choices=TASKS)
+    ap.add_argument("--task", default="embed", choices=JOB_TASKS)
     ap.add_argument("--text-field", default="text")
     ap.add_argument("--id-field", default="id")
     ap.add_argument("--workers", type=int, default=None, help="render workers (default: planned from the cores)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--truncate", type=int, default=None, help="keep at most this many tokens per record")
-    ap.add_argument("--long-inputs", default="truncate", choices=("truncate", "chunk", "error"))
+    ap.add_argument("--long-inputs", default="truncate", choices=LONG_INPUTS)
     ap.add_argument("--precision", default="float32", choices=PRECISIONS)
     ap.add_argument("--format", default="npy", choices=FORMATS)
     ap.add_argument("--shard", type=parse_shard, default=(0, 1), metavar="I/N",
                     help="process only records whose index %% N == I")
     ap.add_argument("--resume", action="store_true", help="continue the job in --output (or start it)")
-    ap.add_argument("--errors", default="raise", choices=("raise", "return"),
+    ap.add_argument("--errors", default="raise", choices=ERRORS_MODES,
                     help="return: failed records go to errors.jsonl and the run goes on")
     ap.add_argument("--limit", type=int, default=None, help="stop after this many records (of this shard)")
     ap.add_argument("--device", default="auto")
@@ -77,20 +78,6 @@ def build_parser() -> argparse.ArgumentParser:
     ray.add_argument("--ray-batch-size", type=int, default=1024, help="records per map_batches call")
     ray.add_argument("--ray-num-cpus", type=int, default=None, help="CPUs of a --ray-address local instance")
     return ap
-
-
-def count_records(files: list[str], shard: tuple[int, int]) -> int | None:
-    """Lines in the inputs (for the progress bar's ETA), when that is cheap to know."""
-    if any(f == "-" or f.endswith(".parquet") for f in files):
-        return None
-    if sum(os.path.getsize(f) for f in files) > COUNT_LINES_UP_TO_BYTES:
-        return None
-    total = 0
-    for f in files:
-        with open(f, "rb") as fh:
-            data = fh.read()
-            total += data.count(b"\n") + (0 if data.endswith(b"\n") or not data else 1)
-    return len(range(shard[0], total, shard[1]))
 
 
 def peak_rss_mb(pid: int) -> float | None:
@@ -114,12 +101,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline import Pipeline, __version__
-    from core.config import load_model_spec
+    from pooling_pipeline import Pipeline, __version__
+    from pooling_pipeline.core.config import load_model_spec
 
     files = expand_inputs(args.input)
     spec = load_model_spec(args.model)
-    from pipeline.launcher_hash import model_hash
+    from pooling_pipeline.jobs.fingerprint import model_hash
 
     job = {
         "version": __version__,
@@ -133,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
                    "chunk_rows": args.chunk_rows, "pooling": spec.pooling, "normalize": spec.normalize},
     }
     if args.ray:
-        from pipeline.ray_job import run_ray
+        from pooling_pipeline.integrations.ray_job import run_ray
 
         return run_ray(args, job, files)
     writer = ResultWriter(args.output, job, resume=args.resume)
@@ -141,12 +128,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"pipeline-run: {args.output} is complete ({writer.records_done} records); nothing to do")
         return 0
     records = read_records(files, args.text_field, args.id_field, args.shard, skip=writer.records_done)
-    total = count_records(files, args.shard)
-    remaining = None if total is None else max(0, total - writer.records_done)
+    # The total is not counted: that would read every input once more before the work (and a
+    # stream cannot be read twice). The bar shows records done and the rate.
+    remaining = None
     if args.limit is not None:
-        records = itertools.islice(records, max(0, args.limit - writer.records_done))
-        remaining = max(0, args.limit - writer.records_done) if remaining is None else \
-            min(remaining, max(0, args.limit - writer.records_done))
+        remaining = max(0, args.limit - writer.records_done)
+        records = itertools.islice(records, remaining)
     pending: deque = deque()  # records handed to the pipeline, in order, not yet written
 
     def texts():
@@ -197,25 +184,30 @@ def _print_summary(writer: ResultWriter, stats: dict, out_dir: str) -> None:
     m = writer.manifest
     wall = stats["wall_s"]
     rss = stats["peak_rss_mb"]
-    rows = [
+    print_summary([
         ("records (this run)", f"{stats['records'] + stats['errors']}"),
         ("records in output", f"{m['rows']} ({m['errors']} failed)"),
         ("tokens", f"{stats['tokens']:,}"),
         ("wall time", f"{wall:.1f} s (+ {stats['startup_s']:.1f} s start-up)"),
-        ("throughput", f"{stats['records'] / max(wall, 1e-9):.1f} records/s, {stats['tokens'] / max(wall, 1e-9):,.0f} tokens/s"),
+        ("throughput", f"{stats['records'] / max(wall, 1e-9):.1f} records/s, "
+                       f"{stats['tokens'] / max(wall, 1e-9):,.0f} tokens/s"),
         ("engine busy", f"{stats['engine_busy_fraction']:.0%}"),
         ("padding efficiency", f"{1 - stats['padding_fraction']:.0%}"),
         ("peak RSS", f"frontend {rss['frontend']:.0f} MB, engine {rss['engine']:.0f} MB, workers "
                      + ", ".join(f"{w:.0f} MB" for w in rss["workers"] if w is not None)),
         ("errors", f"{m['errors']}" + (" (see errors.jsonl)" if m["errors"] else "")),
         ("output", f"{out_dir}/"),
-    ]
+    ], stats["records"], format_stats(stats))
+
+
+def print_summary(rows: list[tuple[str, str]], records: int, details: list[str] = ()) -> None:
+    """The end-of-run report, the same for a local and a Ray job: aligned rows, then details."""
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
-    for line in format_stats(stats):
+    for line in details:
         print(line)
-    print(f"embedded {stats['records']} records")
+    print(f"embedded {records} records")
 
 
 if __name__ == "__main__":

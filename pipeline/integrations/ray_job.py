@@ -13,22 +13,21 @@ chunks 0..k-1, and the manifest records where each chunk starts.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import numpy as np
 import ray
+from pooling_pipeline.jobs.launcher import print_summary
+from pooling_pipeline.jobs.results_store import Quantizer, write_chunk, write_errors_file, write_manifest
 from ray.data import Datasink
 from ray.data.block import BlockAccessor
-
-from pipeline.results_store import Quantizer, write_chunk, write_manifest
 
 DATA_COLUMN, TOKENS_COLUMN, ERROR_COLUMN = "data", "num_tokens", "error"
 
 
 class ResultsDatasink(Datasink):
-    """A Ray Data datasink writing pipeline-run's chunk files (see pipeline/results_store.py)."""
+    """A Ray Data datasink writing pipeline-run's chunk files (see jobs/results_store.py)."""
 
     def __init__(self, out_dir: str, job: dict, id_column: str) -> None:
         self.dir = Path(out_dir).resolve()
@@ -75,20 +74,7 @@ class ResultsDatasink(Datasink):
         dims = {c["dim"] for c in chunks if "dim" in c}
         if dims:
             manifest["dim"] = dims.pop()
-        # Errors carry chunk-local indices until here: make them the records' positions, and
-        # gather them into one errors.jsonl as the single-machine launcher does.
-        lines = []
-        for chunk in chunks:
-            if chunk.get("errors"):
-                path = self.dir / chunk["errors"]
-                errors = [json.loads(line) for line in path.read_text().splitlines()]
-                for error in errors:
-                    error["index"] += chunk["index_offset"]
-                text = "".join(json.dumps(e) + "\n" for e in errors)
-                path.write_text(text)
-                lines.append(text)
-        if lines:
-            (self.dir / "errors.jsonl").write_text("".join(lines))
+        write_errors_file(self.dir, chunks)
         self.manifest = manifest
 
     @property
@@ -133,8 +119,8 @@ def read_dataset(files: list[str], text_field: str, id_field: str):
 
 
 def run_ray(args: argparse.Namespace, job: dict, files: list[str]) -> int:
-    from pipeline.ray_data import PoolingBatches, default_ray_init_kwargs
-    from pipeline.results_store import load_manifest
+    from pooling_pipeline.integrations.ray_data import PoolingBatches, default_ray_init_kwargs
+    from pooling_pipeline.jobs.results_store import load_manifest
 
     if tuple(args.shard) != (0, 1):
         raise ValueError("--ray shares the work itself: drop --shard")
@@ -186,10 +172,12 @@ def run_ray(args: argparse.Namespace, job: dict, files: list[str]) -> int:
     manifest["complete"] = True
     write_manifest(out, manifest)
     rate = manifest["records_done"] / max(wall, 1e-9)
-    print(f"records            {manifest['records_done']} ({manifest['errors']} failed)")
-    print(f"Ray actors         {plan['actors']} x ({plan['num_cpus']} CPU" + (", 1 GPU)" if plan["num_gpus"] else ")"))
-    print(f"wall time          {wall:.1f} s")
-    print(f"throughput         {rate:.1f} records/s, {tokens / max(wall, 1e-9):,.0f} tokens/s")
-    print(f"output             {out}/")
-    print(f"embedded {manifest['rows']} records")
+    print_summary([
+        ("records", f"{manifest['records_done']} ({manifest['errors']} failed)"),
+        ("Ray actors", f"{plan['actors']} x ({plan['num_cpus']} CPU" + (", 1 GPU)" if plan["num_gpus"] else ")")),
+        ("wall time", f"{wall:.1f} s"),
+        ("throughput", f"{rate:.1f} records/s, {tokens / max(wall, 1e-9):,.0f} tokens/s"),
+        ("errors", f"{manifest['errors']}" + (" (see errors.jsonl)" if manifest["errors"] else "")),
+        ("output", f"{out}/"),
+    ], manifest["rows"])
     return 0

@@ -15,10 +15,10 @@ import os
 from pathlib import Path
 
 import numpy as np
+from pooling_pipeline.core.options import TOKEN_TASKS
 
 PRECISIONS = ("float32", "float16", "int8", "binary")
 FORMATS = ("npy", "parquet")
-TOKEN_TASKS = ("token_embed", "token_classify")
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -125,16 +125,29 @@ class ResultWriter:
 
     def close(self, stats: dict) -> None:
         self.flush(stats)
-        # One errors.jsonl for the whole job (the per-chunk files are what a resume relies on).
-        lines = [(self.dir / c["errors"]).read_bytes() for c in self.manifest["chunks"] if c.get("errors")]
-        if lines:
-            _atomic_write(self.dir / "errors.jsonl", b"".join(lines))
+        write_errors_file(self.dir, self.manifest["chunks"])
         self.manifest["complete"] = True
         self.manifest["stats"] = stats
         self._write_manifest()
 
     def _write_manifest(self) -> None:
         write_manifest(self.dir, self.manifest)
+
+
+def write_errors_file(directory: Path, chunks: list[dict]) -> None:
+    """One errors.jsonl for the whole job, in input order, from the chunks' own errors files (the
+    per-chunk files are what a resume relies on). Indices become positions in the whole input:
+    a chunk written by a Ray task holds chunk-local ones, placed by its `index_offset`."""
+    lines = []
+    for chunk in chunks:
+        if chunk.get("errors"):
+            offset = chunk.get("index_offset", 0)
+            for line in (directory / chunk["errors"]).read_text(encoding="utf-8").splitlines():
+                error = json.loads(line)
+                error["index"] += offset
+                lines.append(json.dumps(error) + "\n")
+    if lines:
+        _atomic_write(directory / "errors.jsonl", "".join(lines).encode())
 
 
 def write_manifest(directory: Path, manifest: dict) -> None:

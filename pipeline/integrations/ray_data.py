@@ -1,7 +1,7 @@
 """Scale-out through Ray Data: one process group per Ray actor, fed by `Dataset.map_batches`.
 
     import ray
-    from pipeline.ray_data import PoolingBatches
+    from pooling_pipeline.integrations.ray_data import PoolingBatches
 
     ds = ray.data.read_parquet("s3://bucket/corpus/")
     ds = ds.map_batches(PoolingBatches, fn_constructor_kwargs={"task": "embed"},
@@ -19,11 +19,12 @@ Needs the `[ray]` extra (`pip install -e ".[ray]"`).
 
 from __future__ import annotations
 
-import atexit
 import os
+import weakref
 from typing import Any
 
 import numpy as np
+from pooling_pipeline.core.options import ERRORS_MODES, TASKS
 
 # The column a task's output goes to, unless the caller names another.
 OUTPUT_COLUMNS = {"embed": "embedding", "classify": "probs", "score": "score",
@@ -33,17 +34,18 @@ ERROR_COLUMN = "error"
 
 def actor_resources() -> tuple[int, int]:
     """(CPUs, GPUs) Ray assigned to the calling actor or task; (cores, 0) outside Ray."""
+    from pooling_pipeline.cpu_plan import available_cores
+
     try:
         import ray
-
-        if ray.is_initialized():
-            assigned = ray.get_runtime_context().get_assigned_resources()
-            return max(1, int(assigned.get("CPU", 1))), int(assigned.get("GPU", 0))
-    except Exception:  # not inside a Ray worker: size for this machine
-        pass
-    from pipeline.cpu_plan import available_cores
-
-    return available_cores(), 0
+    except ImportError:  # used without Ray (a plain function over batches): size for this machine
+        return available_cores(), 0
+    context = ray.get_runtime_context()
+    # Ray assigns resources to its tasks and actors; a driver (or no Ray at all) has the machine.
+    if not ray.is_initialized() or context.worker.mode != ray._private.worker.WORKER_MODE:
+        return available_cores(), 0
+    assigned = context.get_assigned_resources()
+    return max(1, int(assigned.get("CPU", 1))), int(assigned.get("GPU", 0))
 
 
 class PoolingBatches:
@@ -66,15 +68,15 @@ class PoolingBatches:
                  device: str = "auto", dtype: str = "auto", num_render_workers: int | None = None,
                  pipeline_kwargs: dict | None = None, tokens_column: str | None = None,
                  **call_kwargs: Any) -> None:
-        from pipeline.api import Pipeline
-        from pipeline.cpu_plan import plan_cpu
+        from pooling_pipeline.api import Pipeline
+        from pooling_pipeline.cpu_plan import plan_cpu
 
-        if task not in OUTPUT_COLUMNS:
-            raise ValueError(f"task must be one of {sorted(OUTPUT_COLUMNS)}, got {task!r}")
+        if task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {task!r}")
         if task == "score" and pair_column is None:
             raise ValueError("task 'score' needs pair_column (the documents; text_column holds the queries)")
-        if errors not in ("raise", "return"):
-            raise ValueError(f"errors must be 'raise' or 'return', got {errors!r}")
+        if errors not in ERRORS_MODES:
+            raise ValueError(f"errors must be one of {ERRORS_MODES}, got {errors!r}")
         self.task = task
         self.text_column = text_column
         self.pair_column = pair_column
@@ -90,7 +92,9 @@ class PoolingBatches:
         kwargs.setdefault("engine_threads", plan.engine_threads)
         self.pipe = Pipeline(model=model, num_render_workers=plan.render_workers, device=device, dtype=dtype,
                              **kwargs)
-        atexit.register(self.close)  # a normal actor exit; a kill is covered by the children's watchdog
+        # Closed when this object is collected or at a normal actor exit (a kill is covered by the
+        # children's parent watchdog). The finalizer holds the Pipeline, not this object.
+        self._finalizer = weakref.finalize(self, self.pipe.close)
         # The shape of one output (per token for token tasks), for the rows that fail.
         self.failed_row = None if task == "score" else self._failed_row()
 
@@ -126,12 +130,7 @@ class PoolingBatches:
         return _with_columns(batch, columns)
 
     def close(self) -> None:
-        pipe = getattr(self, "pipe", None)
-        if pipe is not None:
-            pipe.close()
-
-    def __del__(self) -> None:
-        self.close()
+        self._finalizer()
 
 
 def _column(batch, name: str) -> list:

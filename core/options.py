@@ -1,0 +1,80 @@
+"""The vocabulary of options, each defined once, and the one way they are checked.
+
+Task names, error modes and long-input modes are `Literal` types used by the wire structs, the
+API, the launcher and the Ray integration alike. Option structs declare their constraints with
+msgspec (`Literal`, `Meta(ge=1)`), and `checked` builds one from plain values, turning msgspec's
+validation error into the `TypeError` / `ValueError` a user expects, naming the option.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+# What the engine runs. "score" is a cross-encoder's pair task; bi-encoder scores are "embed".
+Task = Literal["embed", "token_embed", "classify", "token_classify", "score"]
+TASKS: tuple[str, ...] = typing.get_args(Task)
+EMBEDDING_TASKS = ("embed", "token_embed")
+TOKEN_TASKS = ("token_embed", "token_classify")
+# errors="raise": the first bad request ends the call; "return": it becomes an error output.
+ErrorsMode = Literal["raise", "return"]
+ERRORS_MODES: tuple[str, ...] = typing.get_args(ErrorsMode)
+# What happens to a text longer than the tokens kept: cut it, refuse it, or embed it in chunks.
+LongInputs = Literal["truncate", "error", "chunk"]
+LONG_INPUTS: tuple[str, ...] = typing.get_args(LongInputs)
+TruncationSide = Literal["left", "right"]
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=1e9)]
+
+S = typing.TypeVar("S", bound=msgspec.Struct)
+
+
+def checked(struct_type: type[S], values: dict[str, Any], where: str = "") -> S:
+    """`struct_type(**values)`, validated against its declared types and constraints.
+
+    A wrong type raises TypeError, a wrong value ValueError; both name the option (prefixed with
+    `where`, e.g. "pooling_params[3].") and say what it must be.
+    """
+    try:
+        return msgspec.convert(values, struct_type)
+    except msgspec.ValidationError as e:
+        raise _readable(e, struct_type, values, where) from None
+
+
+def _readable(error: msgspec.ValidationError, struct_type: type, values: dict, where: str) -> Exception:
+    message = str(error)
+    name = message.rpartition("- at `$.")[2].rstrip("`") if "- at `$." in message else None
+    if name is None or name not in values:  # raised by __post_init__: its message says it all
+        return ValueError(f"{where}{message}" if where else message)
+    fields = {f.name: f.type for f in msgspec.inspect.type_info(struct_type).fields}
+    what = describe(fields[name]) if name in fields else "valid"
+    kind = TypeError if ", got `" in message else ValueError
+    return kind(f"{where}{name} must be {what}, got {values[name]!r}")
+
+
+def describe(t: msgspec.inspect.Type) -> str:
+    """A type as a person would say it: "a positive int or None", "one of 'raise', 'return'"."""
+    mi = msgspec.inspect
+    if isinstance(t, mi.UnionType):
+        return " or ".join(describe(x) for x in t.types)
+    if isinstance(t, mi.LiteralType):
+        return "one of " + ", ".join(repr(v) for v in t.values)
+    if isinstance(t, mi.NoneType):
+        return "None"
+    if isinstance(t, mi.BoolType):
+        return "a bool"
+    if isinstance(t, mi.IntType):
+        return {1: "a positive int", 0: "a non-negative int"}.get(t.ge, "an int" + (f" >= {t.ge}" if t.ge is not None else ""))
+    if isinstance(t, mi.FloatType):
+        return "a positive number" if t.gt == 0 else "a number"
+    if isinstance(t, mi.StrType):
+        return f"a str matching {t.pattern!r}" if t.pattern else "a str"
+    if isinstance(t, mi.StructType):
+        return f"a {t.cls.__name__}"
+    if isinstance(t, mi.ListType):
+        return f"a list of {describe(t.item_type)}"
+    return "valid"

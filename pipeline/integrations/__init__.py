@@ -1,0 +1,1 @@
+"""Integrations with the tools people run jobs in (Ray Data)."""

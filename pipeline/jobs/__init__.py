@@ -1,0 +1,1 @@
+"""The offline job runner (`pipeline-run`): inputs, resumable chunked outputs, fingerprints."""

@@ -1,0 +1,72 @@
+"""Small BERT models built on the fly with transformers' own classes (random weights, fixed seed,
+the bundled tokenizer). Shared by the tests (a head or config option to check against
+transformers' forward pass) and the load-test scripts (a model whose forward pass costs almost
+nothing, so the CPU side of the pipeline is what gets measured: that is what a GPU engine looks
+like from the CPU)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# The tiny model stands for a GPU engine, so it gets a GPU's batch shape (the CPU budget of 2048
+# tokens is tuned for a real model's forward pass, not for a step that is mostly overhead).
+TINY_BATCH_SHAPE = {"max_num_seqs": 256, "max_num_batched_tokens": 16384}
+
+
+def build_bert(target: str | Path, model_cls=None, *, hidden_size: int = 32, num_hidden_layers: int = 2,
+               num_attention_heads: int = 4, intermediate_size: int = 64, max_position_embeddings: int = 128,
+               **config_kwargs) -> str:
+    """Saves a BERT of `model_cls` (default `BertModel`) with the bundled WordPiece tokenizer in
+    `target` and returns its path. Extra keyword arguments go to `BertConfig` (num_labels, ...)."""
+    import torch
+    from pooling_pipeline.core.config import default_model_path
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=30522, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+                        num_attention_heads=num_attention_heads, intermediate_size=intermediate_size,
+                        max_position_embeddings=max_position_embeddings, **config_kwargs)
+    target = Path(target)
+    (model_cls or BertModel)(config).eval().save_pretrained(target)
+    for name in TOKENIZER_FILES:
+        shutil.copy(Path(default_model_path()) / name, target / name)
+    return str(target)
+
+
+def build_tiny_model(target: str | Path | None = None) -> str:
+    """As small as a BERT gets: embeddings, layer norm and pooler, no transformer layer, 16 wide.
+
+    Its forward pass costs ~4 us per short request on one CPU thread (one 16-wide layer would
+    cost ~10 us, and ~250 us at 256 tokens): close to what a GPU engine costs the CPU, which
+    launches the work and waits. The whole engine path still runs: admission, scheduling,
+    padding, the transformers forward, pooling, normalization.
+    """
+    return build_bert(target or tempfile.mkdtemp(prefix="tiny-bert-"), hidden_size=16, num_hidden_layers=0,
+                      num_attention_heads=1, intermediate_size=16, max_position_embeddings=512)
+
+
+def faulty_model_dir(tmp_path: Path, model_path: str, trigger_token_id: int) -> Path:
+    """A real model whose forward raises when a chosen token id is in the batch.
+
+    The model class lives in a module of the model directory and loads through the normal path
+    (transformers' auto_map with trust_remote_code), so no code of the project is patched.
+    """
+    target = tmp_path / "faulty-model"
+    shutil.copytree(model_path, target)
+    cfg = json.loads((target / "config.json").read_text())
+    cfg["auto_map"] = {"AutoModel": "modeling_faulty.FaultyBertModel"}
+    cfg["fault_token_id"] = trigger_token_id
+    (target / "config.json").write_text(json.dumps(cfg))
+    (target / "modeling_faulty.py").write_text(
+        "from transformers import BertModel\n\n\n"
+        "class FaultyBertModel(BertModel):\n"
+        "    def forward(self, input_ids=None, **kwargs):\n"
+        "        if input_ids is not None and bool((input_ids == self.config.fault_token_id).any()):\n"
+        "            raise RuntimeError(f'fault token {self.config.fault_token_id} in the batch')\n"
+        "        return super().forward(input_ids=input_ids, **kwargs)\n"
+    )
+    return target
