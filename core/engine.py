@@ -19,6 +19,7 @@ from collections import OrderedDict
 import msgspec
 import numpy as np
 import zmq
+
 from pooling_pipeline.core import messages as m
 from pooling_pipeline.core.config import EngineConfig
 from pooling_pipeline.core.runtime import (
@@ -50,6 +51,7 @@ MAX_REMEMBERED_ABORTS = 1 << 20
 class EngineCore:
     def __init__(self, cfg: EngineConfig, log) -> None:
         import torch
+
         from pooling_pipeline.core.model_runner import ModelRunner
 
         self.cfg = cfg
@@ -232,6 +234,9 @@ class EngineCore:
             return
         outputs = [m.PoolingOutput(r.request_id, r.index, len(r.token_ids), data=v, chunk=r.chunk,
                                    num_chunks=r.num_chunks) for r, v in zip(batch, vectors)]
+        if self.cfg.model.sparse is not None:  # (token ids, weights) pairs
+            for out in outputs:
+                out.indices, out.data = out.data
         self._send(m.OutputBatch.pack(outputs, time.perf_counter() - start, padded, in_core, self.render_s, self.admit_s))
         self.render_s, self.admit_s = {}, 0.0
 

@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 import msgspec
 import numpy as np
+
 from pooling_pipeline.core.options import EMBEDDING_TASKS, LongInputs, PositiveInt, Task
 
 
@@ -36,8 +37,9 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.dimensions is not None:
             if task not in EMBEDDING_TASKS:
                 raise ValueError(f"{where}.dimensions applies to embedding tasks only, not {task!r}")
-            if self.dimensions > model.hidden_size:
-                raise ValueError(f"{where}: dimensions={self.dimensions} is outside [1, {model.hidden_size}]")
+            width = model.hidden_size if task == "token_embed" else model.embedding_size
+            if self.dimensions > width:
+                raise ValueError(f"{where}: dimensions={self.dimensions} is outside [1, {width}]")
             if model.matryoshka_dimensions and self.dimensions not in model.matryoshka_dimensions:
                 raise ValueError(f"{where}: dimensions={self.dimensions} is not among the model's declared "
                                  f"dimensions {model.matryoshka_dimensions}")
@@ -69,6 +71,9 @@ class RenderParams(msgspec.Struct, array_like=True, omit_defaults=True):
     truncate_left: bool = False  # keep the last tokens instead of the first
     long_inputs: LongInputs = "truncate"
     chunk_overlap: int = 0  # chunk mode: tokens shared by consecutive chunks
+    # The model's prompt (ST's `prompts`), put in front of the text (of a pair's first text) in the
+    # worker; sent apart so the worker can count its tokens (pooling may leave them out).
+    text_prefix: str | None = None
 
 
 class PoolingEngineInput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -82,6 +87,9 @@ class PoolingEngineInput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Token type ids are zeros then ones (a text pair): only the index of the first 1 travels.
     token_type_start: int | None = None
     priority: int = 0
+    # Tokens at the start that pooling leaves out: the prompt's, when the model's Pooling has
+    # include_prompt=false (ST's prompt_length).
+    pool_start: int = 0
     # Chunk mode: this input is chunk `chunk` of `num_chunks` of one long document (same external id).
     chunk: int = -1
     num_chunks: int = 0
@@ -95,6 +103,7 @@ class PoolingOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_prompt_tokens: int
     data: np.ndarray | None = None  # float32; None when `error` is set (or packed in its OutputBatch)
     error: str | None = None
+    indices: np.ndarray | None = None  # sparse_embed: the token ids (int32) whose weights are `data`
     chunk: int = -1  # chunk mode: which chunk of the document this is
     num_chunks: int = 0
 

@@ -8,9 +8,10 @@ import time
 
 import numpy as np
 import torch
-from pooling_pipeline.core.config import ModelSpec
+
+from pooling_pipeline.core.config import ENCODER_ONLY_CLASSES, ModelSpec
 from pooling_pipeline.core.messages import PoolingEngineInput, PoolingParams
-from pooling_pipeline.core.pooling import apply_activation, pool
+from pooling_pipeline.core.pooling import SentenceHead, apply_activation, pool, splade
 from pooling_pipeline.core.vectors import finish_embeddings
 
 log = logging.getLogger("engine")
@@ -36,12 +37,17 @@ def resolve_dtype(dtype: str, device: torch.device, config_dtype: object) -> tor
     return torch.float16
 
 
-def _model_class(head: str):
+def _model_class(spec: ModelSpec):
+    """The transformers class sentence-transformers would load for this model."""
     import transformers
 
+    if spec.model_class == "masked_lm":
+        return transformers.AutoModelForMaskedLM
+    if spec.model_class == "encoder_only":  # T5 style: the encoder alone embeds
+        return getattr(transformers, ENCODER_ONLY_CLASSES[spec.model_type])
     return {"none": transformers.AutoModel,
             "sequence_classification": transformers.AutoModelForSequenceClassification,
-            "token_classification": transformers.AutoModelForTokenClassification}[head]
+            "token_classification": transformers.AutoModelForTokenClassification}[spec.head]
 
 
 class ModelRunner:
@@ -52,10 +58,13 @@ class ModelRunner:
         self.device = resolve_device(device)
         config = AutoConfig.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
         self.dtype = resolve_dtype(dtype, self.device, getattr(config, "dtype", None))
-        self.model = _model_class(spec.head).from_pretrained(
-            spec.path, config=config, dtype=self.dtype, attn_implementation="sdpa",
-            trust_remote_code=spec.trust_remote_code,
+        # No attention implementation is forced: transformers picks SDPA where the model supports
+        # it and its own otherwise (MPNet has no SDPA), as sentence-transformers does.
+        self.model = _model_class(spec).from_pretrained(
+            spec.path, config=config, dtype=self.dtype, trust_remote_code=spec.trust_remote_code,
         ).to(self.device).eval()
+        # Dense / LayerNorm modules after pooling run in float32, as the pooled vector is.
+        self.sentence_head = SentenceHead(spec.head_modules).to(self.device).eval() if spec.head_modules else None
         self.pad_token_id = int(getattr(config, "pad_token_id", 0) or 0)
         # inspect.signature sees through the decorators transformers wraps forward() in.
         self.uses_token_types = "token_type_ids" in inspect.signature(self.model.forward).parameters
@@ -87,8 +96,9 @@ class ModelRunner:
         return max(small - per_token * small_tokens, 0.0), per_token
 
     @torch.inference_mode()
-    def run(self, batch: list[PoolingEngineInput]) -> tuple[list[np.ndarray], int]:
-        """Returns one float32 array per request and the number of padded tokens computed."""
+    def run(self, batch: list[PoolingEngineInput]) -> tuple[list, int]:
+        """Returns one result per request -- a float32 array, or (token ids, weights) for
+        sparse_embed -- and the number of padded tokens computed."""
         lengths_np = np.fromiter((len(r.token_ids) for r in batch), dtype=np.int64, count=len(batch))
         max_len = int(lengths_np.max())
         ids = np.full((len(batch), max_len), self.pad_token_id, dtype=np.int64)
@@ -104,7 +114,9 @@ class ModelRunner:
         if types is not None:
             kwargs["token_type_ids"] = torch.from_numpy(types).to(self.device, non_blocking=True)
         output = self.model(**kwargs)
-        if self.spec.head == "none":
+        if self.spec.sparse is not None:
+            results = self._sparse(output.logits, mask)
+        elif self.spec.head == "none":
             results = self._from_hidden(output.last_hidden_state, mask, lengths, batch)
         else:
             results = self._from_logits(output.logits, lengths_np, batch)
@@ -125,22 +137,51 @@ class ModelRunner:
                 vectors = finish_embeddings(part.float().cpu().numpy(), dimensions, normalize)
                 for i, row in enumerate(rows):
                     out[row] = vectors[i, : int(lengths[row])]
-            else:
-                part_mask = mask if index is None else mask.index_select(0, index)
-                part_lengths = lengths if index is None else lengths.index_select(0, index)
-                pooled = pool(part, part_mask, part_lengths, self.spec.pooling)
-                vectors = finish_embeddings(pooled.cpu().numpy(), dimensions, normalize)
-                for i, row in enumerate(rows):
-                    out[row] = vectors[i]
+                continue
+            part_mask = self._pooling_mask(mask, batch, rows) if index is not None else self._pooling_mask(mask, batch)
+            part_lengths = lengths if index is None else lengths.index_select(0, index)
+            pooled = pool(part, part_mask, part_lengths, self.spec.pooling.modes)
+            if self.sentence_head is not None:
+                pooled = self.sentence_head(pooled)
+            vectors = finish_embeddings(pooled.cpu().numpy(), dimensions, normalize)
+            if dimensions is None and self.spec.truncate_dim is not None:  # ST: cut after Normalize
+                vectors = vectors[:, : self.spec.truncate_dim]
+            for i, row in enumerate(rows):
+                out[row] = vectors[i]
         return out  # type: ignore[return-value]
+
+    def _pooling_mask(self, mask: torch.Tensor, batch, rows: list[int] | None = None) -> torch.Tensor:
+        """The tokens each request pools: its real tokens, less its prompt's when the model's
+        Pooling has include_prompt=false (as ST, which zeroes the first prompt_length positions)."""
+        if rows is not None:
+            mask = mask.index_select(0, torch.tensor(rows, device=mask.device))
+            batch = [batch[r] for r in rows]
+        if self.spec.pooling.include_prompt or not any(r.pool_start for r in batch):
+            return mask
+        starts = torch.tensor([r.pool_start for r in batch], device=mask.device)
+        positions = torch.arange(mask.shape[1], device=mask.device)[None, :]
+        return mask * (positions >= starts[:, None]).to(mask.dtype)
+
+    def _sparse(self, logits: torch.Tensor, mask: torch.Tensor) -> list[tuple[np.ndarray, np.ndarray]]:
+        weights = splade(logits, mask, self.spec.sparse)
+        k = self.spec.max_active_dims
+        if k is not None and k < weights.shape[1]:  # ST's max_active_dims: the k largest weights
+            top = torch.topk(weights, k, dim=1)
+            weights = torch.zeros_like(weights).scatter_(1, top.indices, top.values)
+        out = []
+        for row in weights:
+            nonzero = torch.nonzero(row > 0).flatten()
+            out.append((nonzero.to(torch.int32).cpu().numpy(), row[nonzero].cpu().numpy().astype(np.float32)))
+        return out
 
     def _from_logits(self, logits: torch.Tensor, lengths: np.ndarray, batch) -> list[np.ndarray]:
         logits = logits.float()
-        activated = apply_activation(logits, self.spec.num_labels, self.spec.multi_label).cpu().numpy()
+        activated = {task: apply_activation(logits, self.spec, task).cpu().numpy()
+                     for task in {r.task for r in batch}}
         raw = logits.cpu().numpy()
         out = []
         for row, request in enumerate(batch):
             use_activation = request.params.use_activation is not False
-            values = activated[row] if use_activation else raw[row]
+            values = activated[request.task][row] if use_activation else raw[row]
             out.append(values[: int(lengths[row])] if self.spec.head == "token_classification" else values)
         return out

@@ -13,8 +13,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-# What the engine runs. "score" is a cross-encoder's pair task; bi-encoder scores are "embed".
-Task = Literal["embed", "token_embed", "classify", "token_classify", "score"]
+# What the engine runs. "score" is a cross-encoder's pair task; bi-encoder scores are "embed";
+# "sparse_embed" is SPLADE's vocabulary-sized vector, returned as (token ids, weights).
+Task = Literal["embed", "token_embed", "classify", "token_classify", "score", "sparse_embed"]
 TASKS: tuple[str, ...] = typing.get_args(Task)
 EMBEDDING_TASKS = ("embed", "token_embed")
 TOKEN_TASKS = ("token_embed", "token_classify")

@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 
 import msgspec
 import numpy as np
+
 from pooling_pipeline.call_stats import CallStats
 from pooling_pipeline.core.config import load_model_spec
 from pooling_pipeline.core.messages import PoolingParams
@@ -19,7 +20,7 @@ from pooling_pipeline.cpu_plan import plan_cpu
 from pooling_pipeline.errors import EngineDeadError, PipelineError
 from pooling_pipeline.frontend import Call
 from pooling_pipeline.inputs import CallOptions, Tokenization, build_requests
-from pooling_pipeline.outputs import ClassificationOutput, EmbeddingOutput, PoolingRequestOutput, ScoringOutput
+from pooling_pipeline.outputs import ClassificationOutput, EmbeddingOutput, RankedDocument, ScoringOutput, to_result
 from pooling_pipeline.process_group import ProcessGroup
 
 log = logging.getLogger("pipeline")
@@ -141,7 +142,7 @@ class Pipeline:
     def embed(self, prompts, pooling_params: ParamsArg = None, truncate_prompt_tokens: int | None = None,
               use_tqdm: bool = True, priority: PriorityArg = None, chat_template: str | None = None,
               long_inputs: str = "truncate", chunk_overlap: int = 0, truncation_side: str | None = None,
-              errors: str = "raise") -> list[EmbeddingOutput]:
+              errors: str = "raise", prompt_name: PromptArg = None, prompt: PromptArg = None) -> list[EmbeddingOutput]:
         """Embeds a prompt or a list of prompts; returns a list in input order.
 
         long_inputs: "truncate" (keep the first -- or with truncation_side="left" the last --
@@ -155,64 +156,69 @@ class Pipeline:
         opts = self._options("embed", pooling_params=pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
                              use_tqdm=use_tqdm, priority=priority, chat_template=chat_template,
                              long_inputs=long_inputs, chunk_overlap=chunk_overlap, truncation_side=truncation_side,
-                             errors=errors)
+                             errors=errors, prompt_name=prompt_name, prompt=prompt)
         return list(self._stream(prompts, opts, materialize=True))
 
     def embed_stream(self, prompts: Iterable, pooling_params: ParamsArg = None,
                      truncate_prompt_tokens: int | None = None, use_tqdm: bool = False,
                      priority: PriorityArg = None, chat_template: str | None = None, long_inputs: str = "truncate",
                      chunk_overlap: int = 0, truncation_side: str | None = None,
-                     errors: str = "raise") -> Iterator[EmbeddingOutput]:
+                     errors: str = "raise", prompt_name: PromptArg = None,
+                     prompt: PromptArg = None) -> Iterator[EmbeddingOutput]:
         """Embeds any iterable (a generator of unknown length too), yielding in input order as
         results complete. Holds at most `max_inflight` requests at a time."""
         opts = self._options("embed", pooling_params=pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
                              use_tqdm=use_tqdm, priority=priority, chat_template=chat_template,
                              long_inputs=long_inputs, chunk_overlap=chunk_overlap, truncation_side=truncation_side,
-                             errors=errors)
+                             errors=errors, prompt_name=prompt_name, prompt=prompt)
         return self._stream(prompts, opts)
 
     def classify(self, prompts, pooling_params: ParamsArg = None, truncate_prompt_tokens: int | None = None,
                  use_tqdm: bool = True, priority: PriorityArg = None, chat_template: str | None = None,
                  long_inputs: str = "truncate", truncation_side: str | None = None,
-                 errors: str = "raise") -> list[ClassificationOutput]:
+                 errors: str = "raise", prompt_name: PromptArg = None,
+                 prompt: PromptArg = None) -> list[ClassificationOutput]:
         """Class probabilities (softmax, or sigmoid for single-label / multi-label heads) per prompt."""
         opts = self._options("classify", pooling_params=pooling_params,
                              truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm, priority=priority,
                              chat_template=chat_template, long_inputs=long_inputs, truncation_side=truncation_side,
-                             errors=errors)
+                             errors=errors, prompt_name=prompt_name, prompt=prompt)
         return list(self._stream(prompts, opts, materialize=True))
 
     def encode(self, prompts, task: str | None = None, pooling_params: ParamsArg = None,
                truncate_prompt_tokens: int | None = None, use_tqdm: bool = True, priority: PriorityArg = None,
                chat_template: str | None = None, long_inputs: str = "truncate", chunk_overlap: int = 0,
-               truncation_side: str | None = None, errors: str = "raise") -> list:
+               truncation_side: str | None = None, errors: str = "raise", prompt_name: PromptArg = None,
+               prompt: PromptArg = None) -> list:
         """Any task of the model: "embed", "classify", "token_embed", "token_classify", or "plugin"
         (the io_processor's render/post_process around the forward pass). Defaults to the model's first task."""
         opts = self._options(task, pooling_params=pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
                              use_tqdm=use_tqdm, priority=priority, chat_template=chat_template,
                              long_inputs=long_inputs, chunk_overlap=chunk_overlap, truncation_side=truncation_side,
-                             errors=errors)
+                             errors=errors, prompt_name=prompt_name, prompt=prompt)
         return list(self._stream(prompts, opts, materialize=True))
 
     def encode_stream(self, prompts: Iterable, task: str | None = None, pooling_params: ParamsArg = None,
                       truncate_prompt_tokens: int | None = None, use_tqdm: bool = False,
                       priority: PriorityArg = None, chat_template: str | None = None,
                       long_inputs: str = "truncate", chunk_overlap: int = 0, truncation_side: str | None = None,
-                      errors: str = "raise") -> Iterator:
+                      errors: str = "raise", prompt_name: PromptArg = None, prompt: PromptArg = None) -> Iterator:
         """`encode` as a stream over any iterable, in input order, with bounded memory."""
         opts = self._options(task, pooling_params=pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
                              use_tqdm=use_tqdm, priority=priority, chat_template=chat_template,
                              long_inputs=long_inputs, chunk_overlap=chunk_overlap, truncation_side=truncation_side,
-                             errors=errors)
+                             errors=errors, prompt_name=prompt_name, prompt=prompt)
         return self._stream(prompts, opts)
 
     def score(self, data_1, data_2, pooling_params: ParamsArg = None, truncate_prompt_tokens: int | None = None,
               use_tqdm: bool = True, priority: PriorityArg = None, max_tokens_per_query: int | None = None,
-              max_tokens_per_doc: int | None = None, errors: str = "raise") -> list[ScoringOutput]:
+              max_tokens_per_doc: int | None = None, errors: str = "raise", prompt_name: PromptArg = None,
+              prompt: PromptArg = None) -> list[ScoringOutput]:
         """Scores query/document pairs: 1:1, 1:N (the single query against each document) or N:N.
 
         The kind follows the model: a cross-encoder (sequence-classification head with one label)
-        reads each pair together; an embedding model gives the cosine similarity of the two
+        reads each pair together, with the activation ST's CrossEncoder applies; an embedding model
+        gives its similarity function (ST's similarity_fn_name, cosine by default) of the two
         embeddings (bi-encoder), or MaxSim over token embeddings for late-interaction models.
         """
         kind = self.model_spec.score_kind
@@ -224,7 +230,8 @@ class Pipeline:
         if kind == "cross_encoder":
             opts = self._options("score", pairs=True, pooling_params=pooling_params,
                                  truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm, priority=priority,
-                                 errors=errors, max_tokens_per_query=max_tokens_per_query, max_tokens_per_doc=max_tokens_per_doc)
+                                 errors=errors, max_tokens_per_query=max_tokens_per_query,
+                                 max_tokens_per_doc=max_tokens_per_doc, prompt_name=prompt_name, prompt=prompt)
             pairs = [(queries[0] if len(queries) == 1 else queries[i], d) for i, d in enumerate(docs)]
             return [ScoringOutput(out.request_id, out.index, float(out.data[0]) if out.error is None else float("nan"),
                                   out.num_prompt_tokens, out.error)
@@ -236,7 +243,8 @@ class Pipeline:
                              "use truncate_prompt_tokens")
         opts = self._options("embed" if kind == "bi_encoder" else "token_embed", pooling_params=pooling_params,
                              truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
-                             priority=priority if not isinstance(priority, (list, tuple)) else None, errors=errors)
+                             priority=priority if not isinstance(priority, (list, tuple)) else None, errors=errors,
+                             prompt_name=prompt_name, prompt=prompt)
         outs = list(self._stream(list(queries) + list(docs), opts, materialize=True))
         q_outs, d_outs = outs[: len(queries)], outs[len(queries):]
         results = []
@@ -246,10 +254,24 @@ class Pipeline:
             if error is not None:
                 value = float("nan")
             else:
-                value = _cosine(q.data, d.data) if kind == "bi_encoder" else _max_sim(q.data, d.data)
+                value = similarity(self.model_spec.similarity, q.data, d.data) if kind == "bi_encoder" \
+                    else _max_sim(q.data, d.data)
             results.append(ScoringOutput(f"{q.request_id}|{d.request_id}", i, value,
                                          q.num_prompt_tokens + d.num_prompt_tokens, error))
         return results
+
+    def rank(self, query: str, documents: Sequence[str], top_k: int | None = None, **score_options
+             ) -> list[RankedDocument]:
+        """The documents ordered by their score against the query, best first, as
+        `(index, score)` pairs (ST's `CrossEncoder.rank`); `top_k` keeps the best k.
+        Other keyword arguments go to `score`."""
+        if not isinstance(query, str):
+            raise TypeError(f"query must be a str, got {type(query).__name__}")
+        if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+            raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+        scores = self.score(query, list(documents), **score_options)
+        ranked = sorted((RankedDocument(s.index, s.score) for s in scores), key=lambda r: -r.score)
+        return ranked[:top_k] if top_k is not None else ranked
 
     def stats(self) -> dict:
         """Counters of the last call (or the one running), plus the CPU plan and engine facts."""
@@ -300,14 +322,13 @@ class Pipeline:
             call = self._call = Call(group, requests, opts, max_inflight=self.max_inflight,
                                      batch_items=self.batch_items, progress=progress,
                                      default_normalize=self.model_spec.normalize)
-        outputs = self._outputs(call, OUTPUT_TYPES.get(opts.task, PoolingRequestOutput))
+        outputs = self._outputs(call, opts.task)
         return self._post_process(outputs) if opts.plugin else outputs
 
-    def _outputs(self, call: Call, wrap) -> Iterator:
+    def _outputs(self, call: Call, task: str) -> Iterator:
         try:
             for out in call.outputs():
-                yield wrap(out.request_id, out.index, out.data, out.num_prompt_tokens, max(out.num_chunks, 1),
-                           out.error)
+                yield to_result(task, out)
         except EngineDeadError:
             self.close()  # the group cannot serve without its engine: stop the rest of it
             raise
@@ -329,8 +350,8 @@ class Pipeline:
 
 
 ParamsArg = PoolingParams | Sequence[PoolingParams] | None
+PromptArg = str | Sequence[str | None] | None
 PriorityArg = int | Sequence[int] | None
-OUTPUT_TYPES = {"embed": EmbeddingOutput, "classify": ClassificationOutput}
 
 
 def _score_side(data, name: str) -> list:
@@ -343,7 +364,14 @@ def _score_side(data, name: str) -> list:
     return list(data)
 
 
-def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+def similarity(name: str, a: np.ndarray, b: np.ndarray) -> float:
+    """The model's similarity function (ST's similarity_fn_name) between two embeddings."""
+    if name == "dot":
+        return float(np.dot(a, b))
+    if name == "euclidean":
+        return -float(np.linalg.norm(a - b))
+    if name == "manhattan":
+        return -float(np.abs(a - b).sum())
     return float(np.dot(a, b) / max(float(np.linalg.norm(a) * np.linalg.norm(b)), 1e-12))
 
 

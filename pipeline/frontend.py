@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import zmq
+
 from pooling_pipeline.call_stats import CallStats
 from pooling_pipeline.core import messages as m
 from pooling_pipeline.core.vectors import finish_embeddings

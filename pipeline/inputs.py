@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 import msgspec
 import numpy as np
+
 from pooling_pipeline.core.config import ModelSpec
 from pooling_pipeline.core.messages import PoolingParams, RenderParams
 from pooling_pipeline.core.options import (
@@ -55,6 +56,8 @@ class CallOptions(msgspec.Struct, frozen=True, kw_only=True):
     errors: ErrorsMode = "raise"
     max_tokens_per_query: PositiveInt | None = None  # cross-encoder pairs: content tokens per side
     max_tokens_per_doc: PositiveInt | None = None
+    prompt: Any = None  # text put in front of each text (one str, or one per prompt); wins over prompt_name
+    prompt_name: Any = None  # a name in the model's `prompts` (one, or one per prompt)
 
     def __post_init__(self) -> None:
         if self.long_inputs == "chunk" and self.task != "embed":
@@ -89,9 +92,35 @@ def build_requests(prompts: object, opts: CallOptions, spec: ModelSpec, tokeniza
     params = per_request(PoolingParams() if opts.pooling_params is None else opts.pooling_params,
                          "pooling_params", lambda p, where: check_params(p, where, opts.task, spec), count)
     priorities = per_request(0 if opts.priority is None else opts.priority, "priority", check_priority, count)
+    prefixes = _prompt_prefixes(opts, spec, count)
     side = opts.truncation_side or tokenization.truncation_side
     return _requests(iter(items), opts, spec, tokenization.num_special_tokens, side == "left", id_prefix,
-                     params, priorities), count
+                     params, priorities, prefixes), count
+
+
+def _prompt_prefixes(opts: CallOptions, spec: ModelSpec, count: int | None) -> tuple[Iterator, int | None]:
+    """Each request's prompt text, resolved as ST's encode does: an explicit `prompt` wins, else
+    `prompt_name` (looked up in the model's prompts), else the model's default_prompt_name."""
+    def check_prompt(value: object, where: str) -> None:
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{where} must be a str or None, got {type(value).__name__}")
+
+    def check_name(value: object, where: str) -> None:
+        check_prompt(value, where)
+        if value is not None and value not in spec.prompts:
+            raise ValueError(f"{where}={value!r} is not among the model's prompts {sorted(spec.prompts)}")
+
+    prompts_it, prompts_count = per_request(opts.prompt, "prompt", check_prompt, count)
+    names_it, names_count = per_request(opts.prompt_name, "prompt_name", check_name, count)
+    default = spec.prompts.get(spec.default_prompt_name) if spec.default_prompt_name else None
+
+    def resolve() -> Iterator[str | None]:
+        for prompt, name in zip(prompts_it, names_it):
+            text = prompt if prompt is not None else spec.prompts[name] if name is not None else default
+            yield text or None
+
+    counts = [c for c in (prompts_count, names_count) if c is not None]
+    return resolve(), (counts[0] if counts else None)
 
 
 def is_conversation(prompt: object) -> bool:
@@ -161,19 +190,21 @@ def check_priority(value: object, where: str) -> None:
 
 
 def _requests(prompts: Iterator, opts: CallOptions, spec: ModelSpec, num_special_tokens: int, truncate_left: bool,
-              id_prefix: str, params: tuple[Iterator, int | None],
-              priorities: tuple[Iterator, int | None]) -> Iterator[RenderParams | FailedRequest]:
+              id_prefix: str, params: tuple[Iterator, int | None], priorities: tuple[Iterator, int | None],
+              prefixes: tuple[Iterator, int | None]) -> Iterator[RenderParams | FailedRequest]:
     """Yields one RenderParams per prompt (a (query, document) tuple for pairs), validating as
     it goes and never reading ahead of what the frontend asks for."""
     params_it, params_count = params
     priority_it, priority_count = priorities
+    prefix_it, prefix_count = prefixes
+    per_request_counts = ((params_count, "pooling_params"), (priority_count, "priority"), (prefix_count, "prompt"))
     index = -1
     for index, prompt in enumerate(prompts):
-        for count, name in ((params_count, "pooling_params"), (priority_count, "priority")):
+        for count, name in per_request_counts:
             if count is not None and index >= count:
                 raise ValueError(f"{name} has {count} entries but there are more prompts "
                                  f"(prompt {index} has none)")
-        p, priority = next(params_it), next(priority_it)
+        p, priority, text_prefix = next(params_it), next(priority_it), next(prefix_it)
         try:
             fields: dict[str, Any] = {}
             if opts.pairs:
@@ -185,6 +216,9 @@ def _requests(prompts: Iterator, opts: CallOptions, spec: ModelSpec, num_special
             else:
                 fields = parse_prompt(prompt, index, spec)
             max_tokens = resolve_max_tokens(spec, opts, num_special_tokens, p, index)
+            if text_prefix is not None and opts.long_inputs == "chunk":
+                raise ValueError(f"request {index}: a prompt with long_inputs='chunk' is not supported "
+                                 "(a long document's chunks would not all carry it)")
         except (ValueError, TypeError) as e:
             if opts.errors != "return":
                 raise
@@ -193,8 +227,9 @@ def _requests(prompts: Iterator, opts: CallOptions, spec: ModelSpec, num_special
         yield RenderParams(request_id=f"{id_prefix}{index}", index=index, task=opts.task, max_tokens=max_tokens,
                            params=p, max_query_tokens=opts.max_tokens_per_query,
                            max_doc_tokens=opts.max_tokens_per_doc, priority=priority, truncate_left=truncate_left,
-                           long_inputs=opts.long_inputs, chunk_overlap=opts.chunk_overlap, **fields)
-    for count, name in ((params_count, "pooling_params"), (priority_count, "priority")):
+                           long_inputs=opts.long_inputs, chunk_overlap=opts.chunk_overlap,
+                           text_prefix=text_prefix if "prompt" in fields else None, **fields)
+    for count, name in per_request_counts:
         if count is not None and index + 1 != count:
             raise ValueError(f"{name} has {count} entries but there are {index + 1} prompts")
 

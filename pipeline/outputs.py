@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -29,6 +30,41 @@ class ClassificationOutput(PoolingRequestOutput):
     @property
     def probs(self) -> np.ndarray:  # 1-D float32 (raw logits with use_activation=False)
         return self.data
+
+
+@dataclass(slots=True)
+class SparseEmbeddingOutput(PoolingRequestOutput):
+    """sparse_embed (SPLADE): the vocabulary entries with a non-zero weight."""
+
+    indices: np.ndarray | None = None  # int32 token ids, ascending
+
+    @property
+    def values(self) -> np.ndarray:  # float32 weights, one per index
+        return self.data
+
+    def to_dense(self, vocab_size: int) -> np.ndarray:
+        dense = np.zeros(vocab_size, dtype=np.float32)
+        dense[self.indices] = self.data
+        return dense
+
+
+class RankedDocument(NamedTuple):
+    """One document of `Pipeline.rank`: its position in the documents given, and its score."""
+
+    index: int
+    score: float
+
+
+OUTPUT_TYPES = {"embed": EmbeddingOutput, "classify": ClassificationOutput, "sparse_embed": SparseEmbeddingOutput}
+
+
+def to_result(task: str, out) -> PoolingRequestOutput:
+    """The caller's result object for one engine output (a `PoolingOutput`)."""
+    cls = OUTPUT_TYPES.get(task, PoolingRequestOutput)
+    result = cls(out.request_id, out.index, out.data, out.num_prompt_tokens, max(out.num_chunks, 1), out.error)
+    if cls is SparseEmbeddingOutput:
+        result.indices = out.indices
+    return result
 
 
 @dataclass(slots=True)

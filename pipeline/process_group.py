@@ -20,6 +20,7 @@ from pathlib import Path
 
 import msgspec
 import zmq
+
 from pooling_pipeline.core import messages as m
 from pooling_pipeline.core.config import EngineConfig, ModelSpec, WorkerConfig
 from pooling_pipeline.core.runtime import socket
@@ -28,7 +29,7 @@ from pooling_pipeline.errors import EngineDeadError, WorkerStartError
 
 log = logging.getLogger("pipeline")
 
-SHUTDOWN_GRACE_S = 3.0
+SHUTDOWN_GRACE_S = 5.0  # a child exits in about a second; under load torch teardown takes longer
 LOG_TAIL_CHARS = 3000
 
 

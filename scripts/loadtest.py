@@ -36,10 +36,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import corpus
 import psutil  # noqa: E402
+from tiny_models import TINY_BATCH_SHAPE, build_tiny_model  # noqa: E402
+
 from pooling_pipeline import Pipeline  # noqa: E402
 from pooling_pipeline.call_stats import format_stats  # noqa: E402
 from pooling_pipeline.cpu_plan import available_cores  # noqa: E402
-from tiny_models import TINY_BATCH_SHAPE, build_tiny_model  # noqa: E402
 
 
 class Sampler:

@@ -23,8 +23,9 @@ def build_bert(target: str | Path, model_cls=None, *, hidden_size: int = 32, num
     """Saves a BERT of `model_cls` (default `BertModel`) with the bundled WordPiece tokenizer in
     `target` and returns its path. Extra keyword arguments go to `BertConfig` (num_labels, ...)."""
     import torch
-    from pooling_pipeline.core.config import default_model_path
     from transformers import BertConfig, BertModel
+
+    from pooling_pipeline.core.config import default_model_path
 
     torch.manual_seed(0)
     config = BertConfig(vocab_size=30522, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,

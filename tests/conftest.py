@@ -13,6 +13,7 @@ import pytest
 # so the two do not fight over the 2 cores.
 import torch  # noqa: E402
 from helpers import running
+
 from pooling_pipeline import Pipeline  # noqa: E402
 from pooling_pipeline.core.config import default_model_path  # noqa: E402
 

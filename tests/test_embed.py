@@ -5,6 +5,7 @@ import itertools
 import corpus
 import numpy as np
 import pytest
+
 from pooling_pipeline import EmbeddingOutput, PipelineError, PoolingParams
 
 TOL = 1e-5

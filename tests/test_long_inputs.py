@@ -7,8 +7,9 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from pooling_pipeline import Pipeline, PoolingParams, StepError
 from tiny_models import build_bert, faulty_model_dir
+
+from pooling_pipeline import Pipeline, PoolingParams, StepError
 
 TOL = 1e-5
 
@@ -109,6 +110,7 @@ def test_a_failed_step_listing_two_chunks_of_one_document(tmp_path, model_path, 
     import threading
 
     import zmq
+
     from pooling_pipeline.core import messages as m
 
     trigger = st_model.tokenizer.convert_tokens_to_ids("zebra")

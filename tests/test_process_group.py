@@ -13,8 +13,9 @@ import corpus
 import numpy as np
 import pytest
 from helpers import wait_gone
-from pooling_pipeline import EngineDeadError, Pipeline, PipelineError, StepError
 from tiny_models import faulty_model_dir
+
+from pooling_pipeline import EngineDeadError, Pipeline, PipelineError, StepError
 
 
 def test_close_stops_every_process_and_removes_the_socket_dir():

@@ -17,11 +17,12 @@ ray = pytest.importorskip("ray", reason="the [ray] extra is not installed (pip i
 
 import corpus
 from helpers import ROOT, wait_gone
+from tiny_models import build_bert
+from transformers import BertForSequenceClassification, BertForTokenClassification  # noqa: E402
+
 from pooling_pipeline import Pipeline  # noqa: E402
 from pooling_pipeline.integrations.ray_data import PoolingBatches, _column, default_ray_init_kwargs  # noqa: E402
 from pooling_pipeline.jobs.results_store import load_results  # noqa: E402
-from tiny_models import build_bert
-from transformers import BertForSequenceClassification, BertForTokenClassification  # noqa: E402
 
 TOL = 1e-5
 N_TEXTS = 3000

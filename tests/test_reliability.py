@@ -13,10 +13,11 @@ import psutil
 import pytest
 import zmq
 from helpers import wait_gone
+from tiny_models import faulty_model_dir
+
 from pooling_pipeline import EngineDeadError, Pipeline, StepError
 from pooling_pipeline.core import messages as m
 from pooling_pipeline.core.serial import Encoder
-from tiny_models import faulty_model_dir
 
 TOL = 1e-5
 

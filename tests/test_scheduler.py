@@ -3,6 +3,7 @@
 import random
 
 import numpy as np
+
 from pooling_pipeline.core.messages import PoolingEngineInput, PoolingParams
 from pooling_pipeline.core.scheduler import Scheduler
 

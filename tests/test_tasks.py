@@ -9,9 +9,10 @@ import corpus
 import numpy as np
 import pytest
 import torch
-from pooling_pipeline import ClassificationOutput, Pipeline, PoolingParams
 from tiny_models import build_bert
 from transformers import AutoTokenizer, BertForSequenceClassification, BertForTokenClassification, BertModel
+
+from pooling_pipeline import ClassificationOutput, Pipeline, PoolingParams
 
 TOL = 1e-5
 QUERIES = ["what is a generator in python", "how do I open a file", "sort a list of numbers"]

@@ -6,12 +6,12 @@ import corpus
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+import pooling_pipeline.workers.truncation as truncation
 from pooling_pipeline.core.config import load_model_spec
 from pooling_pipeline.workers.render import load_tokenizer
 from pooling_pipeline.workers.truncation import TruncatingTokenizer, analyse_tokenizer, find_cut
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-
-import workers.truncation as truncation
 
 PIECES = ["the", "quick", "brown", "fox", "naïve", "café", "Ångström", "東京", "日本語のテキスト", "🙂", "🚀🚀",
           "e\u0301", "x" * 150, "supercalifragilisticexpialidocious", "3.14159", "don't", "U.S.A.", "(parens)",

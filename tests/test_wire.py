@@ -5,6 +5,7 @@ import random
 import msgspec
 import numpy as np
 import pytest
+
 from pooling_pipeline.core import messages as m
 from pooling_pipeline.core.serial import INLINE_MAX_BYTES, Decoder, Encoder
 

@@ -16,6 +16,7 @@ import sys
 
 import msgspec
 import zmq
+
 from pooling_pipeline.core import messages as m
 from pooling_pipeline.core.config import WorkerConfig
 from pooling_pipeline.core.runtime import (

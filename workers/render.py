@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import importlib
+import json
 
 import numpy as np
+from tokenizers import Tokenizer
+
 from pooling_pipeline.core.config import ModelSpec
 from pooling_pipeline.core.messages import PoolingEngineInput, PoolingParams, RenderParams
 from pooling_pipeline.workers.truncation import TruncatingTokenizer
-from tokenizers import Tokenizer
+
+MAX_CACHED_PROMPTS = 1024  # prompts whose token count a worker remembers
 
 
 def load_hf_tokenizer(spec: ModelSpec):
@@ -48,10 +52,15 @@ class Renderer:
     def __init__(self, spec: ModelSpec, hf_tokenizer, plugin=None) -> None:
         self.spec = spec
         self.hf = hf_tokenizer  # for chat templates
-        preprocess = str.lower if spec.do_lower_case else None
-        self.tokenizer = TruncatingTokenizer(Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str()),
-                                         preprocess=preprocess)
+        backend = Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())
+        if spec.do_lower_case:
+            lowercase_first(backend)
+        self.tokenizer = TruncatingTokenizer(backend)
         self.plugin = plugin
+        # ST leaves the prompt's tokens out of pooling when its Pooling has include_prompt=false.
+        self.pools_without_prompt = not spec.pooling.include_prompt
+        self.special_ids = set(getattr(hf_tokenizer, "all_special_ids", []))
+        self.prompt_tokens: dict[str, int] = {}
         # A tokenizer that does not hand token_type_ids to its model (RoBERTa style, or a config
         # that drops them) means the model sees zeros: then no boundary travels either.
         self.sends_token_types = "token_type_ids" in getattr(hf_tokenizer, "model_input_names", ["token_type_ids"])
@@ -62,6 +71,9 @@ class Renderer:
         ready: list[PoolingEngineInput] = []
         failed: list[tuple[RenderParams, str]] = []
         ids_by_pos: dict[int, list[int]] = {}
+        for item in items:
+            if item.text_prefix and item.prompt is not None:  # as ST: the prompt, then the text
+                item.prompt = item.text_prefix + item.prompt
 
         # Short single texts go through the tokenizer in one batched call; the rest one by one.
         min_tokens = self.tokenizer.num_special_tokens
@@ -90,9 +102,22 @@ class Renderer:
                 continue
             unchecked.append((item, PoolingEngineInput(
                 request_id=item.request_id, index=item.index, task=item.task, token_ids=token_ids,
-                params=item.params, token_type_start=type_start, priority=item.priority)))
+                params=item.params, token_type_start=type_start, priority=item.priority,
+                pool_start=self._prompt_tokens(item.text_prefix) if self.pools_without_prompt else 0)))
         ready.extend(self._checked(unchecked, failed))
         return ready, failed
+
+    def _prompt_tokens(self, prompt: str | None) -> int:
+        """ST's prompt_length: the prompt tokenized alone, special tokens included, less a
+        trailing special token (the text follows the prompt, not the end of the sequence)."""
+        if not prompt:
+            return 0
+        if prompt not in self.prompt_tokens:
+            if len(self.prompt_tokens) >= MAX_CACHED_PROMPTS:  # per-request prompts: stay bounded
+                self.prompt_tokens.clear()
+            ids = self.tokenizer.encode(prompt, self.spec.max_model_len)
+            self.prompt_tokens[prompt] = len(ids) - (1 if ids and ids[-1] in self.special_ids else 0)
+        return self.prompt_tokens[prompt]
 
     def _checked(self, rendered: list[tuple[RenderParams, PoolingEngineInput]],
                  failed: list[tuple[RenderParams, str]]) -> list[PoolingEngineInput]:
@@ -191,6 +216,18 @@ class Renderer:
             raise ValueError("prompt is empty after tokenization")
         if int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.spec.vocab_size})")
+
+
+def lowercase_first(tokenizer: Tokenizer) -> None:
+    """ST's do_lower_case: a Lowercase normalizer in front of the tokenizer's own (unless that one
+    lowercases already), so the text is lowercased exactly as ST's tokenizer does it."""
+    from tokenizers import normalizers
+
+    described = json.dumps(json.loads(tokenizer.to_str()).get("normalizer"))
+    if '"type": "Lowercase"' in described or '"lowercase": true' in described:
+        return
+    current = tokenizer.normalizer
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Lowercase()] + ([current] if current else []))
 
 
 def compress_token_type_ids(type_ids: list[int]) -> int | None:

@@ -24,7 +24,8 @@ import weakref
 from typing import Any
 
 import numpy as np
-from pooling_pipeline.core.options import ERRORS_MODES, TASKS
+
+from pooling_pipeline.core.options import ERRORS_MODES
 
 # The column a task's output goes to, unless the caller names another.
 OUTPUT_COLUMNS = {"embed": "embedding", "classify": "probs", "score": "score",
@@ -71,8 +72,8 @@ class PoolingBatches:
         from pooling_pipeline.api import Pipeline
         from pooling_pipeline.cpu_plan import plan_cpu
 
-        if task not in TASKS:
-            raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+        if task not in OUTPUT_COLUMNS:
+            raise ValueError(f"task must be one of {tuple(OUTPUT_COLUMNS)}, got {task!r}")
         if task == "score" and pair_column is None:
             raise ValueError("task 'score' needs pair_column (the documents; text_column holds the queries)")
         if errors not in ERRORS_MODES:

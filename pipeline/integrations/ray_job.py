@@ -18,10 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import ray
-from pooling_pipeline.jobs.launcher import print_summary
-from pooling_pipeline.jobs.results_store import Quantizer, write_chunk, write_errors_file, write_manifest
 from ray.data import Datasink
 from ray.data.block import BlockAccessor
+
+from pooling_pipeline.jobs.launcher import print_summary
+from pooling_pipeline.jobs.results_store import Quantizer, write_chunk, write_errors_file, write_manifest
 
 DATA_COLUMN, TOKENS_COLUMN, ERROR_COLUMN = "data", "num_tokens", "error"
 
