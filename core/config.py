@@ -177,8 +177,12 @@ def resolve_model_path(model: str | os.PathLike | None, revision: str | None = N
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
+    # The environment as it is now (huggingface_hub reads it once, at its import).
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    cache_dir = os.environ.get("HF_HUB_CACHE") or os.path.join(home, "hub")
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
     try:
-        return Path(snapshot_download(repo_id=text, revision=revision))
+        return Path(snapshot_download(repo_id=text, revision=revision, cache_dir=cache_dir, local_files_only=offline))
     except LocalEntryNotFoundError as e:
         raise ValueError(f"model {text!r} is not in the local Hugging Face cache and the hub cannot be reached "
                          f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '')!r}): {e}") from None

@@ -169,6 +169,7 @@ def main() -> None:
     ap.add_argument("--n-long", type=int, default=50)
     ap.add_argument("--batch-size", type=int, default=32, help="for sentence-transformers and the transformers loop")
     ap.add_argument("--out", default="bench-out", help="directory for bench_embed.json and bench_embed.png")
+    ap.add_argument("--no-decoder", action="store_true", help="skip the tiny Qwen3 decoder-embedder row")
     args = ap.parse_args()
 
     import torch
@@ -243,9 +244,12 @@ def main() -> None:
     print(f"\nmedian of {args.repeats} repeats; torch threads {torch.get_num_threads()} for the references, "
           f"engine {engine}")
 
+    decoder = None if args.no_decoder else decoder_row(args)
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    record = {"model": model_path, "repeats": args.repeats, "engine": engine, "cpu_plan": pipe.cpu_plan.as_dict(),
+    record = {"decoder": decoder, "model": model_path, "repeats": args.repeats, "engine": engine,
+              "cpu_plan": pipe.cpu_plan.as_dict(),
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                           "torch": torch.__version__},
               "startup_s": startup_s, "results": results}
@@ -255,6 +259,32 @@ def main() -> None:
         print(f"chart: {out / 'bench_embed.png'}")
     else:
         print("no chart: matplotlib is not installed (pip install -e \".[bench]\")")
+
+
+def decoder_row(args) -> dict:
+    """A decoder embedder's speed on record: a tiny Qwen3-Embedding-shaped model (last-token pooling,
+    EOS appended, instruction prompt) on the short sentences, pipeline against sentence-transformers."""
+    from sentence_transformers import SentenceTransformer
+    from tiny_models import build_tiny_decoder_embedder
+
+    path = build_tiny_decoder_embedder()
+    texts = corpus.sentences(args.n_short, seed=1)
+    st = SentenceTransformer(path, device="cpu")
+    with Pipeline(model=path, device=args.device, dtype=args.dtype) as pipe:
+        pipe.embed(texts[:64], prompt_name="query", use_tqdm=False)
+        st.encode(texts[:64], prompt_name="query", batch_size=args.batch_size)
+        seconds = {"pipeline": median_time(lambda: pipe.embed(texts, prompt_name="query", use_tqdm=False),
+                                           args.repeats),
+                   "sentence_transformers": median_time(
+                       lambda: st.encode(texts, prompt_name="query", batch_size=args.batch_size), args.repeats)}
+        busy = pipe.stats()["engine_busy_fraction"]
+    print("\n| decoder embedder (tiny Qwen3, 2 layers, 64 wide) | docs | pipeline docs/s | "
+          "sentence-transformers docs/s | pipeline / ST | engine busy |")
+    print("|---|---|---|---|---|---|")
+    print(f"| (a) short sentences, query prompt | {len(texts)} | {len(texts) / seconds['pipeline']:.1f} | "
+          f"{len(texts) / seconds['sentence_transformers']:.1f} | "
+          f"{seconds['sentence_transformers'] / seconds['pipeline']:.2f}x | {busy:.0%} |")
+    return {"model": path, "docs": len(texts), "seconds": seconds, "engine_busy": busy}
 
 
 if __name__ == "__main__":

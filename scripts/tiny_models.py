@@ -71,3 +71,47 @@ def faulty_model_dir(tmp_path: Path, model_path: str, trigger_token_id: int) -> 
         "        return super().forward(input_ids=input_ids, **kwargs)\n"
     )
     return target
+
+
+# Qwen2/Qwen3's pre-tokenizer split: GPT-4 style with single digits.
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+              r"|\s+(?!\S)|\s+")
+
+
+def build_tiny_decoder_embedder(target: str | Path | None = None) -> str:
+    """A Qwen3-Embedding-shaped model, tiny: a 2-layer Qwen3 backbone, a byte-level BPE tokenizer
+    trained on the standard library's docstrings that appends `<|endoftext|>` and pads on the left,
+    and sentence-transformers' last-token Pooling + Normalize, saved by ST itself."""
+    import corpus
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Normalize, Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3Model
+
+    target = Path(target or tempfile.mkdtemp(prefix="tiny-qwen3-"))
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus.docstrings(), trainers.BpeTrainer(
+        vocab_size=4000, special_tokens=["<|endoftext|>", "<|im_end|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    eot = tok.token_to_id("<|endoftext|>")
+    tok.post_processor = processors.TemplateProcessing(single="$A <|endoftext|>", pair="$A <|endoftext|> $B <|endoftext|>",
+                                                       special_tokens=[("<|endoftext|>", eot)])
+    hf_dir = target / "backbone"
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                            padding_side="left", model_max_length=512).save_pretrained(hf_dir)
+    torch.manual_seed(0)
+    Qwen3Model(Qwen3Config(vocab_size=tok.get_vocab_size(), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=512,
+                           pad_token_id=eot)).save_pretrained(hf_dir)
+    model = SentenceTransformer(modules=[Transformer(str(hf_dir)), Pooling(64, pooling_mode="lasttoken"), Normalize()],
+                                device="cpu", prompts={"query": "Instruct: Given a question, find the passage\nQuery: "})
+    model.save(str(target / "st"))
+    shutil.rmtree(hf_dir)
+    return str(target / "st")
