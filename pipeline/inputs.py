@@ -144,12 +144,37 @@ def is_single_prompt(prompts: object) -> bool:
 def as_prompt_iterable(prompts: object, what: str = "prompts") -> Iterable:
     if prompts is None:
         raise TypeError(f"{what} must be a prompt or an iterable of prompts, got None")
+    prompts = from_column(prompts)
     if is_single_prompt(prompts):
         return [prompts]
     if isinstance(prompts, (bytes, bytearray)):
         raise TypeError(f"{what} must be str, not bytes: decode the text first")
     if not isinstance(prompts, Iterable):
         raise TypeError(f"{what} must be a prompt or an iterable of prompts, got {type(prompts).__name__}")
+    return prompts
+
+
+def from_column(prompts: object) -> object:
+    """The columns people hold, as prompts: a numpy array of strings (`df.text.values`, dtype object
+    or str) is one text per element and a 2-D integer array one token-id list per row; a pandas
+    Series, a pyarrow (chunked) array and a `datasets` column give their values (a chunked array
+    lazily, chunk by chunk). Anything else is returned as it is."""
+    if isinstance(prompts, np.ndarray):
+        if prompts.ndim == 1 and prompts.dtype.kind in "OUS":
+            return prompts.tolist()
+        if prompts.ndim == 2 and prompts.dtype.kind in "iu":
+            return list(prompts)
+        return prompts
+    module = type(prompts).__module__.split(".", 1)[0]
+    if module == "pandas" and hasattr(prompts, "tolist"):
+        return prompts.tolist()
+    if module == "pyarrow":
+        if hasattr(prompts, "chunks"):  # ChunkedArray: one chunk in Python objects at a time
+            return (value for chunk in prompts.chunks for value in chunk.to_pylist())
+        if hasattr(prompts, "to_pylist"):
+            return prompts.to_pylist()
+    if module == "datasets":
+        return list(prompts)
     return prompts
 
 

@@ -17,6 +17,11 @@ class PoolingRequestOutput:
     num_chunks: int = 1  # chunk mode: chunks the document was embedded in
     error: str | None = None  # errors="return": what went wrong ("request i: ..."); data is None then
 
+    @property
+    def outputs(self) -> PoolingRequestOutput:
+        """vLLM's shape: `out.outputs.embedding` / `.probs` / `.data` (the result is its own outputs)."""
+        return self
+
 
 @dataclass(slots=True)
 class EmbeddingOutput(PoolingRequestOutput):
@@ -74,3 +79,8 @@ class ScoringOutput:
     score: float  # NaN when `error` is set
     num_prompt_tokens: int  # tokens the model saw for this pair (both sides for bi-encoders)
     error: str | None = None
+
+    @property
+    def outputs(self) -> ScoringOutput:
+        """vLLM's shape: `out.outputs.score`."""
+        return self

@@ -1,0 +1,173 @@
+"""A drop-in for code written against sentence-transformers' `SentenceTransformer` (MTEB's model
+protocol, retrieval libraries, notebooks), running over the process group.
+
+    from pooling_pipeline import SentenceEncoder
+
+    with SentenceEncoder() as model:                       # owns a Pipeline (any Pipeline option)
+        emb = model.encode(["a text", "another"])          # [2, 384] float32 ndarray, as ST returns
+        q = model.encode_query("what is it?")              # the model's "query" prompt, 1-D
+        scores = model.similarity(q, emb)                  # torch tensor [1, 2], the model's similarity
+
+    model = SentenceEncoder(pipeline=pipe)                 # or share a Pipeline (it stays open)
+
+`encode` takes ST's arguments and returns ST's types and shapes: an [n, d] ndarray by default (1-D
+for a single string), a tensor with `convert_to_tensor=True`, a list of tensors with
+`convert_to_numpy=False`; `normalize_embeddings`, `truncate_dim` (cut, then normalized when asked,
+as ST does), `precision` ("float32", "int8", "uint8", "binary", "ubinary", the values of ST's
+`quantize_embeddings`), `prompt_name` / `prompt`. `batch_size` is accepted and ignored: the
+engine forms its own batches under its token budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from pooling_pipeline.api import Pipeline
+from pooling_pipeline.core.messages import PoolingParams
+from pooling_pipeline.quantization import PRECISIONS, quantize_embeddings
+from pooling_pipeline.similarity import similarity
+
+DOCUMENT_PROMPT_NAMES = ("document", "passage", "corpus")  # what ST's encode_document looks for, in order
+# MTEB passes these to encode; they select nothing here beyond the prompt type.
+IGNORED_KEYWORDS = ("task_name", "prompt_type", "pool", "chunk_size")
+
+
+class SentenceEncoder:
+    def __init__(self, model: str | None = None, *, pipeline: Pipeline | None = None, **pipeline_options) -> None:
+        if pipeline is not None and (model is not None or pipeline_options):
+            raise ValueError("give either a pipeline to share, or a model and Pipeline options, not both")
+        self._owns_pipeline = pipeline is None
+        self.pipeline = Pipeline(model, **pipeline_options) if pipeline is None else pipeline
+        spec = self.pipeline.model_spec
+        if "embed" not in spec.tasks:
+            raise ValueError(f"SentenceEncoder needs an embedding model; this one can do {spec.tasks}")
+        self.prompts = dict(spec.prompts)
+        self.default_prompt_name = spec.default_prompt_name
+        self.similarity_fn_name = spec.similarity
+        self.max_seq_length = spec.default_max_tokens
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._owns_pipeline:
+            self.pipeline.close()
+
+    def __enter__(self) -> SentenceEncoder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def get_sentence_embedding_dimension(self) -> int:
+        return self.pipeline.model_spec.truncate_dim or self.pipeline.model_spec.embedding_size
+
+    # ---- encoding ----------------------------------------------------------------------------
+
+    def encode(self, sentences: str | Sequence[str], prompt_name: str | None = None, prompt: str | None = None,
+               batch_size: int = 32, show_progress_bar: bool | None = None,
+               output_value: str | None = "sentence_embedding", precision: str = "float32",
+               convert_to_numpy: bool = True, convert_to_tensor: bool = False, device: str | None = None,
+               normalize_embeddings: bool = False, truncate_dim: int | None = None, **kwargs: Any):
+        unknown = set(kwargs) - set(IGNORED_KEYWORDS)
+        if unknown:
+            raise TypeError(f"encode() got unexpected keyword arguments {sorted(unknown)}")
+        if prompt is None and prompt_name is None and kwargs.get("prompt_type") is not None:
+            prompt_name = self._prompt_for_type(kwargs["prompt_type"])
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if device is not None:
+            raise ValueError("the device is fixed when the Pipeline starts: pass device= to SentenceEncoder()")
+        if output_value not in ("sentence_embedding", "token_embeddings"):
+            raise ValueError(f"output_value must be 'sentence_embedding' or 'token_embeddings', got {output_value!r}")
+        if truncate_dim is not None and (not isinstance(truncate_dim, int) or truncate_dim < 1):
+            raise ValueError(f"truncate_dim must be a positive int or None, got {truncate_dim!r}")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        single = isinstance(sentences, str)
+        texts = [sentences] if single else sentences
+        if output_value == "token_embeddings":
+            return self._token_embeddings(texts, prompt_name, prompt, show_progress_bar, single, convert_to_tensor,
+                                          convert_to_numpy)
+        outs = self.pipeline.embed(texts, use_tqdm=bool(show_progress_bar), prompt_name=prompt_name, prompt=prompt)
+        width = self.pipeline.model_spec.embedding_size
+        vectors = np.stack([o.embedding for o in outs]) if outs else np.zeros((0, width), np.float32)
+        # As ST: the model's own truncate_dim is already applied; then the caller's cut, then the norm.
+        if truncate_dim is not None:
+            vectors = vectors[:, :truncate_dim]
+        if normalize_embeddings and len(vectors):
+            vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+        if precision != "float32":
+            vectors = quantize_embeddings(vectors, precision)
+        return _shaped(vectors, single, convert_to_tensor, convert_to_numpy)
+
+    def encode_query(self, sentences: str | Sequence[str], prompt_name: str | None = None, prompt: str | None = None,
+                     **kwargs: Any):
+        """encode with the model's "query" prompt unless another is given (ST's encode_query)."""
+        if prompt_name is None and prompt is None and "query" in self.prompts:
+            prompt_name = "query"
+        return self.encode(sentences, prompt_name=prompt_name, prompt=prompt, **kwargs)
+
+    def encode_document(self, sentences: str | Sequence[str], prompt_name: str | None = None,
+                        prompt: str | None = None, **kwargs: Any):
+        """encode with the model's "document" (or "passage", "corpus") prompt unless another is given."""
+        if prompt_name is None and prompt is None:
+            prompt_name = next((name for name in DOCUMENT_PROMPT_NAMES if name in self.prompts), None)
+        return self.encode(sentences, prompt_name=prompt_name, prompt=prompt, **kwargs)
+
+    def similarity(self, embeddings1, embeddings2):
+        """[n, m] similarities with the model's similarity function, as a torch tensor (as ST)."""
+        import torch
+
+        a, b = _matrix(embeddings1), _matrix(embeddings2)
+        values = np.array([[similarity(self.similarity_fn_name, x, y) for y in b] for x in a], dtype=np.float32)
+        return torch.from_numpy(values.reshape(len(a), len(b)))
+
+    def similarity_pairwise(self, embeddings1, embeddings2):
+        """[n] similarities of the rows paired in order."""
+        import torch
+
+        a, b = _matrix(embeddings1), _matrix(embeddings2)
+        if len(a) != len(b):
+            raise ValueError(f"similarity_pairwise needs as many rows on both sides, got {len(a)} and {len(b)}")
+        return torch.from_numpy(np.array([similarity(self.similarity_fn_name, x, y) for x, y in zip(a, b)],
+                                         dtype=np.float32))
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _token_embeddings(self, texts, prompt_name, prompt, show_progress_bar, single, convert_to_tensor,
+                          convert_to_numpy):
+        # ST returns the transformer's token vectors as they are (Normalize acts on sentence embeddings).
+        outs = self.pipeline.encode(texts, task="token_embed", pooling_params=PoolingParams(normalize=False),
+                                    use_tqdm=bool(show_progress_bar), prompt_name=prompt_name, prompt=prompt)
+        arrays = [o.data for o in outs]
+        if convert_to_tensor or not convert_to_numpy:
+            import torch
+
+            arrays = [torch.from_numpy(a) for a in arrays]
+        return arrays[0] if single else arrays
+
+    def _prompt_for_type(self, prompt_type: Any) -> str | None:
+        kind = str(getattr(prompt_type, "value", prompt_type))
+        if kind == "query":
+            return "query" if "query" in self.prompts else None
+        return next((name for name in DOCUMENT_PROMPT_NAMES if name in self.prompts), None)
+
+
+def _matrix(embeddings) -> np.ndarray:
+    array = embeddings.detach().cpu().numpy() if hasattr(embeddings, "detach") else np.asarray(embeddings)
+    return array.reshape(1, -1) if array.ndim == 1 else array
+
+
+def _shaped(vectors: np.ndarray, single: bool, convert_to_tensor: bool, convert_to_numpy: bool):
+    """ST's return types: an ndarray (1-D for one string), a tensor, or a list of tensors."""
+    if convert_to_tensor or not convert_to_numpy:
+        import torch
+
+        tensor = torch.from_numpy(np.ascontiguousarray(vectors))
+        if convert_to_tensor:
+            return tensor[0] if single else tensor
+        return tensor[0] if single else list(tensor)
+    return vectors[0] if single else vectors

@@ -1,0 +1,125 @@
+"""The shapes users bring from elsewhere: sentence-transformers' encode (SentenceEncoder), vLLM's
+output attributes, and the columns people hold (numpy, pandas, pyarrow)."""
+
+import corpus
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+import torch
+from helpers import wait_gone
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.util import quantize_embeddings as st_quantize
+
+from pooling_pipeline import PoolingParams, SentenceEncoder, quantize_embeddings
+
+TOL = 1e-5
+TEXTS = corpus.sentences(24, seed=71) + corpus.medium_texts(4, seed=72) + [corpus.long_document(4000, seed=73)]
+
+
+@pytest.fixture(scope="module")
+def encoder(pipe):
+    return SentenceEncoder(pipeline=pipe)
+
+
+def test_encode_returns_what_sentence_transformers_returns(encoder, st_model):
+    ref = st_model.encode(TEXTS)
+    got = encoder.encode(TEXTS, batch_size=7)
+    assert isinstance(got, np.ndarray) and got.shape == ref.shape and got.dtype == np.float32
+    assert np.abs(got - ref).max() <= TOL
+    one = encoder.encode(TEXTS[0])
+    assert one.shape == (384,) and np.abs(one - ref[0]).max() <= TOL
+    tensor = encoder.encode(TEXTS[:3], convert_to_tensor=True)
+    assert isinstance(tensor, torch.Tensor) and tuple(tensor.shape) == (3, 384)
+    as_list = encoder.encode(TEXTS[:3], convert_to_numpy=False)
+    assert isinstance(as_list, list) and all(isinstance(t, torch.Tensor) for t in as_list)
+    assert encoder.get_sentence_embedding_dimension() == 384
+    assert encoder.encode([]).shape == (0, 384)
+
+
+@pytest.mark.parametrize("truncate_dim,normalize", [(64, False), (64, True), (None, True)])
+def test_truncate_dim_and_normalize_as_sentence_transformers(encoder, st_model, truncate_dim, normalize):
+    ref = st_model.encode(TEXTS, truncate_dim=truncate_dim, normalize_embeddings=normalize)
+    got = encoder.encode(TEXTS, truncate_dim=truncate_dim, normalize_embeddings=normalize)
+    assert got.shape == ref.shape and np.abs(got - ref).max() <= TOL
+
+
+@pytest.mark.parametrize("precision", ["int8", "uint8", "binary", "ubinary"])
+def test_precisions_equal_quantize_embeddings(encoder, st_model, precision):
+    floats = st_model.encode(TEXTS)
+    got = encoder.encode(TEXTS, precision=precision)
+    want = st_quantize(floats, precision=precision)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    # A float within 1e-6 of a bucket edge may land one bucket over: count, do not require bitwise.
+    if precision.endswith("int8"):
+        assert np.abs(got.astype(np.int32) - want.astype(np.int32)).max() <= 1
+        assert (got == want).mean() > 0.99
+    else:
+        assert (got == want).mean() > 0.99
+    ranges = np.vstack((floats.min(0), floats.max(0)))
+    assert np.array_equal(quantize_embeddings(floats, precision, ranges=ranges),
+                          st_quantize(floats, precision=precision, ranges=ranges))
+
+
+def test_similarity_and_prompts_follow_the_model(tmp_path):
+    import model_zoo
+
+    path = model_zoo.build_st(tmp_path, "bert", prompts={"query": "query: ", "passage": "passage: "},
+                              normalize=True)
+    st = SentenceTransformer(path, device="cpu")
+    with SentenceEncoder(path) as enc:
+        pids = [enc.pipeline.pids["engine"], *enc.pipeline.pids["workers"]]
+        q, d = enc.encode_query(TEXTS[:3]), enc.encode_document(TEXTS[3:8])
+        assert np.abs(q - st.encode_query(TEXTS[:3])).max() <= TOL
+        assert np.abs(d - st.encode_document(TEXTS[3:8])).max() <= TOL
+        assert np.abs(enc.encode(TEXTS[:2], prompt="custom: ") - st.encode(TEXTS[:2], prompt="custom: ")).max() <= TOL
+        sims = enc.similarity(q, d)
+        assert tuple(sims.shape) == (3, 5)
+        assert torch.allclose(sims, st.similarity(torch.from_numpy(q), torch.from_numpy(d)), atol=TOL)
+        assert torch.allclose(enc.similarity_pairwise(q, d[:3]),
+                              st.similarity_pairwise(torch.from_numpy(q), torch.from_numpy(d[:3])), atol=TOL)
+        with pytest.raises(ValueError, match="not among the model's prompts"):
+            enc.encode(TEXTS[:1], prompt_name="nope")
+    assert wait_gone(pids, 5.0) == []  # the encoder owned its pipeline and closed it
+
+
+def test_encode_refuses_what_it_cannot_honour(encoder):
+    with pytest.raises(ValueError, match="precision"):
+        encoder.encode(TEXTS[:1], precision="int4")
+    with pytest.raises(ValueError, match="device"):
+        encoder.encode(TEXTS[:1], device="cuda:3")
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        encoder.encode(TEXTS[:1], not_an_option=1)
+    with pytest.raises(ValueError, match="give either a pipeline"):
+        SentenceEncoder("some-model", pipeline=encoder.pipeline)
+
+
+def test_vllm_style_output_attributes(pipe):
+    out = pipe.embed(TEXTS[:2], use_tqdm=False)[0]
+    assert out.outputs.embedding is out.embedding and out.outputs.data is out.data
+    score = pipe.score(TEXTS[0], TEXTS[1:3], use_tqdm=False)[0]
+    assert score.outputs.score == score.score
+
+
+@pytest.mark.parametrize("column", [
+    lambda t: np.array(t, dtype=object),  # df.text.values
+    lambda t: np.array(t),  # a numpy str array
+    lambda t: pd.Series(t),
+    lambda t: pa.array(t),
+    lambda t: pa.chunked_array([t[:5], t[5:]]),
+], ids=["numpy-object", "numpy-str", "pandas", "pyarrow", "pyarrow-chunked"])
+def test_columns_people_hold(pipe, column):
+    ref = np.stack([o.embedding for o in pipe.embed(TEXTS, use_tqdm=False)])
+    got = np.stack([o.embedding for o in pipe.embed(column(TEXTS), use_tqdm=False)])
+    assert got.shape == ref.shape and np.abs(got - ref).max() <= TOL
+    streamed = np.stack([o.embedding for o in pipe.embed_stream(column(TEXTS))])
+    assert np.abs(streamed - ref).max() <= TOL
+
+
+def test_integer_matrix_is_one_token_id_list_per_row(pipe):
+    ids = np.array([[101, 7592, 2088, 102], [101, 2088, 7592, 102]])
+    outs = pipe.embed(ids, use_tqdm=False)
+    assert len(outs) == 2 and outs[0].num_prompt_tokens == 4
+    with pytest.raises(TypeError, match="request 1"):
+        pipe.embed(np.array(["fine", None], dtype=object), use_tqdm=False)
+    assert pipe.embed(pd.Series(["x"]), pooling_params=PoolingParams(dimensions=8), use_tqdm=False)[0].data.shape == (8,)
