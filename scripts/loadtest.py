@@ -35,6 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import corpus
+import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 from tiny_models import TINY_BATCH_SHAPE, build_tiny_model  # noqa: E402
 
@@ -71,14 +72,27 @@ class Sampler:
         return {name: {"cpu_pct": sum(v) / len(v) if v else 0.0, "rss_mb": self.rss[name]} for name, v in self.cpu.items()}
 
 
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds each process has used so far (its threads included)."""
+    out = {}
+    for name, pid in pids.items():
+        try:
+            t = psutil.Process(pid).cpu_times()
+            out[name] = t.user + t.system
+        except psutil.NoSuchProcess:
+            out[name] = float("nan")
+    return out
+
+
 def run_once(model: str | None, workers: int, threads: int | None, texts: list[str], max_seconds: float,
-             batch_shape: dict) -> dict:
+             batch_shape: dict, pipeline_kwargs: dict | None = None) -> dict:
     kwargs = {} if threads is None else {"engine_threads": threads}
-    with Pipeline(model=model, num_render_workers=workers, **batch_shape, **kwargs) as pipe:
+    with Pipeline(model=model, num_render_workers=workers, **batch_shape, **kwargs, **(pipeline_kwargs or {})) as pipe:
         pipe.embed(texts[:256], use_tqdm=False)  # warm-up
         pids = {"frontend": os.getpid(), "engine": pipe.pids["engine"]}
         pids.update({f"worker{i}": p for i, p in enumerate(pipe.pids["workers"])})
         sampler = Sampler(pids)
+        cpu_before = cpu_seconds(pids)
         start = time.perf_counter()
         done = 0
         for out in pipe.embed_stream(iter(texts)):
@@ -88,8 +102,11 @@ def run_once(model: str | None, workers: int, threads: int | None, texts: list[s
             if time.perf_counter() - start > max_seconds:
                 break
         wall = time.perf_counter() - start
+        cpu_after = cpu_seconds(pids)
         procs = sampler.finish()
         stats = pipe.stats()
+    for name in procs:  # CPU microseconds per request, per process (the frontend's includes this loop)
+        procs[name]["cpu_us_per_request"] = 1e6 * (cpu_after[name] - cpu_before[name]) / max(done, 1)
     complete = done == len(texts)
     engine_threads = stats["cpu_plan"]["engine_threads"] if threads is None else threads
     return {"workers": workers, "threads_requested": threads, "engine_threads": engine_threads,
@@ -97,7 +114,64 @@ def run_once(model: str | None, workers: int, threads: int | None, texts: list[s
             "tokens_per_s": stats["prompt_tokens"] / wall, "engine_busy": stats["engine_busy_fraction"],
             "padding_efficiency": 1 - stats["padding_fraction"], "max_inflight": stats["max_inflight_seen"],
             "max_in_core": stats["max_in_core_seen"], "processes": procs,
-            "stages": stats["stages"], "queue_depths": stats["queue_depths"], "stats_lines": format_stats(stats)}
+            "stages": stats["stages"], "queue_depths": stats["queue_depths"], "stats_lines": format_stats(stats),
+            "batches": stats["batches"], "padded_tokens": stats["padded_tokens"]}
+
+
+def tokenizer_cost_us(texts: list[str], max_tokens: int = 256) -> float:
+    """What the `tokenizers` library alone costs per text here: one thread, batch-encode with
+    truncation, the bundled tokenizer -- the floor a render worker is compared with."""
+    from tokenizers import Tokenizer
+
+    from pooling_pipeline.core.config import default_model_path
+
+    tok = Tokenizer.from_file(os.path.join(default_model_path(), "tokenizer.json"))
+    tok.enable_truncation(max_length=max_tokens)
+    best = float("inf")
+    for _ in range(3):
+        start = time.process_time()
+        for i in range(0, len(texts), 64):
+            tok.encode_batch_fast(texts[i:i + 64])
+        best = min(best, time.process_time() - start)
+    return 1e6 * best / len(texts)
+
+
+def capacity_table(run: dict, sim, tokenizer_us: float) -> list[str]:
+    """From one measured run: each stage's CPU per request, and what a node of C cores would reach
+    with this device -- each process needs about one core; render workers are added until they
+    stop being the bottleneck; data-parallel engines (one device each) lift the engine's cap."""
+    p = run["processes"]
+    frontend = p["frontend"]["cpu_us_per_request"]
+    engine = p["engine"]["cpu_us_per_request"]
+    worker = sum(v["cpu_us_per_request"] for k, v in p.items() if k.startswith("worker"))
+    per_batch = run["requests"] / max(run["batches"], 1)
+    padded_per_request = run["padded_tokens"] / max(run["requests"], 1)
+    device_rate = per_batch / (sim.step_s + sim.token_s * per_batch * padded_per_request)
+    lines = [f"CPU per request: frontend {frontend:.1f} us, engine core {engine:.1f} us, render worker {worker:.1f} us "
+             f"(the tokenizers library alone: {tokenizer_us:.1f} us, ratio {worker / tokenizer_us:.2f}x)",
+             f"simulated device {sim.name}: a = {sim.step_s * 1e6:.0f} us/step, b = {sim.token_s * 1e9:.3f} ns/token; "
+             f"measured {per_batch:.0f} requests and {padded_per_request:.1f} padded tokens per request a step -> "
+             f"one device serves {device_rate:,.0f} requests/s",
+             "",
+             "| cores | engines (devices) | render workers | predicted requests/s | bottleneck |",
+             "|---|---|---|---|---|"]
+    for cores in (8, 16, 32, 64):
+        best = None
+        for engines in (1, 2, 4, 8):
+            workers = cores - 1 - engines  # one core for the frontend, one per engine core
+            if workers < 1:
+                continue
+            limits = {"frontend": 1e6 / frontend, "engine cores": engines * 1e6 / engine,
+                      "render workers": workers * 1e6 / worker, "devices": engines * device_rate}
+            bottleneck = min(limits, key=limits.get)
+            rate = limits[bottleneck]
+            needed = int(np.ceil(rate * worker / 1e6))
+            if best is None or rate > best[0] * 1.05:
+                best = (rate, engines, needed, bottleneck)
+            lines.append(f"| {cores} | {engines} | {needed} of {workers} | {rate:,.0f} | {bottleneck} |")
+        if best:
+            lines.append(f"| **{cores}** | **best: {best[1]}** | {best[2]} | **{best[0]:,.0f}** | {best[3]} |")
+    return lines
 
 
 def series(runs: list[dict]) -> dict[str, list[dict]]:
@@ -111,7 +185,10 @@ def series(runs: list[dict]) -> dict[str, list[dict]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--regime", choices=["tiny", "real"], default="tiny")
+    ap.add_argument("--regime", choices=["tiny", "real", "sim"], default="tiny",
+                    help="sim: the simulated accelerator (--sim-device) with the capacity table")
+    ap.add_argument("--sim-device", default="minilm-h100", help="a preset (minilm-h100, base-h100) or 'a,b' seconds")
+    ap.add_argument("--data-parallel-size", type=int, default=1, help="engine cores (sim: one simulated device each)")
     ap.add_argument("--workers", type=int, nargs="+", default=None, help="default: 1 .. cores")
     ap.add_argument("--threads", type=int, nargs="+", default=None, help="engine threads (default: the CPU plan)")
     ap.add_argument("--requests", type=int, default=None, help="per run (default: 40000 tiny, 2000 real)")
@@ -127,20 +204,30 @@ def main() -> None:
 
     cores = available_cores()
     workers_list = args.workers or list(range(1, cores + 1))
-    model = build_tiny_model() if args.regime == "tiny" else None
-    n = args.requests or (40_000 if args.regime == "tiny" else 2_000)
+    model = build_tiny_model() if args.regime in ("tiny", "sim") else None
+    n = args.requests or (2_000 if args.regime == "real" else 40_000)
+    pipeline_kwargs = {}
+    sim = None
+    if args.regime == "sim":
+        from pooling_pipeline.core.sim_device import resolve_sim_device
+
+        preset = args.sim_device
+        sim = resolve_sim_device(tuple(float(x) for x in preset.split(",")) if "," in preset else preset)
+        pipeline_kwargs = {"device": "sim", "sim_device": sim}
+    if args.data_parallel_size != 1:
+        pipeline_kwargs["data_parallel_size"] = args.data_parallel_size
     pool = corpus.sentences(5000, seed=5) if args.texts == "short" else \
         corpus.medium_texts(2000, seed=5, min_chars=600, max_chars=4000)
     texts = [pool[i % len(pool)] for i in range(n)]
     batch_shape = {}
-    if args.max_num_seqs or args.regime == "tiny":
+    if args.max_num_seqs or args.regime != "real":
         batch_shape["max_num_seqs"] = args.max_num_seqs or TINY_BATCH_SHAPE["max_num_seqs"]
-    if args.max_num_batched_tokens or args.regime == "tiny":
+    if args.max_num_batched_tokens or args.regime != "real":
         batch_shape["max_num_batched_tokens"] = args.max_num_batched_tokens or TINY_BATCH_SHAPE["max_num_batched_tokens"]
     runs = []
     for threads in args.threads or [None]:
         for workers in workers_list:
-            run = run_once(model, workers, threads, texts, args.max_seconds, batch_shape)
+            run = run_once(model, workers, threads, texts, args.max_seconds, batch_shape, pipeline_kwargs)
             runs.append(run)
             print(f"workers {workers} threads {run['engine_threads']}: {run['requests_per_s']:,.0f} req/s, "
                   f"engine busy {run['engine_busy']:.0%}", flush=True)
@@ -159,6 +246,17 @@ def main() -> None:
               f"| {r['engine_busy']:.0%} | {r['padding_efficiency']:.0%} | {'yes' if r['complete'] else 'no (time limit)'} "
               f"| {p['frontend']['cpu_pct']:.0f} / {p['engine']['cpu_pct']:.0f} / {worker_cpu} "
               f"| {p['frontend']['rss_mb']:.0f} / {p['engine']['rss_mb']:.0f} / {worker_rss} |")
+    print("| workers | CPU us/request frontend / engine / workers |")
+    print("|---|---|")
+    for r in runs:
+        p = r["processes"]
+        workers_us = sum(v["cpu_us_per_request"] for k, v in p.items() if k.startswith("worker"))
+        print(f"| {r['workers']} | {p['frontend']['cpu_us_per_request']:.1f} / {p['engine']['cpu_us_per_request']:.1f}"
+              f" / {workers_us:.1f} |")
+    if sim is not None:
+        print()
+        for line in capacity_table(min(runs, key=lambda r: r["workers"]), sim, tokenizer_cost_us(texts[:5000])):
+            print(line)
     for setting, group in series(runs).items():
         base = next((r for r in group if r["workers"] == 1), None)
         for r in group:
