@@ -12,17 +12,26 @@ import corpus
 import numpy as np
 import pytest
 from helpers import SAMPLE
+
 from pooling_pipeline import load_results
 
 TOL = 1e-5
 
 
-def _run(args, expect_rc=0, **kw):
+def run_launcher(args, expect_rc=0, **kw):
+    """pipeline-run in a subprocess (quiet), checked for its exit code."""
     env = dict(os.environ)
     result = subprocess.run([sys.executable, "-m", "pooling_pipeline.jobs.launcher", "--quiet", *args], capture_output=True,
                             text=True, env=env, timeout=300, **kw)
     assert result.returncode == expect_rc, result.stderr[-3000:]
     return result
+
+
+def manifest_of(out):
+    return json.loads((out / "__job__" / "manifest.json").read_text())
+
+
+_run = run_launcher
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +56,10 @@ def test_bundled_sample_to_disk_and_back(tmp_path, st_model):
     out = tmp_path / "out"
     result = _run(["--output", str(out), "--limit", "120", "--chunk-rows", "50"])
     assert "embedded 120 records" in result.stdout and "peak RSS" in result.stdout
-    ids, data = load_results(out)
+    ids, data = load_results(out, allow_partial=True)
     assert data.shape == (120, 384) and data.dtype == np.float32 and len(ids) == 120
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert [c["rows"] for c in manifest["chunks"]] == [50, 50, 20] and manifest["complete"]
+    manifest = manifest_of(out)
+    assert [c["rows"] for c in manifest["chunks"]] == [50, 50, 20] and not manifest["complete"]  # --limit: unfinished
     assert manifest["task"] == "embed" and len(manifest["model_sha256"]) == 64
     sample = [json.loads(line) for line in open(SAMPLE)][:120]
     assert ids == [r["id"] for r in sample]
@@ -95,7 +104,7 @@ def test_precisions_round_trip(tmp_path, jsonl, expected):
         if precision == "float16":
             assert data.dtype == np.float16 and np.abs(data.astype(np.float32) - expected).max() < 1e-3
         elif precision == "int8":
-            cal = json.loads((out / "manifest.json").read_text())["int8"]
+            cal = manifest_of(out)["int8"]
             step = np.asarray(cal["steps"])
             inside = (expected >= np.asarray(cal["starts"])) & (expected <= np.asarray(cal["starts"]) + 255 * step)
             assert data.dtype == np.float32
@@ -116,21 +125,24 @@ def test_shards_together_equal_the_whole(tmp_path, jsonl, expected, records):
 
 def test_sigkill_then_resume_gives_identical_output(tmp_path, jsonl):
     clean = tmp_path / "clean"
-    _run(["--input", str(jsonl), "--output", str(clean), "--chunk-rows", "10", "--precision", "int8"])
+    _run(["--input", str(jsonl), "--output", str(clean), "--chunk-rows", "10", "--precision", "int8",
+          "--int8-calibration-rows", "20"])
     clean_ids, clean_data = load_results(clean)
     env = dict(os.environ)
     rng = random.Random(3)
     for trial in range(3):
         out = tmp_path / f"crash{trial}"
+        # int8 commits nothing before its calibration sample: a small one, so chunks land early.
         args = [sys.executable, "-m", "pooling_pipeline.jobs.launcher", "--quiet", "--input", str(jsonl),
-                "--output", str(out), "--chunk-rows", "10", "--precision", "int8", "--resume"]
+                "--output", str(out), "--chunk-rows", "10", "--precision", "int8", "--resume",
+                "--int8-calibration-rows", "20"]
         proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)
         deadline = time.monotonic() + 120
         wanted = rng.randint(1, 12)  # chunks committed before the kill
         while time.monotonic() < deadline and proc.poll() is None:
             try:
-                done = len(json.loads((out / "manifest.json").read_text())["chunks"])
+                done = len(manifest_of(out)["chunks"])
             except (OSError, ValueError):
                 done = 0
             if done >= wanted:
@@ -138,12 +150,13 @@ def test_sigkill_then_resume_gives_identical_output(tmp_path, jsonl):
             time.sleep(0.02)
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its whole process group
         proc.wait()
-        _run(["--input", str(jsonl), "--output", str(out), "--chunk-rows", "10", "--precision", "int8", "--resume"])
+        _run(["--input", str(jsonl), "--output", str(out), "--chunk-rows", "10", "--precision", "int8", "--resume",
+              "--int8-calibration-rows", "20"])
         ids, data = load_results(out)
         assert ids == clean_ids  # no record missing, none twice
         # The resumed run batches its records differently, and float results depend on batch
         # composition (in the last bits): after int8 rounding a value may land one step away.
-        step = max(json.loads((out / "manifest.json").read_text())["int8"]["steps"])
+        step = max(manifest_of(out)["int8"]["steps"])
         assert np.abs(data - clean_data).max() <= step * 1.001 + 1e-6
 
 
@@ -164,9 +177,9 @@ def test_bad_files_name_the_file_and_line(tmp_path):
     }
     for name, (content, message) in cases.items():
         (tmp_path / name).write_text(content)
-        result = _run(["--input", str(tmp_path / name), "--output", str(tmp_path / f"o-{name}")], expect_rc=2)
+        result = _run(["--input", str(tmp_path / name), "--output", str(tmp_path / f"o-{name}")], expect_rc=3)
         assert message in result.stderr, result.stderr
-    result = _run(["--input", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "o")], expect_rc=2)
+    result = _run(["--input", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "o")], expect_rc=3)
     assert "does not exist" in result.stderr
 
 
@@ -179,7 +192,7 @@ def test_errors_return_lists_failed_records_and_goes_on(tmp_path, st_model):
     _run(["--input", str(path), "--output", str(out), "--long-inputs", "error", "--errors", "return"])
     ids, data = load_results(out)
     assert ids == ["a", "c"] and np.abs(data - st_model.encode(["short one", "short two"])).max() <= TOL
-    errors = [json.loads(line) for line in (out / "errors.jsonl").read_text().splitlines()]
+    errors = [json.loads(line) for line in (out / "__job__" / "errors.jsonl").read_text().splitlines()]
     assert [e["id"] for e in errors] == ["b"] and "long_inputs='error'" in errors[0]["error"]
 
 
@@ -194,15 +207,196 @@ def test_stdin_plain_text(tmp_path, st_model):
 
 def test_progress_bar_counts_records_without_reading_the_inputs_ahead(tmp_path):
     """The bar is not sized by reading every input beforehand (that read inputs of up to 2 GiB
-    whole, and counted the blank JSONL lines the reader skips): it counts records done."""
-    rows = [{"id": str(i), "text": f"record number {i}"} for i in range(5)]
+    whole, and counted the blank JSONL lines the reader skips): it counts records done, failed
+    ones included, and its rate is records done over the time since the model was ready."""
+    rows = [{"id": str(i), "text": f"record number {i}" if i != 3 else None} for i in range(6)]
     path = tmp_path / "gappy.jsonl"
     path.write_text("".join(json.dumps(r) + "\n\n" for r in rows))  # a blank line after each record
     env = dict(os.environ)
     result = subprocess.run([sys.executable, "-m", "pooling_pipeline.jobs.launcher", "--input", str(path),
-                             "--output", str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=300)
+                             "--output", str(tmp_path / "out"), "--errors", "return"], capture_output=True, text=True,
+                            env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     bar = result.stderr.replace("\r", "\n")
-    assert "5records" in bar.replace(" ", "") or "5 records" in bar
-    assert "/10" not in bar  # no total that counts the blank lines
-    assert load_results(tmp_path / "out")[0] == [r["id"] for r in rows]
+    assert "6records" in bar.replace(" ", "") or "6 records" in bar  # the failed record counts too
+    assert "/12" not in bar  # no total that counts the blank lines
+    assert load_results(tmp_path / "out")[0] == [r["id"] for r in rows if r["text"] is not None]
+    assert "records (this run)  6" in result.stdout
+
+
+# -- job runner: resumes, bad records, exit codes, signals (issues 14 and 15) ---------------------
+
+def test_limit_then_resume_finishes_the_whole_input(tmp_path, jsonl, expected, records):
+    out = tmp_path / "out"
+    result = _run(["--input", str(jsonl), "--output", str(out), "--limit", "10"])
+    assert "not complete" in result.stdout and not manifest_of(out)["complete"]
+    with pytest.raises(ValueError, match="unfinished job"):
+        load_results(out)  # a partial result is never returned silently
+    assert len(load_results(out, allow_partial=True)[0]) == 10
+    result = _run(["--input", str(jsonl), "--output", str(out), "--resume"])
+    assert "nothing to do" not in result.stdout
+    ids, data = load_results(out)
+    assert ids == [r["id"] for r in records] and np.abs(data - expected).max() <= TOL
+    assert "nothing to do" in _run(["--input", str(jsonl), "--output", str(out), "--resume"]).stdout
+
+
+def test_errors_return_covers_bad_records_and_the_job_goes_on(tmp_path, st_model):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"id": "a", "text": "a good one"}\n'
+                     b'{"id": "b", "text": null}\n'
+                     b'{"id": "c", "text": ["not", "a", "string"]}\n'
+                     b'{"id": "d", "text": oops}\n'
+                     b'{"text": "a record without its id"}\n'
+                     b'{"id": "f", "text": "bad \xff byte"}\n'
+                     b'{"id": "g", "text": "another good one"}\n')
+    out = tmp_path / "out"
+    _run(["--input", str(path), "--output", str(out), "--errors", "return", "--chunk-rows", "3"])
+    ids, data = load_results(out)
+    assert ids == ["a", "g"] and np.abs(data - st_model.encode(["a good one", "another good one"])).max() <= TOL
+    errors = [json.loads(line) for line in (out / "__job__" / "errors.jsonl").read_text().splitlines()]
+    assert [(e["index"], e["line"]) for e in errors] == [(1, 2), (2, 3), (3, 4), (4, 5), (5, 6)]
+    assert all(e["file"] == str(path) for e in errors)
+    assert [e["id"] for e in errors] == ["b", "c", None, None, "f"]
+    assert "no field 'id'" in errors[3]["error"] and "not valid UTF-8" in errors[4]["error"]
+    assert manifest_of(out)["complete"] and manifest_of(out)["params"]["id_field"] == "id"
+
+
+def test_a_missing_id_stops_the_job_naming_file_and_line(tmp_path):
+    path = tmp_path / "noid.jsonl"
+    path.write_text('{"id": "a", "text": "x"}\n{"id": "b", "text": "y"}\n{"text": "z"}\n')
+    result = _run(["--input", str(path), "--output", str(tmp_path / "out")], expect_rc=3)
+    assert f"{path} line 3: no field 'id'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_errors_under_a_shard_name_file_line_and_id(tmp_path):
+    rows = [{"id": f"r{i}", "text": corpus.long_document(5_000, seed=90) if i == 5 else f"text {i}"} for i in range(8)]
+    path = tmp_path / "s.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = _run(["--input", str(path), "--output", str(tmp_path / "out"), "--shard", "1/2", "--long-inputs", "error"],
+                  expect_rc=3)
+    assert f"{path} line 6 (id 'r5')" in result.stderr and "request 2" not in result.stderr
+
+
+def test_text_field_matching_nothing_is_found_before_the_model_starts(tmp_path, monkeypatch, capsys):
+    import pooling_pipeline
+    from pooling_pipeline.jobs.launcher import main
+
+    def no_model(*a, **kw):
+        raise AssertionError("the model was started")
+
+    monkeypatch.setattr(pooling_pipeline, "Pipeline", no_model)
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"id": str(i), "body": "some text"}) + "\n" for i in range(3)))
+    assert main(["--input", str(path), "--output", str(tmp_path / "out"), "--quiet"]) == 3
+    assert "--text-field 'text' matches nothing" in capsys.readouterr().err
+
+
+def test_help_explains_every_option_with_its_default():
+    from pooling_pipeline.jobs.launcher import build_parser
+
+    parser = build_parser()
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        assert action.help, f"{action.option_strings} has no help"
+        if action.default not in (None, False, ()):
+            assert "default" in action.help, f"{action.option_strings} does not say its default"
+    text = parser.format_help()
+    assert "exit codes" in text and "130" in text
+
+
+class FakePipeline:
+    """Stands in for the model in runs that test the launcher's own logic: outputs a fixed vector
+    per text, and dies (as an engine would) after `die_after` outputs."""
+
+    die_after = None
+
+    def __init__(self, **kw):
+        self.pids = {"engine": os.getpid(), "workers": []}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def encode_stream(self, texts, task, **kw):
+        from types import SimpleNamespace
+
+        from pooling_pipeline.errors import EngineDeadError
+
+        for i, _ in enumerate(texts):
+            if i == self.die_after:
+                raise EngineDeadError("engine core died (a test's stand-in)")
+            yield SimpleNamespace(data=np.full(4, i, np.float32), error=None, num_prompt_tokens=1, index=i)
+
+    def stats(self):
+        return {"requests": 0, "prompt_tokens": 0, "engine_busy_fraction": 0, "padding_fraction": 0,
+                "padding_efficiency": 1, "batches": 0, "errors": 0, "cpu_plan": {}, "stages": {}, "queue_depths": {}}
+
+
+def test_exit_codes_tell_usage_input_and_runtime_failures_apart(tmp_path, jsonl, monkeypatch, capsys):
+    import pooling_pipeline
+    from pooling_pipeline.jobs.launcher import main
+
+    assert _run(["--precision", "int4"], expect_rc=2).stderr  # argparse: usage
+    assert "does not exist" in _run(["--input", str(tmp_path / "nope.jsonl")], expect_rc=3).stderr
+    monkeypatch.setattr(pooling_pipeline, "Pipeline", FakePipeline)
+    monkeypatch.setattr(FakePipeline, "die_after", 25)
+    out = tmp_path / "out"
+    assert main(["--input", str(jsonl), "--output", str(out), "--chunk-rows", "10", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "engine core died" in err and "--resume" in err and "Traceback" not in err
+    manifest = manifest_of(out)
+    assert manifest["records_done"] == 25 and not manifest["complete"]  # completed work kept, resumable
+
+
+def _feed_and_signal(tmp_path, sig, to_group):
+    """A job reading stdin gets 40 records, then stdin stays open: the job waits for more. Once 20
+    records are committed, it gets `sig`. (--max-num-seqs 1 keeps the pipeline's window at 16
+    requests, so it hands results back before it waits for the 41st record.)"""
+    out = tmp_path / f"out-{sig}"
+    proc = subprocess.Popen([sys.executable, "-m", "pooling_pipeline.jobs.launcher", "--input", "-", "--input-format",
+                             "jsonl", "--output", str(out), "--chunk-rows", "10", "--max-num-seqs", "1"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    lines = [json.dumps({"id": f"s{i}", "text": f"record number {i} of the stream"}) + "\n" for i in range(50)]
+    proc.stdin.writelines(lines[:40])
+    proc.stdin.flush()
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if manifest_of(out)["records_done"] >= 20:
+                break
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.05)
+    (os.killpg if to_group else os.kill)(proc.pid, sig)  # to_group: what a terminal's Ctrl-C does
+    try:
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return out, lines, proc.returncode, stderr
+
+
+@pytest.mark.parametrize("sig, to_group", [(signal.SIGINT, True), (signal.SIGTERM, False)])
+def test_a_signal_keeps_finished_work_and_the_job_resumes(tmp_path, sig, to_group):
+    out, lines, rc, stderr = _feed_and_signal(tmp_path, sig, to_group)
+    assert rc == 128 + sig, stderr[-3000:]
+    assert "Traceback" not in stderr
+    # Every line but the progress bar's: exactly one, saying how to resume.
+    messages = [line for line in stderr.replace("\r", "\n").splitlines() if line.strip() and "records [" not in line]
+    manifest = manifest_of(out)
+    assert messages == [f"pipeline-run: stopped by {signal.Signals(sig).name}; {manifest['records_done']} records kept in "
+                        f"{out}; run the same command with --resume to continue"], stderr[-3000:]
+    assert manifest["records_done"] >= 20 and not manifest["complete"]
+    if sig == signal.SIGINT:  # the same stream, longer: the job continues where it stopped
+        _run(["--input", "-", "--input-format", "jsonl", "--output", str(out), "--resume", "--chunk-rows", "10",
+              "--max-num-seqs", "1"], input="".join(lines))
+        assert load_results(out)[0] == [f"s{i}" for i in range(50)]
+    else:  # another stream: refused, since its first records differ
+        result = _run(["--input", "-", "--input-format", "jsonl", "--output", str(out), "--resume", "--chunk-rows", "10",
+                       "--max-num-seqs", "1"], expect_rc=3, input="".join(reversed(lines)))
+        assert "input stream differs" in result.stderr

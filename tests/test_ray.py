@@ -78,7 +78,7 @@ def test_pipeline_run_ray_matches_the_api(tmp_path, records, expected):
     assert ids == [r["id"] for r in records]  # every id once, in input order
     want = np.stack([expected[i] for i in ids])
     assert np.abs(vectors - want).max() <= TOL
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = json.loads((out / "__job__" / "manifest.json").read_text())
     assert manifest["complete"] and manifest["rows"] == len(records) and manifest["ray"]["actors"] >= 1
     assert len(manifest["chunks"]) > 1  # several write tasks: the per-chunk offsets are exercised
     # A complete job is not redone.
@@ -187,7 +187,7 @@ def test_pipeline_run_ray_errors_return_and_clear_refusals(local_ray, tmp_path, 
                  "--quiet"]) == 0
     ids, vectors = load_results(out)
     assert ids == [f"r{i}" for i in range(40) if i not in (7, 33)] and vectors.shape == (38, 384)
-    errors = [json.loads(line) for line in (out / "errors.jsonl").read_text().splitlines()]
+    errors = [json.loads(line) for line in (out / "__job__" / "errors.jsonl").read_text().splitlines()]
     assert [(e["index"], e["id"]) for e in errors] == [(7, "r7"), (33, "r33")]
 
     no_ids = tmp_path / "no-ids.jsonl"

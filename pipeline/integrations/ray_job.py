@@ -22,7 +22,7 @@ from ray.data import Datasink
 from ray.data.block import BlockAccessor
 
 from pooling_pipeline.jobs.launcher import print_summary
-from pooling_pipeline.jobs.results_store import Quantizer, write_chunk, write_errors_file, write_manifest
+from pooling_pipeline.jobs.results_store import LAYOUT, MANIFEST, Quantizer, write_chunk, write_errors_file, write_manifest
 
 DATA_COLUMN, TOKENS_COLUMN, ERROR_COLUMN = "data", "num_tokens", "error"
 
@@ -70,7 +70,7 @@ class ResultsDatasink(Datasink):
         for chunk in chunks:
             chunk["index_offset"] = offset
             offset += chunk["records"]
-        manifest = {**self.job, "records_done": offset, "rows": sum(c["rows"] for c in chunks),
+        manifest = {"layout": LAYOUT, **self.job, "records_done": offset, "rows": sum(c["rows"] for c in chunks),
                     "errors": sum(c["records"] - c["rows"] for c in chunks), "chunks": chunks, "complete": False}
         dims = {c["dim"] for c in chunks if "dim" in c}
         if dims:
@@ -127,13 +127,15 @@ def run_ray(args: argparse.Namespace, job: dict, files: list[str]) -> int:
         raise ValueError("--ray shares the work itself: drop --shard")
     if args.precision == "int8":
         raise ValueError("--ray cannot calibrate int8 across actors: use float32, float16 or binary")
+    if args.keep_fields:
+        raise ValueError("--ray does not carry --keep-fields through (yet): drop it, or run without --ray")
     out = Path(args.output)
     existing = load_manifest(out)
     if existing is not None:
         if existing.get("complete") and args.resume:
             print(f"pipeline-run: {out} is complete ({existing['records_done']} records); nothing to do")
             return 0
-        raise ValueError(f"{out} already holds a job (manifest.json): --ray runs a job whole; choose another "
+        raise ValueError(f"{out} already holds a job ({MANIFEST}): --ray runs a job whole; choose another "
                          "--output" + ("" if existing.get("complete") else " (that one did not finish)"))
     init = default_ray_init_kwargs(args.ray_address, args.ray_num_cpus)
     started_ray = not ray.is_initialized()

@@ -3,32 +3,48 @@
     pipeline-run                                   # the bundled sample, default model -> ./pipeline-out
     pipeline-run --input corpus/ --output out/ --text-field body --id-field url --precision int8
     pipeline-run --input 'dumps/*.jsonl' --output out-3/ --shard 3/8 --resume     # machine 3 of 8
+    pipeline-run --input docs.jsonl --output out/ --format parquet --keep-fields title,url
     pipeline-run --ray --ray-address auto --input 'dumps/*.jsonl' --output out/   # a Ray cluster
     cat lines.txt | pipeline-run --input - --output out/
 
 Inputs are streamed, never loaded whole. Results go to chunked files with a manifest
-(jobs/results_store.py); `--resume` continues a crashed job with identical output, and on a
+(jobs/results_store.py); --resume continues an interrupted job on the same inputs, and on a
 missing or empty directory simply starts it, so one command line serves every (re)start.
+
+exit codes: 0 done (or nothing to do, or stopped at --limit); 1 runtime failure (the model or the
+engine failed); 2 usage error (a bad option, an --output that cannot be used); 3 input error (a
+missing input, a bad record without --errors return, an input changed since the job began);
+130 / 143 interrupted by SIGINT / SIGTERM (completed work is kept: resume with --resume).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import logging
 import os
+import re
+import signal
 import sys
 import time
 from collections import deque
 from pathlib import Path
 
+import msgspec
+
 from pooling_pipeline.call_stats import format_stats
-from pooling_pipeline.core.options import ERRORS_MODES, LONG_INPUTS, TASKS
-from pooling_pipeline.jobs.records import expand_inputs, read_records
-from pooling_pipeline.jobs.results_store import FORMATS, PRECISIONS, ResultWriter
+from pooling_pipeline.core.options import ERRORS_MODES, LONG_INPUTS
+from pooling_pipeline.jobs.job_errors import EXIT_INPUT, EXIT_RUNTIME, EXIT_USAGE, InputError, UsageError
+from pooling_pipeline.jobs.output_dir import META_DIR, OutputLock, check_output
+from pooling_pipeline.jobs.records import INPUT_FORMATS, InputReader, expand_inputs
+from pooling_pipeline.jobs.results_store import CALIBRATION_ROWS, ERRORS, FORMATS, PRECISIONS, VECTOR_COLUMNS, ResultWriter
 
 SAMPLE = Path(__file__).resolve().parent / "data" / "sample.jsonl"
-# Pair scoring needs two texts per record: not a task of this one-text-per-record job.
-JOB_TASKS = tuple(t for t in TASKS if t != "score")
+# One dense result per record: pair scoring needs two texts per record, and sparse vectors have no
+# fixed-size column.
+JOB_TASKS = tuple(VECTOR_COLUMNS)
+# The pipeline numbers requests within its call ("request 12: ..."); the launcher names the record
+# by file, line and id instead, which stays right under --shard and --resume.
+REQUEST_PREFIX = re.compile(r"^request \d+: ")
 
 
 def parse_shard(value: str) -> tuple[int, int]:
@@ -41,42 +57,85 @@ def parse_shard(value: str) -> tuple[int, int]:
     return i, n
 
 
+def positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an integer is expected, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def field_list(value: str) -> tuple[str, ...]:
+    fields = tuple(f.strip() for f in value.split(",") if f.strip())
+    if not fields:
+        raise argparse.ArgumentTypeError("give field names separated by commas, e.g. title,url")
+    return fields
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pipeline-run", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--input", nargs="+", default=[str(SAMPLE)],
-                    help="JSONL, text (one record per line) or Parquet files, directories, globs, or - for stdin")
-    ap.add_argument("--output", default="pipeline-out")
+                                 formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, width=100))
+    d = " (default: %(default)s)"
+    ap.add_argument("--input", nargs="+", default=[str(SAMPLE)], metavar="PATH",
+                    help="JSONL, text (one record per line) or Parquet files, directories (their files, sorted), "
+                         "globs, FIFOs such as <(cmd), or - for stdin (default: the bundled 500-record sample)")
+    ap.add_argument("--input-format", default="auto", choices=INPUT_FORMATS,
+                    help="auto: by suffix (.jsonl/.ndjson/.json, .parquet, anything else text; stdin is text); "
+                         "or one format for every input" + d)
+    ap.add_argument("--output", default="pipeline-out", metavar="DIR",
+                    help="output directory: data-NNNNN.* chunks, and __job__/ with the manifest and errors" + d)
     ap.add_argument("--model", default=None, help="local model directory (default: bundled all-MiniLM-L6-v2)")
-    ap.add_argument("--task", default="embed", choices=JOB_TASKS)
-    ap.add_argument("--text-field", default="text")
-    ap.add_argument("--id-field", default="id")
-    ap.add_argument("--workers", type=int, default=None, help="render workers (default: planned from the cores)")
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--truncate", type=int, default=None, help="keep at most this many tokens per record")
-    ap.add_argument("--long-inputs", default="truncate", choices=LONG_INPUTS)
-    ap.add_argument("--precision", default="float32", choices=PRECISIONS)
-    ap.add_argument("--format", default="npy", choices=FORMATS)
+    ap.add_argument("--task", default="embed", choices=JOB_TASKS, help="what to compute per record" + d)
+    ap.add_argument("--text-field", default="text", metavar="NAME",
+                    help="JSONL field or Parquet column holding the text" + d)
+    ap.add_argument("--id-field", default=None, metavar="NAME",
+                    help="field holding each record's id; every record must have it (default: 'id' when the "
+                         "first record has one, then required of every record; otherwise ids are file:line)")
+    ap.add_argument("--keep-fields", type=field_list, default=(), metavar="A,B",
+                    help="input fields copied into the output as columns (--format parquet; default: none)")
+    ap.add_argument("--workers", type=positive_int, default=None,
+                    help="render worker processes (default: planned from the cores)")
+    ap.add_argument("--max-num-seqs", type=positive_int, default=64, help="sequences per engine step" + d)
+    ap.add_argument("--truncate", type=positive_int, default=None, metavar="N",
+                    help="keep at most N tokens per record (default: the model's max_seq_length)")
+    ap.add_argument("--long-inputs", default="truncate", choices=LONG_INPUTS,
+                    help="a text longer than kept: cut it, embed it in chunks and average, or fail it" + d)
+    ap.add_argument("--precision", default="float32", choices=PRECISIONS,
+                    help="stored precision; int8 is calibrated on the first --int8-calibration-rows rows, "
+                         "binary is packed sign bits" + d)
+    ap.add_argument("--int8-calibration-rows", type=positive_int, default=CALIBRATION_ROWS, metavar="N",
+                    help="rows int8 ranges are calibrated on before anything is written" + d)
+    ap.add_argument("--format", default="npy", choices=FORMATS,
+                    help="chunk files: .npy (+ ids-NNNNN.json) or .parquet (id, index, vectors, kept fields)" + d)
     ap.add_argument("--shard", type=parse_shard, default=(0, 1), metavar="I/N",
-                    help="process only records whose index %% N == I")
-    ap.add_argument("--resume", action="store_true", help="continue the job in --output (or start it)")
+                    help="process only the records whose index in the whole input %% N == I" + d)
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the job in --output (or start it when there is none); refused when the inputs, "
+                         "model or options differ from the job's")
     ap.add_argument("--errors", default="raise", choices=ERRORS_MODES,
-                    help="return: failed records go to errors.jsonl and the run goes on")
-    ap.add_argument("--limit", type=int, default=None, help="stop after this many records (of this shard)")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--chunk-rows", type=int, default=65536, help="records per output chunk")
+                    help="raise: the first bad record stops the job, naming its file and line; return: failed "
+                         f"records go to {ERRORS} and the job goes on" + d)
+    ap.add_argument("--limit", type=positive_int, default=None, metavar="N",
+                    help="stop when N records of this shard are done, counting earlier runs; the job stays "
+                         "unfinished and --resume without --limit completes it (default: no limit)")
+    ap.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N" + d)
+    ap.add_argument("--dtype", default="auto", help="model dtype: auto, float32, float16, bfloat16" + d)
+    ap.add_argument("--chunk-rows", type=positive_int, default=65536, metavar="N", help="records per output chunk" + d)
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     ray = ap.add_argument_group("Ray (pip install -e \".[ray]\"; see the README)")
     ray.add_argument("--ray", action="store_true", help="run the job with Ray Data: one process group per actor")
     ray.add_argument("--ray-address", default="local",
-                     help="local: start a private Ray instance on this machine (default); auto: join the "
-                          "running cluster (ray start); or a cluster address")
-    ray.add_argument("--ray-actors", type=int, default=None, help="default: one per GPU, else CPUs / CPUs per actor")
-    ray.add_argument("--ray-cpus-per-actor", type=int, default=None,
+                     help="local: start a private Ray instance on this machine; auto: join the running cluster "
+                          "(ray start); or a cluster address" + d)
+    ray.add_argument("--ray-actors", type=positive_int, default=None,
+                     help="default: one per GPU, else CPUs / CPUs per actor")
+    ray.add_argument("--ray-cpus-per-actor", type=positive_int, default=None,
                      help="CPUs each actor's process group gets (default: up to 8; with GPUs, its share)")
-    ray.add_argument("--ray-batch-size", type=int, default=1024, help="records per map_batches call")
-    ray.add_argument("--ray-num-cpus", type=int, default=None, help="CPUs of a --ray-address local instance")
+    ray.add_argument("--ray-batch-size", type=positive_int, default=1024, help="records per map_batches call" + d)
+    ray.add_argument("--ray-num-cpus", type=positive_int, default=None,
+                     help="CPUs of a --ray-address local instance (default: all)")
     return ap
 
 
@@ -92,84 +151,272 @@ def peak_rss_mb(pid: int) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except ValueError as e:
-        print(f"pipeline-run: error: {e}", file=sys.stderr)
-        return 2
+    args = build_parser().parse_args(argv)  # a usage error exits 2 here
+    with Interrupt() as interrupt:  # SIGINT / SIGTERM: see Interrupt; the job keeps what is complete
+        try:
+            return run(args, interrupt)
+        except InputError as e:
+            print(f"pipeline-run: input error: {e}", file=sys.stderr)
+            return EXIT_INPUT
+        except ValueError as e:  # UsageError, and what the API refuses (a task the model cannot do, ...)
+            print(f"pipeline-run: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        except KeyboardInterrupt:  # before the job started (input checks, model start): nothing to keep
+            signum = interrupt.signum or signal.SIGINT
+            print(f"pipeline-run: stopped by {signal.Signals(signum).name} before any result; nothing written",
+                  file=sys.stderr)
+            return 128 + signum
+        except Exception as e:
+            print(f"pipeline-run: failed: {type(e).__name__}: {e}", file=sys.stderr)
+            if not _known_failure(e):  # a bug: its traceback is what a report needs
+                import traceback
+
+                traceback.print_exc()
+            print(f"pipeline-run: completed chunks are kept in {args.output}; run the same command with --resume "
+                  "to continue", file=sys.stderr)
+            return EXIT_RUNTIME
 
 
-def run(args: argparse.Namespace) -> int:
-    from pooling_pipeline import Pipeline, __version__
+def _known_failure(e: Exception) -> bool:
+    from pooling_pipeline.errors import PipelineError
+
+    return isinstance(e, (PipelineError, OSError))
+
+
+def run(args: argparse.Namespace, interrupt: Interrupt | None = None) -> int:
+    from pooling_pipeline import __version__
     from pooling_pipeline.core.config import load_model_spec
+    from pooling_pipeline.jobs.fingerprint import input_fingerprints, model_hash
 
-    files = expand_inputs(args.input)
-    spec = load_model_spec(args.model)
-    from pooling_pipeline.jobs.fingerprint import model_hash
+    if args.keep_fields and args.format != "parquet":
+        raise UsageError("--keep-fields needs --format parquet (the columns go into the Parquet chunks)")
+    clash = set(args.keep_fields) & {"id", "index", VECTOR_COLUMNS[args.task]}
+    if clash:
+        raise UsageError(f"--keep-fields {sorted(clash)}: these names are the output's own columns")
+    # Everything that can be checked without the model is, before it loads: inputs exist, the
+    # output directory is usable and ours alone, the fields match the records.
+    sources = expand_inputs(args.input, args.input_format)
+    out = check_output(args.output, args.input)
+    lock = OutputLock(out)
+    try:
+        reader = InputReader(sources, args.text_field, args.id_field, args.keep_fields)
+        if not args.ray:
+            reader.probe()
+        spec = load_model_spec(args.model)
+        job = {
+            "version": __version__,
+            "task": args.task,
+            "model": spec.path,
+            "model_sha256": model_hash(spec.path),
+            "inputs": [os.path.abspath(s.path) if s.path != "-" else "-" for s in sources],
+            "shard": list(args.shard),
+            "params": {"truncate": args.truncate, "long_inputs": args.long_inputs, "precision": args.precision,
+                       "format": args.format, "text_field": args.text_field, "input_format": args.input_format,
+                       "id_field": reader.id_field if not args.ray else (args.id_field or "id"),
+                       "keep_fields": list(args.keep_fields), "chunk_rows": args.chunk_rows,
+                       "int8_calibration_rows": args.int8_calibration_rows,
+                       "pooling": msgspec.to_builtins(spec.pooling), "normalize": spec.normalize},
+        }
+        if args.ray:
+            from pooling_pipeline.integrations.ray_job import run_ray
 
-    job = {
-        "version": __version__,
-        "task": args.task,
-        "model": spec.path,
-        "model_sha256": model_hash(spec.path),
-        "inputs": [os.path.abspath(f) if f != "-" else f for f in files],
-        "shard": list(args.shard),
-        "params": {"truncate": args.truncate, "long_inputs": args.long_inputs, "precision": args.precision,
-                   "format": args.format, "text_field": args.text_field, "id_field": args.id_field,
-                   "chunk_rows": args.chunk_rows, "pooling": spec.pooling, "normalize": spec.normalize},
-    }
-    if args.ray:
-        from pooling_pipeline.integrations.ray_job import run_ray
+            args.id_field = job["params"]["id_field"]
+            return run_ray(args, job, [s.path for s in sources])
+        writer = ResultWriter(out, job, resume=args.resume, fingerprints=input_fingerprints(sources),
+                              calibration_rows=args.int8_calibration_rows)
+        if writer.manifest["complete"]:
+            print(f"pipeline-run: {out} is complete ({writer.records_done} records); nothing to do")
+            return 0
+        if args.limit is not None and writer.records_done >= args.limit:
+            print(f"pipeline-run: {out} already has {writer.records_done} records (--limit {args.limit}); nothing to "
+                  "do (drop --limit to finish the job)")
+            return 0
+        return Job(args, reader, writer, interrupt or Interrupt()).run()
+    finally:
+        lock.release()
 
-        return run_ray(args, job, files)
-    writer = ResultWriter(args.output, job, resume=args.resume)
-    if writer.manifest.get("complete"):
-        print(f"pipeline-run: {args.output} is complete ({writer.records_done} records); nothing to do")
+
+class Interrupt:
+    """SIGINT / SIGTERM during a job. During start-up it stops at once (KeyboardInterrupt). Once
+    results flow (`soft`), the first signal only sets `signum`: the loop stops reading and keeps
+    what is complete; a second one, or one that comes while the input is being waited for
+    (`reading`), stops at once. Never while results are being written (`writing`), so a chunk and
+    the manifest are always written whole."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.soft = False
+        self.writing = False
+        self.reading = False
+        self._previous: dict = {}
+
+    def __enter__(self) -> Interrupt:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        first = self.signum is None
+        self.signum = signum
+        if first:
+            # The stop was asked for: the group's warnings about the requests it then drops (or
+            # about children that got the terminal's SIGINT too) would only bury the one line
+            # that says how to resume.
+            for name in ("pipeline", "pooling_pipeline"):
+                logging.getLogger(name).setLevel(logging.ERROR)
+        if self.reading or (not self.writing and not (self.soft and first)):
+            raise KeyboardInterrupt
+
+
+class Job:
+    """One run of a local job: records in, results out in input order, completed work always kept."""
+
+    def __init__(self, args: argparse.Namespace, reader: InputReader, writer: ResultWriter, interrupt: Interrupt) -> None:
+        self.args = args
+        self.interrupt = interrupt
+        self.reader = reader
+        self.writer = writer
+        self.pending: deque = deque()  # records read, in order, whose results are not handed to the writer
+        self.exhausted = False         # the input ended (not --limit, not a signal, not a bad record)
+        self.stopped_on = None         # (record, error) that stopped the job under --errors raise
+        self.done = 0                  # records of this run handed to the writer
+        self.tokens = 0
+        self.progress = None
+
+    def run(self) -> int:
+        args, writer = self.args, self.writer
+        records = self.reader.records(args.shard, skip=writer.records_done,
+                                      resume_stream_sha256=writer.manifest.get("stream_sha256"))
+        remaining = None if args.limit is None else args.limit - writer.records_done
+        stats: dict | None = None
+        failure: BaseException | None = None
+        interrupt = self.interrupt
+        try:
+            stats = self._compute(records, remaining, interrupt)
+        except KeyboardInterrupt:
+            pass
+        except Exception as e:
+            if interrupt.signum is None:  # after a Ctrl-C, a dying group is the signal's doing
+                failure = e
+        finally:
+            interrupt.writing = True  # from here on a signal waits: the manifest is written whole
+            if self.progress is not None:
+                self.progress.close()
+        if stats is not None:
+            stats["records_this_run"] = self.done  # failed ones included, those refused before the model too
+        signum = interrupt.signum  # one that comes while the manifest is written changes nothing
+        complete = self.exhausted and signum is None and failure is None and self.stopped_on is None
+        dropped = writer.finish(stats, complete)
+        return self._report(signum, failure, dropped, stats)
+
+    def _texts(self, records, remaining: int | None, interrupt: Interrupt):
+        """The texts handed to the pipeline: stops at a signal, at --limit, or at a bad record
+        under --errors raise. Bad records wait in `pending` to be written in their place."""
+        taken = 0
+        while True:
+            # Waiting on a slow stream (stdin, a FIFO) is the one wait a signal must break at once.
+            interrupt.reading = True
+            record = next(records, None)
+            interrupt.reading = False
+            if record is None:
+                break
+            if interrupt.signum is not None or (remaining is not None and taken >= remaining):
+                return  # a record was there: the input is not exhausted
+            taken += 1
+            self.pending.append(record)
+            if record.error is None:
+                yield record.text
+            elif self.args.errors == "raise":
+                return
+        self.exhausted = True
+
+    def _compute(self, records, remaining: int | None, interrupt: Interrupt) -> dict:
+        from pooling_pipeline import Pipeline
+
+        args = self.args
+        launched = time.perf_counter()
+        with Pipeline(model=args.model, num_render_workers=args.workers, max_num_seqs=args.max_num_seqs,
+                      device=args.device, dtype=args.dtype) as pipe:
+            start = time.perf_counter()  # throughput is measured from here; start-up is reported apart
+            if not args.quiet:
+                from tqdm.auto import tqdm
+
+                # smoothing=0: the rate shown is records done / time since the model was ready (the
+                # default moving average swings with the batches, which come in bursts).
+                self.progress = tqdm(desc="pipeline-run", unit="records", dynamic_ncols=True, smoothing=0)
+            interrupt.soft = True  # from here a first signal lets the loop keep what is complete
+            stream = pipe.encode_stream(self._texts(records, remaining, interrupt), args.task,
+                                        truncate_prompt_tokens=args.truncate, long_inputs=args.long_inputs,
+                                        errors="return")  # --errors raise is applied here, naming the record
+            try:
+                for out in stream:
+                    interrupt.writing = True
+                    self._write_bad_records()
+                    record = self.pending.popleft()
+                    if out.error is not None and args.errors == "raise":
+                        self.stopped_on = (record, out.error)
+                        break
+                    self._write(record, out.data, out.error, out.num_prompt_tokens)
+                    if interrupt.signum is not None:
+                        break
+                    interrupt.writing = False
+                interrupt.writing = True
+                self._write_bad_records()
+            finally:
+                stream.close()  # aborts what is still in flight
+            stats = _stats(pipe, start)
+            stats["startup_s"] = start - launched
+            stats["peak_rss_mb"] = {"frontend": peak_rss_mb(os.getpid()), "engine": peak_rss_mb(pipe.pids["engine"]),
+                                    "workers": [peak_rss_mb(p) for p in pipe.pids["workers"]]}
+        return stats
+
+    def _write_bad_records(self) -> None:
+        """Records that never reached the pipeline (bad line, missing field), in their place."""
+        while self.pending and self.pending[0].error is not None:
+            record = self.pending.popleft()
+            if self.args.errors == "raise":
+                self.stopped_on = (record, record.error)
+                return
+            self._write(record, None, record.error, 0)
+
+    def _write(self, record, data, error: str | None, tokens: int) -> None:
+        if error is not None:
+            error = REQUEST_PREFIX.sub("", error)
+        self.writer.add(record, data, error)
+        self.done += 1
+        self.tokens += tokens
+        if self.progress is not None:
+            self.progress.update(1)
+            self.progress.set_postfix_str(f"{self.tokens / max(self.progress.format_dict['elapsed'], 1e-9):,.0f} tok/s",
+                                          refresh=False)
+
+    def _report(self, signum: int | None, failure: BaseException | None, dropped: int, stats: dict | None) -> int:
+        args, writer = self.args, self.writer
+        kept = f"{writer.records_done} records kept in {args.output}"
+        if dropped:
+            kept += (f" ({dropped} more computed but not kept: int8 is written once {args.int8_calibration_rows} "
+                     "rows have calibrated it)")
+        if signum is not None:
+            name = signal.Signals(signum).name
+            print(f"pipeline-run: stopped by {name}; {kept}; run the same command with --resume to continue",
+                  file=sys.stderr)
+            return 128 + signum
+        if failure is not None:
+            raise failure
+        if self.stopped_on is not None:
+            record, error = self.stopped_on
+            raise InputError(f"{record.where}: {REQUEST_PREFIX.sub('', error)} ({kept}; --errors return writes failed "
+                             f"records to {ERRORS} and goes on)")
+        if not writer.manifest["complete"]:
+            print(f"pipeline-run: stopped at --limit {args.limit}; {kept}; the job is not complete: run again with "
+                  "--resume and without --limit to finish it")
+        if stats is not None:
+            _print_summary(writer, stats, args.output)
         return 0
-    records = read_records(files, args.text_field, args.id_field, args.shard, skip=writer.records_done)
-    # The total is not counted: that would read every input once more before the work (and a
-    # stream cannot be read twice). The bar shows records done and the rate.
-    remaining = None
-    if args.limit is not None:
-        remaining = max(0, args.limit - writer.records_done)
-        records = itertools.islice(records, remaining)
-    pending: deque = deque()  # records handed to the pipeline, in order, not yet written
-
-    def texts():
-        for record in records:
-            pending.append(record)
-            yield record.text
-
-    launched = time.perf_counter()
-    progress = None
-    with Pipeline(model=args.model, num_render_workers=args.workers, max_num_seqs=args.max_num_seqs,
-                  device=args.device, dtype=args.dtype) as pipe:
-        start = time.perf_counter()  # throughput is measured from here; start-up is reported apart
-        if not args.quiet:
-            from tqdm.auto import tqdm
-
-            progress = tqdm(total=remaining, desc="pipeline-run", unit="records", dynamic_ncols=True)
-        tokens = 0
-        for out in pipe.encode_stream(texts(), args.task, truncate_prompt_tokens=args.truncate,
-                                      long_inputs=args.long_inputs, errors=args.errors):
-            record = pending.popleft()
-            writer.add(record.index, record.id, out.data, out.error)
-            tokens += out.num_prompt_tokens
-            if writer.pending_records >= args.chunk_rows:
-                writer.flush(_stats(pipe, start))
-            if progress is not None:
-                progress.update(1)
-                progress.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f} tok/s", refresh=False)
-        stats = _stats(pipe, start)
-        stats["startup_s"] = start - launched
-        stats["peak_rss_mb"] = {"frontend": peak_rss_mb(os.getpid()), "engine": peak_rss_mb(pipe.pids["engine"]),
-                                "workers": [peak_rss_mb(p) for p in pipe.pids["workers"]]}
-    if progress is not None:
-        progress.close()
-    writer.close(stats)
-    _print_summary(writer, stats, args.output)
-    return 0
 
 
 def _stats(pipe, start: float) -> dict:
@@ -184,19 +431,20 @@ def _print_summary(writer: ResultWriter, stats: dict, out_dir: str) -> None:
     m = writer.manifest
     wall = stats["wall_s"]
     rss = stats["peak_rss_mb"]
+    done = stats["records_this_run"]
     print_summary([
-        ("records (this run)", f"{stats['records'] + stats['errors']}"),
+        ("records (this run)", f"{done}"),
         ("records in output", f"{m['rows']} ({m['errors']} failed)"),
         ("tokens", f"{stats['tokens']:,}"),
         ("wall time", f"{wall:.1f} s (+ {stats['startup_s']:.1f} s start-up)"),
-        ("throughput", f"{stats['records'] / max(wall, 1e-9):.1f} records/s, "
+        ("throughput", f"{done / max(wall, 1e-9):.1f} records/s, "
                        f"{stats['tokens'] / max(wall, 1e-9):,.0f} tokens/s"),
         ("engine busy", f"{stats['engine_busy_fraction']:.0%}"),
         ("padding efficiency", f"{1 - stats['padding_fraction']:.0%}"),
-        ("peak RSS", f"frontend {rss['frontend']:.0f} MB, engine {rss['engine']:.0f} MB, workers "
+        ("peak RSS", f"frontend {rss['frontend'] or 0:.0f} MB, engine {rss['engine'] or 0:.0f} MB, workers "
                      + ", ".join(f"{w:.0f} MB" for w in rss["workers"] if w is not None)),
-        ("errors", f"{m['errors']}" + (" (see errors.jsonl)" if m["errors"] else "")),
-        ("output", f"{out_dir}/"),
+        ("errors", f"{m['errors']}" + (f" (see {ERRORS})" if m["errors"] else "")),
+        ("output", f"{out_dir}/ (metadata in {META_DIR}/)"),
     ], stats["records"], format_stats(stats))
 
 

@@ -1,48 +1,87 @@
-"""pipeline-run's output directory: chunks written atomically, a manifest written last, read back in order.
+"""pipeline-run's output directory: chunks written atomically with checksums, a manifest written
+last, read back in order by `load_results`, which never returns a partial or mixed result silently.
 
-Layout: data-NNNNN.npy (or .parquet) with ids-NNNNN.json beside it ({"index": [...], "id": [...]}),
-errors-NNNNN.jsonl for records that failed with --errors return, and manifest.json. A chunk's files
-are written to a temporary name and renamed, and the manifest is rewritten (the same way) after
-every chunk, so after a crash -- even a SIGKILL -- the manifest lists exactly the chunks that are
-complete, and --resume continues from there with identical output.
+Layout (the README's "Output schema" says what each column holds):
+
+    data-NNNNN.parquet            id, index, the vectors (fixed-size lists), --keep-fields columns
+    data-NNNNN.npy + ids-NNNNN.json   (--format npy) the vectors; {"index": [...], "id": [...]}
+    __job__/manifest.json         the job, its chunks (with a sha256 per file), int8 calibration
+    __job__/errors.jsonl          every record that failed under --errors return, in input order
+    __job__/errors-NNNNN.jsonl    the same, per chunk (what a resume relies on)
+    __job__/lock                  held by the run writing here (output_dir.py)
+
+Everything that is not data sits in `__job__/`, so pandas, pyarrow.dataset and `datasets` read the
+directory as it is. A chunk's files are written to a temporary name (starting with ".") and renamed,
+and the manifest is rewritten the same way after every chunk: after a crash -- even a SIGKILL -- it
+lists exactly the chunks that are complete, and --resume continues from there.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
 from pathlib import Path
 
 import numpy as np
+
 from pooling_pipeline.core.options import TOKEN_TASKS
+from pooling_pipeline.jobs.fingerprint import changed_input
+from pooling_pipeline.jobs.job_errors import InputError, UsageError
+from pooling_pipeline.jobs.output_dir import META_DIR
 
 PRECISIONS = ("float32", "float16", "int8", "binary")
 FORMATS = ("npy", "parquet")
+LAYOUT = 2  # 1: manifest.json and errors files at the top (they broke the Parquet readers)
+MANIFEST = f"{META_DIR}/manifest.json"
+ERRORS = f"{META_DIR}/errors.jsonl"
+# int8 ranges come from this many vector rows (or the whole input, when shorter): calibrating on the
+# first chunk made --chunk-rows 1 give 499/500 rows a cosine < 0.9 to float32.
+CALIBRATION_ROWS = 1000
+# The vector column of the Parquet chunks, by task (the names PoolingBatches uses for Ray Data).
+VECTOR_COLUMNS = {"embed": "embedding", "classify": "probs", "token_embed": "token_embeddings",
+                  "token_classify": "token_probs"}
+# What load_results needs from a manifest, to fail naming the file rather than with a KeyError.
+MANIFEST_KEYS = ("task", "model_sha256", "inputs", "shard", "params", "chunks", "complete", "records_done", "rows")
+# Shards of one job differ in these only; everything else in the manifest's job must match.
+PER_SHARD_PARAMS = ("chunk_rows", "format")
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def _atomic_write(path: Path, data: bytes) -> str:
+    """Writes through a hidden temporary file and a rename; returns the data's sha256."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    return hashlib.sha256(data).hexdigest()
 
 
 def _npy_bytes(array: np.ndarray) -> bytes:
     buffer = io.BytesIO()
-    np.save(buffer, array)
+    np.save(buffer, array, allow_pickle=False)
     return buffer.getvalue()
 
 
 class Quantizer:
-    """float32 rows -> the stored precision. int8 uses per-dimension ranges calibrated on the first
-    chunk (as sentence-transformers' quantize_embeddings does), recorded in the manifest."""
+    """float32 rows -> the stored precision. int8 uses per-dimension ranges (as sentence-transformers'
+    quantize_embeddings does) calibrated once per job on a sample of CALIBRATION_ROWS rows, recorded
+    in the manifest; values outside the ranges are clipped."""
 
     def __init__(self, precision: str, calibration: dict | None = None) -> None:
         self.precision = precision
         self.calibration = calibration
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.precision == "int8" and self.calibration is None
+
+    def calibrate(self, rows: np.ndarray) -> None:
+        low, high = rows.min(axis=0), rows.max(axis=0)
+        self.calibration = {"starts": low.tolist(), "steps": np.maximum((high - low) / 255, 1e-12).tolist(),
+                            "sample_rows": int(len(rows))}
 
     def __call__(self, rows: np.ndarray) -> np.ndarray:
         if self.precision == "float32":
@@ -52,8 +91,7 @@ class Quantizer:
         if self.precision == "binary":
             return np.packbits(rows > 0, axis=-1)
         if self.calibration is None:
-            low, high = rows.min(axis=0), rows.max(axis=0)
-            self.calibration = {"starts": low.tolist(), "steps": np.maximum((high - low) / 255, 1e-12).tolist()}
+            raise RuntimeError("int8 rows before calibration: this is a bug")
         starts = np.asarray(self.calibration["starts"], dtype=np.float32)
         steps = np.asarray(self.calibration["steps"], dtype=np.float32)
         return np.clip(np.round((rows - starts) / steps) - 128, -128, 127).astype(np.int8)
@@ -67,180 +105,284 @@ def dequantize(data: np.ndarray, manifest: dict) -> np.ndarray:
 
 
 class ResultWriter:
-    def __init__(self, out_dir: str | Path, job: dict, resume: bool) -> None:
+    """Collects a run's results in input order and commits them as chunks of `chunk_rows` records.
+
+    int8 waits until CALIBRATION_ROWS vector rows (or the end of the input) are in before the first
+    chunk with vectors is written; a run that stops before that keeps nothing of them (see finish).
+    """
+
+    def __init__(self, out_dir: str | Path, job: dict, resume: bool, fingerprints: list[dict] | None = None,
+                 calibration_rows: int = CALIBRATION_ROWS) -> None:
         self.dir = Path(out_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / META_DIR).mkdir(parents=True, exist_ok=True)
         self.job = job  # what must match for a resume: task, model hash, params, inputs, shard
-        manifest_path = self.dir / "manifest.json"
-        if manifest_path.exists():
+        self.chunk_rows = job["params"]["chunk_rows"]
+        self.calibration_rows = calibration_rows
+        if (self.dir / MANIFEST).exists():
             if not resume:
-                raise ValueError(f"{self.dir} already holds results (manifest.json): pass --resume to continue "
-                                 "that job, or choose another --output")
-            self.manifest = json.loads(manifest_path.read_text())
+                raise UsageError(f"{self.dir} already holds results ({MANIFEST}): pass --resume to continue that job, "
+                                 "or choose another --output")
+            self.manifest = read_manifest(self.dir)
             for key, value in job.items():
                 if self.manifest.get(key) != value:
-                    raise ValueError(f"--resume: the existing job in {self.dir} has a different {key!r} "
+                    raise UsageError(f"--resume: the existing job in {self.dir} has a different {key!r} "
                                      f"({self.manifest.get(key)!r} there, {value!r} now)")
+            reason = changed_input(self.manifest.get("input_fingerprints", []), fingerprints or [])
+            if reason:
+                raise InputError(f"--resume: {reason}; the results in {self.dir} would mix two inputs. Start a new "
+                                 "job in another --output")
+        elif (self.dir / "manifest.json").exists():
+            raise UsageError(f"{self.dir} holds the output of an older pipeline-run (manifest.json at the top); "
+                             "choose another --output")
         else:
-            self.manifest = {**job, "records_done": 0, "rows": 0, "errors": 0, "chunks": [], "complete": False}
+            self.manifest = {"layout": LAYOUT, **job, "input_fingerprints": fingerprints or [], "records_done": 0,
+                             "rows": 0, "errors": 0, "chunks": [], "complete": False}
         self.quantize = Quantizer(job["params"]["precision"], self.manifest.get("int8"))
-        self.rows: list[np.ndarray] = []
-        self.indices: list[int] = []
-        self.ids: list[str] = []
-        self.errors: list[dict] = []
-        self.pending_records = 0
+        self.schema = _first_schema(self.dir, self.manifest)  # Parquet: later chunks keep chunk 0's column types
+        # Records handed in but not committed: (index, id, data, error entry, kept fields, stream hash).
+        self.pending: list[tuple] = []
+        self.pending_rows = 0  # vector rows among them (a token task has one per token)
 
     @property
     def records_done(self) -> int:
         return self.manifest["records_done"]
 
-    def add(self, index: int, rid: str, data: np.ndarray | None, error: str | None) -> None:
-        self.pending_records += 1
+    def add(self, record, data: np.ndarray | None, error: str | None) -> None:
+        """One record's result (or its error), in input order."""
+        entry = None
         if error is not None:
-            self.errors.append({"index": index, "id": rid, "error": error})
-            return
-        self.rows.append(data)
-        self.indices.append(index)
-        self.ids.append(rid)
+            entry = {"index": record.index, "id": record.id, "file": record.file, record.unit: record.line,
+                     "error": error}
+            data = None
+        else:
+            self.pending_rows += len(data) if data.ndim == 2 else 1
+        self.pending.append((record.index, record.id, data, entry, record.fields, record.stream_sha256))
+        if len(self.pending) >= self.chunk_rows:
+            self._write_ready(end_of_input=False, final=False)
 
-    def flush(self, stats: dict | None = None) -> None:
-        """Commits what was added as one chunk: data, ids and errors files first, the manifest last."""
-        if not self.pending_records:
-            return
-        chunk = write_chunk(self.dir, f"{len(self.manifest['chunks']):05d}", self.rows, self.indices, self.ids,
-                            self.errors, self.job["task"], self.job["params"]["format"], self.quantize)
-        chunk["records"] = self.pending_records
-        if self.rows:
-            self.manifest.setdefault("dim", int(self.rows[0].shape[-1]))
-        self.manifest["chunks"].append(chunk)
-        self.manifest["records_done"] += self.pending_records
-        self.manifest["rows"] += len(self.rows)
-        self.manifest["errors"] += len(self.errors)
-        if self.quantize.calibration is not None:
-            self.manifest["int8"] = self.quantize.calibration
-        if stats:
-            self.manifest["stats"] = stats
-        self._write_manifest()
-        self.rows, self.indices, self.ids, self.errors, self.pending_records = [], [], [], [], 0
-
-    def close(self, stats: dict) -> None:
-        self.flush(stats)
+    def finish(self, stats: dict | None, complete: bool) -> int:
+        """Commits what is pending and writes the manifest, marked complete only when the whole
+        input is done. Returns how many records were not kept: int8 rows still waiting for their
+        calibration sample when the run stops early (a resume computes them again)."""
+        self._write_ready(end_of_input=complete, final=True)
+        dropped = len(self.pending)
+        self.pending, self.pending_rows = [], 0
         write_errors_file(self.dir, self.manifest["chunks"])
-        self.manifest["complete"] = True
-        self.manifest["stats"] = stats
-        self._write_manifest()
+        self.manifest["complete"] = bool(complete and not dropped)
+        if stats is not None:
+            self.manifest["stats"] = stats
+        write_manifest(self.dir, self.manifest)
+        return dropped
 
-    def _write_manifest(self) -> None:
+    def _write_ready(self, end_of_input: bool, final: bool) -> None:
+        while self.pending and (final or len(self.pending) >= self.chunk_rows):
+            group = self.pending[:self.chunk_rows]
+            if self.quantize.needs_calibration and any(e[2] is not None for e in group):
+                if self.pending_rows < self.calibration_rows and not end_of_input:
+                    return  # wait for the sample (bounded: calibration_rows rows)
+                self.quantize.calibrate(np.concatenate([_as_rows(e[2]) for e in self.pending if e[2] is not None]))
+                self.manifest["int8"] = self.quantize.calibration
+            self._commit(group)
+            del self.pending[:len(group)]
+            self.pending_rows -= sum(len(_as_rows(e[2])) for e in group if e[2] is not None)
+
+    def _commit(self, group: list[tuple]) -> None:
+        ok = [e for e in group if e[2] is not None]
+        fields = None
+        if ok and ok[0][4] is not None:
+            fields = {k: [e[4][k] for e in ok] for k in ok[0][4]}
+        chunk = write_chunk(self.dir, f"{len(self.manifest['chunks']):05d}", [e[2] for e in ok], [e[0] for e in ok],
+                            [e[1] for e in ok], [e[3] for e in group if e[3] is not None], self.job["task"],
+                            self.job["params"]["format"], self.quantize, fields, self.schema)
+        chunk["records"] = len(group)
+        if ok:
+            self.manifest.setdefault("dim", int(ok[0][2].shape[-1]))
+            if self.schema is None and chunk["data"].endswith(".parquet"):
+                import pyarrow.parquet as pq
+
+                self.schema = pq.read_schema(self.dir / chunk["data"])
+        self.manifest["chunks"].append(chunk)
+        self.manifest["records_done"] += len(group)
+        self.manifest["rows"] += len(ok)
+        self.manifest["errors"] += len(group) - len(ok)
+        if group[-1][5] is not None:  # the stream's hash up to here: a resume checks its input against it
+            self.manifest["stream_sha256"] = group[-1][5]
         write_manifest(self.dir, self.manifest)
 
 
+def _as_rows(data: np.ndarray) -> np.ndarray:
+    return data if data.ndim == 2 else data[None, :]
+
+
+def _first_schema(directory: Path, manifest: dict):
+    for chunk in manifest["chunks"]:
+        if chunk.get("data", "").endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            return pq.read_schema(directory / chunk["data"])
+    return None
+
+
 def write_errors_file(directory: Path, chunks: list[dict]) -> None:
-    """One errors.jsonl for the whole job, in input order, from the chunks' own errors files (the
-    per-chunk files are what a resume relies on). Indices become positions in the whole input:
-    a chunk written by a Ray task holds chunk-local ones, placed by its `index_offset`."""
-    lines = []
-    for chunk in chunks:
-        if chunk.get("errors"):
-            offset = chunk.get("index_offset", 0)
-            for line in (directory / chunk["errors"]).read_text(encoding="utf-8").splitlines():
-                error = json.loads(line)
-                error["index"] += offset
-                lines.append(json.dumps(error) + "\n")
-    if lines:
-        _atomic_write(directory / "errors.jsonl", "".join(lines).encode())
+    """One errors.jsonl for the whole job, in input order, from the chunks' own errors files,
+    streamed (a job may have millions). Indices become positions in the whole input: a chunk
+    written by a Ray task holds chunk-local ones, placed by its `index_offset`."""
+    path = directory / ERRORS
+    tmp = path.with_name(f".{path.name}.tmp")
+    wrote = False
+    with open(tmp, "w", encoding="utf-8") as out:
+        for chunk in chunks:
+            if chunk.get("errors"):
+                offset = chunk.get("index_offset", 0)
+                with open(directory / chunk["errors"], encoding="utf-8") as f:
+                    for line in f:
+                        error = json.loads(line)
+                        error["index"] += offset
+                        out.write(json.dumps(error) + "\n")
+                        wrote = True
+    if wrote:
+        os.replace(tmp, path)
+    else:
+        tmp.unlink()
 
 
 def write_manifest(directory: Path, manifest: dict) -> None:
-    _atomic_write(directory / "manifest.json", json.dumps(manifest, indent=2).encode())
+    _atomic_write(Path(directory) / MANIFEST, json.dumps(manifest, indent=2).encode())
 
 
 def write_chunk(directory: Path, name: str, rows: list[np.ndarray], indices: list[int], ids: list[str],
-                errors: list[dict], task: str, fmt: str, quantize: Quantizer) -> dict:
-    """Writes one chunk's files atomically -- data-NAME.(npy|parquet) with ids-NAME.json beside it,
-    errors-NAME.jsonl when some records failed -- and returns its manifest entry. Writing the same
-    name again replaces the chunk (a retried task never duplicates rows)."""
-    chunk: dict = {"rows": len(rows), "records": len(rows) + len(errors)}
+                errors: list[dict], task: str, fmt: str, quantize: Quantizer, fields: dict | None = None,
+                schema=None) -> dict:
+    """Writes one chunk's files atomically -- data-NAME.(npy|parquet) (with ids-NAME.json beside a
+    .npy), __job__/errors-NAME.jsonl when some records failed -- and returns its manifest entry, with
+    each file's sha256. Writing the same name again replaces the chunk (a retried task never
+    duplicates rows)."""
+    directory = Path(directory)
+    (directory / META_DIR).mkdir(parents=True, exist_ok=True)
+    chunk: dict = {"name": name, "rows": len(rows), "records": len(rows) + len(errors), "sha256": {}}
     if rows:
-        chunk.update(_write_data(directory, name, rows, indices, ids, task, fmt, quantize))
-        ids_name = f"ids-{name}.json"
-        _atomic_write(directory / ids_name, json.dumps({"index": indices, "id": ids}).encode())
-        chunk["ids"] = ids_name
+        chunk.update(_write_data(directory, name, rows, indices, ids, task, fmt, quantize, fields, schema, chunk["sha256"]))
     if errors:
-        errors_name = f"errors-{name}.jsonl"
-        _atomic_write(directory / errors_name, "".join(json.dumps(e) + "\n" for e in errors).encode())
+        errors_name = f"{META_DIR}/errors-{name}.jsonl"
+        data = "".join(json.dumps(e) + "\n" for e in errors).encode()
+        chunk["sha256"][errors_name] = _atomic_write(directory / errors_name, data)
         chunk["errors"] = errors_name
     return chunk
 
 
-def _write_data(directory: Path, name: str, rows: list[np.ndarray], indices: list[int], ids: list[str],
-                task: str, fmt: str, quantize: Quantizer) -> dict:
-    if task in TOKEN_TASKS:  # variable rows per record: concatenated, with offsets
-        lengths = [len(r) for r in rows]
+def _write_data(directory: Path, name: str, rows: list[np.ndarray], indices: list[int], ids: list[str], task: str,
+                fmt: str, quantize: Quantizer, fields: dict | None, schema, sha256: dict) -> dict:
+    token_task = task in TOKEN_TASKS
+    if token_task:  # variable rows per record: concatenated, with offsets
+        offsets = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int64)
         data = quantize(np.concatenate(rows))
-        extra = {"offsets": np.concatenate([[0], np.cumsum(lengths)]).tolist()}
     else:
+        offsets = None
         data = quantize(np.stack(rows))
-        extra = {}
     if fmt == "parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
         file_name = f"data-{name}.parquet"
-        table = pa.table({"index": indices, "id": ids,
-                          "data": [row.tobytes() for row in _split(data, extra.get("offsets"))]})
-        buffer = io.BytesIO()
-        pq.write_table(table, buffer)
-        _atomic_write(directory / file_name, buffer.getvalue())
-        return {"data": file_name, "dtype": str(data.dtype), "shape": list(data.shape[1:]), **extra}
-    file_name = f"data-{name}.npy"
-    _atomic_write(directory / file_name, _npy_bytes(data))
-    return {"data": file_name, **extra}
+        column = VECTOR_COLUMNS[task]
+        sha256[file_name] = _atomic_write(directory / file_name,
+                                          _parquet_bytes(data, offsets, indices, ids, column, fields, schema))
+        return {"data": file_name, "column": column}
+    file_name, ids_name = f"data-{name}.npy", f"ids-{name}.json"
+    sha256[file_name] = _atomic_write(directory / file_name, _npy_bytes(data))
+    sha256[ids_name] = _atomic_write(directory / ids_name, json.dumps({"index": indices, "id": ids}).encode())
+    return {"data": file_name, "ids": ids_name, **({"offsets": offsets.tolist()} if token_task else {})}
 
 
-def _split(data: np.ndarray, offsets: list[int] | None) -> list[np.ndarray]:
-    if offsets is None:
-        return list(data)
-    return [data[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
+def _parquet_bytes(data: np.ndarray, offsets: np.ndarray | None, indices: list[int], ids: list[str], column: str,
+                   fields: dict | None, schema) -> bytes:
+    """One chunk as a Parquet table: `id`, `index`, the vectors as a fixed-size list of the stored
+    precision (token tasks: a list of them per record), then the kept input fields."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
+    vectors = pa.FixedSizeListArray.from_arrays(pa.array(data.reshape(-1)), data.shape[-1])
+    if offsets is not None:
+        vectors = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), vectors)
+    columns = {"id": pa.array(ids, pa.string()), "index": pa.array(indices, pa.int64()), column: vectors}
+    for key, values in (fields or {}).items():
+        kind = schema.field(key).type if schema is not None and key in schema.names else None
+        try:
+            columns[key] = pa.array(values, type=kind)
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+            raise InputError(f"--keep-fields {key!r}: values of records {indices[0]}..{indices[-1]} do not fit the "
+                             f"column type {kind} of the earlier chunks ({e})") from None
+    buffer = io.BytesIO()
+    pq.write_table(pa.table(columns), buffer)
+    return buffer.getvalue()
+
+
+# -- reading back ---------------------------------------------------------------------------------
 
 def load_manifest(directory: str | Path) -> dict | None:
     """The manifest of an output directory, or None when there is none."""
-    path = Path(directory) / "manifest.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    return read_manifest(directory) if (Path(directory) / MANIFEST).exists() else None
 
 
-def load_results(*directories: str | Path) -> tuple[list[str], np.ndarray | list[np.ndarray]]:
+def read_manifest(directory: str | Path) -> dict:
+    """The manifest, checked: a missing file, invalid JSON or a missing key is a ValueError naming it."""
+    path = Path(directory) / MANIFEST
+    if not path.exists():
+        old = " (it holds manifest.json at the top: an older pipeline-run's layout)" if \
+            (Path(directory) / "manifest.json").exists() else ""
+        raise ValueError(f"{directory}: no {MANIFEST}: not a pipeline-run output directory{old}")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); the manifest is corrupted") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{path}: a JSON object is expected, got {type(manifest).__name__}")
+    missing = [k for k in MANIFEST_KEYS if k not in manifest]
+    missing += [f"params.{k}" for k in ("precision", "format") if k not in (manifest.get("params") or {})]
+    if manifest.get("params", {}).get("precision") == "int8" and manifest.get("rows") and "int8" not in manifest:
+        missing.append("int8")
+    if missing:
+        raise ValueError(f"{path}: the manifest lacks {missing}; it is corrupted or not pipeline-run's")
+    for i, chunk in enumerate(manifest["chunks"]):
+        need = ["records", "rows", "sha256"] + (["data"] if chunk.get("rows") else [])
+        need += ["ids"] if chunk.get("rows") and not str(chunk.get("data", "")).endswith(".parquet") else []
+        lacking = [k for k in need if k not in chunk]
+        if lacking:
+            raise ValueError(f"{path}: chunk {i} lacks {lacking}; the manifest is corrupted")
+    return manifest
+
+
+def load_results(*directories: str | Path, allow_partial: bool = False) -> tuple[list[str], np.ndarray | list[np.ndarray]]:
     """Reads pipeline-run output back in input order: (ids, array [rows, dim]).
 
     Several directories (the shards of one job) are merged by record index. int8 is dequantized to
     float32; binary stays packed (uint8, as sentence-transformers' ubinary). Token tasks give a list
     of [num_tokens, dim] arrays instead of one array. Records that failed (--errors return) are not
-    included; their errors are in errors-*.jsonl.
+    included; their errors are in __job__/errors.jsonl.
+
+    Never a partial or mixed result in silence: a job that did not finish raises (unless
+    `allow_partial=True`), so do a directory given twice and directories of different jobs; every
+    file is checked against the sha256 the manifest recorded, and a corrupted one is named.
     """
     if not directories:
         raise ValueError("load_results needs at least one output directory")
-    parts: list[tuple[int, str, np.ndarray]] = []
-    token_task = False
+    manifests = []
+    seen: dict[Path, str] = {}
     for directory in directories:
-        directory = Path(directory)
-        manifest = json.loads((directory / "manifest.json").read_text())
-        token_task = manifest["task"] in TOKEN_TASKS
+        key = Path(directory).resolve()
+        if key in seen:
+            raise ValueError(f"{directory} is given twice (as {seen[key]!r}): its rows would be counted twice")
+        seen[key] = str(directory)
+        manifest = read_manifest(directory)
+        if not manifest["complete"] and not allow_partial:
+            raise ValueError(f"{directory} holds an unfinished job ({manifest['records_done']} records done; it was "
+                             "interrupted, stopped at --limit, or is still running): finish it with --resume, or pass "
+                             "allow_partial=True to read what is there")
+        manifests.append((Path(directory), manifest))
+    _check_one_job(manifests)
+    parts: list[tuple[int, str, np.ndarray]] = []
+    token_task = manifests[0][1]["task"] in TOKEN_TASKS
+    for directory, manifest in manifests:
         for chunk in manifest["chunks"]:
-            if not chunk.get("rows"):
-                continue
-            ids = json.loads((directory / chunk["ids"]).read_text())
-            offset = chunk.get("index_offset", 0)  # Ray jobs: chunk-local indices
-            indices = [offset + i for i in ids["index"]]
-            if chunk["data"].endswith(".parquet"):
-                import pyarrow.parquet as pq
-
-                table = pq.read_table(directory / chunk["data"])
-                shape = (-1, *chunk["shape"]) if token_task else tuple(chunk["shape"])
-                rows = [np.frombuffer(b, dtype=chunk["dtype"]).reshape(shape) for b in table.column("data").to_pylist()]
-            else:
-                rows = _split(np.load(directory / chunk["data"]), chunk.get("offsets"))
-            rows = [dequantize(r, manifest) for r in rows]
-            parts.extend(zip(indices, ids["id"], rows))
+            if chunk["rows"]:
+                parts.extend(_read_chunk(directory, manifest, chunk, token_task))
     parts.sort(key=lambda p: p[0])
     ids_out = [p[1] for p in parts]
     rows_out = [p[2] for p in parts]
@@ -249,3 +391,85 @@ def load_results(*directories: str | Path) -> tuple[list[str], np.ndarray | list
     if not rows_out:
         return ids_out, np.zeros((0, 0), dtype=np.float32)
     return ids_out, np.stack(rows_out)
+
+
+def _job_identity(manifest: dict) -> dict:
+    params = {k: v for k, v in manifest["params"].items() if k not in PER_SHARD_PARAMS}
+    return {"task": manifest["task"], "model_sha256": manifest["model_sha256"], "inputs": manifest["inputs"],
+            "params": params, "shards": manifest["shard"][1]}
+
+
+def _check_one_job(manifests: list[tuple[Path, dict]]) -> None:
+    """Directories read together must be distinct shards of one job."""
+    first_dir, first = manifests[0]
+    want = _job_identity(first)
+    shards: dict[int, Path] = {}
+    for directory, manifest in manifests:
+        got = _job_identity(manifest)
+        for key in want:
+            if got[key] != want[key]:
+                what = {k: (want[key].get(k), got[key].get(k)) for k in set(want[key]) | set(got[key])
+                        if want[key].get(k) != got[key].get(k)} if isinstance(want[key], dict) else (want[key], got[key])
+                raise ValueError(f"{first_dir} and {directory} hold different jobs (their {key!r} differ: {what}); "
+                                 "read them apart")
+        shard = manifest["shard"][0]
+        if shard in shards:
+            raise ValueError(f"{shards[shard]} and {directory} both hold shard {shard}/{manifest['shard'][1]} of "
+                             "the job: its rows would be counted twice")
+        shards[shard] = directory
+
+
+def _read_verified(directory: Path, chunk: dict, name: str) -> bytes:
+    path = directory / name
+    expected = chunk["sha256"].get(name)
+    if expected is None:
+        raise ValueError(f"{directory / MANIFEST}: no checksum for {name}; the manifest is corrupted")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e.strerror}); the output is incomplete") from None
+    if hashlib.sha256(data).hexdigest() != expected:
+        raise ValueError(f"{path}: its sha256 differs from the manifest's: the file is truncated or corrupted")
+    return data
+
+
+def _read_chunk(directory: Path, manifest: dict, chunk: dict, token_task: bool) -> list[tuple[int, str, np.ndarray]]:
+    data_bytes = _read_verified(directory, chunk, chunk["data"])
+    where = directory / chunk["data"]
+    if chunk["data"].endswith(".parquet"):
+        indices, ids, rows = _parquet_rows(data_bytes, chunk, token_task, where)
+    else:
+        meta = json.loads(_read_verified(directory, chunk, chunk["ids"]))
+        indices, ids = meta["index"], meta["id"]
+        try:
+            data = np.load(io.BytesIO(data_bytes), allow_pickle=False)
+        except ValueError as e:
+            raise ValueError(f"{where}: not a readable .npy file ({e})") from None
+        offsets = chunk.get("offsets")
+        rows = [data[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)] if token_task else list(data)
+    if not len(ids) == len(indices) == len(rows) == chunk["rows"]:
+        raise ValueError(f"{where}: {len(rows)} rows, {len(ids)} ids and {len(indices)} indices, but the manifest "
+                         f"says {chunk['rows']}: the chunk is corrupted")
+    offset = chunk.get("index_offset", 0)  # Ray jobs: chunk-local indices
+    return [(offset + i, str(rid), dequantize(r, manifest)) for i, rid, r in zip(indices, ids, rows)]
+
+
+def _parquet_rows(data: bytes, chunk: dict, token_task: bool, where: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(pa.BufferReader(data))
+        vectors = table.column(chunk.get("column", "data")).combine_chunks()
+    except (pa.ArrowException, KeyError) as e:
+        raise ValueError(f"{where}: not a readable chunk ({e})") from None
+    if token_task:
+        offsets = vectors.offsets.to_numpy()
+        offsets = offsets - offsets[0]  # flatten() starts at the first record's rows
+        values = vectors.flatten()
+    else:
+        offsets, values = None, vectors
+    width = values.type.list_size
+    flat = values.flatten().to_numpy(zero_copy_only=False).reshape(-1, width)
+    rows = [flat[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)] if token_task else list(flat)
+    return table.column("index").to_pylist(), table.column("id").to_pylist(), rows

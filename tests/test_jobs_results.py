@@ -1,0 +1,242 @@
+"""pipeline-run's output directory: Parquet that standard readers load as is, int8 accuracy,
+load_results refusing partial / mixed / corrupted results, one writer per directory, checks of
+--output before the model loads, and resumes refused on changed inputs."""
+
+import fcntl
+import json
+import os
+import shutil
+
+import corpus
+import numpy as np
+import pytest
+from test_launcher import TOL, FakePipeline, manifest_of, run_launcher
+
+from pooling_pipeline import load_results
+
+
+@pytest.fixture(scope="module")
+def records():
+    texts = corpus.sentences(60, seed=91)
+    return [{"id": f"r{i}", "text": t, "title": f"title {i}"} for i, t in enumerate(texts)]
+
+
+@pytest.fixture(scope="module")
+def jsonl(tmp_path_factory, records):
+    path = tmp_path_factory.mktemp("in") / "docs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def expected(st_model, records):
+    return st_model.encode([r["text"] for r in records])
+
+
+@pytest.fixture(scope="module")
+def npy_out(tmp_path_factory, jsonl):
+    out = tmp_path_factory.mktemp("npy") / "out"
+    run_launcher(["--input", str(jsonl), "--output", str(out), "--chunk-rows", "20"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def parquet_out(tmp_path_factory, records):
+    """A Parquet job with a kept field and a failed record (so __job__/ holds errors files too)."""
+    rows = [dict(r) for r in records]
+    rows[7]["text"] = None
+    path = tmp_path_factory.mktemp("pin") / "docs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path_factory.mktemp("parquet") / "out"
+    run_launcher(["--input", str(path), "--output", str(out), "--format", "parquet", "--keep-fields", "title",
+                  "--errors", "return", "--chunk-rows", "25"])
+    assert (out / "__job__" / "errors.jsonl").exists()
+    return out
+
+
+def test_parquet_output_reads_as_is_with_pandas_pyarrow_and_datasets(parquet_out, expected, tmp_path, monkeypatch):
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.dataset as pads
+
+    keep = [i for i in range(60) if i != 7]
+    frame = pd.read_parquet(parquet_out).sort_values("index")
+    assert list(frame["id"]) == [f"r{i}" for i in keep] and list(frame["title"]) == [f"title {i}" for i in keep]
+    assert np.abs(np.stack(frame["embedding"].to_list()) - expected[keep]).max() <= TOL
+    dataset = pads.dataset(parquet_out)
+    assert dataset.schema.field("embedding").type == pa.list_(pa.float32(), 384)  # fixed-size, not bytes
+    assert dataset.count_rows() == 59
+    datasets = pytest.importorskip("datasets", reason="the test extra's `datasets` is not installed")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    loaded = datasets.load_dataset("parquet", data_dir=str(parquet_out), cache_dir=str(tmp_path / "hf-cache"))["train"]
+    assert loaded.num_rows == 59 and loaded.features["embedding"].length == 384
+    order = np.argsort(loaded["index"])
+    assert np.abs(np.asarray(loaded["embedding"], dtype=np.float32)[order] - expected[keep]).max() <= TOL
+    ids, data = load_results(parquet_out)
+    assert ids == [f"r{i}" for i in keep] and np.abs(data - expected[keep]).max() <= TOL
+
+
+@pytest.fixture(scope="module")
+def sentences(tmp_path_factory, st_model):
+    texts = corpus.sentences(200, seed=92)
+    path = tmp_path_factory.mktemp("int8") / "sentences.jsonl"
+    path.write_text("".join(json.dumps({"id": f"s{i}", "text": t}) + "\n" for i, t in enumerate(texts)))
+    return path, st_model.encode(texts)
+
+
+@pytest.mark.parametrize("chunk_rows, calibration_rows", [(1, None), (10, None), (10, 100)])
+def test_int8_stays_accurate_at_any_chunk_size(tmp_path, sentences, chunk_rows, calibration_rows):
+    """int8 ranges come from a sample of a fixed size (default 1000 rows, or the whole input when
+    shorter), not from the first chunk: with --chunk-rows 1 that gave 499/500 rows a cosine < 0.9
+    to float32. (10, 100): rows after a 100-row sample, some clipped, still hold >= 0.99."""
+    path, expected = sentences
+    out = tmp_path / "out"
+    extra = ["--int8-calibration-rows", str(calibration_rows)] if calibration_rows else []
+    run_launcher(["--input", str(path), "--output", str(out), "--precision", "int8", "--chunk-rows", str(chunk_rows),
+                  *extra])
+    _, data = load_results(out)
+    cosine = np.sum(data * expected, axis=1) / (np.linalg.norm(data, axis=1) * np.linalg.norm(expected, axis=1))
+    assert cosine.min() >= 0.99, cosine.min()
+    assert manifest_of(out)["int8"]["sample_rows"] == (calibration_rows or 200)
+
+
+def _copy(src, tmp_path, name):
+    dst = tmp_path / name
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_manifest(out, change):
+    path = out / "__job__" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def test_a_corrupted_chunk_is_an_error_naming_the_file(npy_out, parquet_out, tmp_path):
+    assert len(manifest_of(npy_out)["chunks"]) == 3
+    flipped = _copy(npy_out, tmp_path, "flipped")
+    data = bytearray((flipped / "data-00001.npy").read_bytes())
+    data[-5] ^= 0x10  # one bit of one float
+    (flipped / "data-00001.npy").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="data-00001.npy: its sha256 differs"):
+        load_results(flipped)
+    short = _copy(npy_out, tmp_path, "short")
+    ids = (short / "ids-00002.json").read_text()
+    (short / "ids-00002.json").write_text(ids[: len(ids) // 2])
+    with pytest.raises(ValueError, match="ids-00002.json"):
+        load_results(short)
+    pflip = _copy(parquet_out, tmp_path, "pflip")
+    data = bytearray((pflip / "data-00001.parquet").read_bytes())
+    data[len(data) // 3] ^= 0x01
+    (pflip / "data-00001.parquet").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="data-00001.parquet"):
+        load_results(pflip)
+
+
+def test_a_broken_manifest_is_an_error_naming_it(npy_out, tmp_path):
+    lacking = _copy(npy_out, tmp_path, "lacking")
+    _edit_manifest(lacking, lambda m: m.pop("chunks"))
+    with pytest.raises(ValueError, match=r"manifest.json: the manifest lacks \['chunks'\]"):
+        load_results(lacking)
+    chunk_lacking = _copy(npy_out, tmp_path, "chunk-lacking")
+    _edit_manifest(chunk_lacking, lambda m: m["chunks"][1].pop("sha256"))
+    with pytest.raises(ValueError, match="chunk 1 lacks"):
+        load_results(chunk_lacking)
+    garbled = _copy(npy_out, tmp_path, "garbled")
+    (garbled / "__job__" / "manifest.json").write_text('{"task": "embed", ')
+    with pytest.raises(ValueError, match="manifest.json: not valid JSON"):
+        load_results(garbled)
+
+
+def test_load_results_refuses_partial_twice_and_mixed(npy_out, tmp_path):
+    unfinished = _copy(npy_out, tmp_path, "unfinished")
+    _edit_manifest(unfinished, lambda m: m.update(complete=False))
+    with pytest.raises(ValueError, match="unfinished job"):
+        load_results(unfinished)
+    assert len(load_results(unfinished, allow_partial=True)[0]) == 60
+    with pytest.raises(ValueError, match="given twice"):
+        load_results(npy_out, str(npy_out) + "/")
+    with pytest.raises(ValueError, match="both hold shard 0/1"):
+        load_results(npy_out, _copy(npy_out, tmp_path, "same-shard"))
+    other = _copy(npy_out, tmp_path, "float16-job")
+    _edit_manifest(other, lambda m: (m["params"].update(precision="float16"), m.update(shard=[1, 2])))
+    with pytest.raises(ValueError, match="different jobs.*precision"):
+        load_results(npy_out, other)
+    other_model = _copy(npy_out, tmp_path, "other-model")
+    _edit_manifest(other_model, lambda m: m.update(model_sha256="0" * 64, shard=[1, 1]))
+    with pytest.raises(ValueError, match="different jobs.*model_sha256"):
+        load_results(npy_out, other_model)
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """pipeline-run in-process with a stand-in for the model (FakePipeline), or none at all."""
+    import pooling_pipeline
+    from pooling_pipeline.jobs import launcher
+
+    monkeypatch.setattr(pooling_pipeline, "Pipeline", FakePipeline)
+    monkeypatch.setattr(launcher, "format_stats", lambda stats: [])  # the stand-in has no stage statistics
+    return monkeypatch
+
+
+def test_one_writer_per_output_directory(tmp_path, jsonl, no_model, capsys):
+    from pooling_pipeline.jobs.launcher import main
+
+    out = tmp_path / "out"
+    (out / "__job__").mkdir(parents=True)
+    with open(out / "__job__" / "lock", "w") as held:  # another run holds the directory
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write(f"{os.getpid()}\n")
+        held.flush()
+        assert main(["--input", str(jsonl), "--output", str(out), "--quiet", "--resume"]) == 2
+        assert f"in use by another pipeline-run (pid {os.getpid()})" in capsys.readouterr().err
+        assert not (out / "__job__" / "manifest.json").exists()
+    assert main(["--input", str(jsonl), "--output", str(out), "--quiet", "--resume"]) == 0  # the lock went with it
+    assert manifest_of(out)["complete"]
+
+
+def test_output_directory_is_checked_before_the_model_loads(tmp_path, jsonl, monkeypatch, capsys):
+    import pooling_pipeline
+    from pooling_pipeline.jobs import output_dir
+    from pooling_pipeline.jobs.launcher import main
+
+    def no_model(*a, **kw):
+        raise AssertionError("the model was started")
+
+    monkeypatch.setattr(pooling_pipeline, "Pipeline", no_model)
+    a_file = tmp_path / "taken.txt"
+    a_file.write_text("not a directory\n")
+    assert main(["--input", str(jsonl), "--output", str(a_file), "--quiet"]) == 2
+    assert "is a file" in capsys.readouterr().err
+    corpus_dir = tmp_path / "corpus"
+    corpus_dir.mkdir()
+    shutil.copy(jsonl, corpus_dir / "docs.jsonl")
+    assert main(["--input", str(corpus_dir), "--output", str(corpus_dir / "out"), "--quiet"]) == 2
+    assert "inside the input directory" in capsys.readouterr().err
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    if os.access(read_only, os.W_OK):  # root writes anywhere: the check is what is tested, not the OS
+        real = os.access
+        monkeypatch.setattr(output_dir.os, "access",
+                            lambda p, mode: False if str(p).startswith(str(read_only)) else real(p, mode))
+    assert main(["--input", str(jsonl), "--output", str(read_only), "--quiet"]) == 2
+    assert "is not writable" in capsys.readouterr().err
+
+
+def test_resume_refuses_an_input_changed_since_the_job_began(tmp_path, records, no_model, capsys):
+    from pooling_pipeline.jobs.launcher import main
+
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "out"
+    assert main(["--input", str(path), "--output", str(out), "--quiet", "--limit", "20", "--chunk-rows", "10"]) == 0
+    size = path.stat().st_size
+    inserted = json.dumps({"id": "new", "text": "a record inserted at the top"}) + "\n"
+    path.write_text(inserted + "".join(json.dumps(r) + "\n" for r in records))  # one record inserted in place
+    capsys.readouterr()
+    assert main(["--input", str(path), "--output", str(out), "--quiet", "--resume", "--chunk-rows", "10"]) == 3
+    err = capsys.readouterr().err
+    assert f"input {path} changed since the job began (size {size} then, {path.stat().st_size} now)" in err
+    assert manifest_of(out)["records_done"] == 20  # nothing added to the old job
