@@ -1,0 +1,705 @@
+"""A zoo of tiny models of the families people use, saved the way sentence-transformers (ST) saves them.
+
+Each builder takes a directory (a pytest `tmp_path`), writes one model into a new folder inside it and
+returns that folder's path. Weights are random (fixed seed), the models tiny (hidden 32, 2 layers), so
+each builds in about a second. The reference is ST itself: the layouts are written by ST's own classes
+(`SentenceTransformer(modules=[...]).save`, `CrossEncoder(...).save`, `SparseEncoder(modules=[...]).save`),
+and the older layouts (`sentence_transformers.models.*` types, `pooling_mode_*` flags, `max_seq_length` in
+`sentence_bert_config.json`) are written by hand, as ST 2.x-4.x wrote them; ST 6 still loads both.
+
+Tokenizers: the bundled WordPiece one (all-MiniLM's), and byte-level BPE and Unigram tokenizers trained
+here on the standard library's docstrings, wrapped as `PreTrainedTokenizerFast` with the normalizer,
+pre-tokenizer, post-processor and padding side of the real model they stand for.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+SEED = 0
+MAX_LEN = 128  # every zoo model truncates here, so the tests' long texts are cut
+HIDDEN = 32
+WORDPIECE_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# Initialised with a wider spread than transformers' 0.02 so the outputs depend strongly on the input:
+# a truncation or pooling mistake then moves the vectors far beyond the tests' tolerance.
+INIT_RANGE = 0.2
+SPLADE_LOGIT_BIAS = -3.5
+
+# Qwen2 / Qwen3's pre-tokenizer regex (GPT-4 style, one digit per piece).
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN_QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery: "
+QWEN_PROMPTS = {"query": QWEN_QUERY_PROMPT, "document": ""}
+E5_PROMPTS = {"query": "query: ", "passage": "passage: "}
+
+ST_TYPES_OLD = {
+    "Transformer": "sentence_transformers.models.Transformer",
+    "Pooling": "sentence_transformers.models.Pooling",
+    "Dense": "sentence_transformers.models.Dense",
+    "Normalize": "sentence_transformers.models.Normalize",
+    "LayerNorm": "sentence_transformers.models.LayerNorm",
+    "MLMTransformer": "sentence_transformers.sparse_encoder.models.MLMTransformer",
+    "SpladePooling": "sentence_transformers.sparse_encoder.models.SpladePooling",
+}
+# The fixed order in which ST concatenates the old `pooling_mode_*` flags (not the order of the keys).
+OLD_POOLING_FLAGS = {
+    "cls": "pooling_mode_cls_token",
+    "max": "pooling_mode_max_tokens",
+    "mean": "pooling_mode_mean_tokens",
+    "mean_sqrt_len_tokens": "pooling_mode_mean_sqrt_len_tokens",
+    "weightedmean": "pooling_mode_weightedmean_tokens",
+    "lasttoken": "pooling_mode_lasttoken",
+}
+
+
+def _seed() -> None:
+    import torch
+
+    torch.manual_seed(SEED)
+
+
+def _fresh(target: str | Path, name: str) -> Path:
+    path = Path(target) / name
+    if path.exists():
+        shutil.rmtree(path)
+    return path
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenizers
+# --------------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def _training_texts() -> tuple[str, ...]:
+    import corpus
+
+    return corpus.docstrings()[::4]
+
+
+@functools.cache
+def _bpe_json(kind: str) -> str:
+    """A byte-level BPE trained on docstrings. kind "qwen": NFC + the Qwen2 Split regex + ByteLevel
+    (no regex), as Qwen2/Qwen3's tokenizer.json; "roberta": ByteLevel with the GPT-2 regex."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    if kind == "qwen":
+        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    else:
+        specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=2000, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_training_texts(), trainer)
+    return tok.to_str()
+
+
+@functools.lru_cache(maxsize=1)
+def _unigram_pieces() -> tuple[tuple[str, float], ...]:
+    """A SentencePiece-style Unigram vocabulary (pieces and scores, no special tokens) trained once."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.Unigram())
+    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Replace(Regex(" {2,}"), " ")])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    trainer = trainers.UnigramTrainer(vocab_size=2000, special_tokens=["<unk>"], unk_token="<unk>", show_progress=False)
+    tok.train_from_iterator(_training_texts(), trainer)
+    vocab = json.loads(tok.to_str())["model"]["vocab"]
+    return tuple((piece, score) for piece, score in vocab if piece != "<unk>")
+
+
+def _unigram(specials: list[str], unk: str, mask: str | None):
+    """A Unigram tokenizer with `specials` at ids 0.. (as SentencePiece models list them) and `mask`
+    (if any) as the last id, as XLM-R / DeBERTa-v3 do."""
+    from tokenizers import Tokenizer, models
+
+    pieces = [(s, 0.0) for s in specials] + list(_unigram_pieces()) + ([(mask, 0.0)] if mask else [])
+    tok = Tokenizer(models.Unigram(pieces, unk_id=specials.index(unk), byte_fallback=False))
+    tok.add_special_tokens(specials + ([mask] if mask else []))
+    return tok
+
+
+def _fast(tok, **kwargs):
+    from transformers import PreTrainedTokenizerFast
+
+    kwargs.setdefault("model_max_length", MAX_LEN)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **kwargs)
+
+
+def qwen_tokenizer():
+    """Qwen3-Embedding's shape: byte-level BPE, `<|endoftext|>` appended by a TemplateProcessing
+    post-processor, pad = `<|endoftext|>`, eos = `<|im_end|>`, padding on the left."""
+    from tokenizers import Tokenizer, processors
+
+    tok = Tokenizer.from_str(_bpe_json("qwen"))
+    eot = tok.token_to_id("<|endoftext|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A:0 <|endoftext|>:0", pair="$A:0 <|endoftext|>:0 $B:1 <|endoftext|>:1",
+        special_tokens=[("<|endoftext|>", eot)])
+    return _fast(tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", padding_side="left",
+                 additional_special_tokens=["<|im_start|>"])
+
+
+def roberta_tokenizer():
+    """RoBERTa's shape: byte-level BPE (GPT-2 regex), `<s> A </s>` / `<s> A </s></s> B </s>`, pad id 1."""
+    from tokenizers import Tokenizer, processors
+
+    tok = Tokenizer.from_str(_bpe_json("roberta"))
+    tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0), trim_offsets=True, add_prefix_space=False)
+    return _fast(tok, bos_token="<s>", eos_token="</s>", sep_token="</s>", cls_token="<s>", unk_token="<unk>",
+                 pad_token="<pad>", mask_token="<mask>")
+
+
+def xlmr_tokenizer():
+    """XLM-R's shape: SentencePiece Unigram, NFKC-like normalizer + collapsed spaces, Metaspace,
+    `<s> A </s>` / `<s> A </s> </s> B </s>`, `<s>`=0 `<pad>`=1 `</s>`=2 `<unk>`=3, `<mask>` last."""
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers, processors
+
+    tok = _unigram(["<s>", "<pad>", "</s>", "<unk>"], "<unk>", "<mask>")
+    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Replace(Regex(" {2,}"), " ")])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)])
+    return _fast(tok, bos_token="<s>", eos_token="</s>", sep_token="</s>", cls_token="<s>", unk_token="<unk>",
+                 pad_token="<pad>", mask_token="<mask>")
+
+
+def t5_tokenizer():
+    """T5's shape: SentencePiece Unigram, WhitespaceSplit + Metaspace, `</s>` appended,
+    `<pad>`=0 `</s>`=1 `<unk>`=2, no BOS, no token types."""
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers, processors
+
+    tok = _unigram(["<pad>", "</s>", "<unk>"], "<unk>", None)
+    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Replace(Regex(" {2,}"), " ")])
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                                 pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")])
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)])
+    return _fast(tok, eos_token="</s>", unk_token="<unk>", pad_token="<pad>")
+
+
+def deberta_tokenizer():
+    """DeBERTa-v2/v3's shape: SentencePiece Unigram with Metaspace only (a character-local normalizer),
+    `[CLS] A [SEP]` / `[CLS] A [SEP] B [SEP]` with token types, `[PAD]`=0 `[CLS]`=1 `[SEP]`=2 `[UNK]`=3."""
+    from tokenizers import decoders, normalizers, pre_tokenizers, processors
+
+    tok = _unigram(["[PAD]", "[CLS]", "[SEP]", "[UNK]"], "[UNK]", "[MASK]")
+    tok.normalizer = normalizers.NFKC()
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS]:0 $A:0 [SEP]:0", pair="[CLS]:0 $A:0 [SEP]:0 $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", 1), ("[SEP]", 2)])
+    return _fast(tok, bos_token="[CLS]", eos_token="[SEP]", cls_token="[CLS]", sep_token="[SEP]", unk_token="[UNK]",
+                 pad_token="[PAD]", mask_token="[MASK]")
+
+
+def mpnet_tokenizer():
+    """MPNet's shape: the BERT WordPiece vocabulary with MPNet's specials (`<s>`=0 `<pad>`=1 `</s>`=2
+    `<unk>`=3, `<mask>` last), `<s> A </s>` / `<s> A </s> </s> B </s>`."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    words = [w for w in _bundled_vocab() if w not in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")]
+    vocab = {w: i for i, w in enumerate(["<s>", "<pad>", "</s>", "<unk>", *words, "<mask>"])}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="<unk>", max_input_chars_per_word=100))
+    tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None,
+                                                lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.add_special_tokens(["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)])
+    return _fast(tok, bos_token="<s>", eos_token="</s>", sep_token="</s>", cls_token="<s>", unk_token="<unk>",
+                 pad_token="<pad>", mask_token="<mask>")
+
+
+def wordpiece_tokenizer():
+    """The bundled all-MiniLM WordPiece tokenizer (BERT's), with model_max_length MAX_LEN."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_bundled_dir(), model_max_length=MAX_LEN)
+
+
+# The tokenizers the long-input tests run on, by the family they stand for.
+TOKENIZERS: dict[str, Callable] = {
+    "qwen-bpe": qwen_tokenizer, "roberta-bpe": roberta_tokenizer, "xlmr-unigram": xlmr_tokenizer,
+    "t5-unigram": t5_tokenizer, "deberta-unigram": deberta_tokenizer, "mpnet-wordpiece": mpnet_tokenizer,
+    "bert-wordpiece": wordpiece_tokenizer,
+}
+
+
+def _bundled_dir() -> Path:
+    from pooling_pipeline.core.config import default_model_path
+
+    return Path(default_model_path())
+
+
+@functools.lru_cache(maxsize=1)
+def _bundled_vocab() -> tuple[str, ...]:
+    return tuple((_bundled_dir() / "vocab.txt").read_text(encoding="utf-8").splitlines())
+
+
+def copy_wordpiece(target: Path, model_max_length: int | None = MAX_LEN) -> None:
+    """Copies the bundled WordPiece tokenizer files into `target` (model_max_length rewritten, or
+    removed when None)."""
+    target.mkdir(parents=True, exist_ok=True)
+    for name in WORDPIECE_FILES:
+        shutil.copy(_bundled_dir() / name, target / name)
+    cfg_path = target / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("model_max_length", None)
+    if model_max_length is not None:
+        cfg["model_max_length"] = model_max_length
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+
+
+# --------------------------------------------------------------------------------------------------
+# Backbones (transformers' own classes), saved as plain HF dirs
+# --------------------------------------------------------------------------------------------------
+
+def _bert_config(**kwargs):
+    from transformers import BertConfig
+
+    base = dict(vocab_size=30522, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                max_position_embeddings=512, initializer_range=INIT_RANGE)
+    return BertConfig(**{**base, **kwargs})
+
+
+def _save_hf(model, tokenizer, path: Path) -> Path:
+    model.eval().save_pretrained(path)
+    if tokenizer is None:
+        copy_wordpiece(path)
+    else:
+        tokenizer.save_pretrained(path)
+    return path
+
+
+def hf_bert(target: str | Path, name: str = "hf-bert", head: str | None = None, num_labels: int = 1,
+            model_max_length: int | None = MAX_LEN) -> str:
+    """A plain HF BERT dir with the bundled WordPiece tokenizer. head: None (BertModel),
+    "seq-cls" (BertForSequenceClassification, num_labels) or "mlm" (BertForMaskedLM)."""
+    from transformers import BertForMaskedLM, BertForSequenceClassification, BertModel
+
+    path = _fresh(target, name)
+    _seed()
+    if head == "seq-cls":
+        model = BertForSequenceClassification(_bert_config(num_labels=num_labels))
+    elif head == "mlm":
+        import torch
+
+        model = BertForMaskedLM(_bert_config())
+        # A negative output bias makes the SPLADE vectors sparse, as a trained model's are (a few
+        # dozen to a few thousand active terms instead of most of the vocabulary).
+        with torch.no_grad():
+            model.cls.predictions.bias.fill_(SPLADE_LOGIT_BIAS)
+    else:
+        model = BertModel(_bert_config(), add_pooling_layer=False)
+    model.eval().save_pretrained(path)
+    copy_wordpiece(path, model_max_length)
+    return str(path)
+
+
+def hf_backbone(target: str | Path, family: str, name: str | None = None) -> str:
+    """A plain HF dir of one encoder or decoder family with a tokenizer of its shape."""
+    import transformers as tf
+
+    path = _fresh(target, name or f"hf-{family}")
+    _seed()
+    common = dict(num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, initializer_range=INIT_RANGE)
+    if family == "bert":
+        return hf_bert(target, name=path.name)
+    if family == "distilbert":
+        model = tf.DistilBertModel(tf.DistilBertConfig(vocab_size=30522, dim=HIDDEN, n_layers=2, n_heads=4,
+                                                       hidden_dim=64, max_position_embeddings=512,
+                                                       initializer_range=INIT_RANGE))
+        return str(_save_hf(model, None, path))
+    if family == "modernbert":
+        # local_attention 16: sequences beyond 16 tokens go through the sliding-window layers.
+        cfg = tf.ModernBertConfig(vocab_size=30522, hidden_size=HIDDEN, max_position_embeddings=512,
+                                  global_attn_every_n_layers=2, local_attention=16, pad_token_id=0, bos_token_id=101,
+                                  eos_token_id=102, cls_token_id=101, sep_token_id=102, **common)
+        return str(_save_hf(tf.ModernBertModel(cfg), None, path))
+    if family == "mpnet":
+        tok = mpnet_tokenizer()
+        cfg = tf.MPNetConfig(vocab_size=len(tok), hidden_size=HIDDEN, max_position_embeddings=MAX_LEN + 2,
+                             pad_token_id=1, bos_token_id=0, eos_token_id=2, **common)
+        return str(_save_hf(tf.MPNetModel(cfg, add_pooling_layer=False), tok, path))
+    if family in ("xlmr", "roberta"):
+        tok = xlmr_tokenizer() if family == "xlmr" else roberta_tokenizer()
+        cfg_cls, model_cls = ((tf.XLMRobertaConfig, tf.XLMRobertaModel) if family == "xlmr"
+                              else (tf.RobertaConfig, tf.RobertaModel))
+        cfg = cfg_cls(vocab_size=len(tok), hidden_size=HIDDEN, max_position_embeddings=MAX_LEN + 2, type_vocab_size=1,
+                      pad_token_id=1, bos_token_id=0, eos_token_id=2, **common)
+        return str(_save_hf(model_cls(cfg, add_pooling_layer=False), tok, path))
+    if family == "deberta-v2":
+        tok = deberta_tokenizer()
+        cfg = tf.DebertaV2Config(vocab_size=len(tok), hidden_size=HIDDEN, max_position_embeddings=512, type_vocab_size=0,
+                                 relative_attention=True, position_buckets=32, max_relative_positions=-1,
+                                 pos_att_type=["p2c", "c2p"], position_biased_input=False, norm_rel_ebd="layer_norm",
+                                 share_att_key=True, pad_token_id=0, **common)
+        return str(_save_hf(tf.DebertaV2Model(cfg), tok, path))
+    if family == "t5":
+        tok = t5_tokenizer()
+        # Saved whole (encoder and decoder), as sentence-t5 / GTR checkpoints derive from t5 ones; ST loads
+        # only T5EncoderModel from it.
+        cfg = tf.T5Config(vocab_size=len(tok), d_model=HIDDEN, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=1,
+                          num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=32,
+                          feed_forward_proj="relu", initializer_factor=1.0, pad_token_id=0, eos_token_id=1,
+                          decoder_start_token_id=0)
+        return str(_save_hf(tf.T5Model(cfg), tok, path))
+    if family in ("qwen3", "qwen2", "llama", "mistral"):
+        tok = qwen_tokenizer()
+        eot = tok.convert_tokens_to_ids("<|endoftext|>")
+        kw = dict(vocab_size=len(tok), hidden_size=HIDDEN, num_key_value_heads=2, max_position_embeddings=512,
+                  pad_token_id=eot, eos_token_id=eot, bos_token_id=None, tie_word_embeddings=False, **common)
+        cfg_cls, model_cls = {"qwen3": (tf.Qwen3Config, tf.Qwen3Model), "qwen2": (tf.Qwen2Config, tf.Qwen2Model),
+                              "llama": (tf.LlamaConfig, tf.LlamaModel), "mistral": (tf.MistralConfig, tf.MistralModel)}[family]
+        if family == "qwen3":
+            kw["head_dim"] = 8
+        if family == "mistral":
+            kw["sliding_window"] = None
+        return str(_save_hf(model_cls(cfg_cls(**kw)), tok, path))
+    raise ValueError(f"unknown family {family!r}")
+
+
+# --------------------------------------------------------------------------------------------------
+# sentence-transformers layouts, written by ST 6 itself
+# --------------------------------------------------------------------------------------------------
+
+def _save_st(target: Path, name: str, hf_dir: str, modules: list, *, model_cls=None, transformer_task=None,
+             **model_kwargs) -> str:
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Transformer
+
+    path = _fresh(target, name)
+    kwargs = {"transformer_task": transformer_task} if transformer_task else {}
+    first = Transformer(hf_dir, **kwargs)
+    model = (model_cls or SentenceTransformer)(modules=[first, *modules], device="cpu", **model_kwargs)
+    model.save(str(path))
+    shutil.rmtree(hf_dir)
+    return str(path)
+
+
+def build_st(target: str | Path, family: str = "bert", *, name: str | None = None,
+             pooling_mode: str | tuple[str, ...] = "mean", include_prompt: bool = True,
+             dense: dict | None = None, layer_norm: bool = False, normalize: bool = False,
+             prompts: dict[str, str] | None = None, default_prompt_name: str | None = None,
+             truncate_dim: int | None = None, tokenizer_extra: dict | None = None) -> str:
+    """A SentenceTransformer in ST 6's own layout: Transformer (a `family` backbone), Pooling
+    (`pooling_mode`, a mode or a tuple, `include_prompt`), optional Dense (`dense` = kwargs of
+    `Dense`, e.g. {"out_features": 16, "bias": True, "activation": "tanh"}), LayerNorm, Normalize;
+    prompts / default_prompt_name / truncate_dim in config_sentence_transformers.json;
+    `tokenizer_extra` keys merged into tokenizer_config.json before ST loads it (e.g. a chat_template).
+    Max length: model_max_length 128 in tokenizer_config.json."""
+    import torch
+    from sentence_transformers.base.modules import Dense, Normalize
+    from sentence_transformers.sentence_transformer.modules import LayerNorm, Pooling
+
+    target = Path(target)
+    mode_tag = pooling_mode if isinstance(pooling_mode, str) else "+".join(pooling_mode)
+    name = name or f"st-{family}-{mode_tag}"
+    hf_dir = hf_backbone(target, family, name=f"_hf-{name}")
+    if tokenizer_extra:
+        cfg_path = Path(hf_dir) / "tokenizer_config.json"
+        cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), **tokenizer_extra}, indent=2))
+    _seed()
+    pooling = Pooling(HIDDEN, pooling_mode=pooling_mode, include_prompt=include_prompt)
+    modules: list = [pooling]
+    dim = pooling.get_embedding_dimension()
+    if dense is not None:
+        dense = dict(dense)
+        activation = {"tanh": torch.nn.Tanh(), "identity": torch.nn.Identity(), "gelu": torch.nn.GELU(),
+                      "relu": torch.nn.ReLU(), "sigmoid": torch.nn.Sigmoid()}[dense.pop("activation", "tanh")]
+        out = dense.pop("out_features", 16)
+        modules.append(Dense(dim, out, activation_function=activation, **dense))
+        dim = out
+    if layer_norm:
+        ln = LayerNorm(dim)
+        with torch.no_grad():
+            ln.norm.weight.copy_(1.0 + 0.5 * torch.randn(dim))
+            ln.norm.bias.copy_(0.5 * torch.randn(dim))
+        modules.append(ln)
+    if normalize:
+        modules.append(Normalize())
+    return _save_st(target, name, hf_dir, modules, prompts=prompts, default_prompt_name=default_prompt_name,
+                    truncate_dim=truncate_dim)
+
+
+def build_bert_pooling(target: str | Path, pooling_mode: str | tuple[str, ...], **kwargs) -> str:
+    """BERT in the new layout with one pooling mode (or a tuple of modes, concatenated)."""
+    return build_st(target, "bert", pooling_mode=pooling_mode, **kwargs)
+
+
+def build_bert_prompts(target: str | Path, *, include_prompt: bool = True, pooling_mode: str | tuple[str, ...] = "mean",
+                       name: str | None = None) -> str:
+    """BERT + Pooling + Normalize with e5-style prompts and default_prompt_name "query"."""
+    tag = "incl" if include_prompt else "excl"
+    mode_tag = pooling_mode if isinstance(pooling_mode, str) else "+".join(pooling_mode)
+    return build_st(target, "bert", name=name or f"st-bert-prompts-{mode_tag}-{tag}", pooling_mode=pooling_mode,
+                    include_prompt=include_prompt, normalize=True, prompts=dict(E5_PROMPTS), default_prompt_name="query")
+
+
+def build_bert_dense(target: str | Path, **dense) -> str:
+    """BERT + mean Pooling + Dense (default 32 -> 16, bias, Tanh): the vector is 16 wide, not 32."""
+    dense = {"out_features": 16, "bias": True, "activation": "tanh", **dense}
+    return build_st(target, "bert", name="st-bert-dense", dense=dense)
+
+
+def build_bert_layer_norm(target: str | Path) -> str:
+    """BERT + mean Pooling + LayerNorm (random affine) + Normalize."""
+    return build_st(target, "bert", name="st-bert-layernorm", layer_norm=True, normalize=True)
+
+
+def build_encoder(target: str | Path, family: str, **kwargs) -> str:
+    """An encoder family (distilbert, mpnet, xlmr, roberta, deberta-v2, modernbert) in the new layout,
+    mean Pooling + Normalize as the published embedders of those families have."""
+    kwargs.setdefault("normalize", True)
+    return build_st(target, family, **kwargs)
+
+
+def build_sentence_t5(target: str | Path) -> str:
+    """sentence-t5 / GTR style: T5 encoder (a whole T5 checkpoint: ST loads T5EncoderModel), mean
+    Pooling, Dense 32 -> 16 without bias, Identity activation, Normalize."""
+    return build_st(target, "t5", name="st-sentence-t5", dense={"out_features": 16, "bias": False, "activation": "identity"},
+                    normalize=True)
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "<|endoftext|>")
+
+
+def build_decoder_embedder(target: str | Path, family: str = "qwen3", *, prompts: dict[str, str] | None = None,
+                           chat_template: bool = False) -> str:
+    """Qwen3-Embedding style: a decoder backbone (qwen3, qwen2, llama, mistral), last-token Pooling,
+    Normalize, the instruction prompt as "query", `<|endoftext|>` appended by the tokenizer's
+    post-processor, left padding declared by the tokenizer. chat_template: the tokenizer gets one,
+    so ST 6 saves a "message" modality and renders every text through the template (a prompt
+    becomes a system message)."""
+    extra = {"chat_template": CHAT_TEMPLATE} if chat_template else None
+    return build_st(target, family, name=f"st-{family}-embedder{'-chat' if chat_template else ''}",
+                    pooling_mode="lasttoken", normalize=True, prompts=dict(QWEN_PROMPTS if prompts is None else prompts),
+                    tokenizer_extra=extra)
+
+
+# --------------------------------------------------------------------------------------------------
+# The older ST layout, written by hand (ST 2.x - 4.x)
+# --------------------------------------------------------------------------------------------------
+
+def build_bert_old_layout(target: str | Path, pooling_modes: tuple[str, ...] = ("mean",), *, name: str | None = None,
+                          max_seq_length: int = MAX_LEN, dense: bool = False, normalize: bool = True,
+                          include_prompt: bool | None = None, prompts: dict[str, str] | None = None,
+                          default_prompt_name: str | None = None) -> str:
+    """BERT saved as ST 2.x wrote it: `sentence_transformers.models.*` types in modules.json,
+    `{"max_seq_length": 128, "do_lower_case": false}` in sentence_bert_config.json (the tokenizer's
+    own model_max_length stays 512), `pooling_mode_*` flags with `word_embedding_dimension`, an
+    optional LaBSE-style Dense (Tanh, weights in pytorch_model.bin) and an empty Normalize folder."""
+    import torch
+
+    path = _fresh(target, name or ("st-old-bert-" + "+".join(pooling_modes)))
+    hf_bert(target, name=path.name, model_max_length=512)
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length, "do_lower_case": False}))
+    (path / "config_sentence_transformers.json").write_text(json.dumps({
+        "__version__": {"sentence_transformers": "2.2.2", "transformers": "4.30.0", "pytorch": "2.0.1"},
+        **({"prompts": prompts, "default_prompt_name": default_prompt_name} if prompts else {})}, indent=2))
+    modules = [{"idx": 0, "name": "0", "path": "", "type": ST_TYPES_OLD["Transformer"]}]
+    # Keys in the order all-MiniLM's file has them (cls, mean, max, mean_sqrt), which is not ST's concat order.
+    flags = {"word_embedding_dimension": HIDDEN}
+    for mode in ("cls", "mean", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken"):
+        flags[OLD_POOLING_FLAGS[mode]] = mode in pooling_modes
+    if include_prompt is not None:
+        flags["include_prompt"] = include_prompt
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(flags, indent=2))
+    modules.append({"idx": 1, "name": "1", "path": "1_Pooling", "type": ST_TYPES_OLD["Pooling"]})
+    dim = HIDDEN * len(pooling_modes)
+    if dense:
+        _seed()
+        linear = torch.nn.Linear(dim, dim)
+        (path / "2_Dense").mkdir()
+        (path / "2_Dense" / "config.json").write_text(json.dumps({
+            "in_features": dim, "out_features": dim, "bias": True,
+            "activation_function": "torch.nn.modules.activation.Tanh"}))
+        torch.save({"linear.weight": linear.weight.detach().clone(), "linear.bias": linear.bias.detach().clone()},
+                   path / "2_Dense" / "pytorch_model.bin")
+        modules.append({"idx": 2, "name": "2", "path": "2_Dense", "type": ST_TYPES_OLD["Dense"]})
+    if normalize:
+        idx = len(modules)
+        (path / f"{idx}_Normalize").mkdir()
+        modules.append({"idx": idx, "name": str(idx), "path": f"{idx}_Normalize", "type": ST_TYPES_OLD["Normalize"]})
+    (path / "modules.json").write_text(json.dumps(modules, indent=2))
+    return str(path)
+
+
+def to_old_layout(model_dir: str | Path, *, max_seq_length: int = MAX_LEN, do_lower_case: bool = False,
+                  tokenizer_max_length: int = 512) -> str:
+    """Rewrites a SentenceTransformer saved by ST 6 (Transformer, Pooling, Dense, LayerNorm, Normalize)
+    into the older layout in place: `sentence_transformers.models.*` types, `{"max_seq_length",
+    "do_lower_case"}` in sentence_bert_config.json (and the tokenizer's model_max_length back to
+    `tokenizer_max_length`, as the hub tokenizers have it), `pooling_mode_*` flags with
+    `word_embedding_dimension`, no Normalize config file."""
+    path = Path(model_dir)
+    modules = json.loads((path / "modules.json").read_text())
+    for module in modules:
+        short = module["type"].rsplit(".", 1)[1]
+        module["type"] = ST_TYPES_OLD[short]
+        folder = path / module["path"]
+        if short == "Pooling":
+            cfg = json.loads((folder / "config.json").read_text())
+            modes = cfg["pooling_mode"] if isinstance(cfg["pooling_mode"], list) else [cfg["pooling_mode"]]
+            old = {"word_embedding_dimension": cfg["embedding_dimension"]}
+            old.update({flag: mode in modes for mode, flag in OLD_POOLING_FLAGS.items()})
+            old["include_prompt"] = cfg["include_prompt"]
+            (folder / "config.json").write_text(json.dumps(old, indent=2))
+        elif short == "Normalize":
+            (folder / "config.json").unlink()
+    (path / "modules.json").write_text(json.dumps(modules, indent=2))
+    (path / "sentence_bert_config.json").write_text(
+        json.dumps({"max_seq_length": max_seq_length, "do_lower_case": do_lower_case}))
+    tok_path = path / "tokenizer_config.json"
+    tok_cfg = json.loads(tok_path.read_text())
+    tok_cfg.pop("max_length", None)
+    tok_cfg["model_max_length"] = tokenizer_max_length
+    tok_path.write_text(json.dumps(tok_cfg, indent=2))
+    return str(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Rerankers
+# --------------------------------------------------------------------------------------------------
+
+def build_cross_encoder(target: str | Path, num_labels: int = 1, *, family: str = "bert", name: str | None = None) -> str:
+    """A cross-encoder saved by ST 6's `CrossEncoder.save`: a *ForSequenceClassification checkpoint,
+    modules.json with one Transformer (transformer_task "sequence-classification") and
+    `"activation_fn"` in config_sentence_transformers.json (Sigmoid for 1 label, Identity otherwise)."""
+    from sentence_transformers import CrossEncoder
+
+    target = Path(target)
+    name = name or f"ce-{family}-{num_labels}"
+    if family == "bert":
+        hf_dir = hf_bert(target, name=f"_hf-{name}", head="seq-cls", num_labels=num_labels)
+    else:
+        hf_dir = _hf_seq_cls(target, family, f"_hf-{name}", num_labels)
+    path = _fresh(target, name)
+    CrossEncoder(hf_dir, device="cpu", max_length=MAX_LEN).save(str(path))
+    shutil.rmtree(hf_dir)
+    return str(path)
+
+
+def _hf_seq_cls(target: Path, family: str, name: str, num_labels: int) -> str:
+    import transformers as tf
+
+    path = _fresh(target, name)
+    _seed()
+    if family == "xlmr":
+        tok = xlmr_tokenizer()
+        cfg = tf.XLMRobertaConfig(vocab_size=len(tok), hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=MAX_LEN + 2, type_vocab_size=1,
+                                  pad_token_id=1, bos_token_id=0, eos_token_id=2, num_labels=num_labels,
+                                  initializer_range=INIT_RANGE)
+        return str(_save_hf(tf.XLMRobertaForSequenceClassification(cfg), tok, path))
+    raise ValueError(f"no sequence-classification builder for {family!r}")
+
+
+def build_hf_reranker(target: str | Path, num_labels: int = 1, *, activation: str | None = None,
+                      name: str | None = None) -> str:
+    """A reranker as older ones are published: a plain HF BertForSequenceClassification dir, no
+    modules.json. `activation`: None (ST's default: Sigmoid for 1 label), or a dotted class written
+    where ST < 4 wrote it (`sbert_ce_default_activation_function` in config.json), e.g.
+    "torch.nn.modules.linear.Identity" as the ms-marco cross-encoders had."""
+    path = Path(hf_bert(target, name=name or f"hf-reranker-{num_labels}", head="seq-cls", num_labels=num_labels))
+    if activation is not None:
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["sbert_ce_default_activation_function"] = activation
+        (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return str(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# SPLADE
+# --------------------------------------------------------------------------------------------------
+
+def build_splade(target: str | Path, pooling_strategy: str = "max", *, activation_function: str = "relu",
+                 max_active_dims: int | None = None, old_layout: bool = False, name: str | None = None) -> str:
+    """A SparseEncoder saved by ST 6: a BertForMaskedLM checkpoint, Transformer (transformer_task
+    "fill-mask") + SpladePooling (`pooling_strategy` max or sum, `activation_function`), optional
+    max_active_dims (top-k) in config_sentence_transformers.json. old_layout: modules.json names the
+    ST 5 classes (`sentence_transformers.sparse_encoder.models.MLMTransformer` / `.SpladePooling`)."""
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.sparse_encoder.modules import SpladePooling
+
+    target = Path(target)
+    name = name or f"splade-{pooling_strategy}{'-top' + str(max_active_dims) if max_active_dims else ''}"
+    hf_dir = hf_bert(target, name=f"_hf-{name}", head="mlm")
+    path = _save_st(target, name, hf_dir, [SpladePooling(pooling_strategy, activation_function=activation_function)],
+                    model_cls=SparseEncoder, transformer_task="fill-mask", max_active_dims=max_active_dims)
+    if old_layout:
+        modules_path = Path(path) / "modules.json"
+        modules = json.loads(modules_path.read_text())
+        modules[0]["type"] = ST_TYPES_OLD["MLMTransformer"]
+        modules[1]["type"] = ST_TYPES_OLD["SpladePooling"]
+        modules_path.write_text(json.dumps(modules, indent=2))
+    return path
+
+
+# --------------------------------------------------------------------------------------------------
+# Hub ids
+# --------------------------------------------------------------------------------------------------
+
+def lay_out_hf_cache(model_dir: str | Path, hf_home: str | Path, repo_id: str = "zoo-org/tiny-model",
+                     revision: str = "0123456789abcdef0123456789abcdef01234567") -> str:
+    """Lays `model_dir` out as the Hugging Face cache does: files under `blobs/` (named by a hash of
+    their content), `snapshots/<revision>/...` as relative symlinks to them, `refs/main` holding the
+    revision. With HF_HOME=hf_home and HF_HUB_OFFLINE=1, `repo_id` resolves to the snapshot. Returns
+    the snapshot folder."""
+    import hashlib
+    import os
+
+    repo = Path(hf_home) / "hub" / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / revision
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "blobs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(revision)
+    for src in sorted(Path(model_dir).rglob("*")):
+        if not src.is_file():
+            continue
+        data = src.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        if not blob.exists():
+            blob.write_bytes(data)
+        dest = snapshot / src.relative_to(model_dir)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.symlink_to(os.path.relpath(blob, dest.parent))
+    return str(snapshot)
+
+
+def lay_out_broken_hf_cache(hf_home: str | Path, repo_id: str = "zoo-org/broken-model") -> str:
+    """A cache repo folder as an interrupted download leaves it: `blobs/` and `refs/`, no `snapshots/`."""
+    repo = Path(hf_home) / "hub" / ("models--" + repo_id.replace("/", "--"))
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    return str(repo)
+
+
+def add_unknown_module(model_dir: str | Path, type_name: str = "my_pkg.WeirdModule") -> str:
+    """Appends a module of a type nobody implements to a saved model's modules.json."""
+    path = Path(model_dir) / "modules.json"
+    modules = json.loads(path.read_text())
+    idx = len(modules)
+    folder = Path(model_dir) / f"{idx}_WeirdModule"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"strength": 3}))
+    modules.append({"idx": idx, "name": str(idx), "path": folder.name, "type": type_name})
+    path.write_text(json.dumps(modules, indent=2))
+    return str(model_dir)
