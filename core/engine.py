@@ -6,6 +6,10 @@ One loop owns all engine state (the scheduler's window, the set of aborted ids):
      (while it is full the input socket is not read, so back-pressure reaches the workers);
   3. run one batch, pool, send its outputs. A step that raises is retried request by request,
      so only the culprit fails; it is dropped by external id and reported; the loop goes on.
+     A failed chunk fails its whole document: the document's other chunks are dropped by
+     external id (waiting, in the failed step, or still on their way), never computed for nothing.
+
+Every message in and out carries the group's key (`core.serial`); one without it is dropped.
 """
 
 from __future__ import annotations
@@ -24,11 +28,14 @@ from pooling_pipeline.core import messages as m
 from pooling_pipeline.core.config import EngineConfig
 from pooling_pipeline.core.runtime import (
     BusyClock,
+    DropLog,
     exit_with_parent,
     run_maybe_profiled,
     setup_logging,
     socket,
+    socket_dir_of,
     start_heartbeat,
+    take_group_key,
 )
 from pooling_pipeline.core.scheduler import Scheduler
 from pooling_pipeline.core.serial import Decoder, Encoder
@@ -49,13 +56,14 @@ MAX_REMEMBERED_ABORTS = 1 << 20
 
 
 class EngineCore:
-    def __init__(self, cfg: EngineConfig, log) -> None:
+    def __init__(self, cfg: EngineConfig, log, key: bytes) -> None:
         import torch
 
         from pooling_pipeline.core.model_runner import ModelRunner
 
         self.cfg = cfg
         self.log = log
+        self.key = key
         torch.set_num_threads(cfg.torch_threads)
         self.runner = ModelRunner(cfg.model, cfg.device, cfg.dtype)
         on_cpu = self.runner.device.type == "cpu"
@@ -72,9 +80,11 @@ class EngineCore:
         self.scheduler = Scheduler(cfg.max_num_seqs, self.max_num_batched_tokens,
                                    CPU_MAX_PADDING if on_cpu else GPU_MAX_PADDING, overhead_tokens)
         self.aborted: OrderedDict[str, None] = OrderedDict()
-        self.encoder = Encoder()
-        self.input_decoder = Decoder(m.EngineInbound)
-        self.control_decoder = Decoder(m.EngineControl)
+        self.encoder = Encoder(key)
+        self.input_decoder = Decoder(m.EngineInbound, key=key)
+        self.control_decoder = Decoder(m.EngineControl, key=key)
+        self.dropped_control = DropLog(log, "a malformed or foreign control message")
+        self.dropped_input = DropLog(log, "a malformed or foreign input message")
         self.running = True
         self.steps = 0
         # Stage times not yet reported (they ride on the next OutputBatch).
@@ -96,7 +106,7 @@ class EngineCore:
         control = socket(ctx, zmq.PULL, self.cfg.control_endpoint, bind=False)
         self.to_front = to_front
         to_front.send_multipart(self.encoder.encode(m.Ready("engine", 0, os.getpid(), info=self.ready_info())))
-        start_heartbeat(ctx, self.cfg.output_endpoint, "engine", 0, self.clock)
+        start_heartbeat(ctx, self.cfg.output_endpoint, "engine", 0, self.clock, self.key)
         # While the window is full the input socket is simply not polled: back-pressure.
         control_only, both = zmq.Poller(), zmq.Poller()
         control_only.register(control, zmq.POLLIN)
@@ -132,15 +142,18 @@ class EngineCore:
         try:
             msg = self.control_decoder.decode(frames)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            self.log.error("dropped a malformed control message: %s", e)
+            self.dropped_control(e)
             return
         if isinstance(msg, m.Shutdown):
             self.running = False
             return
-        self.scheduler.abort(msg.request_ids)
+        self._abort(msg.request_ids)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        self.scheduler.abort(request_ids)
         # Remember every aborted id, not only those still on their way: a chunked document's
         # other chunks may still come, and ids are never reused.
-        for rid in msg.request_ids:
+        for rid in request_ids:
             self.aborted[rid] = None
         while len(self.aborted) > MAX_REMEMBERED_ABORTS:
             self.aborted.popitem(last=False)
@@ -157,7 +170,7 @@ class EngineCore:
             msg = self.input_decoder.decode(frames)
             items = msg.unpack()
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
-            self.log.error("dropped a malformed input message: %s", e)
+            self.dropped_input(e)
             return
         if 0.0 < msg.render_s < 1e6:  # a stat only: anything odd is ignored
             self.render_s[msg.worker] = self.render_s.get(msg.worker, 0.0) + msg.render_s
@@ -227,10 +240,16 @@ class EngineCore:
                 # culprit fails and the others get their results.
                 self.log.warning("step of %d requests failed (%s); isolating the culprit", len(batch), e)
                 for request in batch:
+                    if request.chunk >= 0 and request.request_id in self.aborted:
+                        continue  # another chunk of its document failed: the document has failed
                     self._run([request], in_core, isolate=False)
                 return
             self.log.error("step failed for %s: %s: %s", [r.request_id for r in batch], type(e).__name__, e)
             self._send(m.StepFailed([r.request_id for r in batch], [r.index for r in batch], f"{type(e).__name__}: {e}"))
+            # A document with a failed chunk has failed: its other chunks are dropped, not computed.
+            failed_docs = list(dict.fromkeys(r.request_id for r in batch if r.chunk >= 0))
+            if failed_docs:
+                self._abort(failed_docs)
             return
         outputs = [m.PoolingOutput(r.request_id, r.index, len(r.token_ids), data=v, chunk=r.chunk,
                                    num_chunks=r.num_chunks) for r, v in zip(batch, vectors)]
@@ -254,15 +273,16 @@ def release_free_memory() -> None:
 
 def main(argv: list[str]) -> int:
     cfg = msgspec.json.decode(argv[1], type=EngineConfig)
+    key = take_group_key()
     log = setup_logging(cfg.log_level, "engine")
-    exit_with_parent(cfg.parent_pid)
+    exit_with_parent(cfg.parent_pid, socket_dir_of(cfg.output_endpoint))
     ctx = zmq.Context(1)
     to_front = socket(ctx, zmq.PUSH, cfg.output_endpoint, bind=False)
     try:
-        engine = EngineCore(cfg, log)
+        engine = EngineCore(cfg, log, key)
     except Exception as e:
         log.exception("engine core failed to start")
-        to_front.send_multipart(Encoder().encode(m.Ready("engine", 0, os.getpid(), error=f"{type(e).__name__}: {e}")))
+        to_front.send_multipart(Encoder(key).encode(m.Ready("engine", 0, os.getpid(), error=f"{type(e).__name__}: {e}")))
         to_front.close(linger=2000)
         return 1
     run_maybe_profiled(lambda: engine.serve(ctx, to_front), "engine")

@@ -1,9 +1,11 @@
-"""What every child process of the group does the same way: logging, sockets, dying with its parent."""
+"""What every child process of the group does the same way: logging, sockets, the group's key,
+dying with its parent, and clocks that do not count time the process was stopped."""
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
@@ -12,6 +14,12 @@ import zmq
 
 PARENT_CHECK_INTERVAL_S = 0.5
 HEARTBEAT_INTERVAL_S = 1.0
+# The group's random key reaches the children in their environment (never on a command line,
+# which every user can read); each child removes it from its own environment at once.
+GROUP_KEY_ENV = "POOLING_PIPELINE_GROUP_KEY"
+# A RunClock advances at most this much between two of its ticks: a longer gap is time the
+# process did not run (stopped with SIGSTOP / Ctrl-Z, or the machine suspended).
+RUN_CLOCK_MAX_GAP_S = 2.0
 
 
 def setup_logging(level: str, role: str) -> logging.Logger:
@@ -23,22 +31,87 @@ def setup_logging(level: str, role: str) -> logging.Logger:
     return logging.getLogger(role)
 
 
-def exit_with_parent(parent_pid: int) -> None:
-    """Ends this process soon after the frontend's process is gone, even if it was SIGKILLed.
+def take_group_key() -> bytes:
+    """The group's key, taken out of this process's environment (so nothing it starts inherits it)."""
+    value = os.environ.pop(GROUP_KEY_ENV, "")
+    try:
+        key = bytes.fromhex(value)
+    except ValueError:
+        key = b""
+    if not key:
+        raise SystemExit(f"{GROUP_KEY_ENV} is missing: this process is started by a Pipeline, not by hand")
+    return key
+
+
+def exit_with_parent(parent_pid: int, socket_dir: str | None = None) -> None:
+    """Ends this process soon after the frontend's process is gone, even if it was SIGKILLed or
+    SIGTERMed, removing the group's private socket directory on the way (a frontend killed that
+    way never runs its own clean-up; whichever child notices first removes it).
 
     Polling the parent pid works from any thread of the parent and on every POSIX system, where
     PR_SET_PDEATHSIG fires when the *thread* that spawned us exits.
     """
 
+    def leave() -> None:
+        if socket_dir:
+            shutil.rmtree(socket_dir, ignore_errors=True)
+        os._exit(0)
+
     def watch() -> None:
         while True:
             if os.getppid() != parent_pid:
-                os._exit(0)
+                leave()
             time.sleep(PARENT_CHECK_INTERVAL_S)
 
     if os.getppid() != parent_pid:
-        os._exit(0)
+        leave()
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+class RunClock:
+    """Seconds this process has run: monotonic time, except that a gap longer than
+    RUN_CLOCK_MAX_GAP_S between two ticks counts as that much. Ticked by a thread that wakes up
+    at least every second or so; `now()` may be read from any thread.
+
+    Liveness is judged on it: when the whole group was stopped (Ctrl-Z, SIGSTOP of the process
+    group) the watcher did not run either, and that silence is no evidence of a dead child.
+    """
+
+    def __init__(self, max_gap_s: float = RUN_CLOCK_MAX_GAP_S) -> None:
+        self.max_gap_s = max_gap_s
+        self._state = (0.0, time.monotonic())  # (run time at the last tick, monotonic time of it)
+        self.skipped_s = 0.0  # time not counted (the process was stopped)
+
+    def tick(self) -> float:
+        run, last = self._state
+        now = time.monotonic()
+        gap = now - last
+        if gap > self.max_gap_s:
+            self.skipped_s += gap - self.max_gap_s
+            gap = self.max_gap_s
+        self._state = (run + gap, now)
+        return run + gap
+
+    def now(self) -> float:
+        run, last = self._state
+        return run + min(time.monotonic() - last, self.max_gap_s)
+
+
+def socket_dir_of(endpoint: str) -> str | None:
+    """The private directory of an ipc:// endpoint (None for other transports)."""
+    return os.path.dirname(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
+
+
+class DropLog:
+    """Logs dropped messages without flooding the log: the first few, then every 1000th."""
+
+    def __init__(self, log: logging.Logger, what: str) -> None:
+        self.log, self.what, self.count = log, what, 0
+
+    def __call__(self, error: Exception) -> None:
+        self.count += 1
+        if self.count <= 10 or self.count % 1000 == 0:
+            self.log.error("dropped %s (%d so far): %s", self.what, self.count, error)
 
 
 def socket(ctx: zmq.Context, kind: int, endpoint: str, bind: bool) -> zmq.Socket:
@@ -52,36 +125,42 @@ def socket(ctx: zmq.Context, kind: int, endpoint: str, bind: bool) -> zmq.Socket
 
 
 class BusyClock:
-    """When the owning loop started its current piece of work (None when idle)."""
+    """When the owning loop started its current piece of work (None when idle), on the process's
+    RunClock: a step that was stopped with the whole group does not look wedged afterwards."""
 
-    def __init__(self) -> None:
+    def __init__(self, run_clock: RunClock | None = None) -> None:
+        self.run_clock = run_clock or RunClock()
         self.since: float | None = None
-        self.last_s = 0.0  # how long the last piece of work took
+        self.last_s = 0.0  # how long the last piece of work took (wall time, for stats)
+        self._started = 0.0
 
     def __enter__(self) -> BusyClock:
-        self.since = time.monotonic()
+        self._started = time.perf_counter()
+        self.since = self.run_clock.now()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.last_s = time.monotonic() - self.since
+        self.last_s = time.perf_counter() - self._started
         self.since = None
 
     def busy_s(self) -> float:
         since = self.since
-        return 0.0 if since is None else time.monotonic() - since
+        return 0.0 if since is None else max(0.0, self.run_clock.now() - since)
 
 
-def start_heartbeat(ctx: zmq.Context, endpoint: str, role: str, index: int, clock: BusyClock) -> None:
+def start_heartbeat(ctx: zmq.Context, endpoint: str, role: str, index: int, clock: BusyClock, key: bytes) -> None:
     """A daemon thread that sends Heartbeat every second on its own socket (sockets are not
-    shared between threads). torch and the tokenizers release the GIL, so it runs during work."""
+    shared between threads) and ticks the process's RunClock. torch and the tokenizers release
+    the GIL, so it runs during work."""
     from pooling_pipeline.core.messages import Heartbeat
     from pooling_pipeline.core.serial import Encoder
 
     def beat() -> None:
         sock = socket(ctx, zmq.PUSH, endpoint, bind=False)
         sock.setsockopt(zmq.SNDHWM, 16)  # never queue more than a few if the frontend is not reading
-        encoder = Encoder()
+        encoder = Encoder(key)
         while True:
+            clock.run_clock.tick()
             try:
                 sock.send_multipart(encoder.encode(Heartbeat(role, index, clock.busy_s())), zmq.NOBLOCK)
             except zmq.Again:

@@ -6,10 +6,18 @@ and otherwise the index of an extra frame that carries the array's buffer withou
 (pyzmq sends memoryviews zero-copy). Decoding checks dtype, shape and size against the frame, so a
 malformed or foreign frame raises `msgspec.ValidationError` / `DecodeError` -- callers log and drop
 it -- instead of producing a bogus array. No pickle anywhere.
+
+Within a process group every message starts with one more frame, the group's random key (16
+bytes, made by the frontend and handed to the children in their environment). A decoder built
+with the key drops a message whose first frame is not the key before reading anything else: a
+constant-time compare per message, not per request. It keeps processes of the same user that do
+not know the key (a stray client, a forger guessing ids) from injecting messages; it is not a
+boundary against a process that can read the group's memory or environment (see the README).
 """
 
 from __future__ import annotations
 
+import hmac
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -23,19 +31,26 @@ ALLOWED_DTYPES = frozenset({"<i4", "<i8", "<f4", "<f2", "<f8", "|u1", "|i1", "|b
 MAX_NDIM = 4
 
 Frames = Sequence[bytes | memoryview | Any]
+KEY_BYTES = 16
+
+
+class ForeignMessage(msgspec.DecodeError):
+    """A message without the group's key: dropped unread."""
 
 
 class Encoder:
-    """Encodes a struct into frames. Not thread-safe (one per socket owner)."""
+    """Encodes a struct into frames, behind the group's key when given one. Not thread-safe (one
+    per socket owner, or used under the owner's lock)."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: bytes | None = None) -> None:
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
         self._frames: list[Any] = []
+        self._head: list[Any] = [] if key is None else [key]  # frames before the header
 
     def encode(self, obj: msgspec.Struct) -> list[Any]:
         # Array buffers are appended by _enc_hook while the header is being encoded.
-        self._frames = frames = [b""]
-        frames[0] = self._encoder.encode(obj)
+        self._frames = frames = [*self._head, b""]
+        frames[len(self._head)] = self._encoder.encode(obj)
         self._frames = []
         return frames
 
@@ -48,19 +63,25 @@ class Encoder:
             if arr.nbytes <= INLINE_MAX_BYTES:
                 return (dtype, arr.shape, arr.tobytes())
             self._frames.append(arr.data.cast("B"))  # a flat byte view, no copy
-            return (dtype, arr.shape, len(self._frames) - 1)
+            return (dtype, arr.shape, len(self._frames) - 1 - len(self._head))  # counted from the header
         raise NotImplementedError(f"cannot encode {type(obj).__name__} on the wire")
 
 
 class Decoder:
-    """Decodes frames into an expected type (a struct or a tagged union of structs)."""
+    """Decodes frames into an expected type (a struct or a tagged union of structs); with a key,
+    only messages that start with that key (ForeignMessage otherwise)."""
 
-    def __init__(self, expected: Any, writable_arrays: bool = False) -> None:
+    def __init__(self, expected: Any, writable_arrays: bool = False, key: bytes | None = None) -> None:
         self._decoder = msgspec.msgpack.Decoder(expected, dec_hook=self._dec_hook)
         self._writable = writable_arrays
+        self._key = key
         self._frames: Frames = ()
 
     def decode(self, frames: Frames) -> Any:
+        if self._key is not None:
+            if len(frames) < 2 or not hmac.compare_digest(_buffer(frames[0]), self._key):
+                raise ForeignMessage("message without the group's key")
+            frames = frames[1:]
         if not frames:
             raise msgspec.DecodeError("empty message")
         self._frames = frames

@@ -1,12 +1,19 @@
-"""The public Python API: `Pipeline` spawns the process group and runs calls through it."""
+"""The public Python API: `Pipeline` spawns the process group and runs calls through it.
+
+Calls may come from several threads at once (each gets its own results, in its own order; the
+in-flight bound holds for the group; a failure or abort of one call touches no other), and from
+asyncio code through the `a...` methods (`aembed`, `aclassify`, `aencode`, `ascore`, `arank`,
+and the async streams `aembed_stream` / `aencode_stream`), which never block the event loop.
+"""
 
 from __future__ import annotations
 
-import itertools
+import asyncio
 import logging
+import os
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import Annotated, Literal
 
 import msgspec
@@ -18,8 +25,8 @@ from pooling_pipeline.core.messages import PoolingParams
 from pooling_pipeline.core.options import PositiveInt, Seconds, checked
 from pooling_pipeline.cpu_plan import plan_cpu
 from pooling_pipeline.errors import EngineDeadError, PipelineError
-from pooling_pipeline.frontend import Call
-from pooling_pipeline.inputs import CallOptions, Tokenization, build_requests
+from pooling_pipeline.frontend import Call, Dispatcher, new_call_prefix
+from pooling_pipeline.inputs import CallOptions, FailedRequest, Tokenization, build_requests, check_priority
 from pooling_pipeline.outputs import ClassificationOutput, EmbeddingOutput, RankedDocument, ScoringOutput, to_result
 from pooling_pipeline.process_group import ProcessGroup
 
@@ -31,6 +38,9 @@ DTYPE_ALIASES = {"auto": "auto", "float32": "float32", "float": "float32", "fp32
 Dtype = Literal["auto", "float32", "float", "fp32", "float16", "half", "fp16", "bfloat16", "bf16"]
 Device = Annotated[str, msgspec.Meta(pattern=r"^(auto|cpu|cuda(:\d+)?)$")]
 MAX_MESSAGE_ITEMS = 64
+# An async call checks a list this long in a thread (a whole list is checked before any work
+# starts; that must not hold the event loop).
+ASYNC_INLINE_CHECK_ITEMS = 1024
 
 
 class PipelineOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -95,19 +105,25 @@ class Pipeline:
             self._plugin = load_plugin(io_processor)  # in the caller too, for post_process (errors early)
         self.cpu_plan = plan_cpu(num_render_workers, device, engine_threads=engine_threads)
         log.debug("CPU plan: %s", self.cpu_plan)
-        self._lock = threading.Lock()
-        self._call: Call | None = None
-        self._last_stats = CallStats()
-        self._ids = itertools.count()
+        self._local = threading.local()  # per thread: its running call and its last call's stats
+        self._last_stats = CallStats()  # the last call of any thread
         self._group = ProcessGroup(
             spec, num_workers=self.cpu_plan.render_workers, engine_threads=self.cpu_plan.engine_threads,
             device=device, dtype=DTYPE_ALIASES[dtype], max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, window=self.engine_window,
             max_message_items=self.batch_items, io_processor=io_processor, log_level=log_level,
             heartbeat_timeout_s=opts.heartbeat_timeout_s, step_timeout_s=opts.step_timeout_s)
-        self._finalizer = weakref.finalize(self, ProcessGroup.close, self._group)
+        try:
+            self._dispatcher = Dispatcher(self._group, max_inflight=self.max_inflight, batch_items=self.batch_items)
+        except BaseException:
+            self._group.close()
+            raise
+        # Closes the group when this object is collected or the interpreter exits (in the process
+        # that created it only: a forked child's exit leaves its parent's group alone).
+        self._finalizer = weakref.finalize(self, Dispatcher.close, self._dispatcher)
         try:
             self._group.wait_ready(opts.startup_timeout_s)
+            self._dispatcher.start()
         except BaseException:
             self.close()
             raise
@@ -133,9 +149,13 @@ class Pipeline:
         return self._live_group().pids
 
     def _live_group(self) -> ProcessGroup:
-        if self._group is None:
+        group = self._group
+        if group is None:
             raise PipelineError("this Pipeline is closed")
-        return self._group
+        if os.getpid() != group.owner_pid:
+            raise PipelineError(f"this Pipeline belongs to process {group.owner_pid} and cannot be used in a forked "
+                                f"child (pid {os.getpid()}): create a new Pipeline in the child")
+        return group
 
     # ---- calls -----------------------------------------------------------------------------
 
@@ -221,66 +241,119 @@ class Pipeline:
         gives its similarity function (ST's similarity_fn_name, cosine by default) of the two
         embeddings (bi-encoder), or MaxSim over token embeddings for late-interaction models.
         """
-        kind = self.model_spec.score_kind
-        if kind is None:
-            raise ValueError(f"this model cannot score; it can do {self.model_spec.tasks}")
-        queries, docs = _score_side(data_1, "data_1"), _score_side(data_2, "data_2")
-        if len(queries) != 1 and len(queries) != len(docs):
-            raise ValueError(f"data_1 and data_2 must be 1:1, 1:N or N:N; got {len(queries)} and {len(docs)} items")
-        if kind == "cross_encoder":
-            opts = self._options("score", pairs=True, pooling_params=pooling_params,
-                                 truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm, priority=priority,
-                                 errors=errors, max_tokens_per_query=max_tokens_per_query,
-                                 max_tokens_per_doc=max_tokens_per_doc, prompt_name=prompt_name, prompt=prompt)
-            pairs = [(queries[0] if len(queries) == 1 else queries[i], d) for i, d in enumerate(docs)]
-            return [ScoringOutput(out.request_id, out.index, float(out.data[0]) if out.error is None else float("nan"),
-                                  out.num_prompt_tokens, out.error)
-                    for out in self._stream(pairs, opts, materialize=True)]
-        if isinstance(pooling_params, (list, tuple)):
-            raise ValueError("per-pair pooling_params apply to cross-encoders only; give one PoolingParams")
-        if max_tokens_per_query is not None or max_tokens_per_doc is not None:
-            raise ValueError("max_tokens_per_query / max_tokens_per_doc apply to cross-encoders only; "
-                             "use truncate_prompt_tokens")
-        opts = self._options("embed" if kind == "bi_encoder" else "token_embed", pooling_params=pooling_params,
-                             truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
-                             priority=priority if not isinstance(priority, (list, tuple)) else None, errors=errors,
-                             prompt_name=prompt_name, prompt=prompt)
-        outs = list(self._stream(list(queries) + list(docs), opts, materialize=True))
-        q_outs, d_outs = outs[: len(queries)], outs[len(queries):]
-        results = []
-        for i, d in enumerate(d_outs):
-            q = q_outs[0] if len(q_outs) == 1 else q_outs[i]
-            error = q.error or d.error
-            if error is not None:
-                value = float("nan")
-            else:
-                value = similarity(self.model_spec.similarity, q.data, d.data) if kind == "bi_encoder" \
-                    else _max_sim(q.data, d.data)
-            results.append(ScoringOutput(f"{q.request_id}|{d.request_id}", i, value,
-                                         q.num_prompt_tokens + d.num_prompt_tokens, error))
-        return results
+        prompts, opts, finish = self._score_plan(
+            data_1, data_2, pooling_params=pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+            use_tqdm=use_tqdm, priority=priority, max_tokens_per_query=max_tokens_per_query,
+            max_tokens_per_doc=max_tokens_per_doc, errors=errors, prompt_name=prompt_name, prompt=prompt)
+        return finish(list(self._stream(prompts, opts, materialize=True)))
 
     def rank(self, query: str, documents: Sequence[str], top_k: int | None = None, **score_options
              ) -> list[RankedDocument]:
         """The documents ordered by their score against the query, best first, as
         `(index, score)` pairs (ST's `CrossEncoder.rank`); `top_k` keeps the best k.
         Other keyword arguments go to `score`."""
-        if not isinstance(query, str):
-            raise TypeError(f"query must be a str, got {type(query).__name__}")
-        if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
-            raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-        scores = self.score(query, list(documents), **score_options)
-        ranked = sorted((RankedDocument(s.index, s.score) for s in scores), key=lambda r: -r.score)
-        return ranked[:top_k] if top_k is not None else ranked
+        _check_rank(query, top_k)
+        return _ranked(self.score(query, list(documents), **score_options), top_k)
+
+    # ---- async variants: the same calls for asyncio code --------------------------------------
+
+    async def aembed(self, prompts, pooling_params: ParamsArg = None, truncate_prompt_tokens: int | None = None,
+                     use_tqdm: bool = False, priority: PriorityArg = None, chat_template: str | None = None,
+                     long_inputs: str = "truncate", chunk_overlap: int = 0, truncation_side: str | None = None,
+                     errors: str = "raise", prompt_name: PromptArg = None,
+                     prompt: PromptArg = None) -> list[EmbeddingOutput]:
+        """`embed` for asyncio code: awaits the results without blocking the event loop; other
+        calls (threads, coroutines) run at the same time. Cancelling the task aborts this call only."""
+        opts = self._options("embed", pooling_params=pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+                             use_tqdm=use_tqdm, priority=priority, chat_template=chat_template,
+                             long_inputs=long_inputs, chunk_overlap=chunk_overlap, truncation_side=truncation_side,
+                             errors=errors, prompt_name=prompt_name, prompt=prompt)
+        return [out async for out in self._astream(prompts, opts, materialize=True)]
+
+    def aembed_stream(self, prompts: Iterable, pooling_params: ParamsArg = None,
+                      truncate_prompt_tokens: int | None = None, use_tqdm: bool = False,
+                      priority: PriorityArg = None, chat_template: str | None = None, long_inputs: str = "truncate",
+                      chunk_overlap: int = 0, truncation_side: str | None = None,
+                      errors: str = "raise", prompt_name: PromptArg = None,
+                      prompt: PromptArg = None) -> AsyncIterator[EmbeddingOutput]:
+        """`embed_stream` as an async iterator (`async for out in pipe.aembed_stream(texts)`):
+        lazy, in input order, bounded; leaving the loop early aborts what is still in flight."""
+        opts = self._options("embed", pooling_params=pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+                             use_tqdm=use_tqdm, priority=priority, chat_template=chat_template,
+                             long_inputs=long_inputs, chunk_overlap=chunk_overlap, truncation_side=truncation_side,
+                             errors=errors, prompt_name=prompt_name, prompt=prompt)
+        return self._astream(prompts, opts)
+
+    async def aclassify(self, prompts, pooling_params: ParamsArg = None, truncate_prompt_tokens: int | None = None,
+                        use_tqdm: bool = False, priority: PriorityArg = None, chat_template: str | None = None,
+                        long_inputs: str = "truncate", truncation_side: str | None = None,
+                        errors: str = "raise", prompt_name: PromptArg = None,
+                        prompt: PromptArg = None) -> list[ClassificationOutput]:
+        """`classify` for asyncio code."""
+        opts = self._options("classify", pooling_params=pooling_params,
+                             truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm, priority=priority,
+                             chat_template=chat_template, long_inputs=long_inputs, truncation_side=truncation_side,
+                             errors=errors, prompt_name=prompt_name, prompt=prompt)
+        return [out async for out in self._astream(prompts, opts, materialize=True)]
+
+    async def aencode(self, prompts, task: str | None = None, pooling_params: ParamsArg = None,
+                      truncate_prompt_tokens: int | None = None, use_tqdm: bool = False, priority: PriorityArg = None,
+                      chat_template: str | None = None, long_inputs: str = "truncate", chunk_overlap: int = 0,
+                      truncation_side: str | None = None, errors: str = "raise", prompt_name: PromptArg = None,
+                      prompt: PromptArg = None) -> list:
+        """`encode` for asyncio code."""
+        opts = self._options(task, pooling_params=pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+                             use_tqdm=use_tqdm, priority=priority, chat_template=chat_template,
+                             long_inputs=long_inputs, chunk_overlap=chunk_overlap, truncation_side=truncation_side,
+                             errors=errors, prompt_name=prompt_name, prompt=prompt)
+        return [out async for out in self._astream(prompts, opts, materialize=True)]
+
+    def aencode_stream(self, prompts: Iterable, task: str | None = None, pooling_params: ParamsArg = None,
+                       truncate_prompt_tokens: int | None = None, use_tqdm: bool = False,
+                       priority: PriorityArg = None, chat_template: str | None = None,
+                       long_inputs: str = "truncate", chunk_overlap: int = 0, truncation_side: str | None = None,
+                       errors: str = "raise", prompt_name: PromptArg = None,
+                       prompt: PromptArg = None) -> AsyncIterator:
+        """`encode_stream` as an async iterator."""
+        opts = self._options(task, pooling_params=pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+                             use_tqdm=use_tqdm, priority=priority, chat_template=chat_template,
+                             long_inputs=long_inputs, chunk_overlap=chunk_overlap, truncation_side=truncation_side,
+                             errors=errors, prompt_name=prompt_name, prompt=prompt)
+        return self._astream(prompts, opts)
+
+    async def ascore(self, data_1, data_2, pooling_params: ParamsArg = None,
+                     truncate_prompt_tokens: int | None = None, use_tqdm: bool = False, priority: PriorityArg = None,
+                     max_tokens_per_query: int | None = None, max_tokens_per_doc: int | None = None,
+                     errors: str = "raise", prompt_name: PromptArg = None,
+                     prompt: PromptArg = None) -> list[ScoringOutput]:
+        """`score` for asyncio code."""
+        prompts, opts, finish = self._score_plan(
+            data_1, data_2, pooling_params=pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+            use_tqdm=use_tqdm, priority=priority, max_tokens_per_query=max_tokens_per_query,
+            max_tokens_per_doc=max_tokens_per_doc, errors=errors, prompt_name=prompt_name, prompt=prompt)
+        return finish([out async for out in self._astream(prompts, opts, materialize=True)])
+
+    async def arank(self, query: str, documents: Sequence[str], top_k: int | None = None, **score_options
+                    ) -> list[RankedDocument]:
+        """`rank` for asyncio code."""
+        _check_rank(query, top_k)
+        return _ranked(await self.ascore(query, list(documents), **score_options), top_k)
 
     def stats(self) -> dict:
-        """Counters of the last call (or the one running), plus the CPU plan and engine facts."""
-        call = self._call
-        stats = (call.stats if call is not None else self._last_stats).as_dict()
+        """Counters of this thread's last call (or the one it runs; from a thread that ran none,
+        the last call of any thread), plus the CPU plan, engine facts and the group's counters
+        (`stats()["group"]`: requests in flight over all calls and their peak, calls running,
+        worker restarts, outputs of ended calls dropped, ...)."""
+        call = getattr(self._local, "call", None)
+        if call is not None and not call.finished:
+            stats = call.stats.as_dict()
+        else:
+            stats = getattr(self._local, "last_stats", self._last_stats).as_dict()
         stats["cpu_plan"] = self.cpu_plan.as_dict()
         if self._group is not None:
             stats["engine"] = dict(self._group.engine_info)
             stats["render"] = dict(self._group.worker_info)
+            stats["group"] = self._dispatcher.stats()
         stats["max_inflight"] = self.max_inflight
         stats["engine_window"] = self.engine_window
         return stats
@@ -302,26 +375,88 @@ class Pipeline:
                              + (" and score() pairs" if "score" in self.model_spec.tasks else ""))
         return checked(CallOptions, {"task": task, "plugin": plugin, "pairs": pairs, **values})
 
+    def _score_plan(self, data_1, data_2, **values) -> tuple[list, CallOptions, Callable[[list], list[ScoringOutput]]]:
+        """What `score` sends (prompts, options) and how its outputs become scores."""
+        kind = self.model_spec.score_kind
+        if kind is None:
+            raise ValueError(f"this model cannot score; it can do {self.model_spec.tasks}")
+        queries, docs = _score_side(data_1, "data_1"), _score_side(data_2, "data_2")
+        if len(queries) != 1 and len(queries) != len(docs):
+            raise ValueError(f"data_1 and data_2 must be 1:1, 1:N or N:N; got {len(queries)} and {len(docs)} items")
+        if kind == "cross_encoder":
+            opts = self._options("score", pairs=True, **values)
+            pairs = [(queries[0] if len(queries) == 1 else queries[i], d) for i, d in enumerate(docs)]
+
+            def cross(outs: list) -> list[ScoringOutput]:
+                return [ScoringOutput(out.request_id, out.index,
+                                      float(out.data[0]) if out.error is None else float("nan"),
+                                      out.num_prompt_tokens, out.error) for out in outs]
+            return pairs, opts, cross
+        if isinstance(values["pooling_params"], (list, tuple)):
+            raise ValueError("per-pair pooling_params apply to cross-encoders only; give one PoolingParams")
+        if values.pop("max_tokens_per_query") is not None or values.pop("max_tokens_per_doc") is not None:
+            raise ValueError("max_tokens_per_query / max_tokens_per_doc apply to cross-encoders only; "
+                             "use truncate_prompt_tokens")
+        if isinstance(values["priority"], (list, tuple)):
+            values["priority"] = None
+        opts = self._options("embed" if kind == "bi_encoder" else "token_embed", **values)
+        similarity_fn = self.model_spec.similarity
+
+        def pairwise(outs: list) -> list[ScoringOutput]:
+            q_outs, d_outs = outs[: len(queries)], outs[len(queries):]
+            results = []
+            for i, d in enumerate(d_outs):
+                q = q_outs[0] if len(q_outs) == 1 else q_outs[i]
+                error = q.error or d.error
+                if error is not None:
+                    value = float("nan")
+                else:
+                    value = similarity(similarity_fn, q.data, d.data) if kind == "bi_encoder" \
+                        else _max_sim(q.data, d.data)
+                results.append(ScoringOutput(f"{q.request_id}|{d.request_id}", i, value,
+                                             q.num_prompt_tokens + d.num_prompt_tokens, error))
+            return results
+        return list(queries) + list(docs), opts, pairwise
+
+    def _requests(self, prompts, opts: CallOptions) -> tuple[str, Iterator, int | None]:
+        """The call's id prefix and its requests, lazily (with how many when known)."""
+        self._live_group()
+        prefix = new_call_prefix()
+        refused: dict[int, str] = {}
+        if opts.errors == "return" and isinstance(opts.priority, (list, tuple)):
+            # errors="return": a bad priority fails its request only (an error output naming it).
+            priorities = list(opts.priority)
+            for i, value in enumerate(priorities):
+                try:
+                    check_priority(value, f"priority[{i}]")
+                except (TypeError, ValueError) as e:
+                    refused[i] = str(e)
+                    priorities[i] = 0
+            if refused:
+                opts = msgspec.structs.replace(opts, priority=priorities)
+        requests, total = build_requests(prompts, opts, self.model_spec, self._tokenization, prefix)
+        if refused:
+            requests = _refuse(requests, refused)
+        return prefix, requests, total
+
+    def _call(self, prefix: str, requests: Iterator, opts: CallOptions, total: int | None,
+              loop: asyncio.AbstractEventLoop | None = None) -> Call:
+        progress = None
+        if opts.use_tqdm:
+            from tqdm.auto import tqdm
+
+            progress = tqdm(total=total, desc="Processed prompts", unit="docs", dynamic_ncols=True)
+        call = Call(self._dispatcher, prefix, requests, opts, progress=progress,
+                    default_normalize=self.model_spec.normalize, loop=loop)
+        self._local.call = call
+        return call
+
     def _stream(self, prompts, opts: CallOptions, materialize: bool = False) -> Iterator:
         """Builds the call's requests, runs them through the group, yields wrapped outputs in order."""
-        group = self._live_group()
-        requests, total = build_requests(prompts, opts, self.model_spec, self._tokenization, f"{next(self._ids)}-")
+        prefix, requests, total = self._requests(prompts, opts)
         if materialize:
             requests = iter(list(requests))  # a list is checked whole before any work starts
-        with self._lock:
-            if self._call is not None and not self._call.finished:
-                # One call at a time: a newer call ends an unfinished stream (its generator was
-                # abandoned or is being interleaved) rather than waiting on it forever.
-                self._call.abort("this stream was ended because a newer call started on the same Pipeline "
-                                 "(one call runs at a time)")
-            progress = None
-            if opts.use_tqdm:
-                from tqdm.auto import tqdm
-
-                progress = tqdm(total=total, desc="Processed prompts", unit="docs", dynamic_ncols=True)
-            call = self._call = Call(group, requests, opts, max_inflight=self.max_inflight,
-                                     batch_items=self.batch_items, progress=progress,
-                                     default_normalize=self.model_spec.normalize)
+        call = self._call(prefix, requests, opts, total)
         outputs = self._outputs(call, opts.task)
         return self._post_process(outputs) if opts.plugin else outputs
 
@@ -333,20 +468,64 @@ class Pipeline:
             self.close()  # the group cannot serve without its engine: stop the rest of it
             raise
         finally:
-            self._last_stats = call.stats
-            if self._call is call:
-                self._call = None
+            self._ended(call)
+
+    async def _astream(self, prompts, opts: CallOptions, materialize: bool = False) -> AsyncIterator:
+        """`_stream` on the caller's event loop."""
+        prefix, requests, total = self._requests(prompts, opts)
+        if materialize:  # checked whole before any work starts; a long list in a thread
+            if total is not None and total <= ASYNC_INLINE_CHECK_ITEMS:
+                requests = iter(list(requests))
+            else:
+                requests = iter(await asyncio.to_thread(list, requests))
+        call = self._call(prefix, requests, opts, total, loop=asyncio.get_running_loop())
+        try:
+            async for out in call.aoutputs():
+                result = to_result(opts.task, out)
+                yield self._post_process_one(result) if opts.plugin else result
+        except EngineDeadError:
+            self.close()
+            raise
+        finally:
+            self._ended(call)
+
+    def _ended(self, call: Call) -> None:
+        self._last_stats = call.stats
+        self._local.last_stats = call.stats
 
     def _post_process(self, outputs) -> Iterator:
         for out in outputs:
-            if out.error is not None:
-                yield out  # nothing to post-process: the error output itself
-                continue
-            try:
-                yield self._plugin.post_process(out)
-            except Exception as e:
-                raise ValueError(f"request {out.index}: io_processor post_process failed: "
-                                 f"{type(e).__name__}: {e}") from e
+            yield self._post_process_one(out)
+
+    def _post_process_one(self, out):
+        if out.error is not None:
+            return out  # nothing to post-process: the error output itself
+        try:
+            return self._plugin.post_process(out)
+        except Exception as e:
+            raise ValueError(f"request {out.index}: io_processor post_process failed: "
+                             f"{type(e).__name__}: {e}") from e
+
+
+def _refuse(requests: Iterator, refused: dict[int, str]) -> Iterator:
+    """The requests, with those whose options were refused in the caller as error outputs."""
+    for request in requests:
+        error = refused.get(request.index)
+        if error is not None and not isinstance(request, FailedRequest):
+            request = FailedRequest(request.request_id, request.index, error)
+        yield request
+
+
+def _check_rank(query, top_k) -> None:
+    if not isinstance(query, str):
+        raise TypeError(f"query must be a str, got {type(query).__name__}")
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+
+
+def _ranked(scores: list[ScoringOutput], top_k: int | None) -> list[RankedDocument]:
+    ranked = sorted((RankedDocument(s.index, s.score) for s in scores), key=lambda r: -r.score)
+    return ranked[:top_k] if top_k is not None else ranked
 
 
 ParamsArg = PoolingParams | Sequence[PoolingParams] | None

@@ -1,20 +1,42 @@
-"""One call's journey through the group: bounded in-flight window, dispatch, reorder buffer.
+"""The frontend: calls from any number of threads (or coroutines) over one process group.
 
-A `Call` pulls RenderParams lazily from the request generator, never holding more than
-`max_inflight` requests that are issued but not yet handed to the caller (this counts the
-reorder buffer too, so memory stays bounded however long the input is). Work goes in small
-batches to the least-loaded render worker; outputs come straight from the engine core and are
-handed back in input order. Any failure, a stop by the caller (generator closed,
-KeyboardInterrupt) or a bad input found on the way aborts everything still in flight by
-external id, so the group is clean for the next call.
+`Dispatcher` (one per group) is what the calls share:
+
+* one receiver thread, the only reader of the results socket: it decodes each message and routes
+  it to its call by the call's id prefix (every external id is `<call prefix><index>`; a message
+  that belongs to one call -- always so while one call runs -- goes to it whole, without looking
+  at its requests), and it watches the group: heartbeats, the engine, dead render workers
+  (restarted with back-off; every call re-sends what the lost worker held);
+* the in-flight bound: at most `max_inflight` requests issued and not yet handed to their caller,
+  over all calls together, shared fairly among the calls still reading input; and the text held
+  for them (kept for re-sending) bounded too;
+* least-loaded dispatch to the render workers that are up (a restarting worker gets nothing).
+
+A `Call` is one embed/encode/... call. It pulls RenderParams lazily from its request generator,
+sends them in small batches, and hands results back in input order (the reorder buffer counts
+against the bound, so memory stays bounded however long the input is). It is driven by `pump()`
+in the caller's thread -- by a plain generator (`outputs`) or an async one (`aoutputs`, which
+awaits the receiver's wake-ups on its event loop). A failure, a stop by the caller (generator
+closed or collected, KeyboardInterrupt, task cancelled) or a bad input found on the way aborts
+that call's requests by external id and returns its slots; no other call is touched.
+
+Lock discipline: `Dispatcher.lock` guards the shared counters and the registry; the group's
+`send_lock` guards its sockets. A call that ends abnormally never takes a lock (it may be ended by
+the garbage collector in any thread, at any point): it queues itself and the receiver thread
+settles it (`_flush_retired`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import logging
+import os
+import secrets
+import threading
 import time
-from collections import deque
-from collections.abc import Iterator
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Iterator
 
 import numpy as np
 import zmq
@@ -22,18 +44,25 @@ import zmq
 from pooling_pipeline.call_stats import CallStats
 from pooling_pipeline.core import messages as m
 from pooling_pipeline.core.vectors import finish_embeddings
-from pooling_pipeline.errors import PipelineError, StepError
+from pooling_pipeline.errors import EngineDeadError, PipelineError, StepError
 from pooling_pipeline.inputs import CallOptions, FailedRequest
 from pooling_pipeline.process_group import ProcessGroup
 
 log = logging.getLogger("pipeline")
 
-WAIT_MS = 100
+RECEIVE_POLL_MS = 100  # the receiver thread's longest sleep (the RunClock ticks at least this often)
+MAX_MESSAGES_PER_TURN = 256  # then health checks and retired calls get their turn
 HEALTH_CHECK_INTERVAL_S = 0.5
-MAX_WORKER_RESTARTS_PER_CALL = 8
+CALL_WAIT_S = 0.5  # a call re-checks the dispatcher at least this often while it waits
 # Besides the request count, the text held for requests in flight is bounded (kept for re-sending
 # if a worker dies): a window of 100 MB web pages must not hold gigabytes.
 MAX_INFLIGHT_CHARS = 64 * 1024 * 1024
+# External ids: a random call prefix (unguessable: 64 bits) then the request's index.
+PREFIX_LEN = 17
+
+
+def new_call_prefix() -> str:
+    return secrets.token_hex(8) + "-"
 
 
 def request_size(request: m.RenderParams) -> int:
@@ -76,132 +105,564 @@ class ChunkSum:
         return m.PoolingOutput(out.request_id, out.index, self.tokens, data=vector, num_chunks=self.num_chunks)
 
 
-class Call:
-    def __init__(self, group: ProcessGroup, requests: Iterator[m.RenderParams | FailedRequest], opts: CallOptions, *,
-                 max_inflight: int, batch_items: int, progress=None, default_normalize: bool = True) -> None:
+class LostWorker:
+    """To every call: worker `index` lost its process; requests sent to it up to generation `gen`
+    are gone and must be re-sent."""
+
+    __slots__ = ("index", "gen")
+
+    def __init__(self, index: int, gen: int) -> None:
+        self.index, self.gen = index, gen
+
+
+class Dispatcher:
+    """What the calls of one process group share (see the module docstring)."""
+
+    def __init__(self, group: ProcessGroup, *, max_inflight: int, batch_items: int) -> None:
         self.group = group
-        self.requests = requests
         self.max_inflight = max_inflight
         self.batch_items = batch_items
+        self.lock = threading.Lock()
+        self.calls: dict[str, Call] = {}  # prefix -> running call (under lock)
+        self.routes: dict[str, Call] = {}  # a copy of `calls` for the receiver, replaced (never changed) under lock
+        self.drawing: set[Call] = set()  # calls still reading their input: they share the free slots
+        self.free = max_inflight  # slots not held by any call
+        self.chars = 0  # text held for requests sent and not yet answered, all calls
+        self.waiters: set[Call] = set()  # calls that found no slot, text budget or worker
+        num_workers = len(group.workers)
+        self.outstanding = [0] * num_workers  # requests per worker not yet answered
+        self.failure: BaseException | None = None  # set once the group cannot serve: every call raises it
+        self.retiring: deque[tuple] = deque()  # calls ended abnormally, settled by the receiver thread
+        # Group-wide counters (stats()["group"]).
+        self.peak_inflight = 0
+        self.stray_outputs = 0  # outputs of no running call (aborted or ended calls), dropped
+        self.retried_sends = 0  # batches a worker could not take (gone); sent again elsewhere
+        self.batches_per_worker = [0] * num_workers
+        self.calls_started = 0
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._stopping = False
+        self.thread = threading.Thread(target=self._run, name="pipeline-receiver", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    # ---- the receiver thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        group = self.group
+        poller = zmq.Poller()
+        poller.register(group.results, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        next_health = 0.0
+        try:
+            while not self._stopping:
+                events = dict(poller.poll(RECEIVE_POLL_MS))
+                group.clock.tick()
+                if self._wake_r in events:
+                    self._drain_wake_pipe()
+                if group.results in events:
+                    for _ in range(MAX_MESSAGES_PER_TURN):
+                        msg = group.recv(zmq.NOBLOCK)
+                        if msg is None:
+                            break
+                        self._route(msg)
+                if self.retiring:
+                    self._flush_retired()
+                if time.monotonic() >= next_health and not self._stopping:
+                    next_health = time.monotonic() + HEALTH_CHECK_INTERVAL_S
+                    self._check_health()
+        except EngineDeadError as e:
+            self._fail(e)
+        except BaseException as e:  # a bug: say so in every call rather than leave them waiting
+            if not self._stopping:
+                log.exception("the frontend's receiver thread failed")
+                self._fail(PipelineError(f"the frontend's receiver thread failed: {type(e).__name__}: {e}"))
+
+    def _drain_wake_pipe(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def wake_receiver(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full (a wake-up is pending anyway) or closed
+
+    def _route(self, msg) -> None:
+        kind = type(msg)
+        if kind is m.Heartbeat:
+            return
+        if kind is m.Ready:
+            if msg.role == "worker":  # a restarted worker: calls with work held back can send it now
+                self._wake_all()
+            return
+        calls = self.routes
+        if kind is m.OutputBatch:
+            outputs = msg.outputs
+            if len(calls) == 1:  # one call running: the message is its (it drops strays by id)
+                for call in calls.values():
+                    call.deliver(msg)
+                return
+            prefixes = [out.request_id[:PREFIX_LEN] for out in outputs]
+            first = prefixes[0] if prefixes else ""
+            if prefixes.count(first) == len(prefixes):
+                call = calls.get(first)
+                if call is None:
+                    self.stray_outputs += len(outputs)
+                else:
+                    call.deliver(msg)
+                return
+            parts: dict[str, list[m.PoolingOutput]] = {}
+            for prefix, out in zip(prefixes, outputs):
+                parts.setdefault(prefix, []).append(out)
+            for prefix, part in parts.items():
+                call = calls.get(prefix)
+                if call is None:
+                    self.stray_outputs += len(part)
+                    continue
+                share = len(part) / len(outputs)  # the step's cost, split by requests
+                call.deliver(m.OutputBatch(part, msg.busy_s * share, round(msg.padded_tokens * share), msg.in_core,
+                                           None, {w: s * share for w, s in msg.render_s.items()},
+                                           msg.admit_s * share))
+            return
+        # RenderFailed / StepFailed: a few ids; each goes to its call.
+        per_call: dict[str, list[int]] = {}
+        for i, rid in enumerate(msg.request_ids):
+            per_call.setdefault(rid[:PREFIX_LEN], []).append(i)
+        for prefix, positions in per_call.items():
+            call = calls.get(prefix)
+            if call is None:
+                continue
+            if len(positions) == len(msg.request_ids):
+                call.deliver(msg)
+            elif kind is m.RenderFailed:
+                call.deliver(m.RenderFailed([msg.request_ids[i] for i in positions], [msg.indices[i] for i in positions],
+                                            [msg.errors[i] for i in positions]))
+            else:
+                call.deliver(m.StepFailed([msg.request_ids[i] for i in positions], [msg.indices[i] for i in positions],
+                                          msg.error))
+
+    def _check_health(self) -> None:
+        group = self.group
+        for index in group.check_alive():  # raises EngineDeadError
+            lost_gen, error = group.worker_lost(index)
+            with self.lock:
+                self.outstanding[index] = 0
+                calls = list(self.calls.values())
+            notice = LostWorker(index, lost_gen)
+            for call in calls:
+                call.deliver(notice)
+                if error is not None:
+                    call.fail(PipelineError(error))
+        if group.down and group.start_due_workers():
+            self._wake_all()
+
+    def _flush_retired(self) -> None:
+        while self.retiring:
+            call, ids, per_worker, chars = self.retiring.popleft()
+            self._unregister(call, per_worker, chars)
+            if ids:
+                self.group.abort(ids)
+
+    def _fail(self, error: BaseException) -> None:
+        if self.failure is None:
+            self.failure = error
+        self._wake_all()
+
+    def _wake_all(self) -> None:
+        with self.lock:
+            calls = list(self.calls.values()) + list(self.waiters)
+            self.waiters.clear()
+        for call in calls:
+            call.wake()
+
+    # ---- what calls use ---------------------------------------------------------------------
+
+    def check_usable(self) -> None:
+        if self.failure is not None:
+            raise copy.copy(self.failure)
+        if not self.thread.is_alive() and self.thread.ident is not None:
+            raise PipelineError("the frontend's receiver thread is not running")
+
+    def register(self, call: Call) -> None:
+        with self.lock:
+            self.check_usable()
+            self.calls[call.prefix] = call
+            self.routes = dict(self.calls)
+            self.drawing.add(call)
+            self.calls_started += 1
+
+    def acquire(self, call: Call, want: int) -> int:
+        """Up to `want` slots for `call` (0: none now; the call is woken when some come back).
+        Each call drawing input may hold its share, max_inflight / calls drawing."""
+        with self.lock:
+            share = max(1, self.max_inflight // max(1, len(self.drawing)))
+            granted = min(want, self.free, share - call.held)
+            if granted <= 0:
+                self.waiters.add(call)
+                return 0
+            self.free -= granted
+            call.held += granted
+            inflight = self.max_inflight - self.free
+            if inflight > self.peak_inflight:
+                self.peak_inflight = inflight
+            return granted
+
+    def release(self, call: Call, count: int) -> None:
+        with self.lock:
+            self.free += count
+            call.held -= count
+            waiters, self.waiters = self.waiters, set()
+        for waiter in waiters:
+            if waiter is not call:
+                waiter.wake()
+
+    def done_drawing(self, call: Call) -> None:
+        with self.lock:
+            self.drawing.discard(call)
+
+    def dispatch(self, call: Call, batch: list[m.RenderParams], chat_template: str | None,
+                 chars: int) -> tuple[int, int] | None:
+        """Sends a batch to the least-loaded worker that is up; (worker, its generation), or None
+        when no worker can take it now (the call keeps it and is woken when one can)."""
+        group = self.group
+        with self.lock:
+            up = [i for i in range(len(self.outstanding)) if group.worker_up(i)]
+            if not up:
+                self.waiters.add(call)
+                return None
+            worker = min(up, key=self.outstanding.__getitem__)
+            self.outstanding[worker] += len(batch)
+            gen = group.worker_gen[worker]
+        try:
+            group.send_work(worker, batch, chat_template)
+        except zmq.Again:  # gone since it was checked: the batch stays with the call
+            with self.lock:
+                self.outstanding[worker] = max(0, self.outstanding[worker] - len(batch))
+                self.retried_sends += 1
+                self.waiters.add(call)
+            return None
+        with self.lock:
+            self.chars += chars
+            self.batches_per_worker[worker] += 1
+        return worker, gen
+
+    def settled(self, per_worker: Counter | dict, chars: int) -> None:
+        """Requests answered (or failed): their workers and text budget are free again."""
+        with self.lock:
+            for worker, count in per_worker.items():
+                self.outstanding[worker] = max(0, self.outstanding[worker] - count)
+            self.chars -= chars
+            waiters = None
+            if chars and self.waiters:
+                waiters, self.waiters = self.waiters, set()
+        if waiters:
+            for waiter in waiters:
+                waiter.wake()
+
+    def unregister(self, call: Call) -> None:
+        """A call that ended normally (nothing in flight): its slots come back now."""
+        self._unregister(call, {}, 0)
+
+    def retire(self, call: Call, ids: list[str], per_worker: Counter, chars: int) -> None:
+        """A call that ended abnormally: the receiver thread aborts its requests by external id
+        and returns its slots. Takes no lock: it may run inside the garbage collector."""
+        self.retiring.append((call, ids, per_worker, chars))
+        self.wake_receiver()
+
+    def _unregister(self, call: Call, per_worker, chars: int) -> None:
+        with self.lock:
+            if self.calls.get(call.prefix) is call:
+                del self.calls[call.prefix]
+                self.routes = dict(self.calls)
+            self.drawing.discard(call)
+            self.waiters.discard(call)
+            self.free += call.held
+            call.held = 0
+            for worker, count in per_worker.items():
+                self.outstanding[worker] = max(0, self.outstanding[worker] - count)
+            self.chars -= chars
+            waiters, self.waiters = self.waiters, set()
+        for waiter in waiters:
+            waiter.wake()
+
+    def stats(self) -> dict:
+        with self.lock:
+            return {"inflight": self.max_inflight - self.free, "max_inflight": self.max_inflight,
+                    "max_inflight_seen": self.peak_inflight, "calls_running": len(self.calls),
+                    "calls_started": self.calls_started, "stray_outputs_dropped": self.stray_outputs,
+                    "retried_sends": self.retried_sends, "batches_per_worker": list(self.batches_per_worker),
+                    "worker_restarts": self.group.total_restarts,
+                    "stopped_s": round(self.group.clock.skipped_s, 3)}
+
+    # ---- tear-down ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Ends every call (they raise "closed"), stops the receiver thread and the group."""
+        if os.getpid() != self.group.owner_pid:
+            self.group.close()  # a forked child: leaves the parent's group alone
+            return
+        self._fail(PipelineError("this Pipeline is closed"))
+        self._stopping = True
+        self.wake_receiver()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(timeout=10)
+        self.group.close()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+class Call:
+    def __init__(self, dispatcher: Dispatcher, prefix: str, requests: Iterator[m.RenderParams | FailedRequest],
+                 opts: CallOptions, *, progress=None, default_normalize: bool = True,
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.dispatcher = dispatcher
+        self.prefix = prefix
+        self.requests = requests
+        self.batch_items = dispatcher.batch_items
         self.progress = progress
         self.chat_template = opts.chat_template
         self.default_normalize = default_normalize
         self.errors = opts.errors  # "raise": the first failure ends the call; "return": it becomes an output
         self.chunks: dict[str, ChunkSum] = {}  # chunk mode: documents with chunks still out
         self.stats = CallStats()
-        self.inflight: dict[str, tuple[m.RenderParams, int]] = {}  # external id -> (request, worker)
-        self.outstanding = [0] * len(group.work)  # requests per worker not yet answered
+        # external id -> (request, worker, worker generation it was sent to)
+        self.inflight: dict[str, tuple[m.RenderParams, int, int]] = {}
         self.backlog: deque[m.RenderParams] = deque()  # to (re)send when a worker can take them
         self.ready: dict[int, m.PoolingOutput] = {}  # reorder buffer: index -> output
+        self.inbox: deque = deque()  # messages routed here by the receiver thread
         self.inflight_chars = 0
+        self.held = 0  # slots held (granted + issued and not handed back); changed under dispatcher.lock
+        self.granted = 0  # slots held for requests not drawn yet
         self.issued = 0
         self.next_index = 0
+        self.released = 0  # outputs handed back whose slots were returned
         self.exhausted = False
+        self.started = False
         self.finished = False
-        self.ended_by: str | None = None  # set when another call ended this one
-        self.next_health_check = 0.0
+        self.retired = False
+        self.failure: BaseException | None = None  # set by the receiver for this call alone
         self.handlers = {m.OutputBatch: self._on_outputs, m.RenderFailed: self._on_render_failed,
-                         m.StepFailed: self._on_step_failed}
+                         m.StepFailed: self._on_step_failed, LostWorker: self._on_lost_worker}
+        # Waking up: a thread's event, or (async calls) a future on the caller's event loop.
+        self.loop = loop
+        self._event = threading.Event()
+        self._waiter: asyncio.Future | None = None
+        self._signaled = False
+        self._wake_pending = False
 
-    # ---- the loop ----------------------------------------------------------------------
+    # ---- driving the call ------------------------------------------------------------------
 
     def outputs(self) -> Iterator[m.PoolingOutput]:
-        self.group.reset_liveness()
+        """Results in input order, in the calling thread."""
         try:
             while True:
-                if self.ended_by:
-                    raise PipelineError(self.ended_by)
-                started = time.perf_counter()
-                self._issue()
-                self.stats.frontend_busy_s += time.perf_counter() - started
-                while self.next_index in self.ready:
-                    out = self.ready.pop(self.next_index)
-                    self.next_index += 1
-                    yield out
-                if self.exhausted and self.next_index == self.issued:
+                self._event.clear()
+                ready, done = self.pump()
+                yield from ready
+                if done:
                     return
-                self._wait()
+                if not ready:
+                    self._event.wait(CALL_WAIT_S)
         except BaseException:
             self.abort()
             raise
         finally:
-            self.finished = True
-            self.stats.wall_s = time.perf_counter() - self.stats.start
-            if self.progress is not None:
-                self.progress.close()
+            self._finish()
 
-    def abort(self, reason: str | None = None) -> None:
-        """Drops every request of this call still in flight, in the engine too.
+    async def aoutputs(self) -> AsyncIterator[m.PoolingOutput]:
+        """Results in input order, on the caller's event loop (never blocking it to wait)."""
+        try:
+            while True:
+                self._signaled = False
+                ready, done = self.pump()
+                for out in ready:
+                    yield out
+                if done:
+                    return
+                if not ready and not self._signaled:
+                    self._waiter = self.loop.create_future()
+                    try:
+                        await asyncio.wait_for(self._waiter, CALL_WAIT_S)
+                    except asyncio.TimeoutError:
+                        pass
+                    finally:
+                        self._waiter = None
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            self._finish()
 
-        With a reason, the call's generator raises it if the caller resumes it later: results
-        it would have yielded are gone, and silently stopping would look like the end of the data.
-        """
-        self.ended_by = reason
-        if self.inflight and not self.group.closed:
-            self.group.abort(list(self.inflight))
+    def pump(self) -> tuple[list[m.PoolingOutput], bool]:
+        """One turn: returns the slots of what was handed back, handles what the receiver
+        routed here, sends what the bound allows; returns the outputs now ready in order and
+        whether the call is complete. Raises the call's failure."""
+        dispatcher = self.dispatcher
+        if not self.started:
+            dispatcher.register(self)
+            self.started = True
+        if self.next_index != self.released:  # handed to the caller since the previous turn
+            dispatcher.release(self, self.next_index - self.released)
+            self.released = self.next_index
+        failure = self.failure or dispatcher.failure
+        if failure is not None:
+            raise copy.copy(failure)
+        started = time.perf_counter()
+        inbox = self.inbox
+        handlers = self.handlers
+        while inbox:
+            msg = inbox.popleft()
+            handlers[type(msg)](msg)
+        self._issue()
+        ready = self.ready
+        out = []
+        index = self.next_index
+        while index in ready:
+            out.append(ready.pop(index))
+            index += 1
+        self.next_index = index
+        self.stats.frontend_busy_s += time.perf_counter() - started
+        done = self.exhausted and index == self.issued
+        if done:
+            self._complete()
+        return out, done
+
+    def deliver(self, msg) -> None:
+        """From the receiver thread: a message (or notice) for this call."""
+        self.inbox.append(msg)
+        self.wake()
+
+    def fail(self, error: BaseException) -> None:
+        self.failure = error
+        self.wake()
+
+    def wake(self) -> None:
+        if self.loop is None:
+            self._event.set()
+        elif not self._wake_pending:
+            self._wake_pending = True
+            try:
+                self.loop.call_soon_threadsafe(self._on_wake)
+            except RuntimeError:  # the event loop is closed: nobody is waiting any more
+                self._wake_pending = False
+
+    def _on_wake(self) -> None:  # on the call's event loop
+        self._wake_pending = False
+        self._signaled = True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # ---- ending ------------------------------------------------------------------------------
+
+    def abort(self) -> None:
+        """Drops every request of this call still in flight, in the engine too, and returns its
+        slots (through the receiver thread: this may run inside the garbage collector)."""
+        if self.retired:
+            return
+        self.retired = True
+        self.exhausted = True
+        if not self.started:
+            return
+        per_worker = Counter(worker for _, worker, _ in self.inflight.values())
+        ids = list(self.inflight)
+        chars = self.inflight_chars
         self.inflight.clear()
         self.chunks.clear()
         self.inflight_chars = 0
         self.backlog.clear()
         self.ready.clear()
-        self.exhausted = True
+        self.inbox.clear()
+        self.dispatcher.retire(self, ids, per_worker, chars)
+
+    def _complete(self) -> None:
+        if not self.retired:
+            self.retired = True
+            self.dispatcher.unregister(self)
+
+    def _finish(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.stats.wall_s = time.perf_counter() - self.stats.start
+            if self.progress is not None:
+                self.progress.close()
 
     # ---- sending -------------------------------------------------------------------------
 
     def _issue(self) -> None:
-        backlog, self.backlog = list(self.backlog), deque()
-        self._send(backlog)  # what cannot be sent yet goes back into self.backlog
+        if self.backlog:
+            backlog = list(self.backlog)
+            self.backlog.clear()
+            self._send(backlog)  # what cannot be sent yet goes back into self.backlog
+        if self.exhausted:
+            return
+        dispatcher = self.dispatcher
         pending: list[m.RenderParams] = []
-        while (not self.exhausted and self.issued - self.next_index < self.max_inflight
-               and self.inflight_chars < MAX_INFLIGHT_CHARS):
+        pending_chars = 0
+        while True:
+            if not self.granted:
+                self._send(pending, pending_chars)
+                pending, pending_chars = [], 0
+                self.granted = dispatcher.acquire(self, self.batch_items)
+                if not self.granted:
+                    break
+            if dispatcher.chars + pending_chars >= MAX_INFLIGHT_CHARS:
+                with dispatcher.lock:
+                    dispatcher.waiters.add(self)
+                break
             try:
                 request = next(self.requests)  # validation errors surface here, in the caller
             except StopIteration:
                 self.exhausted = True
                 break
+            self.granted -= 1
             self.issued += 1
             if isinstance(request, FailedRequest):  # refused in the caller (errors="return")
                 self.ready[request.index] = m.PoolingOutput(request.request_id, request.index, 0, error=request.error)
                 self.stats.errors += 1
                 continue
             pending.append(request)
-            self.inflight_chars += request_size(request)
+            pending_chars += request_size(request)
             if len(pending) == self.batch_items:
-                self._send(pending)
-                pending = []
-        self._send(pending)
-        self.stats.max_inflight_seen = max(self.stats.max_inflight_seen, self.issued - self.next_index)
+                self._send(pending, pending_chars)
+                pending, pending_chars = [], 0
+        self._send(pending, pending_chars)
+        if self.exhausted:
+            dispatcher.done_drawing(self)
+            if self.granted:
+                dispatcher.release(self, self.granted)
+                self.granted = 0
+        inflight = self.issued - self.next_index
+        if inflight > self.stats.max_inflight_seen:
+            self.stats.max_inflight_seen = inflight
 
-    def _send(self, items: list[m.RenderParams]) -> None:
+    def _send(self, items: list[m.RenderParams], chars: int | None = None) -> None:
+        if not items:
+            return
+        dispatcher = self.dispatcher
         for start in range(0, len(items), self.batch_items):
             batch = items[start:start + self.batch_items]
-            worker = min(range(len(self.outstanding)), key=self.outstanding.__getitem__)
-            try:
-                self.group.send_work(worker, batch, self.chat_template)
-            except zmq.Again:  # that worker is gone or restarting: try again on the next turn
-                self.backlog.extend(batch)
-                continue
+            batch_chars = chars if chars is not None and len(batch) == len(items) else sum(map(request_size, batch))
+            sent = dispatcher.dispatch(self, batch, self.chat_template, batch_chars)
+            if sent is None:  # no worker can take it now: kept, with the rest, for the next turn
+                self.backlog.extend(items[start:])
+                return
+            entry_worker, gen = sent
+            inflight = self.inflight
             for request in batch:
-                self.inflight[request.request_id] = (request, worker)
-            self.outstanding[worker] += len(batch)
+                inflight[request.request_id] = (request, entry_worker, gen)
+            self.inflight_chars += batch_chars
 
     # ---- receiving ------------------------------------------------------------------------
-
-    def _wait(self) -> None:
-        if self.group.results.poll(WAIT_MS):
-            started = time.perf_counter()
-            while self.group.results.poll(0):
-                msg = self.group.recv()
-                if msg is not None:
-                    self._handle(msg)
-            self.stats.frontend_busy_s += time.perf_counter() - started
-        if time.monotonic() >= self.next_health_check:
-            self._check_health()
-
-    def _handle(self, msg) -> None:
-        handler = self.handlers.get(type(msg))
-        if handler is not None:  # Ready and Heartbeat only concern the process group
-            handler(msg)
 
     def _on_outputs(self, msg: m.OutputBatch) -> None:
         stats = self.stats
@@ -212,29 +673,40 @@ class Call:
         stats.padded_tokens += msg.padded_tokens
         stats.batches += 1
         stats.max_in_core_seen = max(stats.max_in_core_seen, msg.in_core)
-        stats.depths["engine_window"].add(msg.in_core)
-        stats.depths["batch_size"].add(len(msg.outputs))
-        stats.depths["frontend_inflight"].add(self.issued - self.next_index)
-        stats.depths["reorder_buffer"].add(len(self.ready))
+        depths = stats.depths
+        depths["engine_window"].add(msg.in_core)
+        depths["batch_size"].add(len(msg.outputs))
+        depths["frontend_inflight"].add(self.issued - self.next_index)
+        depths["reorder_buffer"].add(len(self.ready))
         accepted = 0
+        settled: Counter = Counter()
+        chars = 0
+        inflight = self.inflight
         for out in msg.outputs:
-            entry = self.inflight.get(out.request_id)
+            entry = inflight.get(out.request_id)
             if entry is None or entry[0].index != out.index:
                 stats.duplicates_dropped += 1  # re-sent, aborted or from an earlier call
                 continue
             if out.chunk >= 0:
-                chunks = self.chunks.setdefault(out.request_id, ChunkSum(out.num_chunks))
+                chunks = self.chunks.get(out.request_id)
+                if chunks is None:
+                    chunks = self.chunks[out.request_id] = ChunkSum(out.num_chunks)
                 if not chunks.add(out):
                     stats.duplicates_dropped += 1
                 if not chunks.complete:
                     continue
                 out = chunks.finish(out, entry[0].params, self.default_normalize)
                 del self.chunks[out.request_id]
-            self._settle(out.request_id)
+            del inflight[out.request_id]
+            settled[entry[1]] += 1
+            chars += request_size(entry[0])
             self.ready[out.index] = out
             stats.requests += 1
             stats.prompt_tokens += out.num_prompt_tokens
             accepted += 1
+        if accepted:
+            self.inflight_chars -= chars
+            self.dispatcher.settled(settled, chars)
         if self.progress is not None and accepted:
             self.progress.update(accepted)
             wall = time.perf_counter() - stats.start
@@ -261,40 +733,32 @@ class Call:
         for rid, index in mine:
             self._fail(rid, index, f"request {index}: the model failed on it: {msg.error}")
 
+    def _on_lost_worker(self, notice: LostWorker) -> None:
+        """A worker lost its process: what this call had sent to it comes again from the others."""
+        self.stats.worker_restarts += 1
+        lost = [req for req, worker, gen in self.inflight.values() if worker == notice.index and gen <= notice.gen]
+        for req in lost:
+            del self.inflight[req.request_id]
+            self.inflight_chars -= request_size(req)
+            self.chunks.pop(req.request_id, None)  # its chunks come again, whole
+        if lost:
+            self.dispatcher.settled({}, sum(map(request_size, lost)))
+            self.backlog.extend(lost)
+
     def _owns(self, request_id: str, index: int) -> bool:
         entry = self.inflight.get(request_id)
         return entry is not None and entry[0].index == index
 
-    def _settle(self, request_id: str) -> m.RenderParams:
-        """The request is answered: it leaves the in-flight window."""
-        request, worker = self.inflight.pop(request_id)
-        self.outstanding[worker] -= 1
-        self.inflight_chars -= request_size(request)
-        return request
-
     def _fail(self, request_id: str, index: int, error: str) -> None:
         """errors="return": this request's output carries the error; the call goes on."""
-        request = self._settle(request_id)
+        request, worker, _ = self.inflight.pop(request_id)
+        size = request_size(request)
+        self.inflight_chars -= size
+        self.dispatcher.settled({worker: 1}, size)
         if request.long_inputs == "chunk":  # its other chunks would be computed for nothing
             self.chunks.pop(request_id, None)
-            self.group.abort([request_id])
+            self.dispatcher.group.abort([request_id])
         self.ready[index] = m.PoolingOutput(request_id, index, 0, error=error)
         self.stats.errors += 1
         if self.progress is not None:
             self.progress.update(1)
-
-    def _check_health(self) -> None:
-        self.next_health_check = time.monotonic() + HEALTH_CHECK_INTERVAL_S
-        for index in self.group.check_alive():  # raises EngineDeadError
-            self.stats.worker_restarts += 1
-            if self.stats.worker_restarts > MAX_WORKER_RESTARTS_PER_CALL:
-                tail = self.group.workers[index].log_tail()
-                raise PipelineError(f"render worker {index} keeps dying; its last output:\n{tail}")
-            log.warning("render worker %d died; starting a replacement and re-sending its requests", index)
-            self.group.start_worker(index)
-            lost = [req for req, worker in self.inflight.values() if worker == index]
-            for req in lost:
-                del self.inflight[req.request_id]
-                self.chunks.pop(req.request_id, None)  # its windows come again from the new worker
-            self.outstanding[index] = 0
-            self.backlog.extend(lost)

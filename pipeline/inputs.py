@@ -208,6 +208,9 @@ def check_params(p: object, where: str, task: str, spec: ModelSpec) -> None:
 
 
 def check_priority(value: object, where: str) -> None:
+    # One entry of a per-request list ("priority[3]") names its request.
+    if where.startswith("priority["):
+        where = f"request {where[len('priority['):-1]}: {where}"
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{where} must be an int, got {value!r}")
     if not PRIORITY_MIN <= value <= PRIORITY_MAX:

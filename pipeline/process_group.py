@@ -1,21 +1,35 @@
 """Spawns, watches and tears down the engine core and the render workers.
 
-Transport: ipc:// endpoints in a fresh private directory (mode 0700) per group, removed on close.
-The frontend binds its sockets; the children connect (and the engine binds its input socket).
+Transport: ipc:// endpoints in a fresh private directory (mode 0700) per group, removed on close
+(and by the children when the frontend's process dies without closing: SIGTERM, SIGKILL). The
+frontend binds its sockets; the children connect (and the engine binds its input socket).
+Every message carries the group's random key (`core.serial`); frames without it are dropped.
 Children start as module entry points with `python -m`, never forked from the caller, so a
 process holding torch threads is never forked and no `__main__` guard is needed.
+
+The group belongs to the process that created it: in an `os.fork()`ed child, `close()` (the exit
+handler too) leaves the parent's sockets, children and directory alone.
+
+Liveness is measured on a RunClock (`core.runtime`): a heartbeat gap during which the frontend
+itself did not run (the whole job stopped with Ctrl-Z) is not taken for a dead child. A render
+worker that dies is restarted with back-off; more than MAX_WORKER_RESTARTS_PER_MINUTE restarts of
+one worker within a minute is an error for the calls running (the restarts go on).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import resource
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import deque
 from pathlib import Path
 
 import msgspec
@@ -23,14 +37,62 @@ import zmq
 
 from pooling_pipeline.core import messages as m
 from pooling_pipeline.core.config import EngineConfig, ModelSpec, WorkerConfig
-from pooling_pipeline.core.runtime import socket
-from pooling_pipeline.core.serial import Decoder, Encoder
-from pooling_pipeline.errors import EngineDeadError, WorkerStartError
+from pooling_pipeline.core.runtime import GROUP_KEY_ENV, DropLog, RunClock, socket
+from pooling_pipeline.core.serial import KEY_BYTES, Decoder, Encoder
+from pooling_pipeline.errors import EngineDeadError, PipelineError, WorkerStartError
 
 log = logging.getLogger("pipeline")
 
 SHUTDOWN_GRACE_S = 5.0  # a child exits in about a second; under load torch teardown takes longer
 LOG_TAIL_CHARS = 3000
+DIR_PREFIX = "pooling-pipeline-"
+# sun_path holds 108 bytes on Linux (104 on macOS), the terminating NUL included.
+IPC_PATH_MAX = 103 if sys.platform == "darwin" else 107
+# File descriptors the frontend's process opens for a group: the ZeroMQ context (~4), one
+# mailbox per socket, a listening socket per endpoint and one connection per peer (the results
+# socket has two per child: its main socket and its heartbeat), a wake-up pipe, and spawning
+# (the log file, the exec status pipe). Measured: 26 with 1 worker, 33 with 2; the margin covers
+# a restart in progress. Under `ulimit -n 24` libzmq otherwise aborts the whole process.
+FDS_BASE, FDS_PER_WORKER, FDS_MARGIN = 22, 8, 16
+# Worker restarts: back-off before the n-th restart of one worker within a minute, and how many
+# are tolerated in that minute before the calls running fail (a crash loop, not a bad moment).
+MAX_WORKER_RESTARTS_PER_MINUTE = 6
+RESTART_BACKOFF_S = 0.5  # doubles with each restart of the same worker within the minute
+MAX_RESTART_BACKOFF_S = 8.0
+RESTART_WINDOW_S = 60.0
+
+
+def check_resources(num_workers: int) -> None:
+    """Fails with a clear message, before anything is created, when the ipc paths would be too
+    long for a Unix socket or the process may not open enough files (raising the soft limit up
+    to the hard one first, as far as that is allowed)."""
+    base = tempfile.gettempdir()
+    longest = max(("results", "control", "engine-in", f"work-{num_workers - 1}"), key=len)
+    path = os.path.join(base, DIR_PREFIX + "x" * 8, longest)
+    if len(os.fsencode(path)) > IPC_PATH_MAX:
+        raise PipelineError(
+            f"the socket path {path!r} would be {len(os.fsencode(path))} bytes, more than the {IPC_PATH_MAX} a Unix "
+            f"socket path may have: the temporary directory {base!r} (TMPDIR) is too long; point TMPDIR at a "
+            "shorter directory, e.g. TMPDIR=/tmp")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        open_now = len(os.listdir("/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"))
+    except OSError:
+        open_now = 0
+    needed = open_now + FDS_BASE + FDS_PER_WORKER * num_workers + FDS_MARGIN
+    if soft == resource.RLIM_INFINITY or needed <= soft:
+        return
+    if hard == resource.RLIM_INFINITY or needed <= hard:
+        target = needed if hard == resource.RLIM_INFINITY else min(hard, max(needed, 1024))
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return
+        except (ValueError, OSError):
+            pass
+    raise PipelineError(
+        f"too few file descriptors: this process may open {soft} files (ulimit -n) and has {open_now} open; a "
+        f"process group with {num_workers} render worker(s) needs about {needed - open_now} more. Raise the "
+        f"limit (e.g. `ulimit -n 4096`) or use fewer render workers")
 
 
 class Child:
@@ -57,39 +119,59 @@ class ProcessGroup:
                  max_num_seqs: int, max_num_batched_tokens: int | None, window: int, max_message_items: int,
                  io_processor: str | None = None, log_level: str = "WARNING",
                  heartbeat_timeout_s: float = 30.0, step_timeout_s: float = 600.0) -> None:
+        check_resources(num_workers)
+        self.owner_pid = os.getpid()  # the group is this process's, not a forked child's
         self.spec = spec
-        self.dir = Path(tempfile.mkdtemp(prefix="pooling-pipeline-"))  # mode 0700
-        os.chmod(self.dir, 0o700)
-        self.ctx = zmq.Context(1)
-        self.encoder = Encoder()
-        self.decoder = Decoder(m.FrontendInbound, writable_arrays=True)
         self.closed = False
+        self._close_lock = threading.Lock()
         self.children: list[Child] = []
+        self.dir = Path(tempfile.mkdtemp(prefix=DIR_PREFIX))  # mode 0700
+        try:
+            os.chmod(self.dir, 0o700)
+            self.ctx = zmq.Context(1)
+        except BaseException:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
+        # Every message carries this key; the children get it in their environment.
+        self.key = secrets.token_bytes(KEY_BYTES)
+        self.encoder = Encoder(self.key)
+        self.decoder = Decoder(m.FrontendInbound, writable_arrays=True, key=self.key)
+        self.dropped = DropLog(log, "a malformed or foreign message from the results socket")
+        # ZeroMQ sockets are not thread-safe: every send on the work and control sockets (and the
+        # shared encoder) is under this lock; the results socket has one reader (the frontend's
+        # receiver thread, or the constructor while it waits for the children to be ready).
+        self.send_lock = threading.Lock()
         self.workers: list[Child | None] = [None] * num_workers
+        self.worker_gen = [0] * num_workers  # bumped when a worker slot loses its process
+        self.down: dict[int, float] = {}  # worker slots waiting to be restarted: slot -> when (monotonic)
+        self.restarts: list[deque[float]] = [deque() for _ in range(num_workers)]  # monotonic times, last minute
+        self.total_restarts = 0
         self.worker_info: dict = {}
         self.engine_info: dict = {}
         ep = lambda name: f"ipc://{self.dir}/{name}"  # noqa: E731
         self.endpoints = {"results": ep("results"), "control": ep("control"), "engine_in": ep("engine-in")}
-        self.results = socket(self.ctx, zmq.PULL, self.endpoints["results"], bind=True)
-        self.control = socket(self.ctx, zmq.PUSH, self.endpoints["control"], bind=True)
-        self.work = [socket(self.ctx, zmq.PUSH, ep(f"work-{i}"), bind=True) for i in range(num_workers)]
         self.log_level = log_level
         self.io_processor = io_processor
         # Liveness: a child that sends nothing for heartbeat_timeout_s (stopped, wedged) or stays
         # inside one piece of work for step_timeout_s is treated as dead. Nothing waits forever.
+        # Silence is measured on the RunClock, so time this process was stopped does not count.
+        self.clock = RunClock()
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.step_timeout_s = step_timeout_s
         self.last_seen: dict[tuple[str, int], float] = {}
         self.busy_s: dict[tuple[str, int], float] = {}
         self.ready: set[tuple[str, int]] = set()  # heartbeats are expected only once a child is ready
         self.startup_timeout_s = 300.0
-        self.engine_cfg = EngineConfig(
-            model=spec, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, window=window, max_message_items=max_message_items,
-            torch_threads=engine_threads, input_endpoint=self.endpoints["engine_in"],
-            control_endpoint=self.endpoints["control"], output_endpoint=self.endpoints["results"],
-            parent_pid=os.getpid(), log_level=log_level)
         try:
+            self.results = socket(self.ctx, zmq.PULL, self.endpoints["results"], bind=True)
+            self.control = socket(self.ctx, zmq.PUSH, self.endpoints["control"], bind=True)
+            self.work = [socket(self.ctx, zmq.PUSH, ep(f"work-{i}"), bind=True) for i in range(num_workers)]
+            self.engine_cfg = EngineConfig(
+                model=spec, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens, window=window, max_message_items=max_message_items,
+                torch_threads=engine_threads, input_endpoint=self.endpoints["engine_in"],
+                control_endpoint=self.endpoints["control"], output_endpoint=self.endpoints["results"],
+                parent_pid=os.getpid(), log_level=log_level)
             self.engine = self._spawn("engine", 0, "pooling_pipeline.core.engine", self.engine_cfg, {
                 "OMP_NUM_THREADS": str(engine_threads), "MKL_NUM_THREADS": str(engine_threads),
                 # oneDNN caches a compiled kernel per batch shape (1024 by default): with shapes that
@@ -112,6 +194,7 @@ class ProcessGroup:
             env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         env["TOKENIZERS_PARALLELISM"] = "false"
         env.setdefault("HF_HUB_OFFLINE", "1")  # models load from local paths only
+        env[GROUP_KEY_ENV] = self.key.hex()
         log_path = self.dir / f"{role}{index}.log"
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(
@@ -121,8 +204,10 @@ class ProcessGroup:
                 # `core/` or `pipeline.py`) can shadow a module the children import.
                 env=env, cwd=self.dir, close_fds=True)
         child = Child(role, index, proc, log_path)
+        # Children of this slot that are gone and reaped are forgotten (a long job restarts many).
+        self.children = [c for c in self.children if c.role != role or c.index != index or c.proc.returncode is None]
         self.children.append(child)
-        self.last_seen[(role, index)] = time.monotonic()
+        self.last_seen[(role, index)] = self.clock.now()
         self.busy_s[(role, index)] = 0.0
         self.ready.discard((role, index))
         return child
@@ -141,6 +226,48 @@ class ProcessGroup:
     def pids(self) -> dict:
         return {"engine": self.engine.proc.pid, "workers": [w.proc.pid for w in self.workers if w is not None]}
 
+    def worker_up(self, index: int) -> bool:
+        """Whether a worker can take work now: started, ready, alive (a restarting one cannot)."""
+        worker = self.workers[index]
+        return (index not in self.down and ("worker", index) in self.ready and worker is not None
+                and worker.proc.poll() is None)
+
+    # ---- restarts ----------------------------------------------------------------------
+
+    def worker_lost(self, index: int) -> tuple[int, str | None]:
+        """A worker's process is gone: its slot is restarted after a back-off. Returns the slot's
+        generation that was lost (requests sent to it then must be re-sent) and, when the worker
+        died more than MAX_WORKER_RESTARTS_PER_MINUTE times within a minute, an error message."""
+        now = time.monotonic()
+        times = self.restarts[index]
+        while times and now - times[0] > RESTART_WINDOW_S:
+            times.popleft()
+        times.append(now)
+        self.total_restarts += 1
+        backoff = 0.0 if len(times) == 1 else min(MAX_RESTART_BACKOFF_S, RESTART_BACKOFF_S * 2 ** (len(times) - 2))
+        self.down[index] = now + backoff
+        self.ready.discard(("worker", index))
+        lost_gen = self.worker_gen[index]
+        self.worker_gen[index] += 1
+        error = None
+        if len(times) > MAX_WORKER_RESTARTS_PER_MINUTE:
+            worker = self.workers[index]
+            tail = worker.log_tail() if worker is not None else ""
+            error = (f"render worker {index} keeps dying: {len(times)} restarts within a minute"
+                     + (f"; its last output:\n{tail}" if tail else ""))
+        log.warning("render worker %d died; restarting it in %.1f s (restart %d within a minute)", index, backoff,
+                    len(times))
+        return lost_gen, error
+
+    def start_due_workers(self) -> list[int]:
+        """Starts the lost workers whose back-off is over; returns their slots."""
+        now = time.monotonic()
+        due = [i for i, at in self.down.items() if at <= now]
+        for i in due:
+            del self.down[i]
+            self.start_worker(i)
+        return due
+
     # ---- start-up --------------------------------------------------------------------
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -151,6 +278,7 @@ class ProcessGroup:
         while pending:
             if time.monotonic() > deadline:
                 raise EngineDeadError(f"process group not ready after {timeout_s:.0f} s; waiting for {sorted(pending)}")
+            self.clock.tick()
             self.check_alive()
             if not self.results.poll(200):
                 continue
@@ -166,16 +294,20 @@ class ProcessGroup:
 
     # ---- messages ----------------------------------------------------------------------
 
-    def recv(self):
-        """The next decodable message on the results socket (malformed ones are logged and dropped)."""
+    def recv(self, flags: int = 0):
+        """The next decodable message on the results socket (malformed or foreign ones are logged
+        and dropped); None when there is none (with zmq.NOBLOCK) or only dropped ones were there."""
         while True:
-            frames = self.results.recv_multipart(copy=False)
+            try:
+                frames = self.results.recv_multipart(flags, copy=False)
+            except zmq.Again:
+                return None
             try:
                 msg = self.decoder.decode(frames)
                 if isinstance(msg, m.OutputBatch):
                     msg.unpack()  # each output gets its row of the packed data
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
-                log.error("dropped a malformed message from a child: %s", e)
+                self.dropped(e)
                 if not self.results.poll(0):
                     return None
                 continue
@@ -183,7 +315,7 @@ class ProcessGroup:
             return msg
 
     def _note(self, msg) -> None:
-        now = time.monotonic()
+        now = self.clock.now()
         if isinstance(msg, m.Heartbeat):
             self.last_seen[(msg.role, msg.index)] = now
             self.busy_s[(msg.role, msg.index)] = msg.busy_s
@@ -194,19 +326,18 @@ class ProcessGroup:
             if msg.error is None:
                 self.ready.add((msg.role, msg.index))
 
-    def reset_liveness(self) -> None:
-        """Between calls nobody reads the heartbeats: a new call starts every clock afresh."""
-        now = time.monotonic()
-        for key in self.last_seen:
-            self.last_seen[key] = now
-
     def send_work(self, worker: int, items: list[m.RenderParams], chat_template: str | None = None) -> None:
         # NOBLOCK: a worker that died (no peer on its socket) raises zmq.Again instead of blocking.
-        frames = self.encoder.encode(m.RenderBatch(items, chat_template))
-        self.work[worker].send_multipart(frames, zmq.NOBLOCK, copy=False)
+        with self.send_lock:
+            if self.closed:
+                raise zmq.Again()
+            frames = self.encoder.encode(m.RenderBatch(items, chat_template))
+            self.work[worker].send_multipart(frames, zmq.NOBLOCK, copy=False)
 
     def abort(self, request_ids: list[str]) -> None:
-        if request_ids and not self.closed:
+        with self.send_lock:
+            if not request_ids or self.closed:
+                return
             try:  # never block on an engine that is gone: its requests went with it
                 self.control.send_multipart(self.encoder.encode(m.Abort(request_ids)), zmq.NOBLOCK)
             except zmq.Again:
@@ -228,7 +359,7 @@ class ProcessGroup:
             raise EngineDeadError(f"engine core {wedged}; it was killed")
         dead = []
         for i, worker in enumerate(self.workers):
-            if worker is None:
+            if worker is None or i in self.down:
                 continue
             wedged = self._wedged("worker", i) if worker.alive() else None
             if wedged:
@@ -240,10 +371,11 @@ class ProcessGroup:
         return dead
 
     def _wedged(self, role: str, index: int) -> str | None:
+        now = self.clock.now()
         if (role, index) not in self.ready:  # still loading its model or tokenizer
-            starting = time.monotonic() - self.last_seen.get((role, index), time.monotonic())
+            starting = now - self.last_seen.get((role, index), now)
             return f"did not become ready in {starting:.0f} s" if starting > self.startup_timeout_s else None
-        silent = time.monotonic() - self.last_seen.get((role, index), time.monotonic())
+        silent = now - self.last_seen.get((role, index), now)
         if silent > self.heartbeat_timeout_s:
             return f"sent no heartbeat for {silent:.0f} s (stopped or wedged)"
         busy = self.busy_s.get((role, index), 0.0)
@@ -254,20 +386,25 @@ class ProcessGroup:
     # ---- tear-down -----------------------------------------------------------------------
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
+        with self._close_lock:
+            if self.closed:
+                return
+            self.closed = True
+        if os.getpid() != self.owner_pid:
+            return  # a forked child: the sockets, children and directory are its parent's
         # Every live child is asked on its own: one that cannot be reached must not keep the
         # others from their orderly exit (the rest are killed after the grace period).
-        asks = [(sock, self.workers[i]) for i, sock in enumerate(self.work)]
-        asks.append((self.control, getattr(self, "engine", None)))
-        shutdown = self.encoder.encode(m.Shutdown())
-        for sock, child in asks:
-            if child is not None and child.alive():
-                try:
-                    sock.send_multipart(shutdown, zmq.NOBLOCK)
-                except zmq.ZMQError as e:
-                    log.debug("could not ask %s to shut down: %s", child.name, e)
+        asks = [(sock, self.workers[i]) for i, sock in enumerate(getattr(self, "work", []))]
+        if hasattr(self, "control"):
+            asks.append((self.control, getattr(self, "engine", None)))
+        with self.send_lock:
+            shutdown = self.encoder.encode(m.Shutdown())
+            for sock, child in asks:
+                if child is not None and child.alive():
+                    try:
+                        sock.send_multipart(shutdown, zmq.NOBLOCK)
+                    except zmq.ZMQError as e:
+                        log.debug("could not ask %s to shut down: %s", child.name, e)
         deadline = time.monotonic() + SHUTDOWN_GRACE_S
         for child in self.children:
             try:

@@ -2,7 +2,8 @@
 
 Pulls RenderBatch from the frontend, renders it, pushes EngineInputBatch straight to the engine
 core and per-request failures back to the frontend. Started as its own module entry point (never
-forked from the caller), so it works from scripts without a main guard and from notebooks.
+forked from the caller), so it works from scripts without a main guard and from notebooks. Every
+message carries the group's key; one that does not is dropped.
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ from pooling_pipeline.core import messages as m
 from pooling_pipeline.core.config import WorkerConfig
 from pooling_pipeline.core.runtime import (
     BusyClock,
+    DropLog,
     exit_with_parent,
     run_maybe_profiled,
     setup_logging,
     socket,
+    socket_dir_of,
     start_heartbeat,
+    take_group_key,
 )
 from pooling_pipeline.core.serial import Decoder, Encoder
 
@@ -34,12 +38,13 @@ POLL_MS = 500
 
 def main(argv: list[str]) -> int:
     cfg = msgspec.json.decode(argv[1], type=WorkerConfig)
+    key = take_group_key()
     log = setup_logging(cfg.log_level, f"worker{cfg.index}")
-    exit_with_parent(cfg.parent_pid)
+    exit_with_parent(cfg.parent_pid, socket_dir_of(cfg.output_endpoint))
 
     ctx = zmq.Context(1)
     to_front = socket(ctx, zmq.PUSH, cfg.output_endpoint, bind=False)
-    encoder = Encoder()
+    encoder = Encoder(key)
     try:
         from pooling_pipeline.workers.render import Renderer, load_hf_tokenizer, load_plugin
 
@@ -62,17 +67,18 @@ def main(argv: list[str]) -> int:
               "truncation_side": str(getattr(renderer.hf, "truncation_side", "right"))},
     )))
     clock = BusyClock()
-    start_heartbeat(ctx, cfg.output_endpoint, "worker", cfg.index, clock)
-    run_maybe_profiled(lambda: serve(cfg, renderer, work, to_engine, to_front, clock, log), f"worker{cfg.index}")
+    start_heartbeat(ctx, cfg.output_endpoint, "worker", cfg.index, clock, key)
+    run_maybe_profiled(lambda: serve(cfg, renderer, work, to_engine, to_front, clock, log, key), f"worker{cfg.index}")
     log.info("shutting down")
     ctx.destroy(linger=0)
     return 0
 
 
 def serve(cfg: WorkerConfig, renderer, work: zmq.Socket, to_engine: zmq.Socket, to_front: zmq.Socket,
-          clock: BusyClock, log) -> None:
+          clock: BusyClock, log, key: bytes) -> None:
     """The loop: RenderBatch in, EngineInputBatch (and RenderFailed) out, until Shutdown."""
-    decoder, encoder = Decoder(m.WorkerInbound), Encoder()
+    decoder, encoder = Decoder(m.WorkerInbound, key=key), Encoder(key)
+    dropped = DropLog(log, "a malformed or foreign message")
     render_s = 0.0  # time spent rendering, not yet reported (it rides on the next EngineInputBatch)
     while True:
         if not work.poll(POLL_MS):
@@ -81,7 +87,7 @@ def serve(cfg: WorkerConfig, renderer, work: zmq.Socket, to_engine: zmq.Socket, 
         try:
             msg = decoder.decode(frames)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            log.error("dropped a malformed message: %s", e)
+            dropped(e)
             continue
         if isinstance(msg, m.Shutdown):
             return

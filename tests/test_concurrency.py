@@ -1,0 +1,244 @@
+"""Several calls at once on one Pipeline: threads and coroutines, each with its own results in its own
+order, one in-flight bound for the group, and a failure or abort of one call touching no other."""
+
+import asyncio
+import gc
+import itertools
+import threading
+
+import corpus
+import numpy as np
+import pytest
+
+from pooling_pipeline import Pipeline, PoolingParams
+
+TOL = 1e-5  # float results depend on batch composition
+MAX_INFLIGHT = 64
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    with Pipeline(max_inflight=MAX_INFLIGHT, max_num_seqs=16) as p:
+        yield p
+
+
+def _jobs():
+    """(name, sync run, async run): mixed tasks, options and sizes."""
+    s = corpus.sentences(260, seed=91)
+    docs = corpus.medium_texts(6, seed=92)
+    pairs_q, pairs_d = s[200], s[201:231]
+    return [
+        ("embed 1", lambda p: p.embed(s[0], use_tqdm=False),
+         lambda p: p.aembed(s[0])),
+        ("embed 150", lambda p: p.embed(s[:150], use_tqdm=False),
+         lambda p: p.aembed(s[:150])),
+        ("embed dims", lambda p: p.embed(s[10:60], pooling_params=PoolingParams(dimensions=32), use_tqdm=False),
+         lambda p: p.aembed(s[10:60], pooling_params=PoolingParams(dimensions=32))),
+        ("embed raw priority", lambda p: p.embed(s[60:100], pooling_params=PoolingParams(normalize=False),
+                                                 priority=list(range(40, 0, -1)), use_tqdm=False),
+         lambda p: p.aembed(s[60:100], pooling_params=PoolingParams(normalize=False), priority=list(range(40, 0, -1)))),
+        ("token_embed", lambda p: p.encode(s[100:130], task="token_embed", use_tqdm=False),
+         lambda p: p.aencode(s[100:130], task="token_embed")),
+        ("score", lambda p: p.score(pairs_q, pairs_d, use_tqdm=False),
+         lambda p: p.ascore(pairs_q, pairs_d)),
+        ("chunks", lambda p: p.embed(docs, long_inputs="chunk", truncate_prompt_tokens=64, chunk_overlap=8,
+                                     use_tqdm=False),
+         lambda p: p.aembed(docs, long_inputs="chunk", truncate_prompt_tokens=64, chunk_overlap=8)),
+        ("stream", lambda p: list(p.embed_stream(iter(s[130:230]), truncate_prompt_tokens=16)),
+         lambda p: _collect(p.aembed_stream(iter(s[130:230]), truncate_prompt_tokens=16))),
+    ]
+
+
+async def _collect(stream):
+    return [out async for out in stream]
+
+
+def _vectors(outs) -> list[np.ndarray]:
+    return [np.atleast_1d(np.asarray(o.score if hasattr(o, "score") else o.data, dtype=np.float64)) for o in outs]
+
+
+def _assert_same(got, expected, what: str) -> None:
+    assert len(got) == len(expected), what
+    assert [o.index for o in got] == [o.index for o in expected], what
+    for a, b in zip(_vectors(got), _vectors(expected)):
+        np.testing.assert_allclose(a, b, atol=TOL, rtol=0, err_msg=what)
+
+
+def test_threads_and_coroutines_at_once_get_their_own_results(pipe):
+    jobs = _jobs()
+    expected = {name: run(pipe) for name, run, _ in jobs}  # one at a time
+    got: dict[str, list] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(jobs) + 1)
+
+    def in_thread(name, run):
+        try:
+            start.wait()
+            got[f"thread {name}"] = run(pipe)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=in_thread, args=(name, run)) for name, run, _ in jobs]
+    for t in threads:
+        t.start()
+
+    async def coroutines():
+        start.wait()  # the threads and this event loop's calls start together
+        results = await asyncio.gather(*(arun(pipe) for _, _, arun in jobs))
+        for (name, _, _), result in zip(jobs, results):
+            got[f"coroutine {name}"] = result
+
+    asyncio.run(coroutines())
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    assert len(got) == 2 * len(jobs)
+    for name, _, _ in jobs:
+        _assert_same(got[f"thread {name}"], expected[name], f"thread {name}")
+        _assert_same(got[f"coroutine {name}"], expected[name], f"coroutine {name}")
+    group = pipe.stats()["group"]
+    assert group["max_inflight_seen"] <= MAX_INFLIGHT  # the bound held for the group, not per call
+    assert group["inflight"] == 0 and group["calls_running"] == 0
+
+
+def test_a_cancelled_a_closed_and_a_failing_call_leave_the_others_intact(pipe):
+    texts = corpus.sentences(240, seed=93)
+    expected = pipe.embed(texts, use_tqdm=False)
+    got: dict[str, object] = {}
+
+    def closed_early():  # a stream its caller stops after 20 results
+        stream = pipe.embed_stream(itertools.cycle(texts))
+        got["closed"] = [next(stream) for _ in range(20)]
+        stream.close()
+
+    def bad_input_midway():  # a bad prompt deep in a stream: that call raises, naming it
+        def source():
+            for i, t in enumerate(texts):
+                yield None if i == 150 else t
+        try:
+            list(pipe.embed_stream(source()))
+        except TypeError as e:
+            got["bad input"] = e
+
+    def refused_in_worker():  # a request the render worker refuses (too long, long_inputs="error")
+        try:
+            pipe.embed(texts[:100] + ["word " * 2000] + texts[:100], long_inputs="error", use_tqdm=False)
+        except ValueError as e:
+            got["refused"] = e
+
+    def good(name, part):
+        got[name] = pipe.embed(texts[part], use_tqdm=False)
+
+    threads = [threading.Thread(target=closed_early), threading.Thread(target=bad_input_midway),
+               threading.Thread(target=refused_in_worker)]
+    threads += [threading.Thread(target=good, args=(f"good {i}", slice(i * 30, i * 30 + 90))) for i in range(4)]
+    for t in threads:
+        t.start()
+
+    async def coroutines():
+        async def cancelled():
+            async for out in pipe.aembed_stream(itertools.cycle(texts)):
+                got.setdefault("cancelled", []).append(out)
+                if len(got["cancelled"]) == 10:
+                    asyncio.current_task().cancel()
+
+        async def good_async():
+            return await pipe.aembed(texts[50:200])
+
+        task = asyncio.ensure_future(cancelled())
+        results = await asyncio.gather(good_async(), good_async())
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return results
+
+    async_results = asyncio.run(coroutines())
+    for t in threads:
+        t.join(timeout=300)
+    assert "request 150: prompt is None" in str(got["bad input"])
+    assert "request 100" in str(got["refused"]) and "long_inputs='error'" in str(got["refused"])
+    _assert_same(got["closed"], expected[:20], "closed stream")
+    cancelled = got["cancelled"]  # 10, or a few more: the cancel lands at the stream's next wait
+    assert len(cancelled) >= 10 and [o.index for o in cancelled] == list(range(len(cancelled)))
+    _assert_same(cancelled, [_reindexed(expected[i % len(texts)], i) for i in range(len(cancelled))], "cancelled")
+    for i in range(4):
+        _assert_same(got[f"good {i}"], [_reindexed(o, o.index - i * 30) for o in expected[i * 30:i * 30 + 90]],
+                     f"good {i}")
+    for result in async_results:
+        _assert_same(result, [_reindexed(o, o.index - 50) for o in expected[50:200]], "async")
+    _wait_idle(pipe)
+    outs = pipe.embed(texts[:40], use_tqdm=False)  # the group is clean for the next call
+    _assert_same(outs, expected[:40], "after")
+
+
+def test_a_paused_stream_and_another_call_both_complete(pipe):
+    """Interleaving: a stream its caller reads slowly does not end when another call starts (it
+    used to raise "ended because a newer call started"); both get all their results."""
+    texts = corpus.sentences(300, seed=94)
+    expected = pipe.embed(texts, use_tqdm=False)
+    stream = pipe.embed_stream(iter(texts))
+    first = [next(stream) for _ in range(5)]
+    other: dict[str, list] = {}
+    worker = threading.Thread(target=lambda: other.setdefault("outs", pipe.embed(texts[:120], use_tqdm=False)))
+    worker.start()
+    rest = list(stream)  # reading on frees the slots the other call waits for
+    worker.join(timeout=300)
+    _assert_same(first + rest, expected, "paused stream")
+    _assert_same(other["outs"], expected[:120], "other call")
+
+
+def test_an_abandoned_stream_gives_its_slots_back_when_collected(pipe):
+    texts = corpus.sentences(100, seed=95)
+    expected = pipe.embed(texts, use_tqdm=False)
+    stream = pipe.embed_stream(itertools.cycle(texts))
+    next(stream)  # it holds the whole in-flight window now
+    assert pipe.stats()["group"]["inflight"] == MAX_INFLIGHT
+    done: dict[str, list] = {}
+    other = threading.Thread(target=lambda: done.setdefault("outs", pipe.embed(texts, use_tqdm=False)))
+    other.start()
+    del stream  # never closed by its caller: collecting it aborts it and returns its slots
+    gc.collect()
+    other.join(timeout=300)
+    assert not other.is_alive(), "the other call never got the abandoned stream's slots"
+    _assert_same(done["outs"], expected, "after an abandoned stream")
+    _wait_idle(pipe)
+
+
+def test_async_stream_is_lazy_and_bounded(pipe):
+    drawn = []
+
+    def source():
+        for i in itertools.count():
+            drawn.append(i)
+            yield f"text number {i}"
+
+    async def take(n):
+        outs = []
+        async for out in pipe.aembed_stream(source()):
+            outs.append(out)
+            if len(outs) == n:
+                break
+        return outs
+
+    outs = asyncio.run(take(30))
+    assert [o.index for o in outs] == list(range(30))
+    assert len(drawn) <= 30 + MAX_INFLIGHT + 1  # never read ahead of the in-flight bound
+    _wait_idle(pipe)
+
+
+def _reindexed(out, index):
+    copy = type(out)(out.request_id, index, out.data, out.num_prompt_tokens, out.num_chunks, out.error)
+    return copy
+
+
+def _wait_idle(pipe, timeout_s: float = 30.0) -> None:
+    """Calls that ended by an abort return their slots through the receiver thread, at once but
+    not synchronously: wait until the group says so."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        group = pipe.stats()["group"]
+        if group["inflight"] == 0 and group["calls_running"] == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the group is not idle: {pipe.stats()['group']}")
