@@ -611,6 +611,32 @@ def _hf_seq_cls(target: Path, family: str, name: str, num_labels: int) -> str:
     raise ValueError(f"no sequence-classification builder for {family!r}")
 
 
+def build_causal_reranker(target: str | Path, name: str = "ce-qwen3-causal") -> str:
+    """Qwen3-Reranker's shape, saved by ST 6's CrossEncoder: a Qwen3ForCausalLM (Transformer with
+    transformer_task "text-generation", left padding) + LogitScore (logit of " yes" minus logit of
+    " no" at the last position), Sigmoid activation."""
+    import transformers as tf
+    from sentence_transformers import CrossEncoder
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.cross_encoder.modules import LogitScore
+
+    target = Path(target)
+    hf_dir = _fresh(target, f"_hf-{name}")
+    tok = qwen_tokenizer()
+    eot = tok.convert_tokens_to_ids("<|endoftext|>")
+    _seed()
+    cfg = tf.Qwen3Config(vocab_size=len(tok), hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=512,
+                         pad_token_id=eot, eos_token_id=eot, tie_word_embeddings=False, initializer_range=INIT_RANGE)
+    _save_hf(tf.Qwen3ForCausalLM(cfg), tok, hf_dir)
+    yes, no = (tok(word, add_special_tokens=False)["input_ids"][0] for word in (" yes", " no"))
+    path = _fresh(target, name)
+    CrossEncoder(modules=[Transformer(str(hf_dir), transformer_task="text-generation"),
+                          LogitScore(true_token_id=yes, false_token_id=no)], device="cpu").save(str(path))
+    shutil.rmtree(hf_dir)
+    return str(path)
+
+
 def build_hf_reranker(target: str | Path, num_labels: int = 1, *, activation: str | None = None,
                       name: str | None = None) -> str:
     """A reranker as older ones are published: a plain HF BertForSequenceClassification dir, no

@@ -295,13 +295,15 @@ def _pairs(texts):
     return corpus.sentences(1, seed=45)[0], corpus.medium_texts(1, seed=46)[0], docs
 
 
-def test_cross_encoder_one_label(tmp_path, texts):
-    """ST 6 CrossEncoder layout, 1 label: predict = Sigmoid(logit) (activation_fn from
-    config_sentence_transformers.json); pairs truncated longest-first at 128; rank sorted by score."""
+@pytest.mark.parametrize("family", ["bert", "xlmr"])
+def test_cross_encoder_one_label(tmp_path, texts, family):
+    """ST 6 CrossEncoder layout, 1 label (ms-marco MiniLM: BERT; bge-reranker: XLM-R): predict =
+    Sigmoid(logit) (activation_fn from config_sentence_transformers.json); pairs truncated
+    longest-first at 128 (a long query too); rank sorted by score, top_k."""
     from sentence_transformers import CrossEncoder
 
-    path = zoo.build_cross_encoder(tmp_path, 1)
-    assert json.loads((tmp_path / "ce-bert-1" / "config_sentence_transformers.json").read_text())["activation_fn"] \
+    path = zoo.build_cross_encoder(tmp_path, 1, family=family)
+    assert json.loads((tmp_path / f"ce-{family}-1" / "config_sentence_transformers.json").read_text())["activation_fn"] \
         == "torch.nn.modules.activation.Sigmoid"
     ce = CrossEncoder(path, device="cpu")
     query, long_query, docs = _pairs(texts)
@@ -342,6 +344,25 @@ def test_cross_encoder_three_labels(tmp_path, texts):
             assert_close(got, ref, "3-label cross-encoder (Identity: raw logits)")
         with pytest.raises(ValueError):
             pipe.rank(query, docs)
+
+
+def test_causal_reranker_is_honoured_or_refused(tmp_path, texts):
+    """Qwen3-Reranker's shape (causal LM + LogitScore on " yes" / " no"): equal to CrossEncoder.predict,
+    or a ValueError at start naming the LogitScore module (or the text-generation task)."""
+    from sentence_transformers import CrossEncoder
+
+    path = zoo.build_causal_reranker(tmp_path)
+    ce = CrossEncoder(path, device="cpu")
+    query, _, docs = _pairs(texts)
+    ref = ce.predict([(query, d) for d in docs], batch_size=16)
+    assert_varies(ref[:, None])
+    try:
+        with Pipeline(model=path, num_render_workers=1) as pipe:
+            got = np.array([o.score for o in pipe.score(query, docs, use_tqdm=False)], dtype=np.float32)
+    except ValueError as e:
+        assert "LogitScore" in str(e) or "text-generation" in str(e), str(e)
+    else:
+        assert_close(got, ref, "causal reranker")
 
 
 @pytest.mark.parametrize("activation", [None, "torch.nn.modules.linear.Identity"], ids=["default", "legacy-identity"])
