@@ -184,6 +184,10 @@ def resolve_model_path(model: str | os.PathLike | None, revision: str | None = N
     try:
         return Path(snapshot_download(repo_id=text, revision=revision, cache_dir=cache_dir, local_files_only=offline))
     except LocalEntryNotFoundError as e:
+        repo_dir = Path(cache_dir) / f"models--{text.replace('/', '--')}"
+        if repo_dir.is_dir() and not (repo_dir / "snapshots").is_dir():
+            raise ValueError(f"model {text!r}: its cache folder {str(repo_dir)!r} has no snapshots/ (an incomplete or "
+                             "hand-copied download): download it again, or pass a snapshot directory") from None
         raise ValueError(f"model {text!r} is not in the local Hugging Face cache and the hub cannot be reached "
                          f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '')!r}): {e}") from None
     except (HfHubHTTPError, OSError, ValueError) as e:
