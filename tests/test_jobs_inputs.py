@@ -26,6 +26,9 @@ def test_lone_cr_is_text_crlf_ends_a_line_and_a_bom_is_skipped(tmp_path):
     jsonl = tmp_path / "bom.jsonl"
     jsonl.write_bytes(b'\xef\xbb\xbf{"id": "a", "text": "x"}\r\n{"id": "b", "text": "y"}\r\n')
     assert [(r.id, r.text, r.error) for r in read([jsonl])] == [("a", "x", None), ("b", "y", None)]
+    one = tmp_path / "one.jsonl"
+    one.write_bytes(b'\xef\xbb\xbf{"id": "only", "text": "z"}\n')  # the BOM'd first record decides the ids
+    assert [r.id for r in read([one])] == ["only"]
 
 
 def test_invalid_utf8_is_the_error_of_its_line_not_of_the_file(tmp_path):

@@ -184,9 +184,7 @@ def _known_failure(e: Exception) -> bool:
 
 
 def run(args: argparse.Namespace, interrupt: Interrupt | None = None) -> int:
-    from pooling_pipeline import __version__
-    from pooling_pipeline.core.config import load_model_spec
-    from pooling_pipeline.jobs.fingerprint import input_fingerprints, model_hash
+    from pooling_pipeline.jobs.fingerprint import input_fingerprints
 
     if args.keep_fields and args.format != "parquet":
         raise UsageError("--keep-fields needs --format parquet (the columns go into the Parquet chunks)")
@@ -200,30 +198,14 @@ def run(args: argparse.Namespace, interrupt: Interrupt | None = None) -> int:
     lock = OutputLock(out)
     try:
         reader = InputReader(sources, args.text_field, args.id_field, args.keep_fields)
-        if not args.ray:
-            reader.probe()
-        spec = load_model_spec(args.model)
-        job = {
-            "version": __version__,
-            "task": args.task,
-            "model": spec.path,
-            "model_sha256": model_hash(spec.path),
-            "inputs": [os.path.abspath(s.path) if s.path != "-" else "-" for s in sources],
-            "shard": list(args.shard),
-            "params": {"truncate": args.truncate, "long_inputs": args.long_inputs, "precision": args.precision,
-                       "format": args.format, "text_field": args.text_field, "input_format": args.input_format,
-                       "id_field": reader.id_field if not args.ray else (args.id_field or "id"),
-                       "keep_fields": list(args.keep_fields), "chunk_rows": args.chunk_rows,
-                       "int8_calibration_rows": args.int8_calibration_rows,
-                       "pooling": msgspec.to_builtins(spec.pooling), "normalize": spec.normalize},
-        }
-        if args.ray:
+        if args.ray:  # Ray Data reads the inputs itself, and needs an id field
             from pooling_pipeline.integrations.ray_job import run_ray
 
-            args.id_field = job["params"]["id_field"]
-            return run_ray(args, job, [s.path for s in sources])
-        writer = ResultWriter(out, job, resume=args.resume, fingerprints=input_fingerprints(sources),
-                              calibration_rows=args.int8_calibration_rows)
+            args.id_field = args.id_field or "id"
+            return run_ray(args, describe_job(args, sources, args.id_field), [s.path for s in sources])
+        reader.probe()
+        writer = ResultWriter(out, describe_job(args, sources, reader.id_field), resume=args.resume,
+                              fingerprints=input_fingerprints(sources), calibration_rows=args.int8_calibration_rows)
         if writer.manifest["complete"]:
             print(f"pipeline-run: {out} is complete ({writer.records_done} records); nothing to do")
             return 0
@@ -234,6 +216,28 @@ def run(args: argparse.Namespace, interrupt: Interrupt | None = None) -> int:
         return Job(args, reader, writer, interrupt or Interrupt()).run()
     finally:
         lock.release()
+
+
+def describe_job(args: argparse.Namespace, sources: list, id_field: str | None) -> dict:
+    """What identifies a job: a resume must match it, and load_results reads shards of one job only."""
+    from pooling_pipeline import __version__
+    from pooling_pipeline.core.config import load_model_spec
+    from pooling_pipeline.jobs.fingerprint import model_hash
+
+    spec = load_model_spec(args.model)
+    return {
+        "version": __version__,
+        "task": args.task,
+        "model": spec.path,
+        "model_sha256": model_hash(spec.path),
+        "inputs": [os.path.abspath(s.path) if s.path != "-" else "-" for s in sources],
+        "shard": list(args.shard),
+        "params": {"truncate": args.truncate, "long_inputs": args.long_inputs, "precision": args.precision,
+                   "format": args.format, "text_field": args.text_field, "input_format": args.input_format,
+                   "id_field": id_field, "keep_fields": list(args.keep_fields), "chunk_rows": args.chunk_rows,
+                   "int8_calibration_rows": args.int8_calibration_rows,
+                   "pooling": msgspec.to_builtins(spec.pooling), "normalize": spec.normalize},
+    }
 
 
 class Interrupt:

@@ -182,9 +182,9 @@ class InputReader:
 
     def _probe_jsonl(self, i: int, source: Source) -> None:
         objects = []
-        for _, raw in self._probe_lines(i, source):
+        for line_no, raw in self._probe_lines(i, source):
             try:
-                value = json.loads(raw)
+                value = json.loads(raw[len(BOM):] if line_no == 1 and raw.startswith(BOM) else raw)
             except ValueError:  # a bad line is that record's error later, not the probe's
                 continue
             if isinstance(value, dict):
@@ -318,11 +318,7 @@ class InputReader:
             stream = self._stream(i, source)
             lines = _chain(self._replay.pop(i, []), stream)
         else:
-            try:
-                stream = _open(source.path)
-            except OSError as e:
-                raise InputError(f"{source.name}: cannot be read ({e.strerror})") from None
-            lines = stream
+            stream = lines = _open(source.path)
         try:
             for line_no, raw in enumerate(lines, start=1):
                 if digest is not None and source.stream:
@@ -377,7 +373,10 @@ def _chain(first: list[bytes], rest) -> Iterator[bytes]:
 
 def _open(path: str):
     # Binary: lines are split at b"\n" only, and each is decoded on its own.
-    return open(path, "rb")
+    try:
+        return open(path, "rb")
+    except OSError as e:
+        raise InputError(f"{path}: cannot be read ({e.strerror})") from None
 
 
 def _parquet_file(path: str):
