@@ -22,6 +22,7 @@ from typing import Literal
 import msgspec
 
 from pooling_pipeline.core.options import Task
+from pooling_pipeline.core.sim_device import SimDevice
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer.model", "spiece.model",
                    "sentencepiece.bpe.model", "vocab.json")
@@ -122,6 +123,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     output_endpoint: str  # frontend binds; engine pushes results
     parent_pid: int
     log_level: str = "WARNING"
+    sim: SimDevice | None = None  # device "sim": the simulated accelerator's step time
 
 
 class WorkerConfig(msgspec.Struct, kw_only=True):

@@ -65,8 +65,13 @@ class EngineCore:
         self.log = log
         self.key = key
         torch.set_num_threads(cfg.torch_threads)
-        self.runner = ModelRunner(cfg.model, cfg.device, cfg.dtype)
-        on_cpu = self.runner.device.type == "cpu"
+        if cfg.device == "sim":  # the simulated accelerator: the whole path, a modeled step
+            from pooling_pipeline.core.sim_device import SimRunner
+
+            self.runner = SimRunner(cfg.model, cfg.sim)
+        else:
+            self.runner = ModelRunner(cfg.model, cfg.device, cfg.dtype)
+        on_cpu = str(self.runner.device) == "cpu"
         self.max_num_batched_tokens = cfg.max_num_batched_tokens or max(
             CPU_BATCH_TOKENS if on_cpu else GPU_BATCH_TOKENS, cfg.model.max_model_len)
         # What one step's fixed cost is worth in padded tokens: lets the scheduler fill batches

@@ -23,6 +23,7 @@ from pooling_pipeline.call_stats import CallStats
 from pooling_pipeline.core.config import load_model_spec
 from pooling_pipeline.core.messages import PoolingParams
 from pooling_pipeline.core.options import PositiveInt, Seconds, checked
+from pooling_pipeline.core.sim_device import resolve_sim_device
 from pooling_pipeline.cpu_plan import plan_cpu
 from pooling_pipeline.errors import EngineDeadError, PipelineError
 from pooling_pipeline.frontend import Call, Dispatcher, new_call_prefix
@@ -36,7 +37,8 @@ DTYPE_ALIASES = {"auto": "auto", "float32": "float32", "float": "float32", "fp32
                  "float16": "float16", "half": "float16", "fp16": "float16",
                  "bfloat16": "bfloat16", "bf16": "bfloat16"}
 Dtype = Literal["auto", "float32", "float", "fp32", "float16", "half", "fp16", "bfloat16", "bf16"]
-Device = Annotated[str, msgspec.Meta(pattern=r"^(auto|cpu|cuda(:\d+)?)$")]
+# "sim": the simulated accelerator (core/sim_device.py), a measurement instrument.
+Device = Annotated[str, msgspec.Meta(pattern=r"^(auto|cpu|sim|cuda(:\d+)?)$")]
 MAX_MESSAGE_ITEMS = 64
 # An async call checks a list this long in a thread (a whole list is checked before any work
 # starts; that must not hold the event loop).
@@ -72,9 +74,9 @@ class Pipeline:
                  max_num_batched_tokens: int | None = None, max_inflight: int | None = None,
                  device: str = "auto", dtype: str = "auto", *, engine_window: int | None = None,
                  engine_threads: int | None = None,
-                 io_processor: str | None = None, trust_remote_code: bool = False,
-                 startup_timeout_s: float = 300.0, heartbeat_timeout_s: float = 30.0, step_timeout_s: float = 600.0,
-                 log_level: str = "WARNING") -> None:
+                 io_processor: str | None = None, trust_remote_code: bool = False, revision: str | None = None,
+                 sim_device=None, startup_timeout_s: float = 300.0, heartbeat_timeout_s: float = 30.0,
+                 step_timeout_s: float = 600.0, log_level: str = "WARNING") -> None:
         self._group: ProcessGroup | None = None
         opts = checked(PipelineOptions, {
             "num_render_workers": num_render_workers, "max_num_seqs": max_num_seqs,
@@ -83,7 +85,10 @@ class Pipeline:
             "io_processor": io_processor, "trust_remote_code": trust_remote_code,
             "startup_timeout_s": startup_timeout_s, "heartbeat_timeout_s": heartbeat_timeout_s,
             "step_timeout_s": step_timeout_s, "log_level": log_level})
-        self.model_spec = spec = load_model_spec(model, trust_remote_code=trust_remote_code)
+        if sim_device is not None and device != "sim":
+            raise ValueError("sim_device applies to device='sim' (the simulated accelerator)")
+        sim = resolve_sim_device(sim_device) if device == "sim" else None
+        self.model_spec = spec = load_model_spec(model, trust_remote_code=trust_remote_code, revision=revision)
         self.max_num_seqs = max_num_seqs
         if max_num_batched_tokens is not None and max_num_batched_tokens < spec.max_model_len:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} is below the model's "
@@ -112,7 +117,8 @@ class Pipeline:
             device=device, dtype=DTYPE_ALIASES[dtype], max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, window=self.engine_window,
             max_message_items=self.batch_items, io_processor=io_processor, log_level=log_level,
-            heartbeat_timeout_s=opts.heartbeat_timeout_s, step_timeout_s=opts.step_timeout_s)
+            heartbeat_timeout_s=opts.heartbeat_timeout_s, step_timeout_s=opts.step_timeout_s,
+            **({"sim": sim} if sim is not None else {}))
         try:
             self._dispatcher = Dispatcher(self._group, max_inflight=self.max_inflight, batch_items=self.batch_items)
         except BaseException:

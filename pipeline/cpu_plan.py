@@ -35,7 +35,7 @@ def available_cores() -> int:
 
 def cuda_expected(device: str) -> bool:
     """Whether the engine will likely run on CUDA -- without importing torch in the caller."""
-    if device.startswith("cuda"):
+    if device.startswith("cuda") or device == "sim":  # the simulated device stands for a GPU
         return True
     if device != "auto" or os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
         return False

@@ -400,3 +400,36 @@ def test_a_signal_keeps_finished_work_and_the_job_resumes(tmp_path, sig, to_grou
         result = _run(["--input", "-", "--input-format", "jsonl", "--output", str(out), "--resume", "--chunk-rows", "10",
                        "--max-num-seqs", "1"], expect_rc=3, input="".join(reversed(lines)))
         assert "input stream differs" in result.stderr
+
+
+def test_sparse_embed_and_prompts_are_written_as_the_api_computes_them(tmp_path):
+    """--task sparse_embed stores each record's non-zero terms as [token id, weight] rows;
+    --prompt-name puts the model's prompt in front of each text, as the API does."""
+    import model_zoo
+
+    from pooling_pipeline import Pipeline
+
+    texts = corpus.sentences(12, seed=91)
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"id": f"r{i}", "text": t}) + "\n" for i, t in enumerate(texts)))
+    splade = model_zoo.build_splade(tmp_path, "max")
+    _run(["--input", str(path), "--output", str(tmp_path / "sparse"), "--model", splade, "--task", "sparse_embed"])
+    prompted = model_zoo.build_st(tmp_path, "bert", prompts={"query": "query: "}, normalize=True)
+    _run(["--input", str(path), "--output", str(tmp_path / "prompted"), "--model", prompted,
+          "--prompt-name", "query"])
+    with Pipeline(model=splade) as pipe:
+        want = pipe.encode(texts, task="sparse_embed", use_tqdm=False)
+    ids, rows = load_results(tmp_path / "sparse")
+    assert ids == [f"r{i}" for i in range(len(texts))]
+    for row, out in zip(rows, want):
+        assert row.shape == (len(out.indices), 2)
+        assert np.array_equal(row[:, 0].astype(np.int64), out.indices)
+        assert np.abs(row[:, 1] - out.values).max() <= TOL
+    with Pipeline(model=prompted) as pipe:
+        want = np.stack([o.embedding for o in pipe.embed(texts, prompt_name="query", use_tqdm=False)])
+        plain = np.stack([o.embedding for o in pipe.embed(texts, use_tqdm=False)])
+    assert np.abs(load_results(tmp_path / "prompted")[1] - want).max() <= TOL
+    assert np.abs(want - plain).max() > 1e-3  # the prompt changed the vectors
+    result = _run(["--input", str(path), "--output", str(tmp_path / "p2"), "--model", prompted,
+                   "--prompt-name", "nope"], expect_rc=2)
+    assert "'nope' is not among the model's prompts" in result.stderr

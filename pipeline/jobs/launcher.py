@@ -30,6 +30,7 @@ from collections import deque
 from pathlib import Path
 
 import msgspec
+import numpy as np
 
 from pooling_pipeline.call_stats import format_stats
 from pooling_pipeline.core.options import ERRORS_MODES, LONG_INPUTS
@@ -39,8 +40,8 @@ from pooling_pipeline.jobs.records import INPUT_FORMATS, InputReader, expand_inp
 from pooling_pipeline.jobs.results_store import CALIBRATION_ROWS, ERRORS, FORMATS, PRECISIONS, VECTOR_COLUMNS, ResultWriter
 
 SAMPLE = Path(__file__).resolve().parent / "data" / "sample.jsonl"
-# One dense result per record: pair scoring needs two texts per record, and sparse vectors have no
-# fixed-size column.
+# One result per record (pair scoring needs two texts per record): a vector, per-token rows, or
+# sparse [token id, weight] rows.
 JOB_TASKS = tuple(VECTOR_COLUMNS)
 # The pipeline numbers requests within its call ("request 12: ..."); the launcher names the record
 # by file, line and id instead, which stays right under --shard and --resume.
@@ -86,7 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
                          "or one format for every input" + d)
     ap.add_argument("--output", default="pipeline-out", metavar="DIR",
                     help="output directory: data-NNNNN.* chunks, and __job__/ with the manifest and errors" + d)
-    ap.add_argument("--model", default=None, help="local model directory (default: bundled all-MiniLM-L6-v2)")
+    ap.add_argument("--model", default=None,
+                    help="local model directory or hub id 'org/name' (default: bundled all-MiniLM-L6-v2)")
+    ap.add_argument("--revision", default=None, help="hub revision of --model (a branch, tag or commit)" + d)
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="allow a model's own code (auto_map, custom activations); opt-in, as in the API")
+    ap.add_argument("--prompt-name", default=None, metavar="NAME",
+                    help="a prompt of the model's config_sentence_transformers.json, put in front of each text "
+                         "(default: the model's default_prompt_name)")
+    ap.add_argument("--prompt", default=None, metavar="TEXT", help="a prompt text, instead of --prompt-name")
     ap.add_argument("--task", default="embed", choices=JOB_TASKS, help="what to compute per record" + d)
     ap.add_argument("--text-field", default="text", metavar="NAME",
                     help="JSONL field or Parquet column holding the text" + d)
@@ -177,6 +186,13 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_RUNTIME
 
 
+def _stored(out):
+    """What is written for one result: its vector(s); a sparse one as [token id, weight] rows."""
+    if out.error is None and getattr(out, "indices", None) is not None:
+        return np.stack([out.indices.astype(np.float32), out.data.astype(np.float32)], axis=1)
+    return out.data
+
+
 def _known_failure(e: Exception) -> bool:
     from pooling_pipeline.errors import PipelineError
 
@@ -186,6 +202,8 @@ def _known_failure(e: Exception) -> bool:
 def run(args: argparse.Namespace, interrupt: Interrupt | None = None) -> int:
     from pooling_pipeline.jobs.fingerprint import input_fingerprints
 
+    if args.task == "sparse_embed" and args.precision != "float32":
+        raise UsageError("--task sparse_embed stores (token id, weight) pairs in float32: drop --precision")
     if args.keep_fields and args.format != "parquet":
         raise UsageError("--keep-fields needs --format parquet (the columns go into the Parquet chunks)")
     clash = set(args.keep_fields) & {"id", "index", VECTOR_COLUMNS[args.task]}
@@ -224,7 +242,9 @@ def describe_job(args: argparse.Namespace, sources: list, id_field: str | None) 
     from pooling_pipeline.core.config import load_model_spec
     from pooling_pipeline.jobs.fingerprint import model_hash
 
-    spec = load_model_spec(args.model)
+    spec = load_model_spec(args.model, trust_remote_code=args.trust_remote_code, revision=args.revision)
+    if args.prompt_name is not None and args.prompt_name not in spec.prompts:  # before the model loads
+        raise UsageError(f"--prompt-name {args.prompt_name!r} is not among the model's prompts {sorted(spec.prompts)}")
     return {
         "version": __version__,
         "task": args.task,
@@ -236,7 +256,8 @@ def describe_job(args: argparse.Namespace, sources: list, id_field: str | None) 
                    "format": args.format, "text_field": args.text_field, "input_format": args.input_format,
                    "id_field": id_field, "keep_fields": list(args.keep_fields), "chunk_rows": args.chunk_rows,
                    "int8_calibration_rows": args.int8_calibration_rows,
-                   "pooling": msgspec.to_builtins(spec.pooling), "normalize": spec.normalize},
+                   "pooling": msgspec.to_builtins(spec.pooling), "normalize": spec.normalize,
+                   "prompt_name": args.prompt_name, "prompt": args.prompt},
     }
 
 
@@ -343,8 +364,9 @@ class Job:
 
         args = self.args
         launched = time.perf_counter()
-        with Pipeline(model=args.model, num_render_workers=args.workers, max_num_seqs=args.max_num_seqs,
-                      device=args.device, dtype=args.dtype) as pipe:
+        with Pipeline(model=args.model, revision=args.revision, trust_remote_code=args.trust_remote_code,
+                      num_render_workers=args.workers, max_num_seqs=args.max_num_seqs, device=args.device,
+                      dtype=args.dtype) as pipe:
             start = time.perf_counter()  # throughput is measured from here; start-up is reported apart
             if not args.quiet:
                 from tqdm.auto import tqdm
@@ -355,6 +377,7 @@ class Job:
             interrupt.soft = True  # from here a first signal lets the loop keep what is complete
             stream = pipe.encode_stream(self._texts(records, remaining, interrupt), args.task,
                                         truncate_prompt_tokens=args.truncate, long_inputs=args.long_inputs,
+                                        prompt_name=args.prompt_name, prompt=args.prompt,
                                         errors="return")  # --errors raise is applied here, naming the record
             try:
                 for out in stream:
@@ -364,7 +387,7 @@ class Job:
                     if out.error is not None and args.errors == "raise":
                         self.stopped_on = (record, out.error)
                         break
-                    self._write(record, out.data, out.error, out.num_prompt_tokens)
+                    self._write(record, _stored(out), out.error, out.num_prompt_tokens)
                     if interrupt.signum is not None:
                         break
                     interrupt.writing = False

@@ -41,7 +41,10 @@ ERRORS = f"{META_DIR}/errors.jsonl"
 CALIBRATION_ROWS = 1000
 # The vector column of the Parquet chunks, by task (the names PoolingBatches uses for Ray Data).
 VECTOR_COLUMNS = {"embed": "embedding", "classify": "probs", "token_embed": "token_embeddings",
-                  "token_classify": "token_probs"}
+                  "token_classify": "token_probs", "sparse_embed": "sparse_terms"}
+# Tasks with a variable number of rows per record: token tasks (one row per token) and sparse_embed
+# (one [token id, weight] row per non-zero term, token ids ascending, float32 -- exact below 2**24).
+VARIABLE_ROW_TASKS = (*TOKEN_TASKS, "sparse_embed")
 # What load_results needs from a manifest, to fail naming the file rather than with a KeyError.
 MANIFEST_KEYS = ("task", "model_sha256", "inputs", "shard", "params", "chunks", "complete", "records_done", "rows")
 # Shards of one job differ in these only; everything else in the manifest's job must match.
@@ -272,7 +275,7 @@ def write_chunk(directory: Path, name: str, rows: list[np.ndarray], indices: lis
 
 def _write_data(directory: Path, name: str, rows: list[np.ndarray], indices: list[int], ids: list[str], task: str,
                 fmt: str, quantize: Quantizer, fields: dict | None, schema, sha256: dict) -> dict:
-    token_task = task in TOKEN_TASKS
+    token_task = task in VARIABLE_ROW_TASKS
     if token_task:  # variable rows per record: concatenated, with offsets
         offsets = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int64)
         data = quantize(np.concatenate(rows))
@@ -378,7 +381,7 @@ def load_results(*directories: str | Path, allow_partial: bool = False) -> tuple
         manifests.append((Path(directory), manifest))
     _check_one_job(manifests)
     parts: list[tuple[int, str, np.ndarray]] = []
-    token_task = manifests[0][1]["task"] in TOKEN_TASKS
+    token_task = manifests[0][1]["task"] in VARIABLE_ROW_TASKS
     for directory, manifest in manifests:
         for chunk in manifest["chunks"]:
             if chunk["rows"]:
