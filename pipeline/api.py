@@ -385,7 +385,12 @@ class Pipeline:
         """What `score` sends (prompts, options) and how its outputs become scores."""
         kind = self.model_spec.score_kind
         if kind is None:
-            raise ValueError(f"this model cannot score; it can do {self.model_spec.tasks}")
+            spec = self.model_spec
+            if spec.head == "sequence_classification":
+                raise ValueError(f"this classifier has {spec.num_labels} labels: score() needs a one-label "
+                                 "cross-encoder (ST's CrossEncoder.predict would give the raw logits of every "
+                                 "label); use classify() for its class probabilities")
+            raise ValueError(f"this model cannot score; it can do {spec.tasks}")
         queries, docs = _score_side(data_1, "data_1"), _score_side(data_2, "data_2")
         if len(queries) != 1 and len(queries) != len(docs):
             raise ValueError(f"data_1 and data_2 must be 1:1, 1:N or N:N; got {len(queries)} and {len(docs)} items")
