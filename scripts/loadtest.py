@@ -136,7 +136,7 @@ def tokenizer_cost_us(texts: list[str], max_tokens: int = 256) -> float:
     return 1e6 * best / len(texts)
 
 
-def capacity_table(run: dict, sim, tokenizer_us: float) -> list[str]:
+def capacity_table(run: dict, sim, tokenizer_us: float, max_num_seqs: int) -> list[str]:
     """From one measured run: each stage's CPU per request, and what a node of C cores would reach
     with this device -- each process needs about one core; render workers are added until they
     stop being the bottleneck; data-parallel engines (one device each) lift the engine's cap."""
@@ -146,12 +146,13 @@ def capacity_table(run: dict, sim, tokenizer_us: float) -> list[str]:
     worker = sum(v["cpu_us_per_request"] for k, v in p.items() if k.startswith("worker"))
     per_batch = run["requests"] / max(run["batches"], 1)
     padded_per_request = run["padded_tokens"] / max(run["requests"], 1)
-    device_rate = per_batch / (sim.step_s + sim.token_s * per_batch * padded_per_request)
+    # A saturated engine forms full batches: the device's rate at max_num_seqs requests a step.
+    device_rate = max_num_seqs / (sim.step_s + sim.token_s * max_num_seqs * padded_per_request)
     lines = [f"CPU per request: frontend {frontend:.1f} us, engine core {engine:.1f} us, render worker {worker:.1f} us "
              f"(the tokenizers library alone: {tokenizer_us:.1f} us, ratio {worker / tokenizer_us:.2f}x)",
              f"simulated device {sim.name}: a = {sim.step_s * 1e6:.0f} us/step, b = {sim.token_s * 1e9:.3f} ns/token; "
-             f"measured {per_batch:.0f} requests and {padded_per_request:.1f} padded tokens per request a step -> "
-             f"one device serves {device_rate:,.0f} requests/s",
+             f"measured {per_batch:.0f} requests a step, {padded_per_request:.1f} padded tokens per request -> "
+             f"one device, in full steps of {max_num_seqs}, serves {device_rate:,.0f} requests/s",
              "",
              "| cores | engines (devices) | render workers | predicted requests/s | bottleneck |",
              "|---|---|---|---|---|"]
@@ -255,7 +256,8 @@ def main() -> None:
               f" / {workers_us:.1f} |")
     if sim is not None:
         print()
-        for line in capacity_table(min(runs, key=lambda r: r["workers"]), sim, tokenizer_cost_us(texts[:5000])):
+        for line in capacity_table(min(runs, key=lambda r: r["workers"]), sim, tokenizer_cost_us(texts[:5000]),
+                                   batch_shape["max_num_seqs"]):
             print(line)
     for setting, group in series(runs).items():
         base = next((r for r in group if r["workers"] == 1), None)
