@@ -17,8 +17,8 @@ HEARTBEAT_INTERVAL_S = 1.0
 # The group's random key reaches the children in their environment (never on a command line,
 # which every user can read); each child removes it from its own environment at once.
 GROUP_KEY_ENV = "POOLING_PIPELINE_GROUP_KEY"
-# A RunClock advances at most this much between two of its ticks: a longer gap is time the
-# process did not run (stopped with SIGSTOP / Ctrl-Z, or the machine suspended).
+# A RunClock advances at most this much between two of its ticks (children tick it every
+# second): a longer gap is time the process did not run (SIGSTOP / Ctrl-Z, a suspended machine).
 RUN_CLOCK_MAX_GAP_S = 2.0
 
 
@@ -81,6 +81,7 @@ class RunClock:
         self.max_gap_s = max_gap_s
         self._state = (0.0, time.monotonic())  # (run time at the last tick, monotonic time of it)
         self.skipped_s = 0.0  # time not counted (the process was stopped)
+        self.resumed_at = float("-inf")  # run time when a gap was last skipped (the process resumed)
 
     def tick(self) -> float:
         run, last = self._state
@@ -89,6 +90,7 @@ class RunClock:
         if gap > self.max_gap_s:
             self.skipped_s += gap - self.max_gap_s
             gap = self.max_gap_s
+            self.resumed_at = run + gap
         self._state = (run + gap, now)
         return run + gap
 

@@ -37,7 +37,7 @@ import zmq
 
 from pooling_pipeline.core import messages as m
 from pooling_pipeline.core.config import EngineConfig, ModelSpec, WorkerConfig
-from pooling_pipeline.core.runtime import GROUP_KEY_ENV, DropLog, RunClock, socket
+from pooling_pipeline.core.runtime import GROUP_KEY_ENV, HEARTBEAT_INTERVAL_S, DropLog, RunClock, socket
 from pooling_pipeline.core.serial import KEY_BYTES, Decoder, Encoder
 from pooling_pipeline.errors import EngineDeadError, PipelineError, WorkerStartError
 
@@ -48,18 +48,23 @@ LOG_TAIL_CHARS = 3000
 DIR_PREFIX = "pooling-pipeline-"
 # sun_path holds 108 bytes on Linux (104 on macOS), the terminating NUL included.
 IPC_PATH_MAX = 103 if sys.platform == "darwin" else 107
-# File descriptors the frontend's process opens for a group: the ZeroMQ context (~4), one
-# mailbox per socket, a listening socket per endpoint and one connection per peer (the results
-# socket has two per child: its main socket and its heartbeat), a wake-up pipe, and spawning
-# (the log file, the exec status pipe). Measured: 26 with 1 worker, 33 with 2; the margin covers
-# a restart in progress. Under `ulimit -n 24` libzmq otherwise aborts the whole process.
-FDS_BASE, FDS_PER_WORKER, FDS_MARGIN = 22, 8, 16
+# File descriptors the frontend's process opens for a group: the ZeroMQ context, one mailbox per
+# socket, a listening socket per endpoint and one connection per peer (the results socket has two
+# per child: its main socket and its heartbeat), the receiver's wake-up pipe. Measured: 19 with 1
+# render worker, 24 with 2, 29 with 3; the margin covers a restart in progress (the log file, the
+# exec status pipe, new connections). Under `ulimit -n 24` libzmq otherwise aborts the process.
+FDS_BASE, FDS_PER_WORKER, FDS_MARGIN = 14, 5, 8
 # Worker restarts: back-off before the n-th restart of one worker within a minute, and how many
 # are tolerated in that minute before the calls running fail (a crash loop, not a bad moment).
 MAX_WORKER_RESTARTS_PER_MINUTE = 6
 RESTART_BACKOFF_S = 0.5  # doubles with each restart of the same worker within the minute
 MAX_RESTART_BACKOFF_S = 8.0
 RESTART_WINDOW_S = 60.0
+# The frontend's RunClock is ticked every 0.1 s by the receiver thread: a gap longer than this is
+# time the frontend did not run. After such a gap the children (stopped with it) get a moment to
+# send their next heartbeat before any silence counts.
+FRONTEND_CLOCK_MAX_GAP_S = 0.5
+RESUME_GRACE_S = 2 * HEARTBEAT_INTERVAL_S + 0.5
 
 
 def check_resources(num_workers: int) -> None:
@@ -118,7 +123,7 @@ class ProcessGroup:
     def __init__(self, spec: ModelSpec, *, num_workers: int, engine_threads: int, device: str, dtype: str,
                  max_num_seqs: int, max_num_batched_tokens: int | None, window: int, max_message_items: int,
                  io_processor: str | None = None, log_level: str = "WARNING",
-                 heartbeat_timeout_s: float = 30.0, step_timeout_s: float = 600.0) -> None:
+                 heartbeat_timeout_s: float = 30.0, step_timeout_s: float = 600.0, sim=None) -> None:
         check_resources(num_workers)
         self.owner_pid = os.getpid()  # the group is this process's, not a forked child's
         self.spec = spec
@@ -155,7 +160,7 @@ class ProcessGroup:
         # Liveness: a child that sends nothing for heartbeat_timeout_s (stopped, wedged) or stays
         # inside one piece of work for step_timeout_s is treated as dead. Nothing waits forever.
         # Silence is measured on the RunClock, so time this process was stopped does not count.
-        self.clock = RunClock()
+        self.clock = RunClock(FRONTEND_CLOCK_MAX_GAP_S)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.step_timeout_s = step_timeout_s
         self.last_seen: dict[tuple[str, int], float] = {}
@@ -171,7 +176,7 @@ class ProcessGroup:
                 max_num_batched_tokens=max_num_batched_tokens, window=window, max_message_items=max_message_items,
                 torch_threads=engine_threads, input_endpoint=self.endpoints["engine_in"],
                 control_endpoint=self.endpoints["control"], output_endpoint=self.endpoints["results"],
-                parent_pid=os.getpid(), log_level=log_level)
+                parent_pid=os.getpid(), log_level=log_level, **({"sim": sim} if sim is not None else {}))
             self.engine = self._spawn("engine", 0, "pooling_pipeline.core.engine", self.engine_cfg, {
                 "OMP_NUM_THREADS": str(engine_threads), "MKL_NUM_THREADS": str(engine_threads),
                 # oneDNN caches a compiled kernel per batch shape (1024 by default): with shapes that
@@ -372,6 +377,8 @@ class ProcessGroup:
 
     def _wedged(self, role: str, index: int) -> str | None:
         now = self.clock.now()
+        if now - self.clock.resumed_at < RESUME_GRACE_S:
+            return None  # this process was just stopped, its children too: their heartbeats are due
         if (role, index) not in self.ready:  # still loading its model or tokenizer
             starting = now - self.last_seen.get((role, index), now)
             return f"did not become ready in {starting:.0f} s" if starting > self.startup_timeout_s else None

@@ -134,3 +134,25 @@ def _re(text: str) -> str:
 def test_no_numpy_float_ids(pipe):
     with pytest.raises(TypeError, match="request 0: token ids must be integers, got float64"):
         pipe.embed([np.array([101.0, 102.0])], use_tqdm=False)
+
+
+def test_out_of_range_priority_is_a_value_error_naming_the_request(pipe):
+    """Priorities travel as int64: 10**30 used to fail the whole call with an OverflowError."""
+    with pytest.raises(ValueError, match=_re("priority must be in [")):
+        pipe.embed([OK, OK], priority=10**30, use_tqdm=False)
+    for bad in (10**30, -(10**30), 2**63):
+        with pytest.raises(ValueError, match=_re("request 1: priority[1] must be in [")):
+            pipe.embed([OK, OK, OK], priority=[0, bad, 0], use_tqdm=False)
+    with pytest.raises(TypeError, match=_re("request 2: priority[2] must be an int")):
+        pipe.embed([OK, OK, OK], priority=[0, 0, "high"], use_tqdm=False)
+    assert len(pipe.embed([OK], priority=2**63 - 1, use_tqdm=False)) == 1  # the edges are fine
+
+
+def test_out_of_range_priority_with_errors_return_fails_that_request_only(pipe):
+    outs = pipe.embed([OK, "second", "third"], priority=[1, 10**30, -(2**63)], errors="return", use_tqdm=False)
+    assert [o.index for o in outs] == [0, 1, 2]
+    assert outs[1].error.startswith("request 1: priority[1] must be in [") and outs[1].embedding is None
+    assert outs[0].error is None and outs[2].error is None
+    np.testing.assert_allclose(outs[0].embedding, pipe.embed(OK, use_tqdm=False)[0].embedding, atol=1e-5, rtol=0)
+    streamed = list(pipe.embed_stream(iter([OK, OK]), priority=[10**30, 0], errors="return"))
+    assert streamed[0].error.startswith("request 0: ") and streamed[1].error is None

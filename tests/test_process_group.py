@@ -159,3 +159,107 @@ def test_close_asks_every_child_even_when_one_cannot_be_reached():
     assert group.engine.proc.returncode == 0
     assert group.workers[1].proc.returncode == 0
     assert wait_gone([group.workers[0].proc.pid], 5.0) == []
+
+
+def test_a_forked_child_can_neither_use_nor_tear_down_the_parents_group(tmp_path):
+    """The exit handler and the sockets belong to the process that made the group: a forked child
+    that exits normally leaves the parent's ipc directory alone (a later worker restart needs it),
+    and using the inherited Pipeline there is a clear error at once (it used to hang)."""
+    script = tmp_path / "forker.py"
+    script.write_text(
+        "import json, os, signal, sys, time\n"
+        "from pooling_pipeline import Pipeline, PipelineError\n"
+        "pipe = Pipeline()\n"
+        "sock_dir = str(pipe._group.dir)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    start = time.monotonic()\n"
+        "    try:\n"
+        "        pipe.embed(['from the child'], use_tqdm=False)\n"
+        "        message = 'no error'\n"
+        "    except PipelineError as e:\n"
+        "        message = str(e)\n"
+        "    with open(sys.argv[1], 'w') as f:\n"
+        "        json.dump({'message': message, 'seconds': time.monotonic() - start}, f)\n"
+        "    sys.exit(0)\n"  # a normal exit: the child's exit handlers run
+        "deadline = time.monotonic() + 60\n"
+        "while os.waitpid(pid, os.WNOHANG) == (0, 0):\n"
+        "    if time.monotonic() > deadline:\n"
+        "        os.kill(pid, signal.SIGKILL)\n"
+        "        os.waitpid(pid, 0)\n"
+        "        break\n"
+        "    time.sleep(0.05)\n"
+        "dir_kept = os.path.isdir(sock_dir)\n"
+        "os.kill(pipe.pids['workers'][0], signal.SIGKILL)\n"  # the replacement's log file lives in the dir
+        "outs = pipe.embed(['after the fork'] * 50, use_tqdm=False)\n"
+        "report = {'dir_kept': dir_kept, 'outs': len(outs), 'restarts': pipe.stats()['worker_restarts'],\n"
+        "          'pids': pipe.pids, 'dir': sock_dir}\n"
+        "pipe.close()\n"
+        "report['dir_removed'] = not os.path.exists(sock_dir)\n"
+        "print(json.dumps(report))\n"
+    )
+    child_report = tmp_path / "child.json"
+    result = subprocess.run([sys.executable, str(script), str(child_report)], capture_output=True, text=True,
+                            timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    child = json.loads(child_report.read_text())
+    assert "forked child" in child["message"] and child["seconds"] < 30
+    assert report["dir_kept"] and report["outs"] == 50 and report["dir_removed"]
+    assert wait_gone([report["pids"]["engine"], *report["pids"]["workers"]], 5.0) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_caller_killed_by_a_signal_leaves_no_socket_dir(tmp_path, sig):
+    """A frontend killed by SIGTERM (or SIGKILL) never runs its exit handlers: the children,
+    which watch it, remove the private directory as they exit."""
+    script = tmp_path / "victim.py"
+    script.write_text(
+        "import json, time\n"
+        "from pooling_pipeline import Pipeline\n"
+        "pipe = Pipeline()\n"
+        "print(json.dumps({'pids': pipe.pids, 'dir': str(pipe._group.dir)}), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        report = json.loads(proc.stdout.readline())
+        assert os.path.isdir(report["dir"])
+        proc.send_signal(sig)
+        assert proc.wait(timeout=30) == -sig
+    finally:
+        proc.kill()
+        proc.wait()
+    assert wait_gone([report["pids"]["engine"], *report["pids"]["workers"]], 5.0) == []
+    deadline = time.monotonic() + 5
+    while os.path.exists(report["dir"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(report["dir"])
+
+
+def test_too_few_file_descriptors_is_a_clear_error_not_an_abort(tmp_path):
+    """Under `ulimit -n 24` libzmq used to abort the whole caller (exit code 134), leaving the
+    ipc directory behind; the limit is checked before anything starts."""
+    import resource
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    script = "from pooling_pipeline import Pipeline, PipelineError\ntry:\n    Pipeline()\n" \
+             "except PipelineError as e:\n    print('refused:', e)\n"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "TMPDIR": str(tmp)},
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (24, 24)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "refused: too few file descriptors" in result.stdout and "ulimit -n" in result.stdout
+    assert list(tmp.iterdir()) == []
+
+
+def test_a_temporary_directory_too_long_for_a_socket_path_is_a_clear_error(tmp_path, monkeypatch):
+    import tempfile
+
+    long_dir = tmp_path / ("t" * 90)
+    long_dir.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long_dir))
+    with pytest.raises(PipelineError, match="TMPDIR"):
+        Pipeline()
+    assert list(long_dir.iterdir()) == []

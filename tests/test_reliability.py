@@ -1,11 +1,16 @@
 """Failures as tested paths: killed or stopped processes, failing steps, interrupts, hostile frames."""
 
 import gc
+import json
 import os
 import random
+import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import corpus
 import numpy as np
@@ -13,9 +18,10 @@ import psutil
 import pytest
 import zmq
 from helpers import wait_gone
-from tiny_models import faulty_model_dir
+from tiny_models import build_tiny_model, faulty_model_dir
 
-from pooling_pipeline import EngineDeadError, Pipeline, StepError
+import pooling_pipeline.process_group as process_group
+from pooling_pipeline import EngineDeadError, Pipeline, PipelineError, StepError
 from pooling_pipeline.core import messages as m
 from pooling_pipeline.core.serial import Encoder
 
@@ -135,8 +141,9 @@ def test_hostile_frames_on_every_socket_are_dropped(pipe, st_model):
             to_results.send_multipart(frames)
             to_engine.send_multipart(frames)
             if not (len(frames) == 1 and frames[0] == valid_wrong_type[0][0]):
-                group.control.send_multipart(frames if i % 2 else [frames[0]])
-                group.work[0].send_multipart(frames)
+                with group.send_lock:  # the group's own sockets, shared with the frontend's threads
+                    group.control.send_multipart(frames if i % 2 else [frames[0]])
+                    group.work[0].send_multipart(frames)
         time.sleep(1.5)
     finally:
         to_results.close(0)
@@ -184,3 +191,214 @@ def test_stopped_engine_is_a_clear_error_within_the_heartbeat_timeout():
         assert wait_gone([engine, *workers], 5.0) == []
     finally:
         pipe.close()
+
+
+def test_forged_frames_with_the_calls_own_ids_cannot_replace_results(pipe, st_model):
+    """Another process of the same user pushes well-formed OutputBatch (to the frontend) and
+    EngineInputBatch (to the engine) carrying the running call's real external ids: without the
+    group's key every one is dropped, and every result is the model's."""
+    texts = corpus.sentences(300, seed=77)
+    reference = st_model.encode(texts)
+    group = pipe._group
+    ctx = zmq.Context.instance()
+    to_results, to_engine = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
+    to_results.connect(group.endpoints["results"])
+    to_engine.connect(group.endpoints["engine_in"])
+    enc = Encoder()
+    try:
+        stream = pipe.embed_stream(iter(texts))
+        first = next(stream)
+        prefix = first.request_id[: -len(str(first.index))]  # learned from a result: the forger knows the ids
+        fake = np.full(384, 1 / np.sqrt(384), np.float32)
+        for start in range(1, len(texts), 50):
+            outs = [m.PoolingOutput(f"{prefix}{i}", i, 3, data=fake.copy()) for i in range(start, min(start + 50, len(texts)))]
+            to_results.send_multipart(enc.encode(m.OutputBatch.pack(outs, 0.0, 3, 1)))
+            inputs = [m.PoolingEngineInput(f"{prefix}{i}", i, "embed", np.array([101, 7592, 102], np.int32),
+                                           m.PoolingParams()) for i in range(start, min(start + 50, len(texts)))]
+            to_engine.send_multipart(enc.encode(m.EngineInputBatch.pack(0, inputs)))
+        outs = [first, *stream]
+    finally:
+        to_results.close(0)
+        to_engine.close(0)
+    assert [o.index for o in outs] == list(range(len(texts)))
+    np.testing.assert_allclose(np.stack([o.embedding for o in outs]), reference, atol=TOL, rtol=0)
+
+
+def test_stopping_the_whole_job_longer_than_the_heartbeat_timeout_is_not_death(tmp_path):
+    """Ctrl-Z (SIGSTOP of the process group), a pause longer than heartbeat_timeout_s, then
+    SIGCONT: the job carries on; the silence happened while the frontend itself was stopped."""
+    model = build_tiny_model(tmp_path / "tiny")
+    flag = tmp_path / "enough"
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import itertools, json, os, sys\n"
+        "from pooling_pipeline import Pipeline\n"
+        f"with Pipeline(model={model!r}, heartbeat_timeout_s=2.0) as pipe:\n"
+        "    children = pipe.pids\n"
+        "    texts = (f'sentence number {i} of a job that is stopped and resumed' for i in itertools.count())\n"
+        "    n = 0\n"
+        "    for out in pipe.embed_stream(texts):\n"
+        "        assert out.index == n\n"
+        "        n += 1\n"
+        "        if n == 1:\n"
+        "            print('running', flush=True)\n"
+        f"        if n % 100 == 0 and os.path.exists({str(flag)!r}):\n"
+        "            break\n"
+        "    same_children = pipe.pids == children\n"
+        "    stopped_s = pipe.stats().get('group', {}).get('stopped_s', 0.0)\n"
+        "    outs = pipe.embed(['after the pause'] * 20, use_tqdm=False)\n"
+        "print(json.dumps({'n': n, 'same_children': same_children, 'stopped_s': stopped_s, 'after': len(outs)}))\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "running"
+        os.killpg(proc.pid, signal.SIGSTOP)  # what the shell's Ctrl-Z does to the job
+        time.sleep(5.0)  # > heartbeat_timeout_s
+        os.killpg(proc.pid, signal.SIGCONT)
+        time.sleep(3.0)  # the job goes on after the resume
+        flag.write_text("")
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["n"] >= 100 and report["after"] == 20
+    assert report["same_children"]  # no child was taken for dead (killed and replaced)
+    assert report["stopped_s"] > 1.0  # the pause was seen as time the frontend did not run
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def _kill_workers_during_a_stream(pipe, kills: int):
+    """Kills a render worker `kills` times (each time the current process of a slot, alternating
+    slots, once it is running) while one call streams; returns (outputs seen, error raised)."""
+    done = threading.Event()
+    killed = []
+
+    def killer():
+        slot = 0
+        while len(killed) < kills and not done.is_set():
+            pid = pipe.pids["workers"][slot]
+            if pid not in killed:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                except ProcessLookupError:
+                    pass
+                slot = (slot + 1) % len(pipe.pids["workers"])
+            time.sleep(0.05)
+
+    def texts():
+        for i in range(10**9):
+            if done.is_set():
+                return
+            yield f"text {i} of a long job whose workers are killed now and then"
+
+    thread = threading.Thread(target=killer)
+    seen, error = 0, None
+    try:
+        for out in pipe.embed_stream(texts()):
+            assert out.index == seen
+            seen += 1
+            if seen == 1:
+                thread.start()
+            if len(killed) >= kills and pipe.stats()["worker_restarts"] >= kills:
+                done.set()
+    except PipelineError as e:
+        error = e
+    finally:
+        done.set()
+        if thread.ident is not None:
+            thread.join()
+    return seen, error
+
+
+def test_worker_restarts_are_limited_per_minute_not_per_call(tiny_model, monkeypatch):
+    """A long job whose workers get killed now and then (OOM killer) used to fail at the 9th
+    restart of one call; within the rate (restarts per minute per worker) it goes on."""
+    monkeypatch.setattr(process_group, "RESTART_BACKOFF_S", 0.0, raising=False)
+    with Pipeline(model=tiny_model, num_render_workers=2, max_num_seqs=32) as pipe:
+        seen, error = _kill_workers_during_a_stream(pipe, kills=10)
+        assert error is None
+        assert pipe.stats()["worker_restarts"] >= 10 and seen > 0
+        outs = pipe.embed(["after the restarts"] * 40, use_tqdm=False)
+        assert [o.index for o in outs] == list(range(40))
+
+
+def test_a_worker_that_keeps_dying_is_an_error_naming_it(tiny_model, monkeypatch):
+    monkeypatch.setattr(process_group, "RESTART_BACKOFF_S", 0.0, raising=False)
+    monkeypatch.setattr(process_group, "MAX_WORKER_RESTARTS_PER_MINUTE", 2, raising=False)
+    with Pipeline(model=tiny_model, num_render_workers=1, max_num_seqs=32) as pipe:
+        seen, error = _kill_workers_during_a_stream(pipe, kills=3)
+        assert error is not None and "render worker 0 keeps dying: 3 restarts within a minute" in str(error)
+
+
+def test_work_goes_to_the_live_worker_while_another_restarts(tiny_model):
+    texts = corpus.sentences(2000, seed=78)
+    with Pipeline(model=tiny_model, num_render_workers=2, max_num_seqs=32) as pipe:
+        reference = np.stack([o.embedding for o in pipe.embed(texts, use_tqdm=False)])
+        before = pipe.stats()["group"]["batches_per_worker"]
+        victim = pipe.pids["workers"][0]
+        os.kill(victim, signal.SIGKILL)
+        assert wait_gone([victim], 5.0) == []
+        outs = pipe.embed(texts, use_tqdm=False)  # while worker 0's replacement starts
+        group = pipe.stats()["group"]
+        assert group["retried_sends"] == 0  # no batch was sent to the dead or restarting worker
+        assert group["batches_per_worker"][1] > before[1]
+        np.testing.assert_allclose(np.stack([o.embedding for o in outs]), reference, atol=TOL, rtol=0)
+
+
+def _counting_faulty_model(tmp_path: Path, model_path: str, trigger: int, marker: int) -> tuple[Path, Path]:
+    """A real model that raises on `trigger` and logs how many sequences holding `marker` it ran."""
+    target = tmp_path / "counting-model"
+    shutil.copytree(model_path, target)
+    log = tmp_path / "forward.log"
+    cfg = json.loads((target / "config.json").read_text())
+    cfg.update(auto_map={"AutoModel": "modeling_counting.CountingBertModel"}, fault_token_id=trigger,
+               marker_token_id=marker, count_log=str(log))
+    (target / "config.json").write_text(json.dumps(cfg))
+    (target / "modeling_counting.py").write_text(
+        "from transformers import BertModel\n\n\n"
+        "class CountingBertModel(BertModel):\n"
+        "    def forward(self, input_ids=None, **kwargs):\n"
+        "        if input_ids is not None and bool((input_ids == self.config.fault_token_id).any()):\n"
+        "            raise RuntimeError('fault token in the batch')\n"
+        "        if input_ids is not None:\n"
+        "            rows = int((input_ids == self.config.marker_token_id).any(dim=1).sum())\n"
+        "            if rows:\n"
+        "                with open(self.config.count_log, 'a') as f:\n"
+        "                    f.write(f'{rows}\\n')\n"
+        "        return super().forward(input_ids=input_ids, **kwargs)\n"
+    )
+    return target, log
+
+
+def test_a_failed_chunk_aborts_the_documents_other_chunks(tmp_path, model_path, st_model):
+    """errors="raise": one failing chunk fails its document; the document's other chunks are not
+    computed for nothing (they were: the whole failed batch was retried request by request)."""
+    tok = st_model.tokenizer
+    trigger, marker = tok.convert_tokens_to_ids("zebra"), tok.convert_tokens_to_ids("elephant")
+    model, log = _counting_faulty_model(tmp_path, model_path, trigger, marker)
+    document = "zebra " + "elephant " * (30 * 20 - 1)  # 20 chunks of 30 content tokens, the first with the fault
+    good = corpus.sentences(20, seed=79)
+    with Pipeline(model=str(model), trust_remote_code=True) as pipe:
+        with pytest.raises(StepError, match="fault token") as info:
+            pipe.embed([document, *good], long_inputs="chunk", truncate_prompt_tokens=32, use_tqdm=False)
+        assert info.value.indices == [0]
+        outs = pipe.embed(good, use_tqdm=False)  # the engine has done all the failed call left it
+        np.testing.assert_allclose(np.stack([o.embedding for o in outs]), st_model.encode(good), atol=TOL, rtol=0)
+        assert _rows(log) == 0  # none of the document's 19 other chunks was computed
+        outs = pipe.embed(["elephant " * 10, document], long_inputs="chunk", truncate_prompt_tokens=32,
+                          errors="return", use_tqdm=False)
+        assert outs[0].error is None and "fault token" in outs[1].error
+        assert _rows(log) == 1  # errors="return": the good text only
+
+
+def _rows(log: Path) -> int:
+    return sum(int(line) for line in log.read_text().split()) if log.exists() else 0

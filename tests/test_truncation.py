@@ -127,11 +127,69 @@ def test_token_count_stops_at_a_prefix_that_proves_too_long(wordpiece):
     assert enc.count_tokens(short, 254) == (len(wordpiece.encode(short, add_special_tokens=False).ids), True)
 
 
-def test_text_without_whitespace_falls_back_to_the_exact_slow_path(wordpiece):
+# Text without whitespace: scripts written without spaces, identifiers, base64, minified code.
+GLUE = ["", "", "", "。", "、", "，", ",", ".", "-", "_", "/", "+", "=", "!", "(", ")", "'", "’", "«", "»", "0", "42",
+        "\u0301", "🙂"]
+no_space_texts = st.lists(
+    st.one_of(st.sampled_from(PIECES + ["日本語のテキストです", "中文文本", "QUJDREVG", "x1y2"]),
+              st.text(st.characters(blacklist_categories=("Zs", "Zl", "Zp", "Cc", "Cs")), min_size=1, max_size=12)),
+    min_size=1, max_size=300).flatmap(
+    lambda words: st.lists(st.sampled_from(GLUE), min_size=len(words), max_size=len(words)).map(
+        lambda glue: "".join(w + g for w, g in zip(words, glue)).replace(" ", "").replace("\u00a0", "")))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow])
+@given(text=no_space_texts, k=st.integers(min_value=2, max_value=40), left=st.booleans())
+def test_planner_equals_full_tokenization_on_text_without_whitespace(tokenizer, text, k, left):
+    enc = TruncatingTokenizer(Tokenizer.from_str(tokenizer.to_str()), chars_per_token_guess=0, min_prefix_chars=1)
+    assert enc.encode(text, k, left=left) == _full_ids(tokenizer, text, k, left)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(text=no_space_texts)
+def test_piecewise_tokenization_without_whitespace_equals_whole(tokenizer, text):
+    enc = TruncatingTokenizer(Tokenizer.from_str(tokenizer.to_str()))
+    old = truncation.CHUNK_TOKENIZE_CHARS
+    truncation.CHUNK_TOKENIZE_CHARS = 7
+    try:
+        ids = [i for piece in enc.content_ids(text) for i in piece]
+    finally:
+        truncation.CHUNK_TOKENIZE_CHARS = old
+    assert ids == tokenizer.encode(text, add_special_tokens=False).ids
+
+
+@pytest.mark.parametrize("left", [False, True])
+def test_long_text_without_whitespace_is_cut_at_a_split_point_not_tokenized_whole(wordpiece, left):
+    """3M CJK characters cost a worker 1.3 GB when tokenized whole; a prefix at a point where the
+    pre-tokenizer splits costs what the kept tokens cost, with the same ids."""
     enc = TruncatingTokenizer(Tokenizer.from_str(wordpiece.to_str()))
-    cjk = "日本語のテキストです。" * 3000
-    assert enc.encode(cjk, 64) == _full_ids(wordpiece, cjk, 64)
-    assert enc.full_encodes_of_long_text == 1
+    for text in ["日本語のテキストです。" * 30_000, "中文文本没有空格但是有标点符号，例如逗号和句号。" * 10_000,
+                 "QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVphYmNk+/0123" * 6_000]:
+        for k in (8, 256):
+            assert enc.encode(text, k, left=left) == _full_ids(wordpiece, text, k, left)
+    assert enc.full_encodes_of_long_text == 0 and enc.split_cuts == enc.prefix_encodes == 6
+
+
+@pytest.mark.parametrize("left", [False, True])
+def test_byte_level_families_cut_text_without_whitespace_between_letters_and_punctuation(tokenizer, left):
+    enc = TruncatingTokenizer(Tokenizer.from_str(tokenizer.to_str()))
+    text = "日本語のテキストです。" * 20_000 + "naïve,café;x1y2" * 2_000
+    for k in (8, 64):
+        assert enc.encode(text, k, left=left) == _full_ids(tokenizer, text, k, left)
+    if enc.rule.split_kind is None:  # Metaspace splits at spaces only: still the exact full path
+        assert enc.full_encodes_of_long_text == 2
+    else:
+        assert enc.full_encodes_of_long_text == 0 and enc.split_cuts == 2
+
+
+def test_chunk_pieces_of_text_without_whitespace_stay_small(wordpiece):
+    enc = TruncatingTokenizer(Tokenizer.from_str(wordpiece.to_str()))
+    text = "日本語のテキストです。" * 30_000  # 330k characters, one piece before
+    pieces = list(enc.content_ids(text))
+    assert len(pieces) >= len(text) // (4 * truncation.CHUNK_TOKENIZE_CHARS)
+    assert [i for piece in pieces for i in piece] == wordpiece.encode(text, add_special_tokens=False).ids
 
 
 def test_unknown_tokenizer_shapes_are_not_trusted():

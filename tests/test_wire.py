@@ -1,5 +1,6 @@
 """Typed messages on the wire: round trips, and malformed or foreign frames rejected (never pickled)."""
 
+import os
 import random
 
 import msgspec
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 
 from pooling_pipeline.core import messages as m
-from pooling_pipeline.core.serial import INLINE_MAX_BYTES, Decoder, Encoder
+from pooling_pipeline.core.serial import INLINE_MAX_BYTES, Decoder, Encoder, ForeignMessage
 
 
 def test_round_trip_small_and_large_arrays():
@@ -100,3 +101,21 @@ def test_fuzzed_frames_never_crash_the_decoder():
             except (msgspec.DecodeError, msgspec.ValidationError):
                 rejected += 1
     assert rejected > 3000  # most of them are garbage for most sockets, and none raised anything else
+
+
+def test_messages_without_the_group_key_are_dropped_unread():
+    """Within a group every message starts with the group's random key: a well-formed message
+    from a process that does not know it (a forger guessing ids) is refused before decoding."""
+    key = os.urandom(16)
+    enc, dec = Encoder(key), Decoder(m.EngineInbound, key=key)
+    ids = np.arange(INLINE_MAX_BYTES, dtype=np.int32)  # large: its own frame, after the key and the header
+    msg = m.EngineInputBatch.pack(0, [m.PoolingEngineInput("a", 0, "embed", ids, m.PoolingParams())])
+    frames = enc.encode(msg)
+    assert frames[0] == key and len(frames) == 3
+    np.testing.assert_array_equal(dec.decode(frames).unpack()[0].token_ids, ids)
+    forged = [Encoder().encode(msg), Encoder(os.urandom(16)).encode(msg), [key], [], [key[:-1] + b"x", *frames[1:]],
+              [frames[1], *frames]]
+    for frames in forged:
+        with pytest.raises(ForeignMessage):
+            dec.decode(frames)
+    assert issubclass(ForeignMessage, msgspec.DecodeError)  # every receiver's "drop and log" path

@@ -19,13 +19,31 @@ That holds when
 `analyse_tokenizer` checks (2) on the tokenizer's own description, per family: WordPiece (BERT),
 byte-level BPE (GPT-2 / RoBERTa regex, or the GPT-4-style Split regex of Llama-3 and Qwen, where
 only a space is a safe cut because punctuation swallows the newlines after it) and SentencePiece
-style Metaspace (the space only). A tokenizer it cannot vouch for, or a text with no usable
-whitespace (CJK, base64, minified code), takes the slow, full path: correct first.
+style Metaspace (the space only). A tokenizer it cannot vouch for takes the slow, full path:
+correct first.
+
+Text without usable whitespace (CJK, base64, minified code) must not be tokenized whole either (3M
+CJK characters cost a worker 1.3 GB that way). The fallback cuts where the pre-tokenizer is known
+to split whatever the context, instead of (1):
+
+1'. WordPiece (BertPreTokenizer): just before a punctuation character (each is a pre-token of its
+    own) or, when the BertNormalizer pads Chinese characters with spaces, a CJK ideograph;
+    byte-level BPE (the GPT-2 regex or a known Split regex): between a letter and a digit,
+    punctuation or symbol (no alternative of those regexes matches a letter and then such a
+    character). Metaspace splits at spaces only: no fallback there.
+
+and verifies each cut on the text around it, with the tokenizer itself: no added token can cover
+it, the normalizer treats both sides apart (normalizing the window equals normalizing each side),
+and the pre-tokenizer splits the normalized window there. A piece that starts at such a cut (a
+suffix, a chunk-mode piece) is used only when nothing acts on the start of a text (no Strip or
+Prepend normalizer, no ByteLevel add_prefix_space).
 """
 
 from __future__ import annotations
 
 import json
+import re
+import unicodedata
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -53,12 +71,27 @@ CHARS_PER_TOKEN_GUESS = 6  # generous for prose; the piece doubles when it falls
 CHUNK_TOKENIZE_CHARS = 1 << 16  # chunk mode tokenizes a long document in pieces of about this size
 
 
+# Candidates for a cut without whitespace, by the pre-tokenizer's family (each one is then checked
+# exactly, character by character, and verified with the tokenizer itself).
+_CJK = "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002a6df\U0002a700-\U0002ceaf\U0002f800-\U0002fa1f"
+_SPLIT_CANDIDATES = {
+    "bert": re.compile(f"[^\\w\\s]|_|[{_CJK}]"),  # punctuation (BERT's: ASCII symbols too) or a CJK ideograph
+    "letters": re.compile(r"(?<=[^\W\d_])(?:[^\w\s]|\d)"),  # a letter, then a digit, punctuation or symbol
+}
+MAX_SPLIT_VERIFICATIONS = 32  # candidates verified per search before giving up (then the full path)
+VERIFY_WINDOW_CHARS = 16  # text on each side of a cut that its verification looks at
+
+
 @dataclass(frozen=True)
 class PrefixRule:
     exact: bool  # a whitespace-aligned prefix gives exact ids
     cut_chars: str  # characters a cut may be placed at
     reason: str  # why not, when not exact (reported in stats and debug logs)
     suffix_exact: bool = False  # a suffix (left truncation) gives exact ids too
+    # Text without whitespace: "bert" or "letters" (see the module docstring), or None.
+    split_kind: str | None = None
+    split_start_safe: bool = False  # a piece may start at such a cut (suffixes, chunk-mode pieces)
+    added_chars: frozenset[str] = frozenset()  # characters of the added tokens: never cut at one
 
 
 def analyse_tokenizer(tokenizer: Tokenizer) -> PrefixRule:
@@ -84,26 +117,39 @@ def analyse_tokenizer(tokenizer: Tokenizer) -> PrefixRule:
 
     pre_tokenizers = _flatten(desc.get("pre_tokenizer"), "pretokenizers")
     splitters = []
+    split_kinds = set()  # the families of the splitters, for text without whitespace
+    prefix_space = False  # something adds a space in front of a text's first word
     for pre in pre_tokenizers:
         kind = pre.get("type")
+        if kind == "ByteLevel":
+            prefix_space = prefix_space or bool(pre.get("add_prefix_space"))
         if kind == "Split":
             pattern = (pre.get("pattern") or {}).get("Regex")
             if pattern not in _KNOWN_SPLIT_PATTERNS or pre.get("behavior") != "Isolated" or pre.get("invert"):
                 return PrefixRule(False, "", f"Split pre-tokenizer with an unknown pattern {pre.get('pattern')}")
             splitters.append(" ")
+            split_kinds.add("letters")
         elif kind == "ByteLevel" and not pre.get("use_regex", True):
             continue  # byte mapping of pieces split by another member
         elif kind == "Metaspace" and pre.get("split") is False:
             return PrefixRule(False, "", "Metaspace pre-tokenizer that does not split")
         elif kind in _SPLITTERS:
             splitters.append(_SPLITTERS[kind])
+            split_kinds.add({"BertPreTokenizer": "bert", "ByteLevel": "letters"}.get(kind, "none"))
         elif kind not in _REFINERS:
             return PrefixRule(False, "", f"pre-tokenizer {kind} is not known to be prefix-safe")
     if not splitters:
         return PrefixRule(False, "", "no pre-tokenizer splits at whitespace: tokens may span it")
     for chars in splitters:
         cut_chars = "".join(c for c in cut_chars if c in chars)
-    return PrefixRule(True, cut_chars, "", suffix_exact)
+    split_kind = split_kinds.pop() if len(split_kinds) == 1 and split_kinds <= {"bert", "letters"} else None
+    added_chars = set()
+    for added in desc.get("added_tokens") or []:
+        content = added.get("content", "")
+        for form in (content, content.lower(), unicodedata.normalize("NFKC", content).lower()):
+            added_chars.update(form)
+    return PrefixRule(True, cut_chars, "", suffix_exact, split_kind, suffix_exact and not prefix_space,
+                      frozenset(added_chars))
 
 
 def _flatten(node: dict | None, key: str) -> list[dict]:
@@ -147,7 +193,10 @@ class TruncatingTokenizer:
         self.chars_per_token_guess = chars_per_token_guess
         self.min_prefix_chars = min_prefix_chars
         self.prefix_encodes = 0  # how often the fast path was taken
+        self.split_cuts = 0  # of those, how often at a cut without whitespace (the fallback)
         self.full_encodes_of_long_text = 0  # how often a long text had to be tokenized whole
+        self._normalize = tokenizer.normalizer.normalize_str if tokenizer.normalizer is not None else (lambda t: t)
+        self._pre_tokenize = tokenizer.pre_tokenizer.pre_tokenize_str if tokenizer.pre_tokenizer is not None else None
 
     def content_budget(self, max_tokens: int) -> int:
         return max(0, max_tokens - self.num_special_tokens)
@@ -224,7 +273,10 @@ class TruncatingTokenizer:
         while start < len(text):
             end = len(text)
             if piecewise and len(text) - start > 2 * CHUNK_TOKENIZE_CHARS:
-                cut = find_cut(text, start + CHUNK_TOKENIZE_CHARS, self.rule.cut_chars)
+                near = start + CHUNK_TOKENIZE_CHARS
+                cut = find_cut(text, near, self.rule.cut_chars)
+                if (cut is None or cut <= start) and self.rule.split_start_safe:
+                    cut = self.find_split_cut(text, near, lo=start + 1)
                 end = cut if cut is not None and cut > start else len(text)
             yield self.tokenizer.encode(self.preprocess(text[start:end]), add_special_tokens=False).ids
             start = end
@@ -246,21 +298,106 @@ class TruncatingTokenizer:
         if self.rule.exact and (self.rule.suffix_exact or not left):
             length = self._first_piece_chars(budget)
             while length < len(text):
+                split = False
                 if left:
                     cut = find_suffix_cut(text, len(text) - length, self.rule.cut_chars)
+                    if cut is None and self.rule.split_start_safe:  # no whitespace: a split point
+                        near = len(text) - length
+                        cut, split = self.find_split_cut(text, near, lo=max(1, near - max(near // 2, 1024)),
+                                                         forward=False), True
                     piece = text[cut:] if cut is not None else None
                 else:
                     cut = find_cut(text, length, self.rule.cut_chars)
+                    if cut is None:  # no whitespace: a split point
+                        cut, split = self.find_split_cut(text, length), True
                     piece = text[:cut] if cut is not None else None
                 if piece is None:
-                    break  # no whitespace to cut at: full tokenization below
+                    break  # no place to cut at: full tokenization below
                 enc = self.tokenizer.encode(self.preprocess(piece), add_special_tokens=False)
                 if len(enc.ids) >= needed:
                     self.prefix_encodes += 1
+                    self.split_cuts += split
                     return enc, False
                 length = max(len(piece), length) * 2
         self.full_encodes_of_long_text += 1
         return self.tokenizer.encode(self.preprocess(text), add_special_tokens=False), True
+
+
+    # ---- cuts in text without whitespace ---------------------------------------------------
+
+    def find_split_cut(self, text: str, near: int, lo: int | None = None, forward: bool = True) -> int | None:
+        """A position p close to `near` where the pre-tokenizer splits whatever the text around
+        (see the module docstring), verified with the tokenizer; looks back to `lo` (default
+        near/2) first, then forward to 4 * near. None when there is none (or none verifies)."""
+        rule = self.rule
+        if rule.split_kind is None:
+            return None
+        pattern = _SPLIT_CANDIDATES[rule.split_kind]
+        lo = max(1, near // 2 if lo is None else lo)
+        near = min(near, len(text) - 1)
+        if near < lo:
+            return None
+        budget = [MAX_SPLIT_VERIFICATIONS]
+        # Backwards in growing windows (the nearest candidate is usually a few characters away).
+        end, size = near + 1, 64
+        while end > lo and budget[0] > 0:
+            start = max(lo, end - size)
+            for match in reversed(list(pattern.finditer(text, start, end))):
+                if self._split_ok(text, match.start(), budget):
+                    return match.start()
+            end, size = start, size * 8
+        if forward:
+            for match in pattern.finditer(text, near + 1, min(len(text), 4 * near)):
+                if budget[0] <= 0:
+                    break
+                if self._split_ok(text, match.start(), budget):
+                    return match.start()
+        return None
+
+    def _split_ok(self, text: str, p: int, budget: list[int]) -> bool:
+        """Whether the pre-tokens of text[:p] (and of text[p:]) are exactly those of the text on
+        that side of p: the exact character rule, then a verification with the tokenizer."""
+        if p <= 0 or p >= len(text):
+            return False
+        before, at = text[p - 1], text[p]
+        rule = self.rule
+        if at in rule.added_chars or at.isspace() or before.isspace():
+            return False
+        if rule.split_kind == "letters":
+            if not before.isalpha() or unicodedata.category(at)[0] not in "NPS":
+                return False
+        elif not (_is_bert_punctuation(at) or _is_cjk(at)):
+            return False
+        budget[0] -= 1
+        left = self._normalize(self.preprocess(text[max(0, p - VERIFY_WINDOW_CHARS):p]))
+        right = self._normalize(self.preprocess(text[p:p + VERIFY_WINDOW_CHARS]))
+        window = self._normalize(self.preprocess(text[max(0, p - VERIFY_WINDOW_CHARS):p + VERIFY_WINDOW_CHARS]))
+        if not left or not right or window != left + right:
+            return False  # the normalizer joins or changes the two sides: not a cut we can vouch for
+        if rule.split_kind == "letters":
+            if not left[-1].isalpha() or unicodedata.category(right[0])[0] not in "NPS":
+                return False
+        elif not (right[0].isspace() or _is_bert_punctuation(right[0])):
+            return False
+        if self._pre_tokenize is None:
+            return False
+        junction = len(left)
+        return all(not start < junction < end for _, (start, end) in self._pre_tokenize(window))
+
+
+def _is_bert_punctuation(ch: str) -> bool:
+    """Punctuation as BertPreTokenizer sees it: ASCII symbols, and Unicode's P* categories."""
+    cp = ord(ch)
+    if 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126:
+        return True
+    return unicodedata.category(ch).startswith("P")
+
+
+def _is_cjk(ch: str) -> bool:
+    """A CJK ideograph, as BertNormalizer's handle_chinese_chars pads them with spaces."""
+    cp = ord(ch)
+    return (0x4E00 <= cp <= 0x9FFF or 0x3400 <= cp <= 0x4DBF or 0x20000 <= cp <= 0x2A6DF or 0x2A700 <= cp <= 0x2CEAF
+            or 0xF900 <= cp <= 0xFAFF or 0x2F800 <= cp <= 0x2FA1F)
 
 
 def find_cut(text: str, near: int, cut_chars: str) -> int | None:
