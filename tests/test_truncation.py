@@ -209,3 +209,25 @@ def test_find_cut_is_before_a_whitespace_run():
         if cut is not None:
             assert text[cut] in " \t\n\r" and not text[cut - 1].isspace()
     assert find_cut("abcdefgh" * 100, 50, " ") is None
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(words=st.tuples(st.integers(0, 300), st.integers(0, 300)), max_tokens=st.integers(5, 160),
+       caps=st.tuples(st.one_of(st.none(), st.integers(1, 200)), st.one_of(st.none(), st.integers(1, 200))))
+def test_pairs_keep_what_longest_first_keeps(wordpiece, words, max_tokens, caps):
+    """A pair is cut as tokenizers' longest_first cuts the whole texts -- the odd token of an odd
+    budget to the longer side, to the second on a tie -- after each side's own cap."""
+    pool = " ".join(corpus.sentences(40, seed=5)).split()
+    first, second = " ".join(pool[:words[0]]), " ".join(pool[-words[1]:] if words[1] else [])
+    enc = TruncatingTokenizer(Tokenizer.from_str(wordpiece.to_str()))
+    ids, types = enc.encode_pair(first, second, max_tokens, *caps)
+    whole = Tokenizer.from_str(wordpiece.to_str())
+    whole.no_padding()
+    whole.no_truncation()
+    a, b = (whole.encode(t, add_special_tokens=False) for t in (first, second))
+    for e, cap in zip((a, b), caps):
+        if cap is not None:
+            e.truncate(cap)
+    whole.enable_truncation(max_length=max_tokens, strategy="longest_first")
+    want = whole.post_process(a, b)
+    assert ids == want.ids and types == want.type_ids

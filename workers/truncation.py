@@ -233,19 +233,52 @@ class TruncatingTokenizer:
                     max_second: int | None = None) -> tuple[list[int], list[int]]:
         """A text pair (cross-encoder) with the tokenizer's longest-first truncation: (ids, type ids).
 
-        Neither side can keep more than the pair's content budget, so each side is planned to that
-        (or to its own cap) first; the pair truncation then runs on those prefixes exactly as it
-        would on the whole texts.
+        `longest_first` below computes the lengths tokenizers would keep; it needs a side's exact
+        length only when that side fits, and, when both sides overflow an odd budget, which one is
+        longer (it keeps the extra token). Each side is tokenized one token past the budget (its
+        prefix, so a 200k-token document costs about the budget), and further only to break that tie.
+        `max_first` / `max_second` cap a side's content before pairing.
         """
         budget = max(0, max_tokens - self.num_special_tokens_pair)
-        enc_first = self.content(first, min(budget, max_first) if max_first is not None else budget)
-        enc_second = self.content(second, min(budget, max_second) if max_second is not None else budget)
-        self.tokenizer.enable_truncation(max_length=max_tokens, strategy="longest_first")
-        try:
-            enc = self.tokenizer.post_process(enc_first, enc_second)
-        finally:
-            self.tokenizer.no_truncation()
+        sides = [(first, max_first), (second, max_second)]
+        encs, lengths = [], []
+        for text, cap in sides:
+            limit = budget + 1 if cap is None else min(budget + 1, cap)
+            enc = self.content(text, limit)
+            encs.append(enc)
+            # Fewer tokens than asked for, or as many as the cap: the exact (capped) length.
+            known = len(enc.ids) < limit or (cap is not None and limit == cap)
+            lengths.append(len(enc.ids) if known else None)
+        if lengths[0] is None and lengths[1] is None:  # both overflow: only their order matters
+            first_longer = self._first_is_longer(sides, budget)
+            lengths = [budget + 2, budget + 1] if first_longer else [budget + 1, budget + 1]
+        else:  # an overflowing side is the longer one; any length past the budget acts the same
+            lengths = [budget + 1 if n is None else n for n in lengths]
+        keep_first, keep_second = longest_first(lengths[0], lengths[1], budget)
+        encs[0].truncate(keep_first)
+        encs[1].truncate(keep_second)
+        enc = self.tokenizer.post_process(encs[0], encs[1])
         return enc.ids, enc.type_ids
+
+    def _first_is_longer(self, sides: list[tuple[str, int | None]], budget: int) -> bool:
+        """Whether the first text has more (capped) content tokens than the second: counted on
+        growing prefixes until one side's length is known."""
+        limit = max(2 * budget, 64)
+        while True:
+            counts = []
+            for text, cap in sides:
+                count, exact = self.count_tokens(text, limit if cap is None else min(limit, cap))
+                if cap is not None and count >= cap:
+                    count, exact = cap, True
+                counts.append((count, exact))
+            (c1, e1), (c2, e2) = counts
+            if e1 and e2:
+                return c1 > c2
+            if e1 and c1 <= limit < c2:  # the second is past the limit, the first is not
+                return False
+            if e2 and c2 <= limit < c1:
+                return True
+            limit *= 2
 
     def content(self, text: str, budget: int, left: bool = False) -> Encoding:
         """The first (last) `budget` tokens of `text`, without special tokens."""
@@ -398,6 +431,21 @@ def _is_cjk(ch: str) -> bool:
     cp = ord(ch)
     return (0x4E00 <= cp <= 0x9FFF or 0x3400 <= cp <= 0x4DBF or 0x20000 <= cp <= 0x2A6DF or 0x2A700 <= cp <= 0x2CEAF
             or 0xF900 <= cp <= 0xFAFF or 0x2F800 <= cp <= 0x2FA1F)
+
+
+def longest_first(len_first: int, len_second: int, max_length: int) -> tuple[int, int]:
+    """The content lengths tokenizers' `longest_first` truncation keeps of a pair (its Rust code,
+    line by line): the shorter side whole when it fits in half, the longer gets the rest; both
+    over half: half each, the odd token to the longer side (to the second on a tie)."""
+    if len_first + len_second <= max_length:
+        return len_first, len_second
+    swap = len_first > len_second
+    n1, n2 = (len_second, len_first) if swap else (len_first, len_second)
+    n2 = n1 if n1 > max_length else max(n1, max_length - n1)
+    if n1 + n2 > max_length:
+        n1 = max_length // 2
+        n2 = n1 + max_length % 2
+    return (n2, n1) if swap else (n1, n2)
 
 
 def find_cut(text: str, near: int, cut_chars: str) -> int | None:
