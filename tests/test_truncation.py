@@ -57,9 +57,9 @@ def _train(kind: str) -> Tokenizer:
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
         tok.train_from_iterator(text, trainer)
         tok.post_processor = processors.TemplateProcessing(single="<|begin|> $A", special_tokens=[("<|begin|>", 0)])
-    elif kind == "metaspace-unigram":
+    elif kind == "metaspace-unigram":  # XLM-R / T5 style: runs of spaces become one
         tok = Tokenizer(models.Unigram())
-        tok.normalizer = normalizers.NFKC()
+        tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Replace(Regex(" {2,}"), " ")])
         tok.pre_tokenizer = pre_tokenizers.Metaspace()
         trainer = trainers.UnigramTrainer(vocab_size=600, special_tokens=["<unk>", "</s>"], unk_token="<unk>")
         tok.train_from_iterator(text, trainer)
