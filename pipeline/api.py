@@ -30,6 +30,7 @@ from pooling_pipeline.frontend import Call, Dispatcher, new_call_prefix
 from pooling_pipeline.inputs import CallOptions, FailedRequest, Tokenization, build_requests, check_priority
 from pooling_pipeline.outputs import ClassificationOutput, EmbeddingOutput, RankedDocument, ScoringOutput, to_result
 from pooling_pipeline.process_group import ProcessGroup
+from pooling_pipeline.similarity import similarity
 
 log = logging.getLogger("pipeline")
 
@@ -552,17 +553,6 @@ def _score_side(data, name: str) -> list:
     if not data:
         raise ValueError(f"{name} is empty: score needs at least one query and one document")
     return list(data)
-
-
-def similarity(name: str, a: np.ndarray, b: np.ndarray) -> float:
-    """The model's similarity function (ST's similarity_fn_name) between two embeddings."""
-    if name == "dot":
-        return float(np.dot(a, b))
-    if name == "euclidean":
-        return -float(np.linalg.norm(a - b))
-    if name == "manhattan":
-        return -float(np.abs(a - b).sum())
-    return float(np.dot(a, b) / max(float(np.linalg.norm(a) * np.linalg.norm(b)), 1e-12))
 
 
 def _max_sim(query: np.ndarray, doc: np.ndarray) -> float:

@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 import re
 import unicodedata
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from tokenizers import Encoding, Tokenizer
@@ -170,8 +170,8 @@ def _flatten(node: dict | None, key: str) -> list[dict]:
 class TruncatingTokenizer:
     """Tokenizes text and keeps the first (or last) `max_tokens` tokens, special tokens included."""
 
-    def __init__(self, tokenizer: Tokenizer, preprocess: Callable[[str], str] | None = None,
-                 chars_per_token_guess: int = CHARS_PER_TOKEN_GUESS, min_prefix_chars: int = 256) -> None:
+    def __init__(self, tokenizer: Tokenizer, chars_per_token_guess: int = CHARS_PER_TOKEN_GUESS,
+                 min_prefix_chars: int = 256) -> None:
         tokenizer.no_truncation()
         tokenizer.no_padding()
         self.tokenizer = tokenizer
@@ -192,8 +192,6 @@ class TruncatingTokenizer:
         at = next(i for i in range(len(wrapped) - len(probe.ids) + 1)
                   if wrapped[i:i + len(probe.ids)] == probe.ids)
         self.special_prefix, self.special_suffix = wrapped[:at], wrapped[at + len(probe.ids):]
-        # Character-local text preprocessing (e.g. sentence-transformers' do_lower_case).
-        self.preprocess = preprocess or (lambda s: s)
         self.chars_per_token_guess = chars_per_token_guess
         self.min_prefix_chars = min_prefix_chars
         self.prefix_encodes = 0  # how often the fast path was taken
@@ -222,7 +220,7 @@ class TruncatingTokenizer:
             if k != self._batch_limit:
                 self.batch_tokenizer.enable_truncation(max_length=k)
                 self._batch_limit = k
-            encodings = self._encode_batch([self.preprocess(texts[i]) for i in rows])
+            encodings = self._encode_batch([texts[i] for i in rows])
             for i, enc in zip(rows, encodings):
                 out[i] = enc.ids
         return out
@@ -287,7 +285,7 @@ class TruncatingTokenizer:
     def content(self, text: str, budget: int, left: bool = False) -> Encoding:
         """The first (last) `budget` tokens of `text`, without special tokens."""
         if len(text) <= 2 * self._first_piece_chars(budget):  # planning would not save anything
-            enc = self.tokenizer.encode(self.preprocess(text), add_special_tokens=False)
+            enc = self.tokenizer.encode(text, add_special_tokens=False)
         else:
             enc, _ = self._encode_long(text, budget, left)
         enc.truncate(budget, direction="left" if left else "right")
@@ -299,7 +297,7 @@ class TruncatingTokenizer:
         if len(text) > 2 * self._first_piece_chars(budget):
             enc, whole = self._encode_long(text, budget)
             return len(enc.ids), whole
-        return len(self.tokenizer.encode(self.preprocess(text), add_special_tokens=False).ids), True
+        return len(self.tokenizer.encode(text, add_special_tokens=False).ids), True
 
     def content_ids(self, text: str) -> Iterator[list[int]]:
         """All content ids of a text, tokenized in whitespace-aligned pieces (chunk mode): memory
@@ -315,7 +313,7 @@ class TruncatingTokenizer:
                 if (cut is None or cut <= start) and self.rule.split_start_safe:
                     cut = self.find_split_cut(text, near, lo=start + 1)
                 end = cut if cut is not None and cut > start else len(text)
-            yield self.tokenizer.encode(self.preprocess(text[start:end]), add_special_tokens=False).ids
+            yield self.tokenizer.encode(text[start:end], add_special_tokens=False).ids
             start = end
 
     def with_special_tokens(self, content_ids: list[int]) -> list[int]:
@@ -350,14 +348,14 @@ class TruncatingTokenizer:
                     piece = text[:cut] if cut is not None else None
                 if piece is None:
                     break  # no place to cut at: full tokenization below
-                enc = self.tokenizer.encode(self.preprocess(piece), add_special_tokens=False)
+                enc = self.tokenizer.encode(piece, add_special_tokens=False)
                 if len(enc.ids) >= needed:
                     self.prefix_encodes += 1
                     self.split_cuts += split
                     return enc, False
                 length = max(len(piece), length) * 2
         self.full_encodes_of_long_text += 1
-        return self.tokenizer.encode(self.preprocess(text), add_special_tokens=False), True
+        return self.tokenizer.encode(text, add_special_tokens=False), True
 
 
     # ---- cuts in text without whitespace ---------------------------------------------------
@@ -406,9 +404,9 @@ class TruncatingTokenizer:
         elif not (_is_bert_punctuation(at) or _is_cjk(at)):
             return False
         budget[0] -= 1
-        left = self._normalize(self.preprocess(text[max(0, p - VERIFY_WINDOW_CHARS):p]))
-        right = self._normalize(self.preprocess(text[p:p + VERIFY_WINDOW_CHARS]))
-        window = self._normalize(self.preprocess(text[max(0, p - VERIFY_WINDOW_CHARS):p + VERIFY_WINDOW_CHARS]))
+        left = self._normalize(text[max(0, p - VERIFY_WINDOW_CHARS):p])
+        right = self._normalize(text[p:p + VERIFY_WINDOW_CHARS])
+        window = self._normalize(text[max(0, p - VERIFY_WINDOW_CHARS):p + VERIFY_WINDOW_CHARS])
         if not left or not right or window != left + right:
             return False  # the normalizer joins or changes the two sides: not a cut we can vouch for
         if rule.split_kind == "letters":
