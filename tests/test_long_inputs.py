@@ -120,7 +120,8 @@ def test_a_failed_step_listing_two_chunks_of_one_document(tmp_path, model_path, 
 
         def fail_two_chunks_of_the_document() -> None:
             time.sleep(1.0)
-            rid, (request, _) = next(iter(pipe._call.inflight.items()))
+            call = next(iter(pipe._dispatcher.calls.values()))
+            rid, (request, *_) = next(iter(call.inflight.items()))
             sock = zmq.Context.instance().socket(zmq.PUSH)
             sock.connect(group.endpoints["results"])
             sock.send_multipart(group.encoder.encode(
