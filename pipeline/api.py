@@ -504,6 +504,8 @@ class Pipeline:
     def _ended(self, call: Call) -> None:
         self._last_stats = call.stats
         self._local.last_stats = call.stats
+        if getattr(self._local, "call", None) is call:
+            self._local.call = None  # (it holds the caller's input iterator)
 
     def _post_process(self, outputs) -> Iterator:
         for out in outputs:

@@ -434,17 +434,16 @@ class Call:
         self.errors = opts.errors  # "raise": the first failure ends the call; "return": it becomes an output
         self.chunks: dict[str, ChunkSum] = {}  # chunk mode: documents with chunks still out
         self.stats = CallStats()
-        # external id -> (request, worker, worker generation it was sent to)
-        self.inflight: dict[str, tuple[m.RenderParams, int, int]] = {}
-        self.backlog: deque[m.RenderParams] = deque()  # to (re)send when a worker can take them
+        # external id -> (request, worker, worker generation it was sent to, its size in characters)
+        self.inflight: dict[str, tuple[m.RenderParams, int, int, int]] = {}
+        self.backlog: deque[tuple[m.RenderParams, int]] = deque()  # (request, size) to (re)send when a worker can
         self.ready: dict[int, m.PoolingOutput] = {}  # reorder buffer: index -> output
         self.inbox: deque = deque()  # messages routed here by the receiver thread
         self.inflight_chars = 0
         self.held = 0  # slots held (granted + issued and not handed back); changed under dispatcher.lock
         self.granted = 0  # slots held for requests not drawn yet
         self.issued = 0
-        self.next_index = 0
-        self.released = 0  # outputs handed back whose slots were returned
+        self.next_index = 0  # outputs before it are handed back (their slots returned)
         self.exhausted = False
         self.started = False
         self.finished = False
@@ -488,14 +487,18 @@ class Call:
                     yield out
                 if done:
                     return
-                if not ready and not self._signaled:
-                    self._waiter = self.loop.create_future()
-                    try:
-                        await asyncio.wait_for(self._waiter, CALL_WAIT_S)
-                    except asyncio.TimeoutError:
-                        pass
-                    finally:
-                        self._waiter = None
+                if ready or self._signaled:
+                    # Never hold the event loop: the loop's other tasks run (and a cancellation
+                    # lands) between two turns, even while results keep coming.
+                    await asyncio.sleep(0)
+                    continue
+                self._waiter = self.loop.create_future()
+                try:
+                    await asyncio.wait_for(self._waiter, CALL_WAIT_S)
+                except asyncio.TimeoutError:
+                    pass
+                finally:
+                    self._waiter = None
         except BaseException:
             self.abort()
             raise
@@ -503,16 +506,14 @@ class Call:
             self._finish()
 
     def pump(self) -> tuple[list[m.PoolingOutput], bool]:
-        """One turn: returns the slots of what was handed back, handles what the receiver
-        routed here, sends what the bound allows; returns the outputs now ready in order and
-        whether the call is complete. Raises the call's failure."""
+        """One turn: handles what the receiver routed here, sends what the bound allows, and
+        returns the outputs now ready in order (their slots go back at once: a thread that reads
+        several streams in turn must not leave one waiting for slots the other holds) and whether
+        the call is complete. Raises the call's failure."""
         dispatcher = self.dispatcher
         if not self.started:
             dispatcher.register(self)
             self.started = True
-        if self.next_index != self.released:  # handed to the caller since the previous turn
-            dispatcher.release(self, self.next_index - self.released)
-            self.released = self.next_index
         failure = self.failure or dispatcher.failure
         if failure is not None:
             raise copy.copy(failure)
@@ -529,7 +530,9 @@ class Call:
         while index in ready:
             out.append(ready.pop(index))
             index += 1
-        self.next_index = index
+        if out:
+            self.next_index = index
+            dispatcher.release(self, len(out))
         self.stats.frontend_busy_s += time.perf_counter() - started
         done = self.exhausted and index == self.issued
         if done:
@@ -573,7 +576,7 @@ class Call:
         self.exhausted = True
         if not self.started:
             return
-        per_worker = Counter(worker for _, worker, _ in self.inflight.values())
+        per_worker = Counter(entry[1] for entry in self.inflight.values())
         ids = list(self.inflight)
         chars = self.inflight_chars
         self.inflight.clear()
@@ -602,16 +605,19 @@ class Call:
         if self.backlog:
             backlog = list(self.backlog)
             self.backlog.clear()
-            self._send(backlog)  # what cannot be sent yet goes back into self.backlog
+            for start in range(0, len(backlog), self.batch_items):  # what cannot be sent goes back
+                part = backlog[start:start + self.batch_items]
+                self._send([r for r, _ in part], [size for _, size in part])
         if self.exhausted:
             return
         dispatcher = self.dispatcher
         pending: list[m.RenderParams] = []
+        sizes: list[int] = []
         pending_chars = 0
         while True:
             if not self.granted:
-                self._send(pending, pending_chars)
-                pending, pending_chars = [], 0
+                self._send(pending, sizes)
+                pending, sizes, pending_chars = [], [], 0
                 self.granted = dispatcher.acquire(self, self.batch_items)
                 if not self.granted:
                     break
@@ -630,12 +636,14 @@ class Call:
                 self.ready[request.index] = m.PoolingOutput(request.request_id, request.index, 0, error=request.error)
                 self.stats.errors += 1
                 continue
+            size = request_size(request)
             pending.append(request)
-            pending_chars += request_size(request)
+            sizes.append(size)
+            pending_chars += size
             if len(pending) == self.batch_items:
-                self._send(pending, pending_chars)
-                pending, pending_chars = [], 0
-        self._send(pending, pending_chars)
+                self._send(pending, sizes)
+                pending, sizes, pending_chars = [], [], 0
+        self._send(pending, sizes)
         if self.exhausted:
             dispatcher.done_drawing(self)
             if self.granted:
@@ -645,22 +653,20 @@ class Call:
         if inflight > self.stats.max_inflight_seen:
             self.stats.max_inflight_seen = inflight
 
-    def _send(self, items: list[m.RenderParams], chars: int | None = None) -> None:
-        if not items:
+    def _send(self, batch: list[m.RenderParams], sizes: list[int]) -> None:
+        """One batch (at most batch_items) to a worker, or into the backlog when none can take it."""
+        if not batch:
             return
-        dispatcher = self.dispatcher
-        for start in range(0, len(items), self.batch_items):
-            batch = items[start:start + self.batch_items]
-            batch_chars = chars if chars is not None and len(batch) == len(items) else sum(map(request_size, batch))
-            sent = dispatcher.dispatch(self, batch, self.chat_template, batch_chars)
-            if sent is None:  # no worker can take it now: kept, with the rest, for the next turn
-                self.backlog.extend(items[start:])
-                return
-            entry_worker, gen = sent
-            inflight = self.inflight
-            for request in batch:
-                inflight[request.request_id] = (request, entry_worker, gen)
-            self.inflight_chars += batch_chars
+        chars = sum(sizes)
+        sent = self.dispatcher.dispatch(self, batch, self.chat_template, chars)
+        if sent is None:  # no worker can take it now: kept for the next turn
+            self.backlog.extend(zip(batch, sizes))
+            return
+        worker, gen = sent
+        inflight = self.inflight
+        for request, size in zip(batch, sizes):
+            inflight[request.request_id] = (request, worker, gen, size)
+        self.inflight_chars += chars
 
     # ---- receiving ------------------------------------------------------------------------
 
@@ -699,7 +705,7 @@ class Call:
                 del self.chunks[out.request_id]
             del inflight[out.request_id]
             settled[entry[1]] += 1
-            chars += request_size(entry[0])
+            chars += entry[3]
             self.ready[out.index] = out
             stats.requests += 1
             stats.prompt_tokens += out.num_prompt_tokens
@@ -736,13 +742,14 @@ class Call:
     def _on_lost_worker(self, notice: LostWorker) -> None:
         """A worker lost its process: what this call had sent to it comes again from the others."""
         self.stats.worker_restarts += 1
-        lost = [req for req, worker, gen in self.inflight.values() if worker == notice.index and gen <= notice.gen]
-        for req in lost:
+        lost = [(req, size) for req, worker, gen, size in self.inflight.values()
+                if worker == notice.index and gen <= notice.gen]
+        for req, size in lost:
             del self.inflight[req.request_id]
-            self.inflight_chars -= request_size(req)
+            self.inflight_chars -= size
             self.chunks.pop(req.request_id, None)  # its chunks come again, whole
         if lost:
-            self.dispatcher.settled({}, sum(map(request_size, lost)))
+            self.dispatcher.settled({}, sum(size for _, size in lost))
             self.backlog.extend(lost)
 
     def _owns(self, request_id: str, index: int) -> bool:
@@ -751,8 +758,7 @@ class Call:
 
     def _fail(self, request_id: str, index: int, error: str) -> None:
         """errors="return": this request's output carries the error; the call goes on."""
-        request, worker, _ = self.inflight.pop(request_id)
-        size = request_size(request)
+        request, worker, _, size = self.inflight.pop(request_id)
         self.inflight_chars -= size
         self.dispatcher.settled({worker: 1}, size)
         if request.long_inputs == "chunk":  # its other chunks would be computed for nothing

@@ -4,6 +4,8 @@ order, one in-flight bound for the group, and a failure or abort of one call tou
 import asyncio
 import gc
 import itertools
+import os
+import signal
 import threading
 
 import corpus
@@ -173,25 +175,50 @@ def test_a_cancelled_a_closed_and_a_failing_call_leave_the_others_intact(pipe):
 def test_a_paused_stream_and_another_call_both_complete(pipe):
     """Interleaving: a stream its caller reads slowly does not end when another call starts (it
     used to raise "ended because a newer call started"); both get all their results."""
-    texts = corpus.sentences(300, seed=94)
+    texts = corpus.sentences(160, seed=94)
     expected = pipe.embed(texts, use_tqdm=False)
     stream = pipe.embed_stream(iter(texts))
     first = [next(stream) for _ in range(5)]
     other: dict[str, list] = {}
-    worker = threading.Thread(target=lambda: other.setdefault("outs", pipe.embed(texts[:120], use_tqdm=False)))
+    worker = threading.Thread(target=lambda: other.setdefault("outs", pipe.embed(texts[:60], use_tqdm=False)))
     worker.start()
     rest = list(stream)  # reading on frees the slots the other call waits for
     worker.join(timeout=300)
     _assert_same(first + rest, expected, "paused stream")
-    _assert_same(other["outs"], expected[:120], "other call")
+    _assert_same(other["outs"], expected[:60], "other call")
+
+
+def test_two_streams_read_in_turn_by_one_thread_both_complete(pipe):
+    """zip(stream_a, stream_b) in one thread (and the same with two async streams): while the thread
+    waits on one stream it cannot read the other, so neither may wait for slots the other holds."""
+    texts = corpus.sentences(150, seed=97)
+    expected = pipe.embed(texts, use_tqdm=False)
+    got: dict[str, list] = {}
+
+    def in_turn():
+        got["sync"] = list(zip(pipe.embed_stream(iter(texts)), pipe.embed_stream(iter(texts[::-1]))))
+
+        async def async_in_turn():
+            a, b = pipe.aembed_stream(iter(texts)), pipe.aembed_stream(iter(texts[::-1]))
+            return [(await anext(a), await anext(b)) for _ in texts]
+        got["async"] = asyncio.run(async_in_turn())
+
+    thread = threading.Thread(target=in_turn, daemon=True)
+    thread.start()
+    thread.join(timeout=300)
+    assert not thread.is_alive(), "two streams read in turn by one thread waited for each other"
+    for name in ("sync", "async"):
+        firsts, seconds = zip(*got[name])
+        _assert_same(list(firsts), expected, name)
+        _assert_same(list(seconds), [_reindexed(o, len(texts) - 1 - o.index) for o in expected[::-1]], name)
+    _wait_idle(pipe)
 
 
 def test_an_abandoned_stream_gives_its_slots_back_when_collected(pipe):
     texts = corpus.sentences(100, seed=95)
     expected = pipe.embed(texts, use_tqdm=False)
     stream = pipe.embed_stream(itertools.cycle(texts))
-    next(stream)  # it holds the whole in-flight window now
-    assert pipe.stats()["group"]["inflight"] == MAX_INFLIGHT
+    next(stream)  # it holds most of the in-flight window now, and is never read again
     done: dict[str, list] = {}
     other = threading.Thread(target=lambda: done.setdefault("outs", pipe.embed(texts, use_tqdm=False)))
     other.start()
@@ -201,6 +228,34 @@ def test_an_abandoned_stream_gives_its_slots_back_when_collected(pipe):
     assert not other.is_alive(), "the other call never got the abandoned stream's slots"
     _assert_same(done["outs"], expected, "after an abandoned stream")
     _wait_idle(pipe)
+
+
+def test_a_worker_killed_under_several_calls_is_replaced_and_each_call_resends_its_own(pipe):
+    texts = corpus.sentences(200, seed=96)
+    expected = pipe.embed(texts, use_tqdm=False)
+    got: dict[str, list] = {}
+    running = [threading.Event() for _ in range(3)]
+
+    def run(i, part):
+        outs = got[f"call {i}"] = []
+        for out in pipe.embed_stream(iter(texts[part])):
+            outs.append(out)
+            running[i].set()  # (the stream reads on: a paused one would hold its share of the window)
+
+    threads = [threading.Thread(target=run, args=(i, slice(i * 50, i * 50 + 120))) for i in range(3)]
+    for t in threads:
+        t.start()
+    for event in running:  # every call has started when the worker dies
+        assert event.wait(timeout=300)
+    restarts = pipe.stats()["group"]["worker_restarts"]
+    os.kill(pipe.pids["workers"][0], signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=300)
+    for i in range(3):
+        _assert_same(got[f"call {i}"], [_reindexed(o, o.index - i * 50) for o in expected[i * 50:i * 50 + 120]],
+                     f"call {i}")
+    _wait_idle(pipe)
+    assert pipe.stats()["group"]["worker_restarts"] == restarts + 1
 
 
 def test_async_stream_is_lazy_and_bounded(pipe):
@@ -230,6 +285,11 @@ def _reindexed(out, index):
     return copy
 
 
+def _ready_pids(pipe) -> set[int]:
+    group = pipe._group
+    return {w.proc.pid for i, w in enumerate(group.workers) if w is not None and group.worker_up(i)}
+
+
 def _wait_idle(pipe, timeout_s: float = 30.0) -> None:
     """Calls that ended by an abort return their slots through the receiver thread, at once but
     not synchronously: wait until the group says so."""
@@ -238,7 +298,8 @@ def _wait_idle(pipe, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         group = pipe.stats()["group"]
-        if group["inflight"] == 0 and group["calls_running"] == 0:
+        if group["inflight"] == 0 and group["calls_running"] == 0 and len(pipe.pids["workers"]) and all(
+                pid in _ready_pids(pipe) for pid in pipe.pids["workers"]):
             return
         time.sleep(0.05)
     raise AssertionError(f"the group is not idle: {pipe.stats()['group']}")
