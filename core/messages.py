@@ -180,8 +180,14 @@ class OutputBatch(msgspec.Struct, tag=True, array_like=True):
         return cls(outputs, busy_s, padded_tokens, in_core, stacked, render_s or {}, admit_s)
 
     def unpack(self) -> list[PoolingOutput]:
-        """The outputs, each with its own copy of its row. ValueError when the rows do not fit."""
+        """The outputs, each with its own copy of its row (or of its arrays, when they are views
+        of a received frame). ValueError when the rows do not fit."""
         if self.data is None:
+            for out in self.outputs:
+                if out.data is not None and not out.data.flags.writeable:
+                    out.data = out.data.copy()
+                if out.indices is not None and not out.indices.flags.writeable:
+                    out.indices = out.indices.copy()
             return self.outputs
         if self.data.ndim != 2 or self.data.shape[0] != len(self.outputs):
             raise ValueError("packed output rows do not match the outputs")

@@ -163,11 +163,13 @@ class Dispatcher:
                 if self._wake_r in events:
                     self._drain_wake_pipe()
                 if group.results in events:
-                    for _ in range(MAX_MESSAGES_PER_TURN):
+                    results = group.results
+                    for turn in range(MAX_MESSAGES_PER_TURN):
+                        if turn and not results.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                            break  # (cheaper than a recv that raises zmq.Again)
                         msg = group.recv(zmq.NOBLOCK)
-                        if msg is None:
-                            break
-                        self._route(msg)
+                        if msg is not None:
+                            self._route(msg)
                 if self.retiring:
                     self._flush_retired()
                 if time.monotonic() >= next_health and not self._stopping:
@@ -550,7 +552,8 @@ class Call:
 
     def wake(self) -> None:
         if self.loop is None:
-            self._event.set()
+            if not self._event.is_set():  # (set() takes a lock and notifies: skip it when pending)
+                self._event.set()
         elif not self._wake_pending:
             self._wake_pending = True
             try:

@@ -141,7 +141,8 @@ class ProcessGroup:
         # Every message carries this key; the children get it in their environment.
         self.key = secrets.token_bytes(KEY_BYTES)
         self.encoder = Encoder(self.key)
-        self.decoder = Decoder(m.FrontendInbound, writable_arrays=True, key=self.key)
+        # Arrays come as views of the received frames; OutputBatch.unpack copies each output's own.
+        self.decoder = Decoder(m.FrontendInbound, key=self.key)
         self.dropped = DropLog(log, "a malformed or foreign message from the results socket")
         # ZeroMQ sockets are not thread-safe: every send on the work and control sockets (and the
         # shared encoder) is under this lock; the results socket has one reader (the frontend's
