@@ -184,9 +184,9 @@ class OutputBatch(msgspec.Struct, tag=True, array_like=True):
         of a received frame). ValueError when the rows do not fit."""
         if self.data is None:
             for out in self.outputs:
-                if out.data is not None and not out.data.flags.writeable:
+                if out.data is not None and not out.data.flags.owndata:
                     out.data = out.data.copy()
-                if out.indices is not None and not out.indices.flags.writeable:
+                if out.indices is not None and not out.indices.flags.owndata:
                     out.indices = out.indices.copy()
             return self.outputs
         if self.data.ndim != 2 or self.data.shape[0] != len(self.outputs):

@@ -56,6 +56,15 @@ def test_output_vectors_travel_as_one_array_and_come_back_as_rows():
               m.PoolingOutput("b", 1, 3, data=np.ones((3, 4), np.float32))]
     msg = dec.decode(enc.encode(m.OutputBatch.pack(ragged, 0.1, 6, 2)))
     assert msg.data is None and [o.data.shape for o in msg.unpack()] == [(2, 4), (3, 4)]
+    # Decoded as views of the received frames (the frontend's decoder): every output gets its own
+    # writable copy, so a result kept does not pin a frame or a batch.
+    big = [m.PoolingOutput("c", 0, 300, data=np.ones((300, 4), np.float32)),
+           m.PoolingOutput("d", 1, 2, data=np.ones((2, 4), np.float32), indices=np.arange(2, dtype=np.int32))]
+    for outs in (big, [m.PoolingOutput(str(i), i, 4, data=vectors[i]) for i in range(3)]):
+        msg = Decoder(m.FrontendInbound).decode(enc.encode(m.OutputBatch.pack(outs, 0.1, 6, 2)))
+        for out in msg.unpack():
+            assert out.data.flags.owndata and out.data.flags.writeable
+            assert out.indices is None or (out.indices.flags.owndata and out.indices.flags.writeable)
 
 
 def test_wrong_type_for_the_socket_is_rejected():
