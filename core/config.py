@@ -124,13 +124,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     parent_pid: int
     log_level: str = "WARNING"
     sim: SimDevice | None = None  # device "sim": the simulated accelerator's step time
+    index: int = 0  # which engine core of the group (data parallel: 0 .. data_parallel_size - 1)
 
 
 class WorkerConfig(msgspec.Struct, kw_only=True):
     index: int
     model: ModelSpec
     work_endpoint: str  # frontend binds; this worker pulls RenderBatch
-    engine_endpoint: str
+    engine_endpoints: list[str]  # one per engine core (each binds its own); RenderBatch.engine picks one
     output_endpoint: str
     parent_pid: int
     io_processor: str | None = None  # "package.module:ClassName" plugin, loaded in each worker

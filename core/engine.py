@@ -1,13 +1,21 @@
 """Engine core process: `python -m pooling_pipeline.core.engine '<EngineConfig JSON>'`.
 
-One loop owns all engine state (the scheduler's window, the set of aborted ids):
-  1. read control messages (Abort, Shutdown) -- always, even when the window is full;
-  2. admit inputs from the render workers while the window has room for one more message
-     (while it is full the input socket is not read, so back-pressure reaches the workers);
-  3. run one batch, pool, send its outputs. A step that raises is retried request by request,
-     so only the culprit fails; it is dropped by external id and reported; the loop goes on.
-     A failed chunk fails its whole document: the document's other chunks are dropped by
-     external id (waiting, in the failed step, or still on their way), never computed for nothing.
+Shaped like vLLM's EngineCoreProc: three threads with bounded queues between them, so the step
+loop only schedules, collates and launches while socket work happens beside it.
+  * the input thread reads control messages (Abort, Shutdown) -- always, even when the window is
+    full -- and inputs from the render workers while the window has room for one more message
+    (while it is full the input socket is not read, so back-pressure reaches the workers); it
+    decodes and validates them and hands them to the loop;
+  * the step loop owns the scheduler: it admits what the input thread handed over, applies
+    aborts, forms a batch and launches it. On a device that runs asynchronously (CUDA, the
+    simulated device) it launches the next step before it waits for the previous one, so the
+    device is never idle while the host collates; a CPU step is finished as soon as launched.
+    A step that raises is retried request by request, so only the culprit fails; it is dropped
+    by external id and reported; the loop goes on. A failed chunk fails its whole document: the
+    document's other chunks are dropped by external id (waiting, in the failed step, or still on
+    their way), never computed for nothing;
+  * the output thread packs each finished step's results, encodes and sends them.
+The window counts a request from the moment its message is read until its result is sent.
 
 Every message in and out carries the group's key (`core.serial`); one without it is dropped.
 """
@@ -16,7 +24,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import queue
 import sys
+import threading
 import time
 from collections import OrderedDict
 
@@ -40,7 +50,10 @@ from pooling_pipeline.core.runtime import (
 from pooling_pipeline.core.scheduler import Scheduler
 from pooling_pipeline.core.serial import Decoder, Encoder
 
-IDLE_POLL_MS = 500
+IDLE_WAIT_S = 0.5
+LAUNCH_AHEAD_ENV = "POOLING_PIPELINE_LAUNCH_AHEAD"
+# While the window is full the input thread looks for room this often (it reads control meanwhile).
+FULL_WINDOW_POLL_MS = 1
 # Batches of ever-changing shapes fragment the C heap: freed memory stays in the process unless it
 # is handed back now and then (a soak of 1M requests grew the engine by 124 MB without this).
 TRIM_EVERY_STEPS = 256
@@ -53,6 +66,50 @@ MAX_OVERHEAD_TOKENS = 1 << 16
 # Ids aborted before their input arrived are remembered so the late input is dropped. Bounded:
 # the frontend never has more than its window in flight, so older entries can only be strays.
 MAX_REMEMBERED_ABORTS = 1 << 20
+
+
+class Window:
+    """How many requests the engine holds, from the input thread's read to the output thread's
+    send; shared by the three threads."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def has_room(self, n: int) -> bool:
+        return self.used + n <= self.size
+
+    def take(self, n: int) -> None:
+        with self._lock:
+            self.used += n
+
+    def release(self, n: int) -> None:
+        if n:
+            with self._lock:
+                self.used -= n
+
+
+class StageTimes:
+    """Rendering time per worker (reported with the inputs) and the engine's own time decoding
+    and admitting them, not yet reported: they ride on the next OutputBatch."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.render_s: dict[int, float] = {}
+        self.admit_s = 0.0
+
+    def add(self, worker: int, render_s: float, admit_s: float) -> None:
+        with self._lock:
+            if 0.0 < render_s < 1e6:  # a stat only: anything odd is ignored
+                self.render_s[worker] = self.render_s.get(worker, 0.0) + render_s
+            self.admit_s += admit_s
+
+    def take(self) -> tuple[dict[int, float], float]:
+        with self._lock:
+            taken = self.render_s, self.admit_s
+            self.render_s, self.admit_s = {}, 0.0
+        return taken
 
 
 class EngineCore:
@@ -72,6 +129,10 @@ class EngineCore:
         else:
             self.runner = ModelRunner(cfg.model, cfg.device, cfg.dtype)
         on_cpu = str(self.runner.device) == "cpu"
+        # A CPU step is done when launched; elsewhere the next one is launched before waiting.
+        # LAUNCH_AHEAD_ENV=1 forces launching ahead on a CPU too: how tests run the loop of the
+        # CUDA path (failures, aborts, chunks) on a machine without a GPU.
+        self.launch_ahead = not on_cpu or os.environ.get(LAUNCH_AHEAD_ENV) == "1"
         self.max_num_batched_tokens = cfg.max_num_batched_tokens or max(
             CPU_BATCH_TOKENS if on_cpu else GPU_BATCH_TOKENS, cfg.model.max_model_len)
         # What one step's fixed cost is worth in padded tokens: lets the scheduler fill batches
@@ -86,15 +147,14 @@ class EngineCore:
                                    CPU_MAX_PADDING if on_cpu else GPU_MAX_PADDING, overhead_tokens)
         self.aborted: OrderedDict[str, None] = OrderedDict()
         self.encoder = Encoder(key)
-        self.input_decoder = Decoder(m.EngineInbound, key=key)
-        self.control_decoder = Decoder(m.EngineControl, key=key)
-        self.dropped_control = DropLog(log, "a malformed or foreign control message")
-        self.dropped_input = DropLog(log, "a malformed or foreign input message")
         self.running = True
         self.steps = 0
-        # Stage times not yet reported (they ride on the next OutputBatch).
-        self.render_s: dict[int, float] = {}
-        self.admit_s = 0.0
+        self.window = Window(cfg.window)
+        self.times = StageTimes()
+        # input thread -> loop: ("inputs", items) | ("abort", ids) | ("shutdown",); bounded by the window.
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # loop -> output thread: messages to send, or finished steps to pack; bounded by the window.
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.clock = BusyClock()
 
     def ready_info(self) -> dict:
@@ -104,58 +164,74 @@ class EngineCore:
                 "torch_threads": torch.get_num_threads(),
                 "max_num_batched_tokens": self.max_num_batched_tokens,
                 "step_overhead_ms": round(1000 * self.step_overhead_s, 3),
-                "step_overhead_tokens": round(self.scheduler.overhead_tokens, 1)}
+                "step_overhead_tokens": round(self.scheduler.overhead_tokens, 1),
+                "launch_ahead": self.launch_ahead}
 
     def serve(self, ctx: zmq.Context, to_front: zmq.Socket) -> None:
         inputs = socket(ctx, zmq.PULL, self.cfg.input_endpoint, bind=True)
         control = socket(ctx, zmq.PULL, self.cfg.control_endpoint, bind=False)
-        self.to_front = to_front
-        to_front.send_multipart(self.encoder.encode(m.Ready("engine", 0, os.getpid(), info=self.ready_info())))
-        start_heartbeat(ctx, self.cfg.output_endpoint, "engine", 0, self.clock, self.key)
-        # While the window is full the input socket is simply not polled: back-pressure.
-        control_only, both = zmq.Poller(), zmq.Poller()
-        control_only.register(control, zmq.POLLIN)
-        both.register(control, zmq.POLLIN)
-        both.register(inputs, zmq.POLLIN)
+        to_front.send_multipart(self.encoder.encode(m.Ready("engine", self.cfg.index, os.getpid(), info=self.ready_info())))
+        start_heartbeat(ctx, self.cfg.output_endpoint, "engine", self.cfg.index, self.clock, self.key)
+        # Each socket is used by one thread only: these two by the input thread, to_front by the output thread.
+        reader = InputReader(self, inputs, control)
+        writer = OutputWriter(self, to_front)
+        threads = [threading.Thread(target=_or_die(reader.run, self.log), name="engine-input", daemon=True),
+                   threading.Thread(target=_or_die(writer.run, self.log), name="engine-output", daemon=True)]
+        for t in threads:
+            t.start()
+        self.loop()
+        self.outbox.put(None)
+        threads[1].join(timeout=5)
+
+    # ---- the step loop ------------------------------------------------------------------
+
+    def loop(self) -> None:
+        pending = None  # a launched step not finished yet: (batch, step, in_core)
         while self.running:
-            poller = both if self._has_room() else control_only
-            timeout = 0 if len(self.scheduler) else IDLE_POLL_MS
-            events = dict(poller.poll(timeout))
-            if control in events:
-                self._drain(control, self._on_control)
-            if inputs in events and self.running:
-                self._drain(inputs, self._on_inputs, while_=self._has_room)
-            if len(self.scheduler) and self.running:
-                with self.clock:
-                    self._step()
-                self.steps += 1
-                if self.steps % TRIM_EVERY_STEPS == 0:
-                    release_free_memory()
+            self._take_inbox(wait=pending is None and not len(self.scheduler))
+            launched = self._launch() if len(self.scheduler) and self.running else None
+            if pending is not None:
+                self._finish(*pending)
+            pending = None
+            if launched is not None:
+                if self.launch_ahead:
+                    pending = launched  # finished after the next launch: the device stays busy
+                else:
+                    self._finish(*launched)
+            self.steps += launched is not None
+            if launched is not None and self.steps % TRIM_EVERY_STEPS == 0:
+                release_free_memory()
 
-    def _has_room(self) -> bool:
-        return len(self.scheduler) + self.cfg.max_message_items <= self.cfg.window
-
-    def _drain(self, sock: zmq.Socket, handle, while_=lambda: True) -> None:
-        while while_():
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            handle(frames)
-
-    def _on_control(self, frames) -> None:
+    def _take_inbox(self, wait: bool) -> None:
+        """Admits what the input thread handed over; waits for something when there is nothing to do."""
         try:
-            msg = self.control_decoder.decode(frames)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            self.dropped_control(e)
+            event = self.inbox.get(timeout=IDLE_WAIT_S) if wait else self.inbox.get_nowait()
+        except queue.Empty:
             return
-        if isinstance(msg, m.Shutdown):
-            self.running = False
-            return
-        self._abort(msg.request_ids)
+        while True:
+            kind = event[0]
+            if kind == "inputs":
+                self._admit(event[1])
+            elif kind == "abort":
+                self._abort(event[1])
+            else:  # shutdown
+                self.running = False
+                return
+            try:
+                event = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _admit(self, items: list[m.PoolingEngineInput]) -> None:
+        aborted = self.aborted
+        for request in items:
+            if aborted and request.request_id in aborted:
+                self.window.release(1)  # aborted before it arrived
+            elif self.scheduler.add(request):
+                self.window.release(1)  # a re-sent request took its old copy's place
 
     def _abort(self, request_ids: list[str]) -> None:
-        self.scheduler.abort(request_ids)
+        self.window.release(self.scheduler.abort(request_ids))
         # Remember every aborted id, not only those still on their way: a chunked document's
         # other chunks may still come, and ids are never reused.
         for rid in request_ids:
@@ -163,44 +239,141 @@ class EngineCore:
         while len(self.aborted) > MAX_REMEMBERED_ABORTS:
             self.aborted.popitem(last=False)
 
+    def _launch(self):
+        in_core = len(self.scheduler)
+        try:
+            batch = self.scheduler.next_batch()
+        except Exception as e:  # scheduling itself failed: fail everything waiting rather than loop on it
+            self.log.exception("scheduling failed")
+            self._fail(self.scheduler.take_all(), f"{type(e).__name__}: {e}")
+            return None
+        try:
+            with self.clock:
+                return batch, self.runner.launch(batch), in_core
+        except Exception as e:
+            self._isolate(batch, in_core, e)
+            return None
+
+    def _finish(self, batch: list[m.PoolingEngineInput], step, in_core: int) -> None:
+        try:
+            with self.clock:
+                results, padded, device_s = self.runner.finish(step)
+        except Exception as e:
+            self._isolate(batch, in_core, e)
+            return
+        self._send_results(batch, results, padded, device_s, in_core)
+
+    def _isolate(self, batch: list[m.PoolingEngineInput], in_core: int, error: Exception) -> None:
+        """A step failed. One bad input must not cost its batch: each request runs alone, so
+        only the culprit fails and the others get their results."""
+        if len(batch) == 1:
+            self._fail_step(batch, error)
+            return
+        self.log.warning("step of %d requests failed (%s); isolating the culprit", len(batch), error)
+        for request in batch:
+            if request.chunk >= 0 and request.request_id in self.aborted:
+                self.window.release(1)  # another chunk of its document failed: the document has failed
+                continue
+            start = time.perf_counter()
+            try:
+                with self.clock:
+                    results, padded = self.runner.run([request])
+            except Exception as e:
+                self._fail_step([request], e)
+                continue
+            self._send_results([request], results, padded, time.perf_counter() - start, in_core)
+
+    def _fail_step(self, batch: list[m.PoolingEngineInput], error: Exception) -> None:
+        self.log.error("step failed for %s: %s: %s", [r.request_id for r in batch], type(error).__name__, error)
+        self._fail(batch, f"{type(error).__name__}: {error}")
+        # A document with a failed chunk has failed: its other chunks are dropped, not computed.
+        failed_docs = list(dict.fromkeys(r.request_id for r in batch if r.chunk >= 0))
+        if failed_docs:
+            self._abort(failed_docs)
+
+    def _fail(self, batch: list[m.PoolingEngineInput], error: str) -> None:
+        self.outbox.put((m.StepFailed([r.request_id for r in batch], [r.index for r in batch], error), len(batch)))
+
+    def _send_results(self, batch, results, padded: int, device_s: float, in_core: int) -> None:
+        if self.aborted:  # chunks of a document that failed meanwhile are not sent
+            keep = [i for i, r in enumerate(batch) if r.chunk < 0 or r.request_id not in self.aborted]
+            if len(keep) < len(batch):
+                self.window.release(len(batch) - len(keep))
+                batch, results = [batch[i] for i in keep], [results[i] for i in keep]
+                if not batch:
+                    return
+        self.outbox.put(((batch, results, padded, device_s, in_core), len(batch)))
+
+
+class InputReader:
+    """The input thread: reads control always and inputs while the window has room; decodes and
+    validates; hands the loop what it must act on."""
+
+    def __init__(self, engine: EngineCore, inputs: zmq.Socket, control: zmq.Socket) -> None:
+        self.engine = engine
+        self.cfg = engine.cfg
+        self.inputs, self.control = inputs, control
+        key = engine.key
+        self.input_decoder = Decoder(m.EngineInbound, key=key)
+        self.control_decoder = Decoder(m.EngineControl, key=key)
+        self.dropped_control = DropLog(engine.log, "a malformed or foreign control message")
+        self.dropped_input = DropLog(engine.log, "a malformed or foreign input message")
+
+    def run(self) -> None:
+        inputs, control, window = self.inputs, self.control, self.engine.window
+        room = self.cfg.max_message_items
+        control_only, both = zmq.Poller(), zmq.Poller()
+        control_only.register(control, zmq.POLLIN)
+        both.register(control, zmq.POLLIN)
+        both.register(inputs, zmq.POLLIN)
+        while True:
+            has_room = window.has_room(room)
+            events = dict((both if has_room else control_only).poll(IDLE_WAIT_S * 1000 if has_room else FULL_WINDOW_POLL_MS))
+            if control in events and not self._drain_control():
+                return  # Shutdown
+            if inputs in events:
+                while window.has_room(room):
+                    try:
+                        frames = inputs.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._on_inputs(frames)
+
+    def _drain_control(self) -> bool:
+        while True:
+            try:
+                frames = self.control.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return True
+            try:
+                msg = self.control_decoder.decode(frames)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                self.dropped_control(e)
+                continue
+            if isinstance(msg, m.Shutdown):
+                self.engine.inbox.put(("shutdown",))
+                return False
+            self.engine.inbox.put(("abort", msg.request_ids))
+
     def _on_inputs(self, frames) -> None:
         start = time.perf_counter()
-        try:
-            self._admit(frames)
-        finally:
-            self.admit_s += time.perf_counter() - start
-
-    def _admit(self, frames) -> None:
         try:
             msg = self.input_decoder.decode(frames)
             items = msg.unpack()
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
             self.dropped_input(e)
             return
-        if 0.0 < msg.render_s < 1e6:  # a stat only: anything odd is ignored
-            self.render_s[msg.worker] = self.render_s.get(msg.worker, 0.0) + msg.render_s
-        if self.aborted:
-            items = [r for r in items if r.request_id not in self.aborted]
-        if self._all_valid(msg, items):  # the usual case: one check for the whole message
-            for request in items:
-                self.scheduler.add(request)
-            return
-        rejected: list[tuple[m.PoolingEngineInput, str]] = []
-        for request in items:
-            problem = self._invalid(request)
-            if problem:
-                rejected.append((request, problem))
-            else:
-                self.scheduler.add(request)
-        if rejected:  # a well-formed message with bad contents: refuse those requests, keep going
-            self.log.error("rejected %d malformed engine inputs", len(rejected))
-            self.to_front.send_multipart(self.encoder.encode(m.RenderFailed(
-                [r.request_id for r, _ in rejected], [r.index for r, _ in rejected], [e for _, e in rejected])))
+        if not self._all_valid(msg, items):
+            items = self._refuse_invalid(items)
+        if items:
+            self.engine.window.take(len(items))
+            self.engine.inbox.put(("inputs", items))
+        self.engine.times.add(msg.worker, msg.render_s, time.perf_counter() - start)
 
     def _all_valid(self, msg: m.EngineInputBatch, items: list[m.PoolingEngineInput]) -> bool:
         """True when every input passes `_invalid`'s checks (False says "look at each one").
-        The array checks run once on the message's packed ids (aborted items' included, which
-        only makes it stricter); per item only what is not in the array remains."""
+        The array checks run once on the message's packed ids; per item only what is not in
+        the array remains."""
         model = self.cfg.model
         ids, lengths = msg.token_ids, msg.lengths
         if ids.dtype != np.int32 or (lengths.size and (int(lengths.min()) < 1 or int(lengths.max()) > model.max_model_len)):
@@ -209,6 +382,21 @@ class EngineCore:
             return False
         return all(r.task in model.tasks and (r.token_type_start is None or 0 <= r.token_type_start < r.token_ids.size)
                    for r in items)
+
+    def _refuse_invalid(self, items: list[m.PoolingEngineInput]) -> list[m.PoolingEngineInput]:
+        """A well-formed message with bad contents: those requests are refused, the rest kept."""
+        good, rejected = [], []
+        for request in items:
+            problem = self._invalid(request)
+            if problem:
+                rejected.append((request, problem))
+            else:
+                good.append(request)
+        if rejected:
+            self.engine.log.error("rejected %d malformed engine inputs", len(rejected))
+            self.engine.outbox.put((m.RenderFailed([r.request_id for r, _ in rejected], [r.index for r, _ in rejected],
+                                                   [e for _, e in rejected]), 0))
+        return good
 
     def _invalid(self, request: m.PoolingEngineInput) -> str | None:
         ids = request.token_ids
@@ -224,48 +412,48 @@ class EngineCore:
             return f"engine input has token ids outside [0, {self.cfg.model.vocab_size})"
         return None
 
-    def _step(self) -> None:
-        in_core = len(self.scheduler)
-        try:
-            batch = self.scheduler.next_batch()
-        except Exception as e:  # scheduling itself failed: fail everything waiting rather than loop on it
-            self.log.exception("scheduling failed")
-            batch = self.scheduler.take_all()
-            self._send(m.StepFailed([r.request_id for r in batch], [r.index for r in batch], f"{type(e).__name__}: {e}"))
-            return
-        self._run(batch, in_core, isolate=True)
 
-    def _run(self, batch: list[m.PoolingEngineInput], in_core: int, isolate: bool) -> None:
-        start = time.perf_counter()
-        try:
-            vectors, padded = self.runner.run(batch)
-        except Exception as e:  # the failed requests are dropped here; the engine stays usable
-            if isolate and len(batch) > 1:
-                # One bad input must not cost its batch: run each request alone, so only the
-                # culprit fails and the others get their results.
-                self.log.warning("step of %d requests failed (%s); isolating the culprit", len(batch), e)
-                for request in batch:
-                    if request.chunk >= 0 and request.request_id in self.aborted:
-                        continue  # another chunk of its document failed: the document has failed
-                    self._run([request], in_core, isolate=False)
-                return
-            self.log.error("step failed for %s: %s: %s", [r.request_id for r in batch], type(e).__name__, e)
-            self._send(m.StepFailed([r.request_id for r in batch], [r.index for r in batch], f"{type(e).__name__}: {e}"))
-            # A document with a failed chunk has failed: its other chunks are dropped, not computed.
-            failed_docs = list(dict.fromkeys(r.request_id for r in batch if r.chunk >= 0))
-            if failed_docs:
-                self._abort(failed_docs)
-            return
+class OutputWriter:
+    """The output thread: packs finished steps into OutputBatch, encodes and sends every message,
+    then frees the window the requests held."""
+
+    def __init__(self, engine: EngineCore, to_front: zmq.Socket) -> None:
+        self.engine = engine
+        self.to_front = to_front
+        self.encoder = Encoder(engine.key)
+        self.sparse = engine.cfg.model.sparse is not None
+
+    def run(self) -> None:
+        outbox, window = self.engine.outbox, self.engine.window
+        while (item := outbox.get()) is not None:
+            msg, count = item
+            if isinstance(msg, tuple):
+                msg = self._pack(*msg)
+            self.to_front.send_multipart(self.encoder.encode(msg), copy=False)
+            window.release(count)
+
+    def _pack(self, batch, results, padded: int, device_s: float, in_core: int) -> m.OutputBatch:
         outputs = [m.PoolingOutput(r.request_id, r.index, len(r.token_ids), data=v, chunk=r.chunk,
-                                   num_chunks=r.num_chunks) for r, v in zip(batch, vectors)]
-        if self.cfg.model.sparse is not None:  # (token ids, weights) pairs
+                                   num_chunks=r.num_chunks) for r, v in zip(batch, results)]
+        if self.sparse:  # (token ids, weights) pairs
             for out in outputs:
                 out.indices, out.data = out.data
-        self._send(m.OutputBatch.pack(outputs, time.perf_counter() - start, padded, in_core, self.render_s, self.admit_s))
-        self.render_s, self.admit_s = {}, 0.0
+        render_s, admit_s = self.engine.times.take()
+        return m.OutputBatch.pack(outputs, device_s, padded, in_core, render_s, admit_s)
 
-    def _send(self, msg) -> None:
-        self.to_front.send_multipart(self.encoder.encode(msg), copy=False)
+
+def _or_die(fn, log):
+    """A thread's body: an unexpected error there ends the process (the frontend then reports the
+    engine core dead) rather than leaving a loop that waits forever for the thread."""
+
+    def run() -> None:
+        try:
+            fn()
+        except Exception:
+            log.exception("engine thread %s failed", threading.current_thread().name)
+            os._exit(70)
+
+    return run
 
 
 def release_free_memory() -> None:
@@ -287,7 +475,7 @@ def main(argv: list[str]) -> int:
         engine = EngineCore(cfg, log, key)
     except Exception as e:
         log.exception("engine core failed to start")
-        to_front.send_multipart(Encoder(key).encode(m.Ready("engine", 0, os.getpid(), error=f"{type(e).__name__}: {e}")))
+        to_front.send_multipart(Encoder(key).encode(m.Ready("engine", cfg.index, os.getpid(), error=f"{type(e).__name__}: {e}")))
         to_front.close(linger=2000)
         return 1
     run_maybe_profiled(lambda: engine.serve(ctx, to_front), "engine")

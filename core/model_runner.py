@@ -95,10 +95,19 @@ class ModelRunner:
         per_token = max((large - small) / max(large_tokens - small_tokens, 1), 1e-12)
         return max(small - per_token * small_tokens, 0.0), per_token
 
-    @torch.inference_mode()
     def run(self, batch: list[PoolingEngineInput]) -> tuple[list, int]:
-        """Returns one result per request -- a float32 array, or (token ids, weights) for
-        sparse_embed -- and the number of padded tokens computed."""
+        """Runs a batch start to finish: one result per request -- a float32 array, or (token ids,
+        weights) for sparse_embed -- and the number of padded tokens computed."""
+        results, padded, _ = self.finish(self.launch(batch))
+        return results, padded
+
+    @torch.inference_mode()
+    def launch(self, batch: list[PoolingEngineInput]) -> PendingStep:
+        """Starts a step: collation, the forward pass and pooling are queued on the device, and
+        their results' copies back to pinned host memory too. On CUDA this returns while the device
+        works, so the engine can collate the next batch meanwhile; on a CPU it returns when done."""
+        started = time.perf_counter()
+        on_cuda = self.device.type == "cuda"
         lengths_np = np.fromiter((len(r.token_ids) for r in batch), dtype=np.int64, count=len(batch))
         max_len = int(lengths_np.max())
         ids = np.full((len(batch), max_len), self.pad_token_id, dtype=np.int64)
@@ -107,48 +116,89 @@ class ModelRunner:
             ids[row, : lengths_np[row]] = request.token_ids
             if types is not None and request.token_type_start is not None:
                 types[row, request.token_type_start: lengths_np[row]] = 1
-        input_ids = torch.from_numpy(ids).to(self.device, non_blocking=True)
-        lengths = torch.from_numpy(lengths_np).to(self.device)
+        begin = end = None
+        if on_cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+        input_ids = self._to_device(ids)
+        lengths = self._to_device(lengths_np)
         mask = (torch.arange(max_len, device=self.device)[None, :] < lengths[:, None]).long()
         kwargs = {"input_ids": input_ids, "attention_mask": mask}
         if types is not None:
-            kwargs["token_type_ids"] = torch.from_numpy(types).to(self.device, non_blocking=True)
+            kwargs["token_type_ids"] = self._to_device(types)
         output = self.model(**kwargs)
         if self.spec.sparse is not None:
-            results = self._sparse(output.logits, mask)
+            tensors, finish = self._sparse(output.logits, mask)
         elif self.spec.head == "none":
-            results = self._from_hidden(output.last_hidden_state, mask, lengths, batch)
+            tensors, finish = self._from_hidden(output.last_hidden_state, mask, lengths, lengths_np, batch)
         else:
-            results = self._from_logits(output.logits, lengths_np, batch)
-        return results, len(batch) * max_len
+            tensors, finish = self._from_logits(output.logits, lengths_np, batch)
+        # Copies back start now and overlap whatever the host does next (pinned memory on CUDA).
+        host = [self._to_host(t) for t in tensors]
+        if on_cuda:
+            end.record()
+        return PendingStep(len(batch) * max_len, host, finish, started, begin, end)
 
-    def _from_hidden(self, hidden: torch.Tensor, mask, lengths, batch) -> list[np.ndarray]:
-        out: list[np.ndarray | None] = [None] * len(batch)
+    def finish(self, step: PendingStep) -> tuple[list, int, float]:
+        """Waits for a launched step: (results, padded tokens, device seconds it took)."""
+        if step.end is not None:
+            step.end.synchronize()
+            device_s = step.begin.elapsed_time(step.end) / 1000
+        arrays = [t.numpy() for t in step.host]
+        results = step.finish(arrays)
+        if step.end is None:
+            device_s = time.perf_counter() - step.started
+        return results, step.padded, device_s
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type == "cpu":
+            return tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return host.copy_(tensor, non_blocking=True)
+
+    def _from_hidden(self, hidden: torch.Tensor, mask, lengths: torch.Tensor, lengths_np: np.ndarray, batch):
+        """Pooled vectors on the device (the tensors to copy back) and the host-side finish."""
         # Requests that share options are finished together (usually the whole batch).
         groups: dict[tuple, list[int]] = {}
         for row, request in enumerate(batch):
             p = request.params
             normalize = self.spec.normalize if p.normalize is None else p.normalize
             groups.setdefault((request.task, p.dimensions, normalize), []).append(row)
-        for (task, dimensions, normalize), rows in groups.items():
+        tensors = []
+        for (task, _, _), rows in groups.items():
             index = torch.tensor(rows, device=hidden.device) if len(rows) < len(batch) else None
             part = hidden if index is None else hidden.index_select(0, index)
             if task == "token_embed":
-                vectors = finish_embeddings(part.float().cpu().numpy(), dimensions, normalize)
-                for i, row in enumerate(rows):
-                    out[row] = vectors[i, : int(lengths[row])]
+                tensors.append(part.float())
                 continue
             part_mask = self._pooling_mask(mask, batch, rows) if index is not None else self._pooling_mask(mask, batch)
             part_lengths = lengths if index is None else lengths.index_select(0, index)
             pooled = pool(part, part_mask, part_lengths, self.spec.pooling.modes)
             if self.sentence_head is not None:
                 pooled = self.sentence_head(pooled)
-            vectors = finish_embeddings(pooled.cpu().numpy(), dimensions, normalize)
-            if dimensions is None and self.spec.truncate_dim is not None:  # ST: cut after Normalize
-                vectors = vectors[:, : self.spec.truncate_dim]
-            for i, row in enumerate(rows):
-                out[row] = vectors[i]
-        return out  # type: ignore[return-value]
+            tensors.append(pooled)
+
+        def finish(arrays: list[np.ndarray]) -> list[np.ndarray]:
+            out: list = [None] * len(batch)
+            for ((task, dimensions, normalize), rows), values in zip(groups.items(), arrays):
+                vectors = finish_embeddings(values, dimensions, normalize)
+                if task == "token_embed":
+                    for i, row in enumerate(rows):
+                        out[row] = vectors[i, : int(lengths_np[row])]
+                    continue
+                if dimensions is None and self.spec.truncate_dim is not None:  # ST: cut after Normalize
+                    vectors = vectors[:, : self.spec.truncate_dim]
+                for i, row in enumerate(rows):
+                    out[row] = vectors[i]
+            return out
+
+        return tensors, finish
 
     def _pooling_mask(self, mask: torch.Tensor, batch, rows: list[int] | None = None) -> torch.Tensor:
         """The tokens each request pools: its real tokens, less its prompt's when the model's
@@ -162,26 +212,51 @@ class ModelRunner:
         positions = torch.arange(mask.shape[1], device=mask.device)[None, :]
         return mask * (positions >= starts[:, None]).to(mask.dtype)
 
-    def _sparse(self, logits: torch.Tensor, mask: torch.Tensor) -> list[tuple[np.ndarray, np.ndarray]]:
+    def _sparse(self, logits: torch.Tensor, mask: torch.Tensor):
         weights = splade(logits, mask, self.spec.sparse)
         k = self.spec.max_active_dims
         if k is not None and k < weights.shape[1]:  # ST's max_active_dims: the k largest weights
             top = torch.topk(weights, k, dim=1)
             weights = torch.zeros_like(weights).scatter_(1, top.indices, top.values)
-        out = []
-        for row in weights:
-            nonzero = torch.nonzero(row > 0).flatten()
-            out.append((nonzero.to(torch.int32).cpu().numpy(), row[nonzero].cpu().numpy().astype(np.float32)))
-        return out
+        # Only the non-zero weights come back (a [batch, vocab] copy would be most of the step):
+        # their flat positions, sorted, so rows come out in order.
+        flat = torch.nonzero(weights.flatten() > 0).flatten()
+        tensors = [flat, weights.flatten()[flat].float()]
+        vocab = weights.shape[1]
+        rows = weights.shape[0]
 
-    def _from_logits(self, logits: torch.Tensor, lengths: np.ndarray, batch) -> list[np.ndarray]:
+        def finish(arrays: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+            positions, values = arrays
+            row_of = positions // vocab
+            bounds = np.searchsorted(row_of, np.arange(rows + 1))
+            return [((positions[a:b] % vocab).astype(np.int32), values[a:b].astype(np.float32))
+                    for a, b in zip(bounds[:-1], bounds[1:])]
+
+        return tensors, finish
+
+    def _from_logits(self, logits: torch.Tensor, lengths: np.ndarray, batch):
         logits = logits.float()
-        activated = {task: apply_activation(logits, self.spec, task).cpu().numpy()
-                     for task in {r.task for r in batch}}
-        raw = logits.cpu().numpy()
-        out = []
-        for row, request in enumerate(batch):
-            use_activation = request.params.use_activation is not False
-            values = activated[request.task][row] if use_activation else raw[row]
-            out.append(values[: int(lengths[row])] if self.spec.head == "token_classification" else values)
-        return out
+        tasks = sorted({r.task for r in batch})
+        tensors = [logits] + [apply_activation(logits, self.spec, task) for task in tasks]
+
+        def finish(arrays: list[np.ndarray]) -> list[np.ndarray]:
+            raw, activated = arrays[0], dict(zip(tasks, arrays[1:]))
+            out = []
+            for row, request in enumerate(batch):
+                use_activation = request.params.use_activation is not False
+                values = activated[request.task][row] if use_activation else raw[row]
+                out.append(values[: int(lengths[row])] if self.spec.head == "token_classification" else values)
+            return out
+
+        return tensors, finish
+
+
+class PendingStep:
+    """A launched step: the host copies of its results (filled when the device is done), what
+    turns them into per-request results, and (on CUDA) events timing it on the device."""
+
+    __slots__ = ("padded", "host", "finish", "started", "begin", "end")
+
+    def __init__(self, padded: int, host: list, finish, started: float, begin, end) -> None:
+        self.padded, self.host, self.finish = padded, host, finish
+        self.started, self.begin, self.end = started, begin, end

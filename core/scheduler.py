@@ -50,25 +50,26 @@ class Scheduler:
     def __len__(self) -> int:
         return len(self.waiting)
 
-    def add(self, request: PoolingEngineInput) -> None:
+    def add(self, request: PoolingEngineInput) -> bool:
+        """Adds a request; True when it replaced a waiting copy of itself (a re-sent request)."""
         key = (request.request_id, request.chunk)
-        if key in self.waiting:  # a re-sent request: the new copy takes the old one's place
+        replaced = key in self.waiting
+        if replaced:  # the new copy takes the old one's place
             self._forget([key])
         arrival = self._arrival.setdefault(key, next(self._counter))
         self.waiting[key] = request
         bisect.insort(self._by_length, (len(request.token_ids), arrival, key))
         self._urgent += request.priority != 0
+        return replaced
 
-    def abort(self, request_ids: list[str]) -> list[str]:
-        """Removes these requests (every chunk of a chunked one); returns the ids that were not
-        here (still on their way)."""
+    def abort(self, request_ids: list[str]) -> int:
+        """Removes these requests (every chunk of a chunked one); returns how many were removed."""
         wanted = set(request_ids)
         keys = [k for k in self.waiting if k[0] in wanted]
         self._forget(keys)
         for key in keys:
             del self._arrival[key]
-        found = {k[0] for k in keys}
-        return [rid for rid in request_ids if rid not in found]
+        return len(keys)
 
     def take_all(self) -> list[PoolingEngineInput]:
         """Empties the scheduler, returning what was waiting (in arrival order)."""

@@ -79,7 +79,9 @@ def sim_vectors(token_ids: list[np.ndarray], dim: int) -> np.ndarray:
 
 
 class SimRunner:
-    """Stands in for `ModelRunner`: the same `run` and `step_cost`, a modeled step time."""
+    """Stands in for `ModelRunner`: the same `launch` / `finish` / `run` and `step_cost`, a modeled
+    step time. Steps queue on the simulated device as kernels queue on a CUDA stream: a launched
+    step starts when the one before it ends, and `finish` sleeps until it is done."""
 
     def __init__(self, spec, device: SimDevice) -> None:
         self.spec = spec
@@ -87,13 +89,25 @@ class SimRunner:
         self.device = "sim"
         self.dtype = "float32"
         self.table = _table(device.dim)
+        self.free_at = 0.0  # when the device finishes the work queued on it (perf_counter time)
 
     def step_cost(self, max_tokens: int) -> tuple[float, float]:
         return self.sim.step_s, self.sim.token_s
 
-    def run(self, batch) -> tuple[list[np.ndarray], int]:
+    def launch(self, batch) -> tuple[list[np.ndarray], int, float, float]:
         ids = [r.token_ids for r in batch]
         padded = len(batch) * max(map(len, ids))
-        time.sleep(self.sim.step_s + self.sim.token_s * padded)  # the device is busy; the CPU is not
-        rows = self.table[sim_keys(ids)]
-        return list(rows), padded
+        device_s = self.sim.step_s + self.sim.token_s * padded
+        self.free_at = max(time.perf_counter(), self.free_at) + device_s
+        return list(self.table[sim_keys(ids)]), padded, device_s, self.free_at
+
+    def finish(self, step) -> tuple[list[np.ndarray], int, float]:
+        rows, padded, device_s, done_at = step
+        wait = done_at - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)  # the device is busy; the CPU is not
+        return rows, padded, device_s
+
+    def run(self, batch) -> tuple[list[np.ndarray], int]:
+        rows, padded, _ = self.finish(self.launch(batch))
+        return rows, padded

@@ -23,6 +23,7 @@ from tiny_models import build_tiny_model, faulty_model_dir
 import pooling_pipeline.process_group as process_group
 from pooling_pipeline import EngineDeadError, Pipeline, PipelineError, StepError
 from pooling_pipeline.core import messages as m
+from pooling_pipeline.core.engine import LAUNCH_AHEAD_ENV
 from pooling_pipeline.core.serial import Encoder
 
 TOL = 1e-5
@@ -51,12 +52,17 @@ def test_killed_render_worker_is_replaced_and_nothing_is_lost_or_doubled(st_mode
         assert len(pipe.pids["workers"]) == 2
 
 
-def test_step_failure_raise_names_only_the_culprit_and_return_isolates_it(tmp_path, model_path, st_model):
+@pytest.mark.parametrize("launch_ahead", [False, True])
+def test_step_failure_raise_names_only_the_culprit_and_return_isolates_it(tmp_path, model_path, st_model,
+                                                                          launch_ahead, monkeypatch):
+    # launch_ahead: the engine loop of an asynchronous device (CUDA), forced on this CPU.
+    monkeypatch.setenv(LAUNCH_AHEAD_ENV, "1" if launch_ahead else "0")
     trigger = st_model.tokenizer.convert_tokens_to_ids("zebra")
     good = corpus.sentences(40, seed=72)
     prompts = good + ["A zebra walks into the engine core."] + good
     reference = st_model.encode(good)
     with Pipeline(model=str(faulty_model_dir(tmp_path, model_path, trigger)), trust_remote_code=True) as pipe:
+        assert pipe.stats()["engine"]["launch_ahead"] is launch_ahead
         with pytest.raises(StepError, match="fault token") as info:
             pipe.embed(prompts, use_tqdm=False)
         assert info.value.indices == [40]
@@ -379,9 +385,11 @@ def _counting_faulty_model(tmp_path: Path, model_path: str, trigger: int, marker
     return target, log
 
 
-def test_a_failed_chunk_aborts_the_documents_other_chunks(tmp_path, model_path, st_model):
+@pytest.mark.parametrize("launch_ahead", [False, True])
+def test_a_failed_chunk_aborts_the_documents_other_chunks(tmp_path, model_path, st_model, launch_ahead, monkeypatch):
     """errors="raise": one failing chunk fails its document; the document's other chunks are not
     computed for nothing (they were: the whole failed batch was retried request by request)."""
+    monkeypatch.setenv(LAUNCH_AHEAD_ENV, "1" if launch_ahead else "0")
     tok = st_model.tokenizer
     trigger, marker = tok.convert_tokens_to_ids("zebra"), tok.convert_tokens_to_ids("elephant")
     model, log = _counting_faulty_model(tmp_path, model_path, trigger, marker)

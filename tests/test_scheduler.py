@@ -45,11 +45,12 @@ def test_similar_lengths_are_grouped():
     assert 1 - real / padded < 0.05
 
 
-def test_abort_removes_waiting_and_reports_the_rest():
+def test_abort_removes_waiting_and_counts_them():
     sched = Scheduler(8, 1024, 0.1)
     for i in range(4):
-        sched.add(_req(i, 5))
-    assert sched.abort(["1", "3", "99"]) == ["99"]
+        assert sched.add(_req(i, 5)) is False
+    assert sched.add(_req(2, 5)) is True  # a re-sent request replaces its waiting copy
+    assert sched.abort(["1", "3", "99"]) == 2
     assert sorted(r.request_id for r in sched.waiting.values()) == ["0", "2"]
 
 
@@ -102,7 +103,7 @@ def test_incremental_index_matches_the_plain_rule():
             waiting.append(request)
             if rng.random() < 0.01:  # an abort now and then
                 gone = waiting.pop(rng.randrange(len(waiting)))
-                assert sched.abort([gone.request_id, "never-seen"]) == ["never-seen"]
+                assert sched.abort([gone.request_id, "never-seen"]) == 1
             if rng.random() < 0.3 and waiting:
                 expected = _reference_batch(waiting, 32, 1024, 0.05, overhead)
                 assert [r.request_id for r in sched.next_batch()] == expected
