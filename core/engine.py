@@ -223,12 +223,12 @@ class EngineCore:
                 return
 
     def _admit(self, items: list[m.PoolingEngineInput]) -> None:
-        aborted = self.aborted
-        for request in items:
-            if aborted and request.request_id in aborted:
-                self.window.release(1)  # aborted before it arrived
-            elif self.scheduler.add(request):
-                self.window.release(1)  # a re-sent request took its old copy's place
+        if self.aborted:  # inputs aborted before they arrived are dropped
+            kept = [r for r in items if r.request_id not in self.aborted]
+            self.window.release(len(items) - len(kept))
+            items = kept
+        # A re-sent request takes its old copy's place: one window slot is freed for each.
+        self.window.release(self.scheduler.add_many(items))
 
     def _abort(self, request_ids: list[str]) -> None:
         self.window.release(self.scheduler.abort(request_ids))

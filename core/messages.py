@@ -114,6 +114,7 @@ class PoolingOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 class RenderBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     items: list[RenderParams]
     chat_template: str | None = None  # the call's template for conversations (once per batch)
+    engine: int = 0  # data parallel: the engine core these requests go to (the frontend picks it)
 
 
 class EngineInputBatch(msgspec.Struct, tag=True, array_like=True):

@@ -62,6 +62,28 @@ class Scheduler:
         self._urgent += request.priority != 0
         return replaced
 
+    def add_many(self, requests: list[PoolingEngineInput]) -> int:
+        """Adds requests in arrival order (one sort for all of them); returns how many replaced a
+        waiting copy of themselves."""
+        waiting, arrival_of, counter, entries = self.waiting, self._arrival, self._counter, []
+        replaced = 0
+        for request in requests:
+            key = (request.request_id, request.chunk)
+            if key in waiting:  # a re-sent request: the new copy takes the old one's place
+                if entries:  # the old copy may be among those not sorted in yet
+                    self._by_length.extend(entries)
+                    self._by_length.sort()
+                    entries = []
+                self._forget([key])
+                replaced += 1
+            arrival = arrival_of.setdefault(key, next(counter))
+            waiting[key] = request
+            entries.append((len(request.token_ids), arrival, key))
+            self._urgent += request.priority != 0
+        self._by_length.extend(entries)
+        self._by_length.sort()  # a sorted run and a short new one: merged in linear time
+        return replaced
+
     def abort(self, request_ids: list[str]) -> int:
         """Removes these requests (every chunk of a chunked one); returns how many were removed."""
         wanted = set(request_ids)
@@ -100,26 +122,27 @@ class Scheduler:
         lo = bisect.bisect_left(by_length, (len(oldest.token_ids), self._arrival[anchor_key], anchor_key))
         hi = lo + 1  # the batch is by_length[lo:hi]
         longest = real = by_length[lo][0]
-        while hi - lo < self.max_num_seqs:
+        max_seqs, max_tokens, max_padding = self.max_num_seqs, self.max_num_batched_tokens, self.max_padding_fraction
+        size = len(by_length)
+        while hi - lo < max_seqs:
             count = hi - lo
-            # (padding it adds, side, longest after, its length): a shorter request pads itself
-            # up to `longest`; a longer one pads every request already in the batch.
-            options = []
-            if lo > 0:
-                shorter = by_length[lo - 1][0]
-                options.append((longest - shorter, "left", longest, shorter))
-            if hi < len(by_length):
+            # Grow by the side that adds less padding (the shorter side on a tie): a shorter
+            # request pads itself up to `longest`; a longer one pads every request already in.
+            left = longest - by_length[lo - 1][0] if lo > 0 and longest * (count + 1) <= max_tokens else None
+            right = None
+            if hi < size:
                 longer = by_length[hi][0]
-                options.append(((longer - longest) * count, "right", longer, longer))
-            options = [o for o in options if o[2] * (count + 1) <= self.max_num_batched_tokens]
-            if not options:
+                if longer * (count + 1) <= max_tokens:
+                    right = (longer - longest) * count
+            if left is None and right is None:
                 break
-            _, side, new_longest, length = min(options)
+            go_left = right is None or (left is not None and left <= right)
+            new_longest, length = (longest, by_length[lo - 1][0]) if go_left else (longer, longer)
             padded, new_real = new_longest * (count + 1), real + length
-            if (count >= MIN_BATCH_BEFORE_PADDING_LIMIT and padded - new_real > self.max_padding_fraction * padded
+            if (count >= MIN_BATCH_BEFORE_PADDING_LIMIT and padded - new_real > max_padding * padded
                     and not self._cheaper_per_token(real, longest * count, new_real, padded)):
                 break
-            if side == "left":
+            if go_left:
                 lo -= 1
             else:
                 hi += 1

@@ -65,11 +65,13 @@ def _table(dim: int) -> np.ndarray:
 
 
 def sim_keys(token_ids: list[np.ndarray]) -> np.ndarray:
-    """The table row of each request: a hash of its length, first, middle and last token ids."""
-    keys = np.empty(len(token_ids), dtype=np.int64)
-    for i, ids in enumerate(token_ids):
-        n = len(ids)
-        keys[i] = n * 1_000_003 + int(ids[0]) * 7919 + int(ids[n // 2]) * 104_729 + int(ids[-1])
+    """The table row of each request: a hash of its length, first, middle and last token ids
+    (computed for the whole batch at once: this is the device's work, not the host's)."""
+    lengths = np.fromiter(map(len, token_ids), dtype=np.int64, count=len(token_ids))
+    flat = np.concatenate(token_ids).astype(np.int64)
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    keys = lengths * 1_000_003 + flat[starts] * 7919 + flat[starts + lengths // 2] * 104_729 + flat[ends - 1]
     return keys % TABLE_ROWS
 
 

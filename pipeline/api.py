@@ -24,7 +24,7 @@ from pooling_pipeline.core.config import load_model_spec
 from pooling_pipeline.core.messages import PoolingParams
 from pooling_pipeline.core.options import PositiveInt, Seconds, checked
 from pooling_pipeline.core.sim_device import resolve_sim_device
-from pooling_pipeline.cpu_plan import plan_cpu
+from pooling_pipeline.cpu_plan import engine_devices, plan_cpu
 from pooling_pipeline.errors import EngineDeadError, PipelineError
 from pooling_pipeline.frontend import Call, Dispatcher, new_call_prefix
 from pooling_pipeline.inputs import CallOptions, FailedRequest, Tokenization, build_requests, check_priority
@@ -53,10 +53,12 @@ class PipelineOptions(msgspec.Struct, frozen=True, kw_only=True):
     max_num_seqs: PositiveInt = 64  # most requests in one engine step
     max_num_batched_tokens: PositiveInt | None = None  # padded tokens in one step; None: by device
     max_inflight: PositiveInt | None = None  # requests issued and not yet handed back; None: 16 x max_num_seqs
+    #                                            per engine core
     device: Device = "auto"
     dtype: Dtype = "auto"
-    engine_window: PositiveInt | None = None  # requests admitted in the engine; None: max_inflight / 2
-    engine_threads: PositiveInt | None = None  # torch threads of a CPU engine; None: planned
+    engine_window: PositiveInt | None = None  # requests admitted in each engine core; None: 8 x max_num_seqs
+    engine_threads: PositiveInt | None = None  # torch threads of each CPU engine core; None: planned
+    data_parallel_size: PositiveInt = 1  # engine cores on this machine, fed by the same render workers
     io_processor: str | None = None
     trust_remote_code: bool = False
     startup_timeout_s: Seconds = 300.0
@@ -66,7 +68,8 @@ class PipelineOptions(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Pipeline:
-    """A frontend (this object), N render worker processes and one engine-core process.
+    """A frontend (this object), N render worker processes and one engine-core process (or
+    `data_parallel_size` of them, each on its own device: cuda:k, or a share of the CPU threads).
 
     Use it as a context manager, or call `close()`: either stops every process of the group.
     """
@@ -77,7 +80,7 @@ class Pipeline:
                  engine_threads: int | None = None,
                  io_processor: str | None = None, trust_remote_code: bool = False, revision: str | None = None,
                  sim_device=None, startup_timeout_s: float = 300.0, heartbeat_timeout_s: float = 30.0,
-                 step_timeout_s: float = 600.0, log_level: str = "WARNING") -> None:
+                 step_timeout_s: float = 600.0, log_level: str = "WARNING", data_parallel_size: int = 1) -> None:
         self._group: ProcessGroup | None = None
         opts = checked(PipelineOptions, {
             "num_render_workers": num_render_workers, "max_num_seqs": max_num_seqs,
@@ -85,10 +88,12 @@ class Pipeline:
             "dtype": dtype, "engine_window": engine_window, "engine_threads": engine_threads,
             "io_processor": io_processor, "trust_remote_code": trust_remote_code,
             "startup_timeout_s": startup_timeout_s, "heartbeat_timeout_s": heartbeat_timeout_s,
-            "step_timeout_s": step_timeout_s, "log_level": log_level})
+            "step_timeout_s": step_timeout_s, "log_level": log_level, "data_parallel_size": data_parallel_size})
         if sim_device is not None and device != "sim":
             raise ValueError("sim_device applies to device='sim' (the simulated accelerator)")
         sim = resolve_sim_device(sim_device) if device == "sim" else None
+        self.data_parallel_size = engines = opts.data_parallel_size
+        devices = engine_devices(device, engines)  # engine core k: cuda:k, or the CPU, or its own sim device
         self.model_spec = spec = load_model_spec(model, trust_remote_code=trust_remote_code, revision=revision)
         self.max_num_seqs = max_num_seqs
         if max_num_batched_tokens is not None and max_num_batched_tokens < spec.max_model_len:
@@ -97,9 +102,10 @@ class Pipeline:
         # The engine's window is what it sorts by length to form batches: a wider one gives
         # tighter batches (on the 2-core CPU, 8 x max_num_seqs brings padding from 12% to 5% on
         # short sentences). The frontend keeps twice that in flight so the workers stay ahead
-        # of the engine while finished results wait in the reorder buffer (inside the bound too).
-        self.max_inflight = max_inflight or 16 * max_num_seqs
-        self.engine_window = engine_window or max(1, self.max_inflight // 2)
+        # of the engine while finished results wait in the reorder buffer (inside the bound too);
+        # with several engine cores, twice all their windows.
+        self.max_inflight = max_inflight or 16 * max_num_seqs * engines
+        self.engine_window = engine_window or max(1, self.max_inflight // (2 * engines))
         # Requests per message to a worker (and from it to the engine): per-message costs (a
         # socket round, a decode) are paid once per this many; 64 measured 12% faster than 16
         # with a tokenizer-bound load.
@@ -109,7 +115,8 @@ class Pipeline:
             from pooling_pipeline.workers.render import load_plugin
 
             self._plugin = load_plugin(io_processor)  # in the caller too, for post_process (errors early)
-        self.cpu_plan = plan_cpu(num_render_workers, device, engine_threads=engine_threads)
+        self.cpu_plan = plan_cpu(num_render_workers, devices[0] if engines > 1 else device,
+                                 engine_threads=engine_threads, data_parallel_size=engines)
         log.debug("CPU plan: %s", self.cpu_plan)
         self._local = threading.local()  # per thread: its running call and its last call's stats
         self._last_stats = CallStats()  # the last call of any thread
@@ -119,7 +126,7 @@ class Pipeline:
             max_num_batched_tokens=max_num_batched_tokens, window=self.engine_window,
             max_message_items=self.batch_items, io_processor=io_processor, log_level=log_level,
             heartbeat_timeout_s=opts.heartbeat_timeout_s, step_timeout_s=opts.step_timeout_s,
-            **({"sim": sim} if sim is not None else {}))
+            data_parallel_size=engines, engine_devices=devices, **({"sim": sim} if sim is not None else {}))
         try:
             self._dispatcher = Dispatcher(self._group, max_inflight=self.max_inflight, batch_items=self.batch_items)
         except BaseException:
@@ -350,7 +357,9 @@ class Pipeline:
         """Counters of this thread's last call (or the one it runs; from a thread that ran none,
         the last call of any thread), plus the CPU plan, engine facts and the group's counters
         (`stats()["group"]`: requests in flight over all calls and their peak, calls running,
-        worker restarts, outputs of ended calls dropped, ...)."""
+        worker restarts, outputs of ended calls dropped, ...). With several engine cores,
+        `engine_busy_fraction` is the mean over them, `per_engine` has each one's share of the
+        call, `engine` is the first engine core's facts and `engine_cores` every one's."""
         call = getattr(self._local, "call", None)
         if call is not None and not call.finished:
             stats = call.stats.as_dict()
@@ -359,6 +368,7 @@ class Pipeline:
         stats["cpu_plan"] = self.cpu_plan.as_dict()
         if self._group is not None:
             stats["engine"] = dict(self._group.engine_info)
+            stats["engine_cores"] = [dict(info) for info in self._group.engine_infos]
             stats["render"] = dict(self._group.worker_info)
             stats["group"] = self._dispatcher.stats()
         stats["max_inflight"] = self.max_inflight

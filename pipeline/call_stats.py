@@ -8,6 +8,8 @@ exact for the call and costs nothing extra on the wire:
 * render workers: tokenization time, reported by each worker with its inputs to the engine and
   passed on with the engine's next output batch;
 * engine: time admitting inputs (decode, validation) and time in steps (forward and pooling).
+  With data-parallel engine cores the busy fractions are the mean over the engine cores (busy
+  seconds / (wall time x engine cores)); `per_engine` has each one's requests, batches and busy time.
 
 Queue depths are sampled once per output batch: requests in the engine's admission window,
 requests in flight in the frontend's window, results waiting in the reorder buffer, and the
@@ -68,6 +70,10 @@ class CallStats:
     duplicates_dropped: int = 0
     worker_restarts: int = 0
     errors: int = 0
+    engines: int = 1  # engine cores of the group (data_parallel_size)
+    requests_per_engine: dict[int, int] = field(default_factory=dict)
+    engine_busy_per_engine: dict[int, float] = field(default_factory=dict)  # (kept with several engines)
+    batches_per_engine: dict[int, int] = field(default_factory=dict)  # (kept with several engines)
     depths: dict[str, DepthHistogram] = field(default_factory=lambda: {q: DepthHistogram() for q in QUEUES})
 
     def as_dict(self) -> dict:
@@ -78,10 +84,18 @@ class CallStats:
 
         render_total = sum(self.render_busy_s.values())
         workers = len(self.render_busy_s)
+        engines = self.engines
+        if engines == 1:
+            busy, batches = {0: self.engine_busy_s}, {0: self.batches}
+        else:
+            busy, batches = self.engine_busy_per_engine, self.batches_per_engine
+        per_engine = [{"requests": self.requests_per_engine.get(k, 0), "batches": batches.get(k, 0),
+                       "busy_s": busy.get(k, 0.0), "busy_fraction": fraction(busy.get(k, 0.0))}
+                      for k in range(engines)]
         return {
             "wall_s": wall,
-            "engine_busy_s": self.engine_busy_s,
-            "engine_busy_fraction": fraction(self.engine_busy_s),
+            "engine_busy_s": self.engine_busy_s,  # all engine cores together
+            "engine_busy_fraction": fraction(self.engine_busy_s, engines),  # the mean over engine cores
             "requests": self.requests,
             "prompt_tokens": self.prompt_tokens,
             "padded_tokens": self.padded_tokens,
@@ -95,13 +109,16 @@ class CallStats:
             "duplicates_dropped": self.duplicates_dropped,
             "worker_restarts": self.worker_restarts,
             "errors": self.errors,
-            # busy_fraction: of the wall time, per lane (one lane per worker for the workers).
+            "data_parallel_size": engines,
+            "per_engine": per_engine,
+            # busy_fraction: of the wall time, per lane (one lane per worker for the workers, per
+            # engine core for the engine's stages).
             "stages": {
                 "frontend": {"busy_s": self.frontend_busy_s, "busy_fraction": fraction(self.frontend_busy_s)},
                 "render": {"busy_s": render_total, "busy_fraction": fraction(render_total, workers),
                            "per_worker_busy_s": {str(k): v for k, v in sorted(self.render_busy_s.items())}},
-                "engine_admit": {"busy_s": self.engine_admit_s, "busy_fraction": fraction(self.engine_admit_s)},
-                "engine_step": {"busy_s": self.engine_busy_s, "busy_fraction": fraction(self.engine_busy_s)},
+                "engine_admit": {"busy_s": self.engine_admit_s, "busy_fraction": fraction(self.engine_admit_s, engines)},
+                "engine_step": {"busy_s": self.engine_busy_s, "busy_fraction": fraction(self.engine_busy_s, engines)},
             },
             "queue_depths": {name: hist.as_dict() for name, hist in self.depths.items()},
         }
@@ -117,7 +134,10 @@ def format_stats(stats: dict) -> list[str]:
         f"render workers {stages['render']['busy_fraction']:.0%} each on average"
         + (f" ({per_worker} s)" if per_worker else "") + " | "
         f"engine admit {stages['engine_admit']['busy_fraction']:.0%} | "
-        f"engine steps {stages['engine_step']['busy_fraction']:.0%}",
+        f"engine steps {stages['engine_step']['busy_fraction']:.0%}"
+        + (f" (mean of {stats['data_parallel_size']} engine cores: "
+           + " ".join(f"{e['busy_fraction']:.0%}" for e in stats.get("per_engine", [])) + ")"
+           if stats.get("data_parallel_size", 1) > 1 else ""),
         f"padding efficiency (real / padded tokens): {stats['padding_efficiency']:.1%} "
         f"over {stats['batches']} batches",
     ]

@@ -10,7 +10,10 @@
 * the in-flight bound: at most `max_inflight` requests issued and not yet handed to their caller,
   over all calls together, shared fairly among the calls still reading input; and the text held
   for them (kept for re-sending) bounded too;
-* least-loaded dispatch to the render workers that are up (a restarting worker gets nothing).
+* least-loaded dispatch to the render workers that are up (a restarting worker gets nothing),
+  and with data-parallel engine cores, to the engine core with the fewest requests in flight
+  (named in each RenderBatch; the call's in-flight entry records it, and an answer or failure
+  settles it).
 
 A `Call` is one embed/encode/... call. It pulls RenderParams lazily from its request generator,
 sends them in small batches, and hands results back in input order (the reorder buffer counts
@@ -131,6 +134,9 @@ class Dispatcher:
         self.waiters: set[Call] = set()  # calls that found no slot, text budget or worker
         num_workers = len(group.workers)
         self.outstanding = [0] * num_workers  # requests per worker not yet answered
+        self.num_engines = group.num_engines
+        self.engine_outstanding = [0] * self.num_engines  # requests per engine core not yet answered
+        self.requests_per_engine = [0] * self.num_engines  # requests sent to each engine core (group-wide)
         self.failure: BaseException | None = None  # set once the group cannot serve: every call raises it
         self.retiring: deque[tuple] = deque()  # calls ended abnormally, settled by the receiver thread
         # Group-wide counters (stats()["group"]).
@@ -266,10 +272,10 @@ class Dispatcher:
 
     def _flush_retired(self) -> None:
         while self.retiring:
-            call, ids, per_worker, chars = self.retiring.popleft()
-            self._unregister(call, per_worker, chars)
-            if ids:
-                self.group.abort(ids)
+            call, ids_per_engine, per_worker, chars = self.retiring.popleft()
+            self._unregister(call, per_worker, chars, {k: len(ids) for k, ids in ids_per_engine.items()})
+            for engine, ids in ids_per_engine.items():
+                self.group.abort(ids, engine)
 
     def _fail(self, error: BaseException) -> None:
         if self.failure is None:
@@ -329,9 +335,10 @@ class Dispatcher:
             self.drawing.discard(call)
 
     def dispatch(self, call: Call, batch: list[m.RenderParams], chat_template: str | None,
-                 chars: int) -> tuple[int, int] | None:
-        """Sends a batch to the least-loaded worker that is up; (worker, its generation), or None
-        when no worker can take it now (the call keeps it and is woken when one can)."""
+                 chars: int) -> tuple[int, int, int] | None:
+        """Sends a batch to the least-loaded worker that is up, for the engine core with the fewest
+        requests in flight; (worker, its generation, engine), or None when no worker can take it
+        now (the call keeps it and is woken when one can)."""
         group = self.group
         with self.lock:
             up = [i for i in range(len(self.outstanding)) if group.worker_up(i)]
@@ -340,25 +347,35 @@ class Dispatcher:
                 return None
             worker = min(up, key=self.outstanding.__getitem__)
             self.outstanding[worker] += len(batch)
+            loads = self.engine_outstanding
+            engine = 0 if len(loads) == 1 else min(range(len(loads)), key=loads.__getitem__)
+            loads[engine] += len(batch)
             gen = group.worker_gen[worker]
         try:
-            group.send_work(worker, batch, chat_template)
+            group.send_work(worker, batch, chat_template, engine)
         except zmq.Again:  # gone since it was checked: the batch stays with the call
             with self.lock:
                 self.outstanding[worker] = max(0, self.outstanding[worker] - len(batch))
+                loads[engine] = max(0, loads[engine] - len(batch))
                 self.retried_sends += 1
                 self.waiters.add(call)
             return None
         with self.lock:
             self.chars += chars
             self.batches_per_worker[worker] += 1
-        return worker, gen
+            self.requests_per_engine[engine] += len(batch)
+        return worker, gen, engine
 
-    def settled(self, per_worker: Counter | dict, chars: int) -> None:
-        """Requests answered (or failed): their workers and text budget are free again."""
+    def settled(self, per_worker: Counter | dict, chars: int, per_engine: Counter | dict | None = None) -> None:
+        """Requests answered (or failed, or lost with a worker): their workers, engine cores and
+        text budget are free again."""
         with self.lock:
             for worker, count in per_worker.items():
                 self.outstanding[worker] = max(0, self.outstanding[worker] - count)
+            if per_engine:
+                loads = self.engine_outstanding
+                for engine, count in per_engine.items():
+                    loads[engine] = max(0, loads[engine] - count)
             self.chars -= chars
             waiters = None
             if chars and self.waiters:
@@ -371,13 +388,14 @@ class Dispatcher:
         """A call that ended normally (nothing in flight): its slots come back now."""
         self._unregister(call, {}, 0)
 
-    def retire(self, call: Call, ids: list[str], per_worker: Counter, chars: int) -> None:
+    def retire(self, call: Call, ids_per_engine: dict[int, list[str]], per_worker: Counter, chars: int) -> None:
         """A call that ended abnormally: the receiver thread aborts its requests by external id
-        and returns its slots. Takes no lock: it may run inside the garbage collector."""
-        self.retiring.append((call, ids, per_worker, chars))
+        in the engine cores that hold them and returns its slots. Takes no lock: it may run inside
+        the garbage collector."""
+        self.retiring.append((call, ids_per_engine, per_worker, chars))
         self.wake_receiver()
 
-    def _unregister(self, call: Call, per_worker, chars: int) -> None:
+    def _unregister(self, call: Call, per_worker, chars: int, per_engine: dict | None = None) -> None:
         with self.lock:
             if self.calls.get(call.prefix) is call:
                 del self.calls[call.prefix]
@@ -388,6 +406,8 @@ class Dispatcher:
             call.held = 0
             for worker, count in per_worker.items():
                 self.outstanding[worker] = max(0, self.outstanding[worker] - count)
+            for engine, count in (per_engine or {}).items():
+                self.engine_outstanding[engine] = max(0, self.engine_outstanding[engine] - count)
             self.chars -= chars
             waiters, self.waiters = self.waiters, set()
         for waiter in waiters:
@@ -399,6 +419,8 @@ class Dispatcher:
                     "max_inflight_seen": self.peak_inflight, "calls_running": len(self.calls),
                     "calls_started": self.calls_started, "stray_outputs_dropped": self.stray_outputs,
                     "retried_sends": self.retried_sends, "batches_per_worker": list(self.batches_per_worker),
+                    "data_parallel_size": self.num_engines, "requests_per_engine": list(self.requests_per_engine),
+                    "inflight_per_engine": list(self.engine_outstanding),
                     "worker_restarts": self.group.total_restarts,
                     "stopped_s": round(self.group.clock.skipped_s, 3)}
 
@@ -435,9 +457,10 @@ class Call:
         self.default_normalize = default_normalize
         self.errors = opts.errors  # "raise": the first failure ends the call; "return": it becomes an output
         self.chunks: dict[str, ChunkSum] = {}  # chunk mode: documents with chunks still out
-        self.stats = CallStats()
-        # external id -> (request, worker, worker generation it was sent to, its size in characters)
-        self.inflight: dict[str, tuple[m.RenderParams, int, int, int]] = {}
+        self.stats = CallStats(engines=dispatcher.num_engines)
+        # external id -> (request, worker, worker generation it was sent to, its size in characters,
+        # the engine core its inputs went to)
+        self.inflight: dict[str, tuple[m.RenderParams, int, int, int, int]] = {}
         self.backlog: deque[tuple[m.RenderParams, int]] = deque()  # (request, size) to (re)send when a worker can
         self.ready: dict[int, m.PoolingOutput] = {}  # reorder buffer: index -> output
         self.inbox: deque = deque()  # messages routed here by the receiver thread
@@ -580,7 +603,9 @@ class Call:
         if not self.started:
             return
         per_worker = Counter(entry[1] for entry in self.inflight.values())
-        ids = list(self.inflight)
+        ids_per_engine: dict[int, list[str]] = {}
+        for rid, entry in self.inflight.items():
+            ids_per_engine.setdefault(entry[4], []).append(rid)
         chars = self.inflight_chars
         self.inflight.clear()
         self.chunks.clear()
@@ -588,7 +613,7 @@ class Call:
         self.backlog.clear()
         self.ready.clear()
         self.inbox.clear()
-        self.dispatcher.retire(self, ids, per_worker, chars)
+        self.dispatcher.retire(self, ids_per_engine, per_worker, chars)
 
     def _complete(self) -> None:
         if not self.retired:
@@ -665,10 +690,10 @@ class Call:
         if sent is None:  # no worker can take it now: kept for the next turn
             self.backlog.extend(zip(batch, sizes))
             return
-        worker, gen = sent
+        worker, gen, engine = sent
         inflight = self.inflight
         for request, size in zip(batch, sizes):
-            inflight[request.request_id] = (request, worker, gen, size)
+            inflight[request.request_id] = (request, worker, gen, size, engine)
         self.inflight_chars += chars
 
     # ---- receiving ------------------------------------------------------------------------
@@ -689,13 +714,17 @@ class Call:
         depths["reorder_buffer"].add(len(self.ready))
         accepted = 0
         settled: Counter = Counter()
+        engines: Counter = Counter()
         chars = 0
         inflight = self.inflight
+        engine = -1  # which engine core computed this batch (a batch comes from one): from its requests
         for out in msg.outputs:
             entry = inflight.get(out.request_id)
             if entry is None or entry[0].index != out.index:
                 stats.duplicates_dropped += 1  # re-sent, aborted or from an earlier call
                 continue
+            if engine < 0:
+                engine = entry[4]
             if out.chunk >= 0:
                 chunks = self.chunks.get(out.request_id)
                 if chunks is None:
@@ -708,14 +737,20 @@ class Call:
                 del self.chunks[out.request_id]
             del inflight[out.request_id]
             settled[entry[1]] += 1
+            engines[entry[4]] += 1
             chars += entry[3]
             self.ready[out.index] = out
             stats.requests += 1
             stats.prompt_tokens += out.num_prompt_tokens
             accepted += 1
+        if engine >= 0 and stats.engines > 1:
+            stats.engine_busy_per_engine[engine] = stats.engine_busy_per_engine.get(engine, 0.0) + msg.busy_s
+            stats.batches_per_engine[engine] = stats.batches_per_engine.get(engine, 0) + 1
+        for k, count in engines.items():
+            stats.requests_per_engine[k] = stats.requests_per_engine.get(k, 0) + count
         if accepted:
             self.inflight_chars -= chars
-            self.dispatcher.settled(settled, chars)
+            self.dispatcher.settled(settled, chars, engines)
         if self.progress is not None and accepted:
             self.progress.update(accepted)
             wall = time.perf_counter() - stats.start
@@ -745,15 +780,15 @@ class Call:
     def _on_lost_worker(self, notice: LostWorker) -> None:
         """A worker lost its process: what this call had sent to it comes again from the others."""
         self.stats.worker_restarts += 1
-        lost = [(req, size) for req, worker, gen, size in self.inflight.values()
+        lost = [(req, size, engine) for req, worker, gen, size, engine in self.inflight.values()
                 if worker == notice.index and gen <= notice.gen]
-        for req, size in lost:
+        for req, size, _ in lost:
             del self.inflight[req.request_id]
             self.inflight_chars -= size
             self.chunks.pop(req.request_id, None)  # its chunks come again, whole
         if lost:
-            self.dispatcher.settled({}, sum(size for _, size in lost))
-            self.backlog.extend(lost)
+            self.dispatcher.settled({}, sum(size for _, size, _ in lost), Counter(engine for _, _, engine in lost))
+            self.backlog.extend((req, size) for req, size, _ in lost)
 
     def _owns(self, request_id: str, index: int) -> bool:
         entry = self.inflight.get(request_id)
@@ -761,12 +796,12 @@ class Call:
 
     def _fail(self, request_id: str, index: int, error: str) -> None:
         """errors="return": this request's output carries the error; the call goes on."""
-        request, worker, _, size = self.inflight.pop(request_id)
+        request, worker, _, size, engine = self.inflight.pop(request_id)
         self.inflight_chars -= size
-        self.dispatcher.settled({worker: 1}, size)
+        self.dispatcher.settled({worker: 1}, size, {engine: 1})
         if request.long_inputs == "chunk":  # its other chunks would be computed for nothing
             self.chunks.pop(request_id, None)
-            self.dispatcher.group.abort([request_id])
+            self.dispatcher.group.abort([request_id], engine)
         self.ready[index] = m.PoolingOutput(request_id, index, 0, error=error)
         self.stats.errors += 1
         if self.progress is not None:

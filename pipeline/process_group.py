@@ -1,4 +1,4 @@
-"""Spawns, watches and tears down the engine core and the render workers.
+"""Spawns, watches and tears down the engine core(s) and the render workers.
 
 Transport: ipc:// endpoints in a fresh private directory (mode 0700) per group, removed on close
 (and by the children when the frontend's process dies without closing: SIGTERM, SIGKILL). The
@@ -6,6 +6,12 @@ frontend binds its sockets; the children connect (and the engine binds its input
 Every message carries the group's random key (`core.serial`); frames without it are dropped.
 Children start as module entry points with `python -m`, never forked from the caller, so a
 process holding torch threads is never forked and no `__main__` guard is needed.
+
+Data parallel (`data_parallel_size` N > 1): N engine cores, each with its own input endpoint
+("engine-in-k", which it binds), its own control socket ("control-k": a PUSH socket bound to N
+peers would round-robin, and an Abort or Shutdown must reach a given engine) and its own device;
+every render worker connects to all of them and sends each RenderBatch's inputs to the engine the
+frontend named in it. One engine core that dies or wedges fails the group, naming it.
 
 The group belongs to the process that created it: in an `os.fork()`ed child, `close()` (the exit
 handler too) leaves the parent's sockets, children and directory alone.
@@ -54,6 +60,9 @@ IPC_PATH_MAX = 103 if sys.platform == "darwin" else 107
 # render worker, 24 with 2, 29 with 3; the margin covers a restart in progress (the log file, the
 # exec status pipe, new connections). Under `ulimit -n 24` libzmq otherwise aborts the process.
 FDS_BASE, FDS_PER_WORKER, FDS_MARGIN = 14, 5, 8
+# Each engine core past the first: its control socket (mailbox, listener, connection) and its
+# two connections to the results socket (main socket and heartbeat).
+FDS_PER_ENGINE = 5
 # Worker restarts: back-off before the n-th restart of one worker within a minute, and how many
 # are tolerated in that minute before the calls running fail (a crash loop, not a bad moment).
 MAX_WORKER_RESTARTS_PER_MINUTE = 6
@@ -68,12 +77,19 @@ RESUME_GRACE_S = 2 * HEARTBEAT_INTERVAL_S + 0.5
 WORKER_POLL_INTERVAL_S = 0.02
 
 
-def check_resources(num_workers: int) -> None:
+def endpoint_names(num_workers: int, num_engines: int = 1) -> list[str]:
+    """The socket file names of a group, in its private directory (the path-length check covers
+    the longest: the last engine core's input or a high-numbered worker's)."""
+    return (["results"] + [f"control-{k}" for k in range(num_engines)] + [f"engine-in-{k}" for k in range(num_engines)]
+            + [f"work-{i}" for i in range(num_workers)])
+
+
+def check_resources(num_workers: int, num_engines: int = 1) -> None:
     """Fails with a clear message, before anything is created, when the ipc paths would be too
     long for a Unix socket or the process may not open enough files (raising the soft limit up
     to the hard one first, as far as that is allowed)."""
     base = tempfile.gettempdir()
-    longest = max(("results", "control", "engine-in", f"work-{num_workers - 1}"), key=len)
+    longest = max(endpoint_names(num_workers, num_engines), key=len)
     path = os.path.join(base, DIR_PREFIX + "x" * 8, longest)
     if len(os.fsencode(path)) > IPC_PATH_MAX:
         raise PipelineError(
@@ -85,7 +101,7 @@ def check_resources(num_workers: int) -> None:
         open_now = len(os.listdir("/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"))
     except OSError:
         open_now = 0
-    needed = open_now + FDS_BASE + FDS_PER_WORKER * num_workers + FDS_MARGIN
+    needed = open_now + FDS_BASE + FDS_PER_WORKER * num_workers + FDS_PER_ENGINE * (num_engines - 1) + FDS_MARGIN
     if soft == resource.RLIM_INFINITY or needed <= soft:
         return
     if hard == resource.RLIM_INFINITY or needed <= hard:
@@ -97,17 +113,20 @@ def check_resources(num_workers: int) -> None:
             pass
     raise PipelineError(
         f"too few file descriptors: this process may open {soft} files (ulimit -n) and has {open_now} open; a "
-        f"process group with {num_workers} render worker(s) needs about {needed - open_now} more. Raise the "
-        f"limit (e.g. `ulimit -n 4096`) or use fewer render workers")
+        f"process group with {num_workers} render worker(s) and {num_engines} engine core(s) needs about "
+        f"{needed - open_now} more. Raise the limit (e.g. `ulimit -n 4096`) or use fewer render workers")
 
 
 class Child:
-    def __init__(self, role: str, index: int, proc: subprocess.Popen, log_path: Path) -> None:
+    def __init__(self, role: str, index: int, proc: subprocess.Popen, log_path: Path, numbered: bool = False) -> None:
         self.role, self.index, self.proc, self.log_path = role, index, proc, log_path
+        self.numbered = numbered  # an engine core among several is named with its index
 
     @property
     def name(self) -> str:
-        return "engine core" if self.role == "engine" else f"render worker {self.index}"
+        if self.role == "engine":
+            return f"engine core {self.index}" if self.numbered else "engine core"
+        return f"render worker {self.index}"
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -124,8 +143,14 @@ class ProcessGroup:
     def __init__(self, spec: ModelSpec, *, num_workers: int, engine_threads: int, device: str, dtype: str,
                  max_num_seqs: int, max_num_batched_tokens: int | None, window: int, max_message_items: int,
                  io_processor: str | None = None, log_level: str = "WARNING",
-                 heartbeat_timeout_s: float = 30.0, step_timeout_s: float = 600.0, sim=None) -> None:
-        check_resources(num_workers)
+                 heartbeat_timeout_s: float = 30.0, step_timeout_s: float = 600.0, sim=None,
+                 data_parallel_size: int = 1, engine_devices: list[str] | None = None) -> None:
+        """`engine_devices`: the device of each of the `data_parallel_size` engine cores (default:
+        `device` for each); `engine_threads`: torch threads of each engine core."""
+        engine_devices = list(engine_devices) if engine_devices is not None else [device] * data_parallel_size
+        if len(engine_devices) != data_parallel_size:
+            raise ValueError(f"{len(engine_devices)} engine devices for data_parallel_size={data_parallel_size}")
+        check_resources(num_workers, data_parallel_size)
         self.owner_pid = os.getpid()  # the group is this process's, not a forked child's
         self.spec = spec
         self.closed = False
@@ -155,9 +180,17 @@ class ProcessGroup:
         self.restarts: list[deque[float]] = [deque() for _ in range(num_workers)]  # monotonic times, last minute
         self.total_restarts = 0
         self.worker_info: dict = {}
-        self.engine_info: dict = {}
+        self.num_engines = data_parallel_size
+        self.engine_infos: list[dict] = [{} for _ in range(data_parallel_size)]  # each engine core's Ready info
+        self.engine_info: dict = self.engine_infos[0]
         ep = lambda name: f"ipc://{self.dir}/{name}"  # noqa: E731
-        self.endpoints = {"results": ep("results"), "control": ep("control"), "engine_in": ep("engine-in")}
+        # "engine_in" / "control": the first engine core's (as with one engine); "engine_in_k" /
+        # "control_k": engine core k's.
+        self.endpoints = {"results": ep("results"), "control": ep("control-0"), "engine_in": ep("engine-in-0")}
+        for k in range(data_parallel_size):
+            self.endpoints[f"engine_in_{k}"] = ep(f"engine-in-{k}")
+            self.endpoints[f"control_{k}"] = ep(f"control-{k}")
+        self.engine_inputs = [self.endpoints[f"engine_in_{k}"] for k in range(data_parallel_size)]
         self.log_level = log_level
         self.io_processor = io_processor
         # Liveness: a child that sends nothing for heartbeat_timeout_s (stopped, wedged) or stays
@@ -170,22 +203,35 @@ class ProcessGroup:
         self.busy_s: dict[tuple[str, int], float] = {}
         self.ready: set[tuple[str, int]] = set()  # heartbeats are expected only once a child is ready
         self.startup_timeout_s = 300.0
+        self.engines: list[Child] = []
+        self.controls: list[zmq.Socket] = []
         try:
             self.results = socket(self.ctx, zmq.PULL, self.endpoints["results"], bind=True)
-            self.control = socket(self.ctx, zmq.PUSH, self.endpoints["control"], bind=True)
+            # One control socket per engine core: an Abort or Shutdown goes to the engine it is for.
+            self.controls = [socket(self.ctx, zmq.PUSH, self.endpoints[f"control_{k}"], bind=True)
+                             for k in range(data_parallel_size)]
+            self.control = self.controls[0]
             self.work = [socket(self.ctx, zmq.PUSH, ep(f"work-{i}"), bind=True) for i in range(num_workers)]
-            self.engine_cfg = EngineConfig(
-                model=spec, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
+            self.engine_cfgs = [EngineConfig(
+                model=spec, device=engine_devices[k], dtype=dtype, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, window=window, max_message_items=max_message_items,
-                torch_threads=engine_threads, input_endpoint=self.endpoints["engine_in"],
-                control_endpoint=self.endpoints["control"], output_endpoint=self.endpoints["results"],
-                parent_pid=os.getpid(), log_level=log_level, **({"sim": sim} if sim is not None else {}))
-            self.engine = self._spawn("engine", 0, "pooling_pipeline.core.engine", self.engine_cfg, {
-                "OMP_NUM_THREADS": str(engine_threads), "MKL_NUM_THREADS": str(engine_threads),
-                # oneDNN caches a compiled kernel per batch shape (1024 by default): with shapes that
-                # change every step that cache grew the engine by 124 MB over a 1M-request soak.
-                # A small cache keeps memory flat and costs nothing measurable.
-                "ONEDNN_PRIMITIVE_CACHE_CAPACITY": os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16")})
+                torch_threads=engine_threads, input_endpoint=self.endpoints[f"engine_in_{k}"],
+                control_endpoint=self.endpoints[f"control_{k}"], output_endpoint=self.endpoints["results"],
+                parent_pid=os.getpid(), log_level=log_level, index=k, **({"sim": sim} if sim is not None else {}))
+                for k in range(data_parallel_size)]
+            self.engine_cfg = self.engine_cfgs[0]
+            for k, cfg in enumerate(self.engine_cfgs):
+                env = {
+                    "OMP_NUM_THREADS": str(engine_threads), "MKL_NUM_THREADS": str(engine_threads),
+                    # oneDNN caches a compiled kernel per batch shape (1024 by default): with shapes that
+                    # change every step that cache grew the engine by 124 MB over a 1M-request soak.
+                    # A small cache keeps memory flat and costs nothing measurable.
+                    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16")}
+                profile_dir = os.environ.get("PIPELINE_PROFILE_DIR")
+                if profile_dir and k > 0:  # every engine core writes engine.prof: each in its own folder
+                    env["PIPELINE_PROFILE_DIR"] = os.path.join(profile_dir, f"engine{k}")
+                self.engines.append(self._spawn("engine", k, "pooling_pipeline.core.engine", cfg, env))
+            self.engine = self.engines[0]
             for i in range(num_workers):
                 self.start_worker(i)
         except BaseException:
@@ -211,7 +257,7 @@ class ProcessGroup:
                 # The private directory as working directory: nothing in the caller's (a local
                 # `core/` or `pipeline.py`) can shadow a module the children import.
                 env=env, cwd=self.dir, close_fds=True)
-        child = Child(role, index, proc, log_path)
+        child = Child(role, index, proc, log_path, numbered=role == "engine" and self.num_engines > 1)
         # Children of this slot that are gone and reaped are forgotten (a long job restarts many).
         self.children = [c for c in self.children if c.role != role or c.index != index or c.proc.returncode is None]
         self.children.append(child)
@@ -222,7 +268,7 @@ class ProcessGroup:
 
     def start_worker(self, index: int) -> Child:
         cfg = WorkerConfig(index=index, model=self.spec, work_endpoint=self.work[index].getsockopt_string(zmq.LAST_ENDPOINT),
-                           engine_endpoint=self.endpoints["engine_in"], output_endpoint=self.endpoints["results"],
+                           engine_endpoints=self.engine_inputs, output_endpoint=self.endpoints["results"],
                            parent_pid=os.getpid(), io_processor=self.io_processor,
                            max_message_items=self.engine_cfg.max_message_items, log_level=self.log_level)
         child = self._spawn("worker", index, "pooling_pipeline.workers.main", cfg,
@@ -232,7 +278,9 @@ class ProcessGroup:
 
     @property
     def pids(self) -> dict:
-        return {"engine": self.engine.proc.pid, "workers": [w.proc.pid for w in self.workers if w is not None]}
+        engines = [e.proc.pid for e in self.engines]
+        return {"engine": engines[0], "engines": engines,
+                "workers": [w.proc.pid for w in self.workers if w is not None]}
 
     def worker_up(self, index: int) -> bool:
         """Whether a worker can take work now: started, ready, alive (a restarting one cannot).
@@ -290,7 +338,7 @@ class ProcessGroup:
     def wait_ready(self, timeout_s: float) -> None:
         """Waits for a Ready from every child; raises with the child's own log if one fails."""
         self.startup_timeout_s = timeout_s
-        pending = {("engine", 0)} | {("worker", i) for i in range(len(self.workers))}
+        pending = {("engine", k) for k in range(self.num_engines)} | {("worker", i) for i in range(len(self.workers))}
         deadline = time.monotonic() + timeout_s
         while pending:
             if time.monotonic() > deadline:
@@ -300,13 +348,13 @@ class ProcessGroup:
             if not self.results.poll(200):
                 continue
             msg = self.recv()
-            if not isinstance(msg, m.Ready):
+            if not isinstance(msg, m.Ready) or (msg.role, msg.index) not in pending:
                 continue
             if msg.error:
-                child = self.engine if msg.role == "engine" else self.workers[msg.index]
+                child = self.engines[msg.index] if msg.role == "engine" else self.workers[msg.index]
                 kind = EngineDeadError if msg.role == "engine" else WorkerStartError
                 raise kind(f"{child.name} failed to start: {msg.error}")
-            (self.engine_info if msg.role == "engine" else self.worker_info).update(msg.info)
+            (self.engine_infos[msg.index] if msg.role == "engine" else self.worker_info).update(msg.info)
             pending.discard((msg.role, msg.index))
 
     # ---- messages ----------------------------------------------------------------------
@@ -336,44 +384,50 @@ class ProcessGroup:
         if isinstance(msg, m.Heartbeat):
             self.last_seen[(msg.role, msg.index)] = now
             self.busy_s[(msg.role, msg.index)] = msg.busy_s
-        elif isinstance(msg, (m.OutputBatch, m.StepFailed)):
-            self.last_seen[("engine", 0)] = now
+        elif isinstance(msg, (m.OutputBatch, m.StepFailed)) and self.num_engines == 1:
+            self.last_seen[("engine", 0)] = now  # (with several, which one sent it is in their heartbeats)
         elif isinstance(msg, m.Ready):
             self.last_seen[(msg.role, msg.index)] = now
             if msg.error is None:
                 self.ready.add((msg.role, msg.index))
 
-    def send_work(self, worker: int, items: list[m.RenderParams], chat_template: str | None = None) -> None:
+    def send_work(self, worker: int, items: list[m.RenderParams], chat_template: str | None = None,
+                  engine: int = 0) -> None:
+        """A batch to a render worker, whose inputs it sends on to engine core `engine`."""
         # NOBLOCK: a worker that died (no peer on its socket) raises zmq.Again instead of blocking.
         with self.send_lock:
             if self.closed:
                 raise zmq.Again()
-            frames = self.encoder.encode(m.RenderBatch(items, chat_template))
+            frames = self.encoder.encode(m.RenderBatch(items, chat_template, engine))
             self.work[worker].send_multipart(frames, zmq.NOBLOCK, copy=False)
 
-    def abort(self, request_ids: list[str]) -> None:
+    def abort(self, request_ids: list[str], engine: int | None = None) -> None:
+        """Drops these requests in engine core `engine` (None: in every engine core)."""
         with self.send_lock:
             if not request_ids or self.closed:
                 return
-            try:  # never block on an engine that is gone: its requests went with it
-                self.control.send_multipart(self.encoder.encode(m.Abort(request_ids)), zmq.NOBLOCK)
-            except zmq.Again:
-                log.warning("could not send an abort for %d requests: the engine core is not reachable",
-                            len(request_ids))
+            frames = self.encoder.encode(m.Abort(request_ids))
+            for k in range(self.num_engines) if engine is None else (engine,):
+                try:  # never block on an engine that is gone: its requests went with it
+                    self.controls[k].send_multipart(frames, zmq.NOBLOCK)
+                except zmq.Again:
+                    log.warning("could not send an abort for %d requests: %s is not reachable",
+                                len(request_ids), self.engines[k].name)
 
     # ---- health ------------------------------------------------------------------------
 
     def check_alive(self) -> list[int]:
-        """Raises EngineDeadError if the engine is gone or wedged; returns the indices of dead
-        workers (a wedged worker is killed first, so it is dead too)."""
-        if not self.engine.alive():
-            tail = self.engine.log_tail()
-            raise EngineDeadError(f"engine core exited with code {self.engine.proc.returncode}"
-                                  + (f"; its last output:\n{tail}" if tail else ""))
-        wedged = self._wedged("engine", 0)
-        if wedged:
-            self.engine.proc.kill()
-            raise EngineDeadError(f"engine core {wedged}; it was killed")
+        """Raises EngineDeadError if an engine core is gone or wedged (naming it); returns the
+        indices of dead workers (a wedged worker is killed first, so it is dead too)."""
+        for engine in self.engines:
+            if not engine.alive():
+                tail = engine.log_tail()
+                raise EngineDeadError(f"{engine.name} exited with code {engine.proc.returncode}"
+                                      + (f"; its last output:\n{tail}" if tail else ""))
+            wedged = self._wedged("engine", engine.index)
+            if wedged:
+                engine.proc.kill()
+                raise EngineDeadError(f"{engine.name} {wedged}; it was killed")
         dead = []
         for i, worker in enumerate(self.workers):
             if worker is None or i in self.down:
@@ -414,8 +468,8 @@ class ProcessGroup:
         # Every live child is asked on its own: one that cannot be reached must not keep the
         # others from their orderly exit (the rest are killed after the grace period).
         asks = [(sock, self.workers[i]) for i, sock in enumerate(getattr(self, "work", []))]
-        if hasattr(self, "control"):
-            asks.append((self.control, getattr(self, "engine", None)))
+        engines = getattr(self, "engines", [])
+        asks += [(sock, engines[k] if k < len(engines) else None) for k, sock in enumerate(getattr(self, "controls", []))]
         with self.send_lock:
             shutdown = self.encoder.encode(m.Shutdown())
             for sock, child in asks:

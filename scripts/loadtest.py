@@ -90,6 +90,8 @@ def run_once(model: str | None, workers: int, threads: int | None, texts: list[s
     with Pipeline(model=model, num_render_workers=workers, **batch_shape, **kwargs, **(pipeline_kwargs or {})) as pipe:
         pipe.embed(texts[:256], use_tqdm=False)  # warm-up
         pids = {"frontend": os.getpid(), "engine": pipe.pids["engine"]}
+        # Data parallel: the other engine cores are sampled too and folded into "engine" below.
+        pids.update({f"engine{k}": p for k, p in enumerate(pipe.pids.get("engines", [])) if k})
         pids.update({f"worker{i}": p for i, p in enumerate(pipe.pids["workers"])})
         sampler = Sampler(pids)
         cpu_before = cpu_seconds(pids)
@@ -107,6 +109,11 @@ def run_once(model: str | None, workers: int, threads: int | None, texts: list[s
         stats = pipe.stats()
     for name in procs:  # CPU microseconds per request, per process (the frontend's includes this loop)
         procs[name]["cpu_us_per_request"] = 1e6 * (cpu_after[name] - cpu_before[name]) / max(done, 1)
+    for name in [n for n in procs if n.startswith("engine") and n != "engine"]:  # all engine cores together
+        other = procs.pop(name)
+        procs["engine"]["cpu_pct"] += other["cpu_pct"]
+        procs["engine"]["cpu_us_per_request"] += other["cpu_us_per_request"]
+        procs["engine"]["rss_mb"] = max(procs["engine"]["rss_mb"], other["rss_mb"])
     complete = done == len(texts)
     engine_threads = stats["cpu_plan"]["engine_threads"] if threads is None else threads
     return {"workers": workers, "threads_requested": threads, "engine_threads": engine_threads,

@@ -351,6 +351,33 @@ def test_exit_codes_tell_usage_input_and_runtime_failures_apart(tmp_path, jsonl,
     assert manifest["records_done"] == 25 and not manifest["complete"]  # completed work kept, resumable
 
 
+def test_data_parallel_size_reaches_the_pipeline(tmp_path, jsonl, monkeypatch, capsys):
+    import pooling_pipeline
+    from pooling_pipeline.jobs.launcher import main
+
+    seen = {}
+
+    class Recording(FakePipeline):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            seen.update(kw)
+
+        def stats(self):  # a whole run's summary needs every stage
+            from pooling_pipeline.call_stats import CallStats
+
+            return {**CallStats(engines=2).as_dict(), "cpu_plan": {}}
+
+    monkeypatch.setattr(pooling_pipeline, "Pipeline", Recording)
+    out = tmp_path / "out"
+    assert main(["--input", str(jsonl), "--output", str(out), "--quiet", "--data-parallel-size", "2"]) == 0
+    assert seen["data_parallel_size"] == 2 and manifest_of(out)["complete"]
+    with pytest.raises(SystemExit) as info:  # argparse: a usage error
+        main(["--input", str(jsonl), "--output", str(tmp_path / "out-0"), "--data-parallel-size", "0"])
+    assert info.value.code == 2
+    assert main(["--input", str(jsonl), "--output", str(tmp_path / "out-ray"), "--ray", "--data-parallel-size", "2"]) == 2
+    assert "--ray-actors" in capsys.readouterr().err
+
+
 def _feed_and_signal(tmp_path, sig, to_group):
     """A job reading stdin gets 40 records, then stdin stays open: the job waits for more. Once 20
     records are committed, it gets `sig`. (--max-num-seqs 1 keeps the pipeline's window at 16

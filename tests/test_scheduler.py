@@ -119,3 +119,21 @@ def test_step_overhead_fills_batches_past_the_padding_cap():
         full.add(_req(i, length))
     assert len(tight.next_batch()) < len(lengths)  # padding cap: the batch stops early
     assert len(full.next_batch()) == len(lengths)  # a step that is mostly overhead takes them all
+
+
+def test_add_many_forms_the_same_batches_as_adding_one_by_one():
+    rng = random.Random(7)
+    one, many = Scheduler(32, 1024, 0.05, overhead_tokens=40), Scheduler(32, 1024, 0.05, overhead_tokens=40)
+    next_id = 0
+    for _ in range(200):
+        chunk = []
+        for _ in range(rng.randrange(1, 40)):
+            # now and then a re-sent request (an id still waiting, or already taken)
+            rid = rng.randrange(max(next_id, 1)) if rng.random() < 0.05 else next_id
+            next_id += rid == next_id
+            chunk.append(_req(rid, rng.choice([3, 5, 8, 9, 20, 31, 64, 100])))
+        replaced = sum(one.add(r) for r in chunk)
+        assert many.add_many(chunk) == replaced
+        for _ in range(rng.randrange(3)):
+            assert [r.request_id for r in one.next_batch()] == [r.request_id for r in many.next_batch()]
+    assert len(one) == len(many)

@@ -1,7 +1,8 @@
 """Render worker process: `python -m pooling_pipeline.workers.main '<WorkerConfig JSON>'`.
 
 Pulls RenderBatch from the frontend, renders it, pushes EngineInputBatch straight to the engine
-core and per-request failures back to the frontend. Started as its own module entry point (never
+core the batch names (one PUSH socket per engine core: data parallel engines are fed by the same
+workers) and per-request failures back to the frontend. Started as its own module entry point (never
 forked from the caller), so it works from scripts without a main guard and from notebooks. Every
 message carries the group's key; one that does not is dropped.
 """
@@ -57,7 +58,7 @@ def main(argv: list[str]) -> int:
         return 1
 
     work = socket(ctx, zmq.PULL, cfg.work_endpoint, bind=False)
-    to_engine = socket(ctx, zmq.PUSH, cfg.engine_endpoint, bind=False)
+    to_engines = [socket(ctx, zmq.PUSH, endpoint, bind=False) for endpoint in cfg.engine_endpoints]
     rule = renderer.tokenizer.rule
     to_front.send_multipart(encoder.encode(m.Ready(
         "worker", cfg.index, os.getpid(),
@@ -68,13 +69,13 @@ def main(argv: list[str]) -> int:
     )))
     clock = BusyClock()
     start_heartbeat(ctx, cfg.output_endpoint, "worker", cfg.index, clock, key)
-    run_maybe_profiled(lambda: serve(cfg, renderer, work, to_engine, to_front, clock, log, key), f"worker{cfg.index}")
+    run_maybe_profiled(lambda: serve(cfg, renderer, work, to_engines, to_front, clock, log, key), f"worker{cfg.index}")
     log.info("shutting down")
     ctx.destroy(linger=0)
     return 0
 
 
-def serve(cfg: WorkerConfig, renderer, work: zmq.Socket, to_engine: zmq.Socket, to_front: zmq.Socket,
+def serve(cfg: WorkerConfig, renderer, work: zmq.Socket, to_engines: list[zmq.Socket], to_front: zmq.Socket,
           clock: BusyClock, log, key: bytes) -> None:
     """The loop: RenderBatch in, EngineInputBatch (and RenderFailed) out, until Shutdown."""
     decoder, encoder = Decoder(m.WorkerInbound, key=key), Encoder(key)
@@ -91,6 +92,10 @@ def serve(cfg: WorkerConfig, renderer, work: zmq.Socket, to_engine: zmq.Socket, 
             continue
         if isinstance(msg, m.Shutdown):
             return
+        if not 0 <= msg.engine < len(to_engines):  # well-formed, but names no engine core of the group
+            dropped(ValueError(f"RenderBatch.engine={msg.engine} is outside [0, {len(to_engines)})"))
+            continue
+        to_engine = to_engines[msg.engine]
         with clock:
             inputs, failed = renderer.render(msg.items, msg.chat_template)
         render_s += clock.last_s

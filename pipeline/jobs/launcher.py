@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--workers", type=positive_int, default=None,
                     help="render worker processes (default: planned from the cores)")
     ap.add_argument("--max-num-seqs", type=positive_int, default=64, help="sequences per engine step" + d)
+    ap.add_argument("--data-parallel-size", type=positive_int, default=1, metavar="N",
+                    help="engine cores on this machine, fed by the same render workers: one GPU each (cuda:0 .. "
+                         "cuda:N-1), or a share of the CPU threads; across machines use --ray" + d)
     ap.add_argument("--truncate", type=positive_int, default=None, metavar="N",
                     help="keep at most N tokens per record (default: the model's max_seq_length)")
     ap.add_argument("--long-inputs", default="truncate", choices=LONG_INPUTS,
@@ -204,6 +207,9 @@ def run(args: argparse.Namespace, interrupt: Interrupt | None = None) -> int:
 
     if args.task == "sparse_embed" and args.precision != "float32":
         raise UsageError("--task sparse_embed stores (token id, weight) pairs in float32: drop --precision")
+    if args.ray and args.data_parallel_size != 1:
+        raise UsageError("--data-parallel-size is for a run on one machine; with --ray each actor is one process "
+                         "group on one GPU: use --ray-actors")
     if args.keep_fields and args.format != "parquet":
         raise UsageError("--keep-fields needs --format parquet (the columns go into the Parquet chunks)")
     clash = set(args.keep_fields) & {"id", "index", VECTOR_COLUMNS[args.task]}
@@ -366,7 +372,7 @@ class Job:
         launched = time.perf_counter()
         with Pipeline(model=args.model, revision=args.revision, trust_remote_code=args.trust_remote_code,
                       num_render_workers=args.workers, max_num_seqs=args.max_num_seqs, device=args.device,
-                      dtype=args.dtype) as pipe:
+                      dtype=args.dtype, data_parallel_size=args.data_parallel_size) as pipe:
             start = time.perf_counter()  # throughput is measured from here; start-up is reported apart
             if not args.quiet:
                 from tqdm.auto import tqdm
@@ -398,6 +404,7 @@ class Job:
             stats = _stats(pipe, start)
             stats["startup_s"] = start - launched
             stats["peak_rss_mb"] = {"frontend": peak_rss_mb(os.getpid()), "engine": peak_rss_mb(pipe.pids["engine"]),
+                                    "engines": [peak_rss_mb(p) for p in pipe.pids.get("engines", [])],
                                     "workers": [peak_rss_mb(p) for p in pipe.pids["workers"]]}
         return stats
 
@@ -468,8 +475,10 @@ def _print_summary(writer: ResultWriter, stats: dict, out_dir: str) -> None:
                        f"{stats['tokens'] / max(wall, 1e-9):,.0f} tokens/s"),
         ("engine busy", f"{stats['engine_busy_fraction']:.0%}"),
         ("padding efficiency", f"{1 - stats['padding_fraction']:.0%}"),
-        ("peak RSS", f"frontend {rss['frontend'] or 0:.0f} MB, engine {rss['engine'] or 0:.0f} MB, workers "
-                     + ", ".join(f"{w:.0f} MB" for w in rss["workers"] if w is not None)),
+        ("peak RSS", f"frontend {rss['frontend'] or 0:.0f} MB, "
+                     + (f"engine {rss['engine'] or 0:.0f} MB" if len(rss.get("engines") or [0]) <= 1 else
+                        "engines " + ", ".join(f"{e or 0:.0f} MB" for e in rss["engines"]))
+                     + ", workers " + ", ".join(f"{w:.0f} MB" for w in rss["workers"] if w is not None)),
         ("errors", f"{m['errors']}" + (f" (see {ERRORS})" if m["errors"] else "")),
         ("output", f"{out_dir}/ (metadata in {META_DIR}/)"),
     ], stats["records"], format_stats(stats))
