@@ -130,9 +130,11 @@ class EngineCore:
             self.runner = ModelRunner(cfg.model, cfg.device, cfg.dtype)
         on_cpu = str(self.runner.device) == "cpu"
         # A CPU step is done when launched; elsewhere the next one is launched before waiting.
-        # LAUNCH_AHEAD_ENV=1 forces launching ahead on a CPU too: how tests run the loop of the
-        # CUDA path (failures, aborts, chunks) on a machine without a GPU.
-        self.launch_ahead = not on_cpu or os.environ.get(LAUNCH_AHEAD_ENV) == "1"
+        # LAUNCH_AHEAD_ENV=1 forces launching ahead on a CPU too (how tests run the loop of the
+        # CUDA path -- failures, aborts, chunks -- without a GPU); =0 turns it off anywhere (to
+        # measure what it is worth).
+        forced = os.environ.get(LAUNCH_AHEAD_ENV)
+        self.launch_ahead = (not on_cpu) if forced not in ("0", "1") else forced == "1"
         self.max_num_batched_tokens = cfg.max_num_batched_tokens or max(
             CPU_BATCH_TOKENS if on_cpu else GPU_BATCH_TOKENS, cfg.model.max_model_len)
         # What one step's fixed cost is worth in padded tokens: lets the scheduler fill batches

@@ -41,6 +41,7 @@ from tiny_models import TINY_BATCH_SHAPE, build_tiny_model  # noqa: E402
 
 from pooling_pipeline import Pipeline  # noqa: E402
 from pooling_pipeline.call_stats import format_stats  # noqa: E402
+from pooling_pipeline.core.config import default_model_path  # noqa: E402
 from pooling_pipeline.cpu_plan import available_cores  # noqa: E402
 
 
@@ -84,8 +85,8 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
-def run_once(model: str | None, workers: int, threads: int | None, texts: list[str], max_seconds: float,
-             batch_shape: dict, pipeline_kwargs: dict | None = None) -> dict:
+def run_once(model: str | None, workers: int, threads: int | None, texts: list, max_seconds: float,
+             batch_shape: dict, pipeline_kwargs: dict | None = None, max_tokens: int | None = None) -> dict:
     kwargs = {} if threads is None else {"engine_threads": threads}
     with Pipeline(model=model, num_render_workers=workers, **batch_shape, **kwargs, **(pipeline_kwargs or {})) as pipe:
         pipe.embed(texts[:256], use_tqdm=False)  # warm-up
@@ -97,7 +98,7 @@ def run_once(model: str | None, workers: int, threads: int | None, texts: list[s
         cpu_before = cpu_seconds(pids)
         start = time.perf_counter()
         done = 0
-        for out in pipe.embed_stream(iter(texts)):
+        for out in pipe.embed_stream(iter(texts), truncate_prompt_tokens=max_tokens):
             if out.index != done:
                 raise SystemExit(f"order broken: expected {done}, got {out.index}")
             done += 1
@@ -130,7 +131,6 @@ def tokenizer_cost_us(texts: list[str], max_tokens: int = 256) -> float:
     truncation, the bundled tokenizer -- the floor a render worker is compared with."""
     from tokenizers import Tokenizer
 
-    from pooling_pipeline.core.config import default_model_path
 
     tok = Tokenizer.from_file(os.path.join(default_model_path(), "tokenizer.json"))
     tok.enable_truncation(max_length=max_tokens)
@@ -143,19 +143,24 @@ def tokenizer_cost_us(texts: list[str], max_tokens: int = 256) -> float:
     return 1e6 * best / len(texts)
 
 
-def capacity_table(run: dict, sim, tokenizer_us: float, max_num_seqs: int) -> list[str]:
-    """From one measured run: each stage's CPU per request, and what a node of C cores would reach
+def capacity_table(run: dict, sim, tokenizer_us: float, max_num_seqs: int, ids_run: dict | None = None) -> list[str]:
+    """From measured runs: each stage's CPU per request, and what a node of C cores would reach
     with this device -- each process needs about one core; render workers are added until they
-    stop being the bottleneck; data-parallel engines (one device each) lift the engine's cap."""
+    stop being the bottleneck; data-parallel engines (one device each) lift the engine's cap.
+    With `ids_run` (the same texts fed as token ids: the engine nearer saturation, in fuller
+    steps, as on a big node) the engine's and frontend's costs come from it, the workers' from `run`."""
     p = run["processes"]
+    worker = sum(v["cpu_us_per_request"] for k, v in p.items() if k.startswith("worker"))
+    if ids_run is not None:
+        p = ids_run["processes"]
     frontend = p["frontend"]["cpu_us_per_request"]
     engine = p["engine"]["cpu_us_per_request"]
-    worker = sum(v["cpu_us_per_request"] for k, v in p.items() if k.startswith("worker"))
     per_batch = run["requests"] / max(run["batches"], 1)
     padded_per_request = run["padded_tokens"] / max(run["requests"], 1)
     # A saturated engine forms full batches: the device's rate at max_num_seqs requests a step.
     device_rate = max_num_seqs / (sim.step_s + sim.token_s * max_num_seqs * padded_per_request)
-    lines = [f"CPU per request: frontend {frontend:.1f} us, engine core {engine:.1f} us, render worker {worker:.1f} us "
+    source = "" if ids_run is None else " (frontend and engine core measured with token-id inputs)"
+    lines = [f"CPU per request{source}: frontend {frontend:.1f} us, engine core {engine:.1f} us, render worker {worker:.1f} us "
              f"(the tokenizers library alone: {tokenizer_us:.1f} us, ratio {worker / tokenizer_us:.2f}x)",
              f"simulated device {sim.name}: a = {sim.step_s * 1e6:.0f} us/step, b = {sim.token_s * 1e9:.3f} ns/token; "
              f"measured {per_batch:.0f} requests a step, {padded_per_request:.1f} padded tokens per request -> "
@@ -202,6 +207,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=None, help="per run (default: 40000 tiny, 2000 real)")
     ap.add_argument("--texts", choices=["short", "medium"], default="short",
                     help="short sentences (~24 tokens) or medium texts (600-4000 characters, kept to 256 tokens)")
+    ap.add_argument("--inputs", choices=["text", "ids", "both"], default="text",
+                    help="ids: the same texts tokenized beforehand (int32 arrays), so the render workers cost "
+                         "almost nothing and the engine core and frontend are measured nearer saturation; "
+                         "both: text runs, then ids runs (the capacity table then takes the render workers' "
+                         "cost from the text runs and the engine's and frontend's from the ids runs)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="truncate_prompt_tokens for every request")
     ap.add_argument("--max-seconds", type=float, default=120)
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: 256 tiny, the Pipeline's default real")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -227,44 +238,58 @@ def main() -> None:
     pool = corpus.sentences(5000, seed=5) if args.texts == "short" else \
         corpus.medium_texts(2000, seed=5, min_chars=600, max_chars=4000)
     texts = [pool[i % len(pool)] for i in range(n)]
+    feeds = {"text": texts}
+    if args.inputs != "text":  # tokenized once here, as a user with a pre-tokenized corpus would have them
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model or default_model_path())
+        encoded = tok(pool, truncation=True, max_length=args.max_tokens or 256)["input_ids"]
+        id_pool = [np.asarray(ids, dtype=np.int32) for ids in encoded]
+        feeds["ids"] = [id_pool[i % len(id_pool)] for i in range(n)]
+        if args.inputs == "ids":
+            del feeds["text"]
     batch_shape = {}
     if args.max_num_seqs or args.regime != "real":
         batch_shape["max_num_seqs"] = args.max_num_seqs or TINY_BATCH_SHAPE["max_num_seqs"]
     if args.max_num_batched_tokens or args.regime != "real":
         batch_shape["max_num_batched_tokens"] = args.max_num_batched_tokens or TINY_BATCH_SHAPE["max_num_batched_tokens"]
     runs = []
-    for threads in args.threads or [None]:
-        for workers in workers_list:
-            run = run_once(model, workers, threads, texts, args.max_seconds, batch_shape, pipeline_kwargs)
-            runs.append(run)
-            print(f"workers {workers} threads {run['engine_threads']}: {run['requests_per_s']:,.0f} req/s, "
-                  f"engine busy {run['engine_busy']:.0%}", flush=True)
-            for line in run["stats_lines"]:
-                print(f"  {line}")
+    for kind, feed in feeds.items():
+        for threads in args.threads or [None]:
+            for workers in workers_list:
+                run = run_once(model, workers, threads, feed, args.max_seconds, batch_shape, pipeline_kwargs,
+                               args.max_tokens)
+                run["inputs"] = kind
+                runs.append(run)
+                print(f"inputs {kind}, workers {workers} threads {run['engine_threads']}: "
+                      f"{run['requests_per_s']:,.0f} req/s, engine busy {run['engine_busy']:.0%}", flush=True)
+                for line in run["stats_lines"]:
+                    print(f"  {line}")
 
     print(f"\nregime {args.regime}, {n:,} {args.texts} texts per run, {cores} cores, batch shape {batch_shape or 'default'}")
-    print("| workers | engine threads | requests/s | tokens/s | engine busy | padding eff. | complete+ordered "
+    print("| inputs | workers | engine threads | requests/s | tokens/s | engine busy | padding eff. | complete+ordered "
           "| CPU% frontend / engine / workers | peak RSS MB frontend / engine / workers |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
         p = r["processes"]
         worker_cpu = " ".join(f"{v['cpu_pct']:.0f}" for k, v in p.items() if k.startswith("worker"))
         worker_rss = " ".join(f"{v['rss_mb']:.0f}" for k, v in p.items() if k.startswith("worker"))
-        print(f"| {r['workers']} | {r['engine_threads']} | {r['requests_per_s']:,.0f} | {r['tokens_per_s']:,.0f} "
+        print(f"| {r['inputs']} | {r['workers']} | {r['engine_threads']} | {r['requests_per_s']:,.0f} | {r['tokens_per_s']:,.0f} "
               f"| {r['engine_busy']:.0%} | {r['padding_efficiency']:.0%} | {'yes' if r['complete'] else 'no (time limit)'} "
               f"| {p['frontend']['cpu_pct']:.0f} / {p['engine']['cpu_pct']:.0f} / {worker_cpu} "
               f"| {p['frontend']['rss_mb']:.0f} / {p['engine']['rss_mb']:.0f} / {worker_rss} |")
-    print("| workers | CPU us/request frontend / engine / workers |")
-    print("|---|---|")
+    print("| inputs | workers | requests a step | CPU us/request frontend / engine / workers |")
+    print("|---|---|---|---|")
     for r in runs:
         p = r["processes"]
         workers_us = sum(v["cpu_us_per_request"] for k, v in p.items() if k.startswith("worker"))
-        print(f"| {r['workers']} | {p['frontend']['cpu_us_per_request']:.1f} / {p['engine']['cpu_us_per_request']:.1f}"
-              f" / {workers_us:.1f} |")
+        print(f"| {r['inputs']} | {r['workers']} | {r['requests'] / max(r['batches'], 1):.0f} "
+              f"| {p['frontend']['cpu_us_per_request']:.1f} / {p['engine']['cpu_us_per_request']:.1f} / {workers_us:.1f} |")
     if sim is not None:
         print()
-        for line in capacity_table(min(runs, key=lambda r: r["workers"]), sim, tokenizer_cost_us(texts[:5000]),
-                                   batch_shape["max_num_seqs"]):
+        first = {kind: min((r for r in runs if r["inputs"] == kind), key=lambda r: r["workers"]) for kind in feeds}
+        for line in capacity_table(first.get("text", first.get("ids")), sim, tokenizer_cost_us(texts[:5000]),
+                                   batch_shape["max_num_seqs"], ids_run=first.get("ids") if "text" in first else None):
             print(line)
     for setting, group in series(runs).items():
         base = next((r for r in group if r["workers"] == 1), None)
