@@ -301,7 +301,8 @@ class EngineCore:
             keep = [i for i, r in enumerate(batch) if r.chunk < 0 or r.request_id not in self.aborted]
             if len(keep) < len(batch):
                 self.window.release(len(batch) - len(keep))
-                batch, results = [batch[i] for i in keep], [results[i] for i in keep]
+                batch = [batch[i] for i in keep]
+                results = results[keep] if isinstance(results, np.ndarray) else [results[i] for i in keep]
                 if not batch:
                     return
         self.outbox.put(((batch, results, padded, device_s, in_core), len(batch)))
@@ -435,12 +436,17 @@ class OutputWriter:
             window.release(count)
 
     def _pack(self, batch, results, padded: int, device_s: float, in_core: int) -> m.OutputBatch:
+        render_s, admit_s = self.engine.times.take()
+        if isinstance(results, np.ndarray):  # [n, dim]: travels as it is, one row per output
+            outputs = [m.PoolingOutput(r.request_id, r.index, len(r.token_ids), chunk=r.chunk, num_chunks=r.num_chunks)
+                       for r in batch]
+            return m.OutputBatch(outputs, device_s, padded, in_core, np.ascontiguousarray(results, dtype=np.float32),
+                                 render_s, admit_s)
         outputs = [m.PoolingOutput(r.request_id, r.index, len(r.token_ids), data=v, chunk=r.chunk,
                                    num_chunks=r.num_chunks) for r, v in zip(batch, results)]
         if self.sparse:  # (token ids, weights) pairs
             for out in outputs:
                 out.indices, out.data = out.data
-        render_s, admit_s = self.engine.times.take()
         return m.OutputBatch.pack(outputs, device_s, padded, in_core, render_s, admit_s)
 
 

@@ -95,9 +95,10 @@ class ModelRunner:
         per_token = max((large - small) / max(large_tokens - small_tokens, 1), 1e-12)
         return max(small - per_token * small_tokens, 0.0), per_token
 
-    def run(self, batch: list[PoolingEngineInput]) -> tuple[list, int]:
+    def run(self, batch: list[PoolingEngineInput]) -> tuple[list | np.ndarray, int]:
         """Runs a batch start to finish: one result per request -- a float32 array, or (token ids,
-        weights) for sparse_embed -- and the number of padded tokens computed."""
+        weights) for sparse_embed; an [n, dim] matrix when they are all vectors of one size --
+        and the number of padded tokens computed."""
         results, padded, _ = self.finish(self.launch(batch))
         return results, padded
 
@@ -184,10 +185,14 @@ class ModelRunner:
                 pooled = self.sentence_head(pooled)
             tensors.append(pooled)
 
-        def finish(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        def finish(arrays: list[np.ndarray]) -> list[np.ndarray] | np.ndarray:
             out: list = [None] * len(batch)
             for ((task, dimensions, normalize), rows), values in zip(groups.items(), arrays):
                 vectors = finish_embeddings(values, dimensions, normalize)
+                if task != "token_embed" and len(rows) == len(batch):  # one group: the matrix as it is
+                    if dimensions is None and self.spec.truncate_dim is not None:
+                        vectors = vectors[:, : self.spec.truncate_dim]
+                    return vectors
                 if task == "token_embed":
                     for i, row in enumerate(rows):
                         out[row] = vectors[i, : int(lengths_np[row])]

@@ -101,15 +101,15 @@ class SimRunner:
         padded = len(batch) * max(map(len, ids))
         device_s = self.sim.step_s + self.sim.token_s * padded
         self.free_at = max(time.perf_counter(), self.free_at) + device_s
-        return list(self.table[sim_keys(ids)]), padded, device_s, self.free_at
+        return self.table[sim_keys(ids)], padded, device_s, self.free_at
 
-    def finish(self, step) -> tuple[list[np.ndarray], int, float]:
+    def finish(self, step) -> tuple[np.ndarray, int, float]:
         rows, padded, device_s, done_at = step
         wait = done_at - time.perf_counter()
         if wait > 0:
             time.sleep(wait)  # the device is busy; the CPU is not
         return rows, padded, device_s
 
-    def run(self, batch) -> tuple[list[np.ndarray], int]:
+    def run(self, batch) -> tuple[np.ndarray, int]:
         rows, padded, _ = self.finish(self.launch(batch))
         return rows, padded

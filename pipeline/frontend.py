@@ -70,7 +70,10 @@ def new_call_prefix() -> str:
 
 def request_size(request: m.RenderParams) -> int:
     """Roughly the characters (or token ids) held for a request."""
-    size = len(request.prompt or "") + len(request.pair or "")
+    prompt = request.prompt
+    if prompt and request.pair is None:  # the usual case, first
+        return len(prompt)
+    size = len(prompt or "") + len(request.pair or "")
     if request.token_ids is not None:
         size += request.token_ids.size
     if request.conversation is not None:
@@ -712,11 +715,10 @@ class Call:
         depths["batch_size"].add(len(msg.outputs))
         depths["frontend_inflight"].add(self.issued - self.next_index)
         depths["reorder_buffer"].add(len(self.ready))
-        accepted = 0
-        settled: Counter = Counter()
-        engines: Counter = Counter()
-        chars = 0
-        inflight = self.inflight
+        accepted = tokens = chars = 0
+        workers: list[int] = []  # of each request settled (counted once at the end)
+        engine_of: list[int] = []
+        inflight, ready = self.inflight, self.ready
         engine = -1  # which engine core computed this batch (a batch comes from one): from its requests
         for out in msg.outputs:
             entry = inflight.get(out.request_id)
@@ -736,13 +738,15 @@ class Call:
                 out = chunks.finish(out, entry[0].params, self.default_normalize)
                 del self.chunks[out.request_id]
             del inflight[out.request_id]
-            settled[entry[1]] += 1
-            engines[entry[4]] += 1
+            workers.append(entry[1])
+            engine_of.append(entry[4])
             chars += entry[3]
-            self.ready[out.index] = out
-            stats.requests += 1
-            stats.prompt_tokens += out.num_prompt_tokens
+            ready[out.index] = out
+            tokens += out.num_prompt_tokens
             accepted += 1
+        stats.requests += accepted
+        stats.prompt_tokens += tokens
+        settled, engines = Counter(workers), Counter(engine_of)
         if engine >= 0 and stats.engines > 1:
             stats.engine_busy_per_engine[engine] = stats.engine_busy_per_engine.get(engine, 0.0) + msg.busy_s
             stats.batches_per_engine[engine] = stats.batches_per_engine.get(engine, 0) + 1

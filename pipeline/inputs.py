@@ -226,13 +226,30 @@ def _requests(prompts: Iterator, opts: CallOptions, spec: ModelSpec, num_special
     priority_it, priority_count = priorities
     prefix_it, prefix_count = prefixes
     per_request_counts = ((params_count, "pooling_params"), (priority_count, "priority"), (prefix_count, "prompt"))
+    limits = [(count, name) for count, name in per_request_counts if count is not None]
+    # The usual request (a text, one set of options for the call) is built without a detour.
+    plain_text = not opts.pairs and not opts.plugin
     index = -1
     for index, prompt in enumerate(prompts):
-        for count, name in per_request_counts:
-            if count is not None and index >= count:
+        for count, name in limits:
+            if index >= count:
                 raise ValueError(f"{name} has {count} entries but there are more prompts "
                                  f"(prompt {index} has none)")
         p, priority, text_prefix = next(params_it), next(priority_it), next(prefix_it)
+        if plain_text and type(prompt) is str and (prompt.isascii() or _valid_unicode(prompt)) and (
+                text_prefix is None or opts.long_inputs != "chunk"):
+            try:
+                max_tokens = resolve_max_tokens(spec, opts, num_special_tokens, p, index)
+            except ValueError as e:
+                if opts.errors != "return":
+                    raise
+                yield FailedRequest(f"{id_prefix}{index}", index, str(e))
+                continue
+            yield RenderParams(f"{id_prefix}{index}", index, opts.task, max_tokens, p, prompt,
+                               max_query_tokens=opts.max_tokens_per_query, max_doc_tokens=opts.max_tokens_per_doc,
+                               priority=priority, truncate_left=truncate_left, long_inputs=opts.long_inputs,
+                               chunk_overlap=opts.chunk_overlap, text_prefix=text_prefix)
+            continue
         try:
             fields: dict[str, Any] = {}
             if opts.pairs:
@@ -296,6 +313,15 @@ def parse_prompt(prompt: object, index: int, spec: ModelSpec) -> dict[str, Any]:
         raise TypeError(f"request {index}: prompt is None")
     raise TypeError(f"request {index}: a prompt must be a str, a list of token ids, a dict or a "
                     f"conversation, got {type(prompt).__name__}")
+
+
+def _valid_unicode(text: str) -> bool:
+    """No lone surrogate (which cannot be encoded, so no tokenizer can take it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def check_text(text: object, index: int, what: str = "text") -> str:
