@@ -49,6 +49,7 @@ from pooling_pipeline.errors import EngineDeadError, PipelineError, WorkerStartE
 
 log = logging.getLogger("pipeline")
 
+SHUTDOWN_SEND_RETRY_S = 1.0  # how long close() keeps asking a child whose connection is not attached yet
 SHUTDOWN_GRACE_S = 5.0  # a child exits in about a second; under load torch teardown takes longer
 LOG_TAIL_CHARS = 3000
 DIR_PREFIX = "pooling-pipeline-"
@@ -472,12 +473,27 @@ class ProcessGroup:
         asks += [(sock, engines[k] if k < len(engines) else None) for k, sock in enumerate(getattr(self, "controls", []))]
         with self.send_lock:
             shutdown = self.encoder.encode(m.Shutdown())
-            for sock, child in asks:
-                if child is not None and child.alive():
+            # A child's connection to a socket we bound may not be attached yet (a group closed
+            # right after it started: the child's Ready can arrive first), and then a send finds
+            # no peer (EAGAIN): those are asked again for a short while, never blocking on one.
+            retry_until = time.monotonic() + SHUTDOWN_SEND_RETRY_S
+            while asks:
+                unreached = []
+                for sock, child in asks:
+                    if child is None or not child.alive():
+                        continue
                     try:
                         sock.send_multipart(shutdown, zmq.NOBLOCK)
+                    except zmq.Again:
+                        unreached.append((sock, child))
                     except zmq.ZMQError as e:
                         log.debug("could not ask %s to shut down: %s", child.name, e)
+                asks = unreached
+                if asks and time.monotonic() >= retry_until:
+                    log.debug("could not ask %s to shut down: no connection", ", ".join(c.name for _, c in asks))
+                    break
+                if asks:
+                    time.sleep(0.01)
         deadline = time.monotonic() + SHUTDOWN_GRACE_S
         for child in self.children:
             try:

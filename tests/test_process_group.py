@@ -161,6 +161,18 @@ def test_close_asks_every_child_even_when_one_cannot_be_reached():
     assert wait_gone([group.workers[0].proc.pid], 5.0) == []
 
 
+def test_a_group_closed_right_after_it_started_shuts_every_child_down_in_order():
+    """A child's connection to the frontend's control socket can attach after its Ready arrived;
+    a Shutdown sent then found no peer (EAGAIN) and the engine was SIGKILLed after the grace
+    period (1 start-and-close in ~8). close() asks again for a short while."""
+    for _ in range(4):
+        pipe = Pipeline(num_render_workers=1)
+        group = pipe._group
+        pipe.close()
+        assert group.engine.proc.returncode == 0
+        assert group.workers[0].proc.returncode == 0
+
+
 def test_a_forked_child_can_neither_use_nor_tear_down_the_parents_group(tmp_path):
     """The exit handler and the sockets belong to the process that made the group: a forked child
     that exits normally leaves the parent's ipc directory alone (a later worker restart needs it),
