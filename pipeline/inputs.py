@@ -372,8 +372,11 @@ def _check_token_ids(ids: object, index: int, spec: ModelSpec) -> np.ndarray:
         raise ValueError(f"request {index}: the prompt's token id list is empty")
     if arr.dtype.kind not in "iu":
         raise TypeError(f"request {index}: token ids must be integers, got {arr.dtype} values")
-    low, high = int(arr.min()), int(arr.max())
-    if low < 0 or high >= spec.vocab_size:
+    # One reduction: as unsigned, a negative id is huge, so the maximum alone finds any id out of range.
+    unsigned = arr.view(np.uint32 if arr.itemsize == 4 else np.uint64) if arr.itemsize in (4, 8) and arr.dtype.kind == "i" \
+        else arr.astype(np.int64).view(np.uint64)
+    if int(unsigned.max()) >= spec.vocab_size:
+        low, high = int(arr.min()), int(arr.max())
         bad = low if low < 0 else high
         position = int(np.flatnonzero(arr == bad)[0])
         raise ValueError(f"request {index}: token id {bad} at position {position} is outside the "
