@@ -3,9 +3,11 @@
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import corpus
@@ -128,7 +130,10 @@ def test_sigkill_then_resume_gives_identical_output(tmp_path, jsonl):
     _run(["--input", str(jsonl), "--output", str(clean), "--chunk-rows", "10", "--precision", "int8",
           "--int8-calibration-rows", "20"])
     clean_ids, clean_data = load_results(clean)
-    env = dict(os.environ)
+    # SIGKILL of the whole process group leaves no process to remove the group's socket
+    # directory: the launcher's temporary directory is one this test removes.
+    ipc_tmp = tempfile.mkdtemp(prefix="sigkill-")
+    env = dict(os.environ, TMPDIR=ipc_tmp)
     rng = random.Random(3)
     for trial in range(3):
         out = tmp_path / f"crash{trial}"
@@ -158,6 +163,7 @@ def test_sigkill_then_resume_gives_identical_output(tmp_path, jsonl):
         # composition (in the last bits): after int8 rounding a value may land one step away.
         step = max(manifest_of(out)["int8"]["steps"])
         assert np.abs(data - clean_data).max() <= step * 1.001 + 1e-6
+    shutil.rmtree(ipc_tmp, ignore_errors=True)
 
 
 def test_resume_refuses_a_different_job_and_a_plain_rerun_refuses_to_overwrite(tmp_path, jsonl):
