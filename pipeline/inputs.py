@@ -372,10 +372,9 @@ def _check_token_ids(ids: object, index: int, spec: ModelSpec) -> np.ndarray:
         raise ValueError(f"request {index}: the prompt's token id list is empty")
     if arr.dtype.kind not in "iu":
         raise TypeError(f"request {index}: token ids must be integers, got {arr.dtype} values")
-    # One reduction: as unsigned, a negative id is huge, so the maximum alone finds any id out of range.
-    unsigned = arr.view(np.uint32 if arr.itemsize == 4 else np.uint64) if arr.itemsize in (4, 8) and arr.dtype.kind == "i" \
-        else arr.astype(np.int64).view(np.uint64)
-    if int(unsigned.max()) >= spec.vocab_size:
+    # One reduction: read as unsigned, a negative id is huge, so the maximum alone finds any id out of range.
+    as_int64 = arr if arr.dtype == np.int64 else arr.astype(np.int64)
+    if int(as_int64.view(np.uint64).max()) >= spec.vocab_size:
         low, high = int(arr.min()), int(arr.max())
         bad = low if low < 0 else high
         position = int(np.flatnonzero(arr == bad)[0])

@@ -1,11 +1,16 @@
-"""What several test files need: waiting for processes to be gone, the repository's root."""
+"""What several test files need: waiting for processes to be gone, killing one mid-stream, the
+repository's root."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "pipeline" / "jobs" / "data" / "sample.jsonl"
@@ -27,3 +32,24 @@ def running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def stream_until_killed(pipe, pid: int, texts: list[str], error: type[BaseException], match: str,
+                        after_s: float = 1.0) -> float:
+    """Streams `texts` over and over through `pipe`, SIGKILLs `pid` `after_s` seconds in, checks
+    that the stream raises `error` matching `match`, and returns the seconds it took from the start."""
+
+    def endless():
+        while True:
+            yield from texts
+
+    killer = threading.Timer(after_s, os.kill, (pid, signal.SIGKILL))
+    killer.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(error, match=match):
+            for _ in pipe.embed_stream(endless()):
+                pass
+    finally:
+        killer.join()
+    return time.monotonic() - start

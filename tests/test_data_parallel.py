@@ -4,14 +4,13 @@ core processes fed by the same render workers; results, order, failures and stat
 import itertools
 import os
 import signal
-import threading
 import time
 
 import corpus
 import numpy as np
 import psutil
 import pytest
-from helpers import running, wait_gone
+from helpers import running, stream_until_killed, wait_gone
 
 from pooling_pipeline import EngineDeadError, Pipeline, PipelineError
 from pooling_pipeline.core import messages as m
@@ -116,19 +115,8 @@ def test_killing_one_of_two_engine_cores_fails_the_call_naming_it_and_stops_the_
     try:
         victim = pipe.pids["engines"][1]
         group_pids = _group_pids(pipe)
-
-        def endless():
-            while True:
-                yield from texts
-
-        killer = threading.Timer(1.0, os.kill, (victim, signal.SIGKILL))
-        killer.start()
-        start = time.monotonic()
-        with pytest.raises(EngineDeadError, match=r"engine core 1 exited with code -9"):
-            for _ in pipe.embed_stream(endless()):
-                pass
-        killer.join()
-        assert time.monotonic() - start < 1.0 + 10.0
+        took = stream_until_killed(pipe, victim, texts, EngineDeadError, r"engine core 1 exited with code -9")
+        assert took < 1.0 + 10.0
         assert wait_gone(group_pids, 10.0) == []  # the other engine core and the workers were stopped
         left = [p.pid for p in psutil.Process().children(recursive=True) if p.pid in group_pids and running(p.pid)]
         assert left == []

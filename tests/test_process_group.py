@@ -6,13 +6,12 @@ import signal
 import stat
 import subprocess
 import sys
-import threading
 import time
 
 import corpus
 import numpy as np
 import pytest
-from helpers import wait_gone
+from helpers import stream_until_killed, wait_gone
 from tiny_models import faulty_model_dir
 
 from pooling_pipeline import EngineDeadError, Pipeline, PipelineError, StepError
@@ -105,18 +104,8 @@ def test_engine_killed_mid_call_raises_within_seconds():
         engine_pid = pipe.pids["engine"]
         workers = pipe.pids["workers"]
         texts = corpus.sentences(200, seed=51)
-
-        def endless():
-            while True:
-                yield from texts
-
-        killer = threading.Timer(1.0, os.kill, (engine_pid, signal.SIGKILL))
-        killer.start()
-        start = time.monotonic()
-        with pytest.raises(EngineDeadError, match="engine core exited"):
-            for _ in pipe.embed_stream(endless()):
-                pass
-        assert time.monotonic() - start < 1.0 + 5.0
+        took = stream_until_killed(pipe, engine_pid, texts, EngineDeadError, "engine core exited")
+        assert took < 1.0 + 5.0
         assert wait_gone(workers, 5.0) == []  # the rest of the group was stopped
         with pytest.raises(PipelineError, match="closed"):
             pipe.embed(["x"], use_tqdm=False)
