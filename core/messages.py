@@ -112,9 +112,57 @@ class PoolingOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class RenderBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
-    items: list[RenderParams]
+    """Requests for a render worker. Token-id prompts travel packed (`pack` / `unpack`): one
+    array for the message, like EngineInputBatch, not one encoded array per request."""
+
+    items: list[RenderParams]  # token_ids None where they are in `token_ids` below
     chat_template: str | None = None  # the call's template for conversations (once per batch)
     engine: int = 0  # data parallel: the engine core these requests go to (the frontend picks it)
+    token_ids: np.ndarray | None = None  # int32: the ids of the items in `with_ids`, back to back
+    lengths: np.ndarray | None = None  # int64, one per item in `with_ids`
+    with_ids: np.ndarray | None = None  # int64: positions in `items` of the token-id prompts
+
+    @classmethod
+    def encode_packed(cls, encoder, items: list[RenderParams], chat_template: str | None = None,
+                      engine: int = 0) -> list:
+        """The frames of a batch of these items with their ids packed. The items are the
+        frontend's own (kept to re-send): their ids are taken out only while encoding."""
+        with_ids = [i for i, item in enumerate(items) if item.token_ids is not None]
+        if not with_ids:
+            return encoder.encode(cls(items, chat_template, engine))
+        arrays = [items[i].token_ids for i in with_ids]
+        batch = cls(items, chat_template, engine, np.concatenate(arrays).astype(np.int32, copy=False),
+                    np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays)),
+                    np.asarray(with_ids, dtype=np.int64))
+        try:
+            for i in with_ids:
+                items[i].token_ids = None
+            return encoder.encode(batch)
+        finally:
+            for i, ids in zip(with_ids, arrays):
+                items[i].token_ids = ids
+
+    def unpack(self) -> list[RenderParams]:
+        """The items, each token-id prompt with a view of its ids. ValueError when the parts do
+        not fit together."""
+        if self.token_ids is None and self.lengths is None and self.with_ids is None:
+            return self.items
+        ids, lengths, where = self.token_ids, self.lengths, self.with_ids
+        if (ids is None or lengths is None or where is None or ids.ndim != 1 or lengths.ndim != 1
+                or where.ndim != 1 or lengths.dtype.kind != "i" or where.dtype.kind != "i"
+                or len(lengths) != len(where) or (lengths.size and int(lengths.min()) < 0)
+                or int(lengths.sum()) != ids.size
+                or (where.size and (int(where.min()) < 0 or int(where.max()) >= len(self.items)))
+                or len(set(where.tolist())) != where.size):
+            raise ValueError("packed token ids do not match the items")
+        start = 0
+        for i, length in zip(where.tolist(), lengths.tolist()):
+            item = self.items[i]
+            if item.token_ids is not None or item.prompt is not None or item.conversation is not None:
+                raise ValueError(f"item {i} has packed token ids and another input")
+            item.token_ids = ids[start:start + length]
+            start += length
+        return self.items
 
 
 class EngineInputBatch(msgspec.Struct, tag=True, array_like=True):

@@ -62,6 +62,9 @@ CALL_WAIT_S = 0.5  # a call re-checks the dispatcher at least this often while i
 MAX_INFLIGHT_CHARS = 64 * 1024 * 1024
 # External ids: a random call prefix (unguessable: 64 bits) then the request's index.
 PREFIX_LEN = 17
+# A call holds back a partial message while this many full messages' worth of its requests are in
+# flight (the pipeline stays fed) and waits for slots to fill a whole one.
+FULL_BATCH_WAIT_MIN_MESSAGES = 4
 
 
 def new_call_prefix() -> str:
@@ -642,6 +645,8 @@ class Call:
         if self.exhausted:
             return
         dispatcher = self.dispatcher
+        if self._can_wait_for_a_full_batch():
+            return
         pending: list[m.RenderParams] = []
         sizes: list[int] = []
         pending_chars = 0
@@ -683,6 +688,24 @@ class Call:
         inflight = self.issued - self.next_index
         if inflight > self.stats.max_inflight_seen:
             self.stats.max_inflight_seen = inflight
+
+    def _can_wait_for_a_full_batch(self) -> bool:
+        """Whether to send nothing this turn: fewer slots are free than one full message and
+        enough requests are in flight to keep the workers and the engine busy meanwhile.
+        Results come back a step at a time (a fast device: a dozen requests); refilling each
+        step's slots at once would send as many small messages, and every process pays per
+        message. (Unlocked reads: a stale value only delays or hastens one send.)"""
+        dispatcher = self.dispatcher
+        inflight = self.issued - self.next_index
+        if inflight < FULL_BATCH_WAIT_MIN_MESSAGES * self.batch_items:
+            return False
+        share = max(1, dispatcher.max_inflight // max(1, len(dispatcher.drawing)))
+        available = self.granted + min(dispatcher.free, share - self.held)
+        if available >= self.batch_items:
+            return False
+        with dispatcher.lock:  # woken when slots come back (release wakes the waiters)
+            dispatcher.waiters.add(self)
+        return True
 
     def _send(self, batch: list[m.RenderParams], sizes: list[int]) -> None:
         """One batch (at most batch_items) to a worker, or into the backlog when none can take it."""

@@ -94,8 +94,48 @@ def build_requests(prompts: object, opts: CallOptions, spec: ModelSpec, tokeniza
     priorities = per_request(0 if opts.priority is None else opts.priority, "priority", check_priority, count)
     prefixes = _prompt_prefixes(opts, spec, count)
     side = opts.truncation_side or tokenization.truncation_side
+    id_blocks = TokenIdBlocks(items, spec.vocab_size) if isinstance(items, (list, tuple)) and not opts.pairs \
+        and not opts.plugin else None
     return _requests(iter(items), opts, spec, tokenization.num_special_tokens, side == "left", id_prefix,
-                     params, priorities, prefixes), count
+                     params, priorities, prefixes, id_blocks), count
+
+
+class TokenIdBlocks:
+    """Token-id prompts of a list, checked a block at a time: one concatenation and one range
+    check for a thousand integer arrays instead of a few numpy calls each (numpy's per-call cost
+    is most of what a short prompt costs). `ids(index)` is the prompt's ids as an int32 view of
+    its block's copy, or None when the prompt is not a 1-D integer array or its block holds an
+    id out of range: such a prompt takes the per-request check, which names what is wrong."""
+
+    BLOCK = 1024
+
+    def __init__(self, items: list | tuple, vocab_size: int) -> None:
+        self.items = items
+        self.vocab_size = vocab_size
+        self.block_start = -1
+        self.views: dict[int, np.ndarray] = {}
+
+    def ids(self, index: int) -> np.ndarray | None:
+        start = index - index % self.BLOCK
+        if start != self.block_start:
+            self.block_start = start
+            self.views = self._check_block(start)
+        return self.views.get(index)
+
+    def _check_block(self, start: int) -> dict[int, np.ndarray]:
+        block = self.items[start:start + self.BLOCK]
+        arrays = [(start + i, a) for i, a in enumerate(block)
+                  if type(a) is np.ndarray and a.ndim == 1 and a.size and a.dtype.kind in "iu"]
+        if not arrays:
+            return {}
+        # As int64 then read as unsigned: a negative id (or a uint64 one past 2**63) is huge, so
+        # one maximum finds any id outside the vocabulary.
+        flat = np.concatenate([a for _, a in arrays], dtype=np.int64, casting="unsafe")
+        if int(flat.view(np.uint64).max()) >= self.vocab_size:
+            return {}
+        flat = flat.astype(np.int32)  # the caller's arrays are copied: changing them later changes nothing
+        ends = np.cumsum([a.size for _, a in arrays]).tolist()
+        return {index: flat[end - a.size:end] for (index, a), end in zip(arrays, ends)}
 
 
 def _prompt_prefixes(opts: CallOptions, spec: ModelSpec, count: int | None) -> tuple[Iterator, int | None]:
@@ -219,7 +259,8 @@ def check_priority(value: object, where: str) -> None:
 
 def _requests(prompts: Iterator, opts: CallOptions, spec: ModelSpec, num_special_tokens: int, truncate_left: bool,
               id_prefix: str, params: tuple[Iterator, int | None], priorities: tuple[Iterator, int | None],
-              prefixes: tuple[Iterator, int | None]) -> Iterator[RenderParams | FailedRequest]:
+              prefixes: tuple[Iterator, int | None], id_blocks: TokenIdBlocks | None = None
+              ) -> Iterator[RenderParams | FailedRequest]:
     """Yields one RenderParams per prompt (a (query, document) tuple for pairs), validating as
     it goes and never reading ahead of what the frontend asks for."""
     params_it, params_count = params
@@ -249,6 +290,20 @@ def _requests(prompts: Iterator, opts: CallOptions, spec: ModelSpec, num_special
                                max_query_tokens=opts.max_tokens_per_query, max_doc_tokens=opts.max_tokens_per_doc,
                                priority=priority, truncate_left=truncate_left, long_inputs=opts.long_inputs,
                                chunk_overlap=opts.chunk_overlap, text_prefix=text_prefix)
+            continue
+        if type(prompt) is np.ndarray and (ids := id_blocks.ids(index) if id_blocks is not None
+                                           else _quick_ids(prompt, spec.vocab_size)) is not None:
+            try:  # well-formed token ids (checked with their block, or alone)
+                max_tokens = resolve_max_tokens(spec, opts, num_special_tokens, p, index)
+            except ValueError as e:
+                if opts.errors != "return":
+                    raise
+                yield FailedRequest(f"{id_prefix}{index}", index, str(e))
+                continue
+            yield RenderParams(f"{id_prefix}{index}", index, opts.task, max_tokens, p, token_ids=ids,
+                               max_query_tokens=opts.max_tokens_per_query, max_doc_tokens=opts.max_tokens_per_doc,
+                               priority=priority, truncate_left=truncate_left, long_inputs=opts.long_inputs,
+                               chunk_overlap=opts.chunk_overlap)
             continue
         try:
             fields: dict[str, Any] = {}
@@ -356,6 +411,24 @@ def _check_raw(raw: object, index: int) -> object:
     except (TypeError, msgspec.EncodeError) as e:
         raise TypeError(f"request {index}: plugin input must be plain data (str, numbers, lists, dicts): {e}") from None
     return raw
+
+
+# Below this many ids, Python's min/max over a list beat numpy's per-call cost.
+QUICK_CHECK_MAX_IDS = 128
+
+
+def _quick_ids(arr: np.ndarray, vocab_size: int) -> np.ndarray | None:
+    """A copy of a 1-D integer array whose ids are all in the vocabulary, as int32; None for
+    anything else (then `_check_token_ids` says what is wrong)."""
+    if arr.ndim != 1 or not arr.size or arr.dtype.kind not in "iu":
+        return None
+    if arr.size <= QUICK_CHECK_MAX_IDS:
+        values = arr.tolist()
+        if min(values) < 0 or max(values) >= vocab_size:
+            return None
+    elif int(arr.min()) < 0 or int(arr.max()) >= vocab_size:
+        return None
+    return arr.astype(np.int32)
 
 
 def _check_token_ids(ids: object, index: int, spec: ModelSpec) -> np.ndarray:

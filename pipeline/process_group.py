@@ -399,7 +399,7 @@ class ProcessGroup:
         with self.send_lock:
             if self.closed:
                 raise zmq.Again()
-            frames = self.encoder.encode(m.RenderBatch(items, chat_template, engine))
+            frames = m.RenderBatch.encode_packed(self.encoder, items, chat_template, engine)
             self.work[worker].send_multipart(frames, zmq.NOBLOCK, copy=False)
 
     def abort(self, request_ids: list[str], engine: int | None = None) -> None:

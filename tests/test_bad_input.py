@@ -156,3 +156,40 @@ def test_out_of_range_priority_with_errors_return_fails_that_request_only(pipe):
     np.testing.assert_allclose(outs[0].embedding, pipe.embed(OK, use_tqdm=False)[0].embedding, atol=1e-5, rtol=0)
     streamed = list(pipe.embed_stream(iter([OK, OK]), priority=[10**30, 0], errors="return"))
     assert streamed[0].error.startswith("request 0: ") and streamed[1].error is None
+
+
+def test_token_id_arrays_checked_by_block_name_the_bad_request(pipe):
+    """A list of id arrays is range-checked a block at a time (one reduction for a thousand
+    prompts); a bad id anywhere in a block still fails with its own request's index and
+    position, whatever the arrays' integer types, and errors="return" fails that request only."""
+    rng = np.random.default_rng(0)
+    good = [rng.integers(1000, 2000, size=rng.integers(3, 12)).astype(dtype)
+            for dtype in (np.int32, np.int64, np.uint16, np.int16) for _ in range(300)]
+    reference = pipe.embed([a.tolist() for a in good], use_tqdm=False)  # plain lists: the per-request check
+    fast = pipe.embed(good, use_tqdm=False)
+    assert [o.num_prompt_tokens for o in fast] == [len(a) for a in good]
+    for ours, ref in zip(fast, reference):
+        np.testing.assert_allclose(ours.embedding, ref.embedding, atol=1e-5)
+    for bad_id, dtype in ((30522, np.int64), (-3, np.int32), (2**64 - 1, np.uint64), (2**63, np.uint64)):
+        prompts = list(good)
+        prompts[1100] = np.array([101, 7, bad_id, 102], dtype=dtype)
+        with pytest.raises(ValueError, match=rf"request 1100: token id {bad_id} at position 2 is outside"):
+            pipe.embed(prompts, use_tqdm=False)
+        outs = pipe.embed(prompts, errors="return", use_tqdm=False)
+        assert [o.index for o in outs if o.error] == [1100]
+        assert "token id" in outs[1100].error
+        np.testing.assert_allclose(outs[1101].embedding, reference[1101].embedding, atol=1e-5)
+
+
+def test_token_ids_are_copied_when_the_call_reads_them(pipe):
+    """The caller's arrays are not shared with requests in flight: changing them after the call
+    has read them changes nothing."""
+    ids = [np.array([101, 2000 + i, 2001 + i, 102], dtype=np.int32) for i in range(200)]
+    expected = pipe.embed([a.copy() for a in ids], use_tqdm=False)
+    stream = pipe.embed_stream(ids, use_tqdm=False)
+    first = next(stream)
+    for a in ids:
+        a[1:3] = 5  # too late: every request of this list was read when the call started its block
+    rest = [first, *stream]
+    for ours, ref in zip(rest, expected):
+        np.testing.assert_allclose(ours.embedding, ref.embedding, atol=1e-5)

@@ -128,3 +128,43 @@ def test_messages_without_the_group_key_are_dropped_unread():
         with pytest.raises(ForeignMessage):
             dec.decode(frames)
     assert issubclass(ForeignMessage, msgspec.DecodeError)  # every receiver's "drop and log" path
+
+
+def test_render_batch_packs_token_ids_and_leaves_the_items_as_they_were():
+    enc, dec = Encoder(), Decoder(m.WorkerInbound)
+    ids_a, ids_b = np.arange(5, dtype=np.int32), np.arange(3000, dtype=np.int32)
+    items = [m.RenderParams("t", 0, "embed", 16, m.PoolingParams(), prompt="text"),
+             m.RenderParams("a", 1, "embed", 16, m.PoolingParams(), token_ids=ids_a),
+             m.RenderParams("c", 2, "embed", 16, m.PoolingParams(), conversation=[{"role": "user", "content": "hi"}]),
+             m.RenderParams("b", 3, "embed", 16, m.PoolingParams(), token_ids=ids_b)]
+    frames = m.RenderBatch.encode_packed(enc, items, "tmpl", 1)
+    assert items[1].token_ids is ids_a and items[3].token_ids is ids_b  # the frontend keeps them to re-send
+    msg = dec.decode(frames)
+    assert msg.with_ids.tolist() == [1, 3] and msg.lengths.tolist() == [5, 3000]
+    out = msg.unpack()
+    assert [o.request_id for o in out] == ["t", "a", "c", "b"] and msg.chat_template == "tmpl" and msg.engine == 1
+    assert out[0].prompt == "text" and out[0].token_ids is None and out[2].token_ids is None
+    np.testing.assert_array_equal(out[1].token_ids, ids_a)
+    np.testing.assert_array_equal(out[3].token_ids, ids_b)
+    plain = dec.decode(m.RenderBatch.encode_packed(enc, items[:1]))
+    assert plain.token_ids is None and plain.unpack()[0].prompt == "text"
+
+
+@pytest.mark.parametrize("change", ["lengths", "position", "twice", "missing", "text too"])
+def test_render_batch_packed_parts_that_do_not_fit_are_rejected(change):
+    items = [m.RenderParams("a", 0, "embed", 16, m.PoolingParams(), prompt=None),
+             m.RenderParams("b", 1, "embed", 16, m.PoolingParams(), prompt=None)]
+    ids, lengths, where = np.arange(6, dtype=np.int32), np.array([2, 4]), np.array([0, 1])
+    if change == "lengths":
+        lengths = np.array([2, 5])
+    elif change == "position":
+        where = np.array([0, 2])
+    elif change == "twice":
+        where = np.array([1, 1])
+    elif change == "missing":
+        lengths = None
+    else:
+        items[1].prompt = "and text"
+    msg = Decoder(m.WorkerInbound).decode(Encoder().encode(m.RenderBatch(items, None, 0, ids, lengths, where)))
+    with pytest.raises(ValueError):
+        msg.unpack()

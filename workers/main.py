@@ -87,17 +87,18 @@ def serve(cfg: WorkerConfig, renderer, work: zmq.Socket, to_engines: list[zmq.So
         frames = work.recv_multipart(copy=False)
         try:
             msg = decoder.decode(frames)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            if isinstance(msg, m.Shutdown):
+                return
+            items = msg.unpack()
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
             dropped(e)
             continue
-        if isinstance(msg, m.Shutdown):
-            return
         if not 0 <= msg.engine < len(to_engines):  # well-formed, but names no engine core of the group
             dropped(ValueError(f"RenderBatch.engine={msg.engine} is outside [0, {len(to_engines)})"))
             continue
         to_engine = to_engines[msg.engine]
         with clock:
-            inputs, failed = renderer.render(msg.items, msg.chat_template)
+            inputs, failed = renderer.render(items, msg.chat_template)
         render_s += clock.last_s
         for start in range(0, len(inputs), cfg.max_message_items):  # chunk mode can make many inputs
             batch = m.EngineInputBatch.pack(cfg.index, inputs[start:start + cfg.max_message_items], render_s)
