@@ -2,6 +2,10 @@
 
 One module so that the wire protocol can be read in one place. Each socket decodes against the
 union of the message types it expects (tagged by class name); anything else is rejected.
+The per-request structs are created with `gc=False`: thousands are alive at once in every
+process, and the cyclic garbage collector would otherwise walk them all again and again (it cost
+the frontend a fifth of its time); none can be part of a reference cycle (their fields are
+scalars, strings, arrays and plain data).
 Arrays (token ids, pooled outputs) are `np.ndarray` fields: `core.serial` moves them as raw bytes,
 inline when small and as separate zero-copy frames when large. Nothing is pickled.
 
@@ -20,7 +24,7 @@ import numpy as np
 from pooling_pipeline.core.options import EMBEDDING_TASKS, LongInputs, PositiveInt, Task
 
 
-class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """Per-request pooling options. `None` means "the model's default"."""
 
     task: Task | None = None
@@ -47,7 +51,7 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError(f"{where}.normalize applies to embedding tasks; use use_activation for {task!r}")
 
 
-class RenderParams(msgspec.Struct, array_like=True, omit_defaults=True):
+class RenderParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One request's raw input and options, before tokenization (frontend -> render worker).
 
     Exactly one input form is set: `prompt` (text, with `pair` for a cross-encoder's document),
@@ -76,7 +80,7 @@ class RenderParams(msgspec.Struct, array_like=True, omit_defaults=True):
     text_prefix: str | None = None
 
 
-class PoolingEngineInput(msgspec.Struct, array_like=True, omit_defaults=True):
+class PoolingEngineInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One request's token ids and params, ready for the engine core (render worker -> engine)."""
 
     request_id: str
@@ -95,7 +99,7 @@ class PoolingEngineInput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_chunks: int = 0
 
 
-class PoolingOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+class PoolingOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One request's result (engine core -> frontend)."""
 
     request_id: str
