@@ -28,6 +28,11 @@ from pooling_pipeline.core.messages import PoolingEngineInput
 MIN_BATCH_BEFORE_PADDING_LIMIT = 4
 
 Key = tuple[str, int]  # (external id, chunk of a long document)
+# The sorted index holds one int per request, length << ARRIVAL_BITS | arrival: comparing ints is
+# several times cheaper than comparing (length, arrival, key) tuples, and sorts and bisections
+# compare a lot (a window of thousands).
+ARRIVAL_BITS = 40
+ARRIVAL_MASK = (1 << ARRIVAL_BITS) - 1
 
 
 class Scheduler:
@@ -40,10 +45,12 @@ class Scheduler:
         # Insertion order is arrival order; keyed by external id (and chunk) so a re-sent
         # request replaces itself.
         self.waiting: dict[Key, PoolingEngineInput] = {}
-        # The same requests sorted by (length, arrival), kept sorted as they come and go, so a
-        # step costs a binary search and a slice rather than a sort of the whole window.
-        self._by_length: list[tuple[int, int, Key]] = []
+        # The same requests sorted by (length, arrival) -- as `length << ARRIVAL_BITS | arrival`
+        # -- kept sorted as they come and go, so a step costs a binary search and a slice rather
+        # than a sort of the whole window.
+        self._by_length: list[int] = []
         self._arrival: dict[Key, int] = {}
+        self._key_of: dict[int, Key] = {}  # arrival -> key
         self._counter = itertools.count()
         self._urgent = 0  # waiting requests with a priority other than 0
 
@@ -57,15 +64,16 @@ class Scheduler:
         if replaced:  # the new copy takes the old one's place
             self._forget([key])
         arrival = self._arrival.setdefault(key, next(self._counter))
+        self._key_of[arrival] = key
         self.waiting[key] = request
-        bisect.insort(self._by_length, (len(request.token_ids), arrival, key))
+        bisect.insort(self._by_length, len(request.token_ids) << ARRIVAL_BITS | arrival)
         self._urgent += request.priority != 0
         return replaced
 
     def add_many(self, requests: list[PoolingEngineInput]) -> int:
         """Adds requests in arrival order (one sort for all of them); returns how many replaced a
         waiting copy of themselves."""
-        waiting, arrival_of, counter, entries = self.waiting, self._arrival, self._counter, []
+        waiting, arrival_of, key_of, counter, entries = self.waiting, self._arrival, self._key_of, self._counter, []
         replaced = 0
         for request in requests:
             key = (request.request_id, request.chunk)
@@ -77,8 +85,9 @@ class Scheduler:
                 self._forget([key])
                 replaced += 1
             arrival = arrival_of.setdefault(key, next(counter))
+            key_of[arrival] = key
             waiting[key] = request
-            entries.append((len(request.token_ids), arrival, key))
+            entries.append(len(request.token_ids) << ARRIVAL_BITS | arrival)
             self._urgent += request.priority != 0
         self._by_length.extend(entries)
         self._by_length.sort()  # a sorted run and a short new one: merged in linear time
@@ -90,7 +99,7 @@ class Scheduler:
         keys = [k for k in self.waiting if k[0] in wanted]
         self._forget(keys)
         for key in keys:
-            del self._arrival[key]
+            del self._key_of[self._arrival.pop(key)]
         return len(keys)
 
     def take_all(self) -> list[PoolingEngineInput]:
@@ -99,16 +108,17 @@ class Scheduler:
         self.waiting.clear()
         self._by_length.clear()
         self._arrival.clear()
+        self._key_of.clear()
         self._urgent = 0
         return batch
 
     def _forget(self, keys: list[Key]) -> None:
         if not keys:
             return
-        gone = set(keys)
+        gone = {self._arrival[key] for key in keys}
         for key in keys:
             self._urgent -= self.waiting.pop(key).priority != 0
-        self._by_length = [e for e in self._by_length if e[2] not in gone]
+        self._by_length = [e for e in self._by_length if e & ARRIVAL_MASK not in gone]
 
     def next_batch(self) -> list[PoolingEngineInput]:
         if not self.waiting:
@@ -119,25 +129,26 @@ class Scheduler:
             oldest = min(self.waiting.values(), key=lambda r: r.priority)  # min() keeps the first of ties
         anchor_key = (oldest.request_id, oldest.chunk)
         by_length = self._by_length
-        lo = bisect.bisect_left(by_length, (len(oldest.token_ids), self._arrival[anchor_key], anchor_key))
+        lo = bisect.bisect_left(by_length, len(oldest.token_ids) << ARRIVAL_BITS | self._arrival[anchor_key])
         hi = lo + 1  # the batch is by_length[lo:hi]
-        longest = real = by_length[lo][0]
+        longest = real = by_length[lo] >> ARRIVAL_BITS
         max_seqs, max_tokens, max_padding = self.max_num_seqs, self.max_num_batched_tokens, self.max_padding_fraction
         size = len(by_length)
         while hi - lo < max_seqs:
             count = hi - lo
             # Grow by the side that adds less padding (the shorter side on a tie): a shorter
             # request pads itself up to `longest`; a longer one pads every request already in.
-            left = longest - by_length[lo - 1][0] if lo > 0 and longest * (count + 1) <= max_tokens else None
+            left = longest - (by_length[lo - 1] >> ARRIVAL_BITS) if lo > 0 and longest * (count + 1) <= max_tokens \
+                else None
             right = None
             if hi < size:
-                longer = by_length[hi][0]
+                longer = by_length[hi] >> ARRIVAL_BITS
                 if longer * (count + 1) <= max_tokens:
                     right = (longer - longest) * count
             if left is None and right is None:
                 break
             go_left = right is None or (left is not None and left <= right)
-            new_longest, length = (longest, by_length[lo - 1][0]) if go_left else (longer, longer)
+            new_longest, length = (longest, by_length[lo - 1] >> ARRIVAL_BITS) if go_left else (longer, longer)
             padded, new_real = new_longest * (count + 1), real + length
             if (count >= MIN_BATCH_BEFORE_PADDING_LIMIT and padded - new_real > max_padding * padded
                     and not self._cheaper_per_token(real, longest * count, new_real, padded)):
@@ -147,7 +158,8 @@ class Scheduler:
             else:
                 hi += 1
             longest, real = new_longest, new_real
-        keys = [key for _, _, key in by_length[lo:hi]]
+        key_of = self._key_of
+        keys = [key_of.pop(code & ARRIVAL_MASK) for code in by_length[lo:hi]]
         del by_length[lo:hi]
         batch = []
         for key in keys:
