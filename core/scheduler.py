@@ -28,11 +28,6 @@ from pooling_pipeline.core.messages import PoolingEngineInput
 MIN_BATCH_BEFORE_PADDING_LIMIT = 4
 
 Key = tuple[str, int]  # (external id, chunk of a long document)
-# The sorted index holds one int per request, length << ARRIVAL_BITS | arrival: comparing ints is
-# several times cheaper than comparing (length, arrival, key) tuples, and sorts and bisections
-# compare a lot (a window of thousands).
-ARRIVAL_BITS = 40
-ARRIVAL_MASK = (1 << ARRIVAL_BITS) - 1
 
 
 class Scheduler:
@@ -45,10 +40,12 @@ class Scheduler:
         # Insertion order is arrival order; keyed by external id (and chunk) so a re-sent
         # request replaces itself.
         self.waiting: dict[Key, PoolingEngineInput] = {}
-        # The same requests sorted by (length, arrival) -- as `length << ARRIVAL_BITS | arrival`
-        # -- kept sorted as they come and go, so a step costs a binary search and a slice rather
-        # than a sort of the whole window.
-        self._by_length: list[int] = []
+        # The same requests in (length, arrival) order, as buckets: one list of arrivals per
+        # length (ascending: arrivals only grow, so adding is an append) and the lengths that
+        # have a bucket, sorted (a few hundred at most). Adding costs no sort and no comparison
+        # with the rest of the window; a batch is a run of that order, walked bucket by bucket.
+        self._buckets: dict[int, list[int]] = {}
+        self._lengths: list[int] = []
         self._arrival: dict[Key, int] = {}
         self._key_of: dict[int, Key] = {}  # arrival -> key
         self._counter = itertools.count()
@@ -59,38 +56,32 @@ class Scheduler:
 
     def add(self, request: PoolingEngineInput) -> bool:
         """Adds a request; True when it replaced a waiting copy of itself (a re-sent request)."""
-        key = (request.request_id, request.chunk)
-        replaced = key in self.waiting
-        if replaced:  # the new copy takes the old one's place
-            self._forget([key])
-        arrival = self._arrival.setdefault(key, next(self._counter))
-        self._key_of[arrival] = key
-        self.waiting[key] = request
-        bisect.insort(self._by_length, len(request.token_ids) << ARRIVAL_BITS | arrival)
-        self._urgent += request.priority != 0
-        return replaced
+        return self.add_many([request]) == 1
 
     def add_many(self, requests: list[PoolingEngineInput]) -> int:
-        """Adds requests in arrival order (one sort for all of them); returns how many replaced a
-        waiting copy of themselves."""
-        waiting, arrival_of, key_of, counter, entries = self.waiting, self._arrival, self._key_of, self._counter, []
+        """Adds requests in arrival order; returns how many replaced a waiting copy of themselves."""
+        waiting, arrival_of, key_of, counter, buckets = self.waiting, self._arrival, self._key_of, self._counter, self._buckets
         replaced = 0
         for request in requests:
             key = (request.request_id, request.chunk)
             if key in waiting:  # a re-sent request: the new copy takes the old one's place
-                if entries:  # the old copy may be among those not sorted in yet
-                    self._by_length.extend(entries)
-                    self._by_length.sort()
-                    entries = []
                 self._forget([key])
                 replaced += 1
-            arrival = arrival_of.setdefault(key, next(counter))
+            arrival = arrival_of.get(key)
+            if arrival is None:
+                arrival = arrival_of[key] = next(counter)
             key_of[arrival] = key
             waiting[key] = request
-            entries.append(len(request.token_ids) << ARRIVAL_BITS | arrival)
+            length = len(request.token_ids)
+            bucket = buckets.get(length)
+            if bucket is None:
+                buckets[length] = [arrival]
+                bisect.insort(self._lengths, length)
+            elif bucket[-1] < arrival:
+                bucket.append(arrival)
+            else:  # a re-sent request keeps its first arrival
+                bisect.insort(bucket, arrival)
             self._urgent += request.priority != 0
-        self._by_length.extend(entries)
-        self._by_length.sort()  # a sorted run and a short new one: merged in linear time
         return replaced
 
     def abort(self, request_ids: list[str]) -> int:
@@ -106,19 +97,24 @@ class Scheduler:
         """Empties the scheduler, returning what was waiting (in arrival order)."""
         batch = list(self.waiting.values())
         self.waiting.clear()
-        self._by_length.clear()
+        self._buckets.clear()
+        self._lengths.clear()
         self._arrival.clear()
         self._key_of.clear()
         self._urgent = 0
         return batch
 
     def _forget(self, keys: list[Key]) -> None:
-        if not keys:
-            return
-        gone = {self._arrival[key] for key in keys}
+        """Takes these waiting requests out of `waiting` and the buckets (their arrival stays)."""
         for key in keys:
-            self._urgent -= self.waiting.pop(key).priority != 0
-        self._by_length = [e for e in self._by_length if e & ARRIVAL_MASK not in gone]
+            request = self.waiting.pop(key)
+            self._urgent -= request.priority != 0
+            length = len(request.token_ids)
+            bucket = self._buckets[length]
+            del bucket[bisect.bisect_left(bucket, self._arrival[key])]
+            if not bucket:
+                del self._buckets[length]
+                del self._lengths[bisect.bisect_left(self._lengths, length)]
 
     def next_batch(self) -> list[PoolingEngineInput]:
         if not self.waiting:
@@ -127,46 +123,74 @@ class Scheduler:
         oldest = next(iter(self.waiting.values()))
         if self._urgent:
             oldest = min(self.waiting.values(), key=lambda r: r.priority)  # min() keeps the first of ties
-        anchor_key = (oldest.request_id, oldest.chunk)
-        by_length = self._by_length
-        lo = bisect.bisect_left(by_length, len(oldest.token_ids) << ARRIVAL_BITS | self._arrival[anchor_key])
-        hi = lo + 1  # the batch is by_length[lo:hi]
-        longest = real = by_length[lo] >> ARRIVAL_BITS
+        lengths, buckets = self._lengths, self._buckets
+        # The batch is a run of the (length, arrival) order: from offset `lo_off` of bucket
+        # `lo_li` (an index into `lengths`) to offset `hi_off` of bucket `hi_li`, both included.
+        longest = real = len(oldest.token_ids)
+        lo_li = hi_li = bisect.bisect_left(lengths, longest)
+        anchor_bucket = buckets[longest]
+        lo_off = hi_off = bisect.bisect_left(anchor_bucket, self._arrival[(oldest.request_id, oldest.chunk)])
+        hi_size = len(anchor_bucket)  # of bucket hi_li
+        count = 1
         max_seqs, max_tokens, max_padding = self.max_num_seqs, self.max_num_batched_tokens, self.max_padding_fraction
-        size = len(by_length)
-        while hi - lo < max_seqs:
-            count = hi - lo
-            # Grow by the side that adds less padding (the shorter side on a tie): a shorter
-            # request pads itself up to `longest`; a longer one pads every request already in.
-            left = longest - (by_length[lo - 1] >> ARRIVAL_BITS) if lo > 0 and longest * (count + 1) <= max_tokens \
-                else None
+        while count < max_seqs:
+            # The neighbours of the run: the request just before it and the one just after.
+            left = None
+            if longest * (count + 1) <= max_tokens and (lo_off > 0 or lo_li > 0):
+                shorter = lengths[lo_li] if lo_off > 0 else lengths[lo_li - 1]
+                left = longest - shorter
             right = None
-            if hi < size:
-                longer = by_length[hi] >> ARRIVAL_BITS
+            if hi_off + 1 < hi_size or hi_li + 1 < len(lengths):
+                longer = lengths[hi_li] if hi_off + 1 < hi_size else lengths[hi_li + 1]
                 if longer * (count + 1) <= max_tokens:
                     right = (longer - longest) * count
             if left is None and right is None:
                 break
+            # Grow by the side that adds less padding (the shorter side on a tie): a shorter
+            # request pads itself up to `longest`; a longer one pads every request already in.
             go_left = right is None or (left is not None and left <= right)
-            new_longest, length = (longest, by_length[lo - 1] >> ARRIVAL_BITS) if go_left else (longer, longer)
+            new_longest, length = (longest, shorter) if go_left else (longer, longer)
             padded, new_real = new_longest * (count + 1), real + length
             if (count >= MIN_BATCH_BEFORE_PADDING_LIMIT and padded - new_real > max_padding * padded
                     and not self._cheaper_per_token(real, longest * count, new_real, padded)):
                 break
             if go_left:
-                lo -= 1
+                if lo_off > 0:
+                    lo_off -= 1
+                else:
+                    lo_li -= 1
+                    lo_off = len(buckets[lengths[lo_li]]) - 1
+            elif hi_off + 1 < hi_size:
+                hi_off += 1
             else:
-                hi += 1
+                hi_li += 1
+                hi_off = 0
+                hi_size = len(buckets[lengths[hi_li]])
             longest, real = new_longest, new_real
-        key_of = self._key_of
-        keys = [key_of.pop(code & ARRIVAL_MASK) for code in by_length[lo:hi]]
-        del by_length[lo:hi]
+            count += 1
+        return self._take(lo_li, lo_off, hi_li, hi_off)
+
+    def _take(self, lo_li: int, lo_off: int, hi_li: int, hi_off: int) -> list[PoolingEngineInput]:
+        """Removes the run from (lo_li, lo_off) to (hi_li, hi_off) and returns its requests."""
+        lengths, buckets, key_of, arrival_of, waiting = self._lengths, self._buckets, self._key_of, self._arrival, self.waiting
         batch = []
-        for key in keys:
-            request = self.waiting.pop(key)
-            del self._arrival[key]
-            self._urgent -= request.priority != 0
-            batch.append(request)
+        emptied = []
+        for li in range(lo_li, hi_li + 1):
+            bucket = buckets[lengths[li]]
+            start = lo_off if li == lo_li else 0
+            end = hi_off + 1 if li == hi_li else len(bucket)
+            for arrival in bucket[start:end]:
+                key = key_of.pop(arrival)
+                del arrival_of[key]
+                request = waiting.pop(key)
+                self._urgent -= request.priority != 0
+                batch.append(request)
+            del bucket[start:end]
+            if not bucket:
+                emptied.append(li)
+        for li in reversed(emptied):
+            del buckets[lengths[li]]
+            del lengths[li]
         return batch
 
     def _cheaper_per_token(self, real: int, padded: int, new_real: int, new_padded: int) -> bool:
