@@ -437,17 +437,7 @@ class OutputWriter:
 
     def _pack(self, batch, results, padded: int, device_s: float, in_core: int) -> m.OutputBatch:
         render_s, admit_s = self.engine.times.take()
-        if isinstance(results, np.ndarray):  # [n, dim]: travels as it is, one row per output
-            outputs = [m.PoolingOutput(r.request_id, r.index, len(r.token_ids), chunk=r.chunk, num_chunks=r.num_chunks)
-                       for r in batch]
-            return m.OutputBatch(outputs, device_s, padded, in_core, np.ascontiguousarray(results, dtype=np.float32),
-                                 render_s, admit_s)
-        outputs = [m.PoolingOutput(r.request_id, r.index, len(r.token_ids), data=v, chunk=r.chunk,
-                                   num_chunks=r.num_chunks) for r, v in zip(batch, results)]
-        if self.sparse:  # (token ids, weights) pairs
-            for out in outputs:
-                out.indices, out.data = out.data
-        return m.OutputBatch.pack(outputs, device_s, padded, in_core, render_s, admit_s)
+        return m.OutputBatch.pack(batch, results, device_s, padded, in_core, render_s, admit_s, self.sparse)
 
 
 def _or_die(fn, log):

@@ -99,19 +99,6 @@ class PoolingEngineInput(msgspec.Struct, array_like=True, omit_defaults=True, gc
     num_chunks: int = 0
 
 
-class PoolingOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """One request's result (engine core -> frontend)."""
-
-    request_id: str
-    index: int
-    num_prompt_tokens: int
-    data: np.ndarray | None = None  # float32; None when `error` is set (or packed in its OutputBatch)
-    error: str | None = None
-    indices: np.ndarray | None = None  # sparse_embed: the token ids (int32) whose weights are `data`
-    chunk: int = -1  # chunk mode: which chunk of the document this is
-    num_chunks: int = 0
-
-
 # ---- batches on the wire -------------------------------------------------------------------
 
 
@@ -207,47 +194,92 @@ class EngineInputBatch(msgspec.Struct, tag=True, array_like=True):
 
 
 class OutputBatch(msgspec.Struct, tag=True, array_like=True):
-    """A step's outputs. When they are all vectors of one size (embeddings, class probabilities,
-    scores) their data travels as one [n, dim] array; `pack` / `unpack` do that."""
+    """A step's outputs, as columns: one entry per request in each (no struct per request).
+    When they are all vectors of one size (embeddings, class probabilities, scores) their data
+    travels as one [n, dim] array, `data`; otherwise each output's array is in `arrays`.
+    Build it with `pack`; a receiver calls `check` before reading it."""
 
-    outputs: list[PoolingOutput]
+    request_ids: list[str]
+    indices: np.ndarray  # int64: each request's position in its call's input
+    num_prompt_tokens: np.ndarray  # int64
     busy_s: float  # engine time spent on this batch (forward + pooling)
     padded_tokens: int  # tokens the forward pass computed, padding included
     in_core: int  # requests admitted in the engine when this batch was formed
-    data: np.ndarray | None = None  # [len(outputs), dim]: row i is outputs[i].data
+    data: np.ndarray | None = None  # [n, dim] float32: row i is output i
+    arrays: list[np.ndarray] | None = None  # or output i's own array ([tokens, dim], sparse weights ...)
+    sparse_ids: list[np.ndarray] | None = None  # sparse_embed: output i's token ids (int32), its weights in `arrays`
+    chunks: np.ndarray | None = None  # chunk mode: [n, 2] int64 (chunk, num_chunks); None when no output is a chunk
     # Stage times since the previous OutputBatch, for stats: rendering per worker (reported by
     # the workers with their inputs) and the engine's own time reading and admitting inputs.
     render_s: dict[int, float] = {}
     admit_s: float = 0.0
 
     @classmethod
-    def pack(cls, outputs: list[PoolingOutput], busy_s: float, padded_tokens: int, in_core: int,
-             render_s: dict[int, float] | None = None, admit_s: float = 0.0) -> OutputBatch:
-        arrays = [out.data for out in outputs]
-        stacked = None
-        if (arrays and all(a is not None and a.ndim == 1 for a in arrays)
-                and len({a.shape for a in arrays}) == 1 and len({a.dtype for a in arrays}) == 1):
-            stacked = np.stack(arrays)
-            for out in outputs:
-                out.data = None
-        return cls(outputs, busy_s, padded_tokens, in_core, stacked, render_s or {}, admit_s)
+    def pack(cls, batch: list[PoolingEngineInput], results, busy_s: float, padded_tokens: int, in_core: int,
+             render_s: dict[int, float] | None = None, admit_s: float = 0.0, sparse: bool = False) -> OutputBatch:
+        """The outputs of `batch`: `results` is an [n, dim] array, or one array per request
+        ((token ids, weights) pairs when `sparse`)."""
+        n = len(batch)
+        indices = np.fromiter((r.index for r in batch), dtype=np.int64, count=n)
+        tokens = np.fromiter((len(r.token_ids) for r in batch), dtype=np.int64, count=n)
+        chunks = None
+        if any(r.chunk >= 0 for r in batch):
+            chunks = np.array([(r.chunk, r.num_chunks) for r in batch], dtype=np.int64).reshape(n, 2)
+        data = arrays = sparse_ids = None
+        if isinstance(results, np.ndarray):
+            data = np.ascontiguousarray(results, dtype=np.float32)
+        elif sparse:
+            sparse_ids = [ids for ids, _ in results]
+            arrays = [weights for _, weights in results]
+        elif results and all(a.ndim == 1 for a in results) and len({a.shape for a in results}) == 1:
+            data = np.stack(results).astype(np.float32, copy=False)
+        else:
+            arrays = list(results)
+        return cls([r.request_id for r in batch], indices, tokens, busy_s, padded_tokens, in_core, data, arrays,
+                   sparse_ids, chunks, render_s or {}, admit_s)
 
-    def unpack(self) -> list[PoolingOutput]:
-        """The outputs, each with its own copy of its row (or of its arrays, when they are views
-        of a received frame). ValueError when the rows do not fit."""
-        if self.data is None:
-            for out in self.outputs:
-                if out.data is not None and not out.data.flags.owndata:
-                    out.data = out.data.copy()
-                if out.indices is not None and not out.indices.flags.owndata:
-                    out.indices = out.indices.copy()
-            return self.outputs
-        if self.data.ndim != 2 or self.data.shape[0] != len(self.outputs):
+    def check(self) -> None:
+        """ValueError when the columns do not fit together (a malformed message)."""
+        n = len(self.request_ids)
+        if self.indices.shape != (n,) or self.num_prompt_tokens.shape != (n,) \
+                or self.indices.dtype.kind != "i" or self.num_prompt_tokens.dtype.kind != "i":
+            raise ValueError("output columns do not have one entry per request")
+        if (self.data is None) == (self.arrays is None):
+            raise ValueError("outputs need exactly one of data and arrays")
+        if self.data is not None and (self.data.ndim != 2 or self.data.shape[0] != n):
             raise ValueError("packed output rows do not match the outputs")
-        # Copies: a caller keeping a few results must not keep whole batches alive.
-        for out, row in zip(self.outputs, self.data):
-            out.data = row.copy()
-        return self.outputs
+        if self.arrays is not None and len(self.arrays) != n:
+            raise ValueError("output arrays do not match the outputs")
+        if self.sparse_ids is not None and (self.arrays is None or len(self.sparse_ids) != n or any(
+                ids.shape != weights.shape for ids, weights in zip(self.sparse_ids, self.arrays))):
+            raise ValueError("sparse token ids do not match their weights")
+        if self.chunks is not None and (self.chunks.shape != (n, 2) or self.chunks.dtype.kind != "i"):
+            raise ValueError("chunk numbers do not match the outputs")
+
+    def unpack(self) -> None:
+        """Checks the message (ValueError when malformed) and leaves each output's own array in
+        `arrays` (`data` None): a copy of its row, or of its array when that is a view of a
+        received frame -- a caller keeping a few results must not keep whole batches alive."""
+        self.check()
+        if self.data is not None:
+            self.arrays, self.data = [row.copy() for row in self.data], None
+        else:
+            self.arrays = [a if a.flags.owndata else a.copy() for a in self.arrays]
+        if self.sparse_ids is not None:
+            self.sparse_ids = [a if a.flags.owndata else a.copy() for a in self.sparse_ids]
+
+    def select(self, positions: list[int], share: float) -> OutputBatch:
+        """The outputs at these positions, with the step's costs scaled by `share` (a step that
+        served several calls: each gets its part)."""
+        pick = np.asarray(positions, dtype=np.int64)
+        return OutputBatch(
+            [self.request_ids[i] for i in positions], self.indices[pick], self.num_prompt_tokens[pick],
+            self.busy_s * share, round(self.padded_tokens * share), self.in_core,
+            None if self.data is None else self.data[pick],
+            None if self.arrays is None else [self.arrays[i] for i in positions],
+            None if self.sparse_ids is None else [self.sparse_ids[i] for i in positions],
+            None if self.chunks is None else self.chunks[pick],
+            {w: s * share for w, s in self.render_s.items()}, self.admit_s * share)
 
 
 class RenderFailed(msgspec.Struct, tag=True, array_like=True):

@@ -28,7 +28,7 @@ from pooling_pipeline.cpu_plan import engine_devices, plan_cpu
 from pooling_pipeline.errors import EngineDeadError, PipelineError
 from pooling_pipeline.frontend import Call, Dispatcher, new_call_prefix
 from pooling_pipeline.inputs import CallOptions, FailedRequest, Tokenization, build_requests, check_priority
-from pooling_pipeline.outputs import ClassificationOutput, EmbeddingOutput, RankedDocument, ScoringOutput, to_result
+from pooling_pipeline.outputs import ClassificationOutput, EmbeddingOutput, RankedDocument, ScoringOutput
 from pooling_pipeline.process_group import ProcessGroup
 from pooling_pipeline.similarity import similarity
 
@@ -479,13 +479,12 @@ class Pipeline:
         if materialize:
             requests = iter(list(requests))  # a list is checked whole before any work starts
         call = self._call(prefix, requests, opts, total)
-        outputs = self._outputs(call, opts.task)
+        outputs = self._outputs(call)
         return self._post_process(outputs) if opts.plugin else outputs
 
-    def _outputs(self, call: Call, task: str) -> Iterator:
+    def _outputs(self, call: Call) -> Iterator:
         try:
-            for out in call.outputs():
-                yield to_result(task, out)
+            yield from call.outputs()
         except EngineDeadError:
             self.close()  # the group cannot serve without its engine: stop the rest of it
             raise
@@ -502,8 +501,7 @@ class Pipeline:
                 requests = iter(await asyncio.to_thread(list, requests))
         call = self._call(prefix, requests, opts, total, loop=asyncio.get_running_loop())
         try:
-            async for out in call.aoutputs():
-                result = to_result(opts.task, out)
+            async for result in call.aoutputs():
                 yield self._post_process_one(result) if opts.plugin else result
         except EngineDeadError:
             self.close()

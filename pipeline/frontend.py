@@ -49,6 +49,7 @@ from pooling_pipeline.core import messages as m
 from pooling_pipeline.core.vectors import finish_embeddings
 from pooling_pipeline.errors import EngineDeadError, PipelineError, StepError
 from pooling_pipeline.inputs import CallOptions, FailedRequest
+from pooling_pipeline.outputs import OUTPUT_TYPES, PoolingRequestOutput
 from pooling_pipeline.process_group import ProcessGroup
 
 log = logging.getLogger("pipeline")
@@ -93,25 +94,25 @@ class ChunkSum:
         self.total: np.ndarray | None = None
         self.tokens = 0
 
-    def add(self, out: m.PoolingOutput) -> bool:
+    def add(self, chunk: int, vector: np.ndarray, num_tokens: int) -> bool:
         """Adds a chunk; False for a duplicate (a re-sent request's chunk seen before)."""
-        if out.chunk in self.seen:
+        if chunk in self.seen:
             return False
-        self.seen.add(out.chunk)
-        weighted = out.data.astype(np.float64) * out.num_prompt_tokens
+        self.seen.add(chunk)
+        weighted = vector.astype(np.float64) * num_tokens
         self.total = weighted if self.total is None else self.total + weighted
-        self.tokens += out.num_prompt_tokens
+        self.tokens += num_tokens
         return True
 
     @property
     def complete(self) -> bool:
         return len(self.seen) == self.num_chunks
 
-    def finish(self, out: m.PoolingOutput, params: m.PoolingParams, default_normalize: bool) -> m.PoolingOutput:
+    def finish(self, params: m.PoolingParams, default_normalize: bool) -> np.ndarray:
+        """The document's vector: the chunks' token-weighted mean, finished as the call asked."""
         mean = (self.total / max(self.tokens, 1)).astype(np.float32)
         normalize = params.normalize if params.normalize is not None else default_normalize
-        vector = finish_embeddings(mean, params.dimensions, normalize)
-        return m.PoolingOutput(out.request_id, out.index, self.tokens, data=vector, num_chunks=self.num_chunks)
+        return finish_embeddings(mean, params.dimensions, normalize)
 
 
 class LostWorker:
@@ -217,32 +218,29 @@ class Dispatcher:
             return
         calls = self.routes
         if kind is m.OutputBatch:
-            outputs = msg.outputs
+            ids = msg.request_ids
             if len(calls) == 1:  # one call running: the message is its (it drops strays by id)
                 for call in calls.values():
                     call.deliver(msg)
                 return
-            prefixes = [out.request_id[:PREFIX_LEN] for out in outputs]
+            prefixes = [rid[:PREFIX_LEN] for rid in ids]
             first = prefixes[0] if prefixes else ""
             if prefixes.count(first) == len(prefixes):
                 call = calls.get(first)
                 if call is None:
-                    self.stray_outputs += len(outputs)
+                    self.stray_outputs += len(ids)
                 else:
                     call.deliver(msg)
                 return
-            parts: dict[str, list[m.PoolingOutput]] = {}
-            for prefix, out in zip(prefixes, outputs):
-                parts.setdefault(prefix, []).append(out)
-            for prefix, part in parts.items():
+            parts: dict[str, list[int]] = {}
+            for position, prefix in enumerate(prefixes):
+                parts.setdefault(prefix, []).append(position)
+            for prefix, positions in parts.items():
                 call = calls.get(prefix)
                 if call is None:
-                    self.stray_outputs += len(part)
+                    self.stray_outputs += len(positions)
                     continue
-                share = len(part) / len(outputs)  # the step's cost, split by requests
-                call.deliver(m.OutputBatch(part, msg.busy_s * share, round(msg.padded_tokens * share), msg.in_core,
-                                           None, {w: s * share for w, s in msg.render_s.items()},
-                                           msg.admit_s * share))
+                call.deliver(msg.select(positions, len(positions) / len(ids)))  # the step's cost, split by requests
             return
         # RenderFailed / StepFailed: a few ids; each goes to its call.
         per_call: dict[str, list[int]] = {}
@@ -461,6 +459,7 @@ class Call:
         self.progress = progress
         self.chat_template = opts.chat_template
         self.default_normalize = default_normalize
+        self.result_type = OUTPUT_TYPES.get(opts.task, PoolingRequestOutput)  # what the caller gets back
         self.errors = opts.errors  # "raise": the first failure ends the call; "return": it becomes an output
         self.chunks: dict[str, ChunkSum] = {}  # chunk mode: documents with chunks still out
         self.stats = CallStats(engines=dispatcher.num_engines)
@@ -468,7 +467,7 @@ class Call:
         # the engine core its inputs went to)
         self.inflight: dict[str, tuple[m.RenderParams, int, int, int, int]] = {}
         self.backlog: deque[tuple[m.RenderParams, int]] = deque()  # (request, size) to (re)send when a worker can
-        self.ready: dict[int, m.PoolingOutput] = {}  # reorder buffer: index -> output
+        self.ready: dict[int, PoolingRequestOutput] = {}  # reorder buffer: index -> result
         self.inbox: deque = deque()  # messages routed here by the receiver thread
         self.inflight_chars = 0
         self.held = 0  # slots held (granted + issued and not handed back); changed under dispatcher.lock
@@ -491,7 +490,7 @@ class Call:
 
     # ---- driving the call ------------------------------------------------------------------
 
-    def outputs(self) -> Iterator[m.PoolingOutput]:
+    def outputs(self) -> Iterator[PoolingRequestOutput]:
         """Results in input order, in the calling thread."""
         try:
             while True:
@@ -508,7 +507,7 @@ class Call:
         finally:
             self._finish()
 
-    async def aoutputs(self) -> AsyncIterator[m.PoolingOutput]:
+    async def aoutputs(self) -> AsyncIterator[PoolingRequestOutput]:
         """Results in input order, on the caller's event loop (never blocking it to wait)."""
         try:
             while True:
@@ -536,7 +535,7 @@ class Call:
         finally:
             self._finish()
 
-    def pump(self) -> tuple[list[m.PoolingOutput], bool]:
+    def pump(self) -> tuple[list[PoolingRequestOutput], bool]:
         """One turn: handles what the receiver routed here, sends what the bound allows, and
         returns the outputs now ready in order (their slots go back at once: a thread that reads
         several streams in turn must not leave one waiting for slots the other holds) and whether
@@ -669,7 +668,8 @@ class Call:
             self.granted -= 1
             self.issued += 1
             if isinstance(request, FailedRequest):  # refused in the caller (errors="return")
-                self.ready[request.index] = m.PoolingOutput(request.request_id, request.index, 0, error=request.error)
+                self.ready[request.index] = self.result_type(request.request_id, request.index, None, 0, 1,
+                                                             request.error)
                 self.stats.errors += 1
                 continue
             size = request_size(request)
@@ -735,37 +735,44 @@ class Call:
         stats.max_in_core_seen = max(stats.max_in_core_seen, msg.in_core)
         depths = stats.depths
         depths["engine_window"].add(msg.in_core)
-        depths["batch_size"].add(len(msg.outputs))
+        depths["batch_size"].add(len(msg.request_ids))
         depths["frontend_inflight"].add(self.issued - self.next_index)
         depths["reorder_buffer"].add(len(self.ready))
         accepted = tokens = chars = 0
         workers: list[int] = []  # of each request settled (counted once at the end)
         engine_of: list[int] = []
-        inflight, ready = self.inflight, self.ready
+        inflight, ready, make = self.inflight, self.ready, self.result_type
         engine = -1  # which engine core computed this batch (a batch comes from one): from its requests
-        for out in msg.outputs:
-            entry = inflight.get(out.request_id)
-            if entry is None or entry[0].index != out.index:
+        chunk_of = None if msg.chunks is None else msg.chunks.tolist()
+        sparse_ids = msg.sparse_ids
+        for i, (rid, index, num_tokens, data) in enumerate(zip(
+                msg.request_ids, msg.indices.tolist(), msg.num_prompt_tokens.tolist(), msg.arrays)):
+            entry = inflight.get(rid)
+            if entry is None or entry[0].index != index:
                 stats.duplicates_dropped += 1  # re-sent, aborted or from an earlier call
                 continue
             if engine < 0:
                 engine = entry[4]
-            if out.chunk >= 0:
-                chunks = self.chunks.get(out.request_id)
+            num_chunks = 1
+            if chunk_of is not None and chunk_of[i][0] >= 0:
+                chunk, num_chunks = chunk_of[i]
+                chunks = self.chunks.get(rid)
                 if chunks is None:
-                    chunks = self.chunks[out.request_id] = ChunkSum(out.num_chunks)
-                if not chunks.add(out):
+                    chunks = self.chunks[rid] = ChunkSum(num_chunks)
+                if not chunks.add(chunk, data, num_tokens):
                     stats.duplicates_dropped += 1
                 if not chunks.complete:
                     continue
-                out = chunks.finish(out, entry[0].params, self.default_normalize)
-                del self.chunks[out.request_id]
-            del inflight[out.request_id]
+                data, num_tokens = chunks.finish(entry[0].params, self.default_normalize), chunks.tokens
+                del self.chunks[rid]
+            del inflight[rid]
             workers.append(entry[1])
             engine_of.append(entry[4])
             chars += entry[3]
-            ready[out.index] = out
-            tokens += out.num_prompt_tokens
+            result = ready[index] = make(rid, index, data, num_tokens, num_chunks)
+            if sparse_ids is not None:
+                result.indices = sparse_ids[i]
+            tokens += num_tokens
             accepted += 1
         stats.requests += accepted
         stats.prompt_tokens += tokens
@@ -829,7 +836,7 @@ class Call:
         if request.long_inputs == "chunk":  # its other chunks would be computed for nothing
             self.chunks.pop(request_id, None)
             self.dispatcher.group.abort([request_id], engine)
-        self.ready[index] = m.PoolingOutput(request_id, index, 0, error=error)
+        self.ready[index] = self.result_type(request_id, index, None, 0, 1, error)
         self.stats.errors += 1
         if self.progress is not None:
             self.progress.update(1)

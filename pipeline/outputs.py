@@ -60,16 +60,8 @@ class RankedDocument(NamedTuple):
     score: float
 
 
+# The result type of each task (the frontend builds results of it as outputs arrive).
 OUTPUT_TYPES = {"embed": EmbeddingOutput, "classify": ClassificationOutput, "sparse_embed": SparseEmbeddingOutput}
-
-
-def to_result(task: str, out) -> PoolingRequestOutput:
-    """The caller's result object for one engine output (a `PoolingOutput`)."""
-    cls = OUTPUT_TYPES.get(task, PoolingRequestOutput)
-    result = cls(out.request_id, out.index, out.data, out.num_prompt_tokens, max(out.num_chunks, 1), out.error)
-    if cls is SparseEmbeddingOutput:
-        result.indices = out.indices
-    return result
 
 
 @dataclass(slots=True)

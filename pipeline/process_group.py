@@ -371,7 +371,7 @@ class ProcessGroup:
             try:
                 msg = self.decoder.decode(frames)
                 if isinstance(msg, m.OutputBatch):
-                    msg.unpack()  # each output gets its row of the packed data
+                    msg.unpack()  # checked; each output gets its own array
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
                 self.dropped(e)
                 if not self.results.poll(0):

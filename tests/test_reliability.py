@@ -116,9 +116,10 @@ def test_hostile_frames_on_every_socket_are_dropped(pipe, st_model):
     valid_wrong_type = [enc.encode(msg) for msg in (
         m.Shutdown(), m.Abort(["nope"]), m.Ready("engine", 0, 1),
         m.RenderBatch([m.RenderParams("x", 0, "embed", 8, m.PoolingParams(), prompt="stray")]),
-        m.OutputBatch([m.PoolingOutput("ghost", 3, 2, data=np.ones(384, np.float32))], 0.1, 2, 1),
-        m.OutputBatch.pack([m.PoolingOutput("ghost", 4, 2, data=np.ones(384, np.float32))], 0.1, 2, 1),
-        m.OutputBatch([m.PoolingOutput("ghost", 5, 2)], 0.1, 2, 1, np.ones((3, 384), np.float32)),
+        m.OutputBatch(["ghost"], np.array([3]), np.array([2]), 0.1, 2, 1, None, [np.ones(384, np.float32)]),
+        m.OutputBatch.pack([m.PoolingEngineInput("ghost", 4, "embed", np.array([1, 2], np.int32), m.PoolingParams())],
+                           np.ones((1, 384), np.float32), 0.1, 2, 1),
+        m.OutputBatch(["ghost"], np.array([5]), np.array([2]), 0.1, 2, 1, np.ones((3, 384), np.float32)),
         m.EngineInputBatch.pack(0, [m.PoolingEngineInput("ghost", 0, "embed", np.array([101, 102], np.int32),
                                                     m.PoolingParams())]),
         m.EngineInputBatch.pack(0, [m.PoolingEngineInput("bad", 0, "embed", np.array([10**6], np.int32),
@@ -217,10 +218,9 @@ def test_forged_frames_with_the_calls_own_ids_cannot_replace_results(pipe, st_mo
         prefix = first.request_id[: -len(str(first.index))]  # learned from a result: the forger knows the ids
         fake = np.full(384, 1 / np.sqrt(384), np.float32)
         for start in range(1, len(texts), 50):
-            outs = [m.PoolingOutput(f"{prefix}{i}", i, 3, data=fake.copy()) for i in range(start, min(start + 50, len(texts)))]
-            to_results.send_multipart(enc.encode(m.OutputBatch.pack(outs, 0.0, 3, 1)))
             inputs = [m.PoolingEngineInput(f"{prefix}{i}", i, "embed", np.array([101, 7592, 102], np.int32),
                                            m.PoolingParams()) for i in range(start, min(start + 50, len(texts)))]
+            to_results.send_multipart(enc.encode(m.OutputBatch.pack(inputs, np.tile(fake, (len(inputs), 1)), 0.0, 3, 1)))
             to_engine.send_multipart(enc.encode(m.EngineInputBatch.pack(0, inputs)))
         outs = [first, *stream]
     finally:

@@ -43,28 +43,72 @@ def test_packed_parts_that_do_not_fit_are_rejected():
         msg.unpack()
 
 
+def _inputs(lengths: list[int], chunked: bool = False) -> list[m.PoolingEngineInput]:
+    return [m.PoolingEngineInput(f"p-{i}", i, "embed", np.arange(n, dtype=np.int32), m.PoolingParams(),
+                                 chunk=i if chunked else -1, num_chunks=len(lengths) if chunked else 0)
+            for i, n in enumerate(lengths)]
+
+
 def test_output_vectors_travel_as_one_array_and_come_back_as_rows():
     enc, dec = Encoder(), Decoder(m.FrontendInbound, writable_arrays=True)
     vectors = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
-    outs = [m.PoolingOutput(str(i), i, 4, data=vectors[i]) for i in range(3)]
-    msg = dec.decode(enc.encode(m.OutputBatch.pack(outs, 0.1, 12, 3)))
-    assert msg.data is not None and msg.data.shape == (3, 8)
-    rows = msg.unpack()
-    np.testing.assert_array_equal(np.stack([o.data for o in rows]), vectors)
+    batch = _inputs([4, 5, 6])
+    for results in (vectors, list(vectors)):  # a runner's matrix, or one vector each
+        msg = dec.decode(enc.encode(m.OutputBatch.pack(batch, results, 0.1, 12, 3)))
+        assert msg.data is not None and msg.data.shape == (3, 8) and msg.arrays is None and msg.chunks is None
+        assert msg.request_ids == ["p-0", "p-1", "p-2"] and msg.indices.tolist() == [0, 1, 2]
+        assert msg.num_prompt_tokens.tolist() == [4, 5, 6]
+        msg.unpack()
+        assert msg.data is None
+        np.testing.assert_array_equal(np.stack(msg.arrays), vectors)
     # Token vectors differ in length per request: they stay per output.
-    ragged = [m.PoolingOutput("a", 0, 2, data=np.ones((2, 4), np.float32)),
-              m.PoolingOutput("b", 1, 3, data=np.ones((3, 4), np.float32))]
-    msg = dec.decode(enc.encode(m.OutputBatch.pack(ragged, 0.1, 6, 2)))
-    assert msg.data is None and [o.data.shape for o in msg.unpack()] == [(2, 4), (3, 4)]
+    ragged = [np.ones((2, 4), np.float32), np.ones((3, 4), np.float32)]
+    msg = dec.decode(enc.encode(m.OutputBatch.pack(_inputs([2, 3]), ragged, 0.1, 6, 2)))
+    assert msg.data is None
+    msg.unpack()
+    assert [a.shape for a in msg.arrays] == [(2, 4), (3, 4)]
+    # Chunks carry (chunk, number of chunks).
+    msg = dec.decode(enc.encode(m.OutputBatch.pack(_inputs([2, 3], chunked=True), vectors[:2], 0.1, 6, 2)))
+    assert msg.chunks.tolist() == [[0, 2], [1, 2]]
     # Decoded as views of the received frames (the frontend's decoder): every output gets its own
     # writable copy, so a result kept does not pin a frame or a batch.
-    big = [m.PoolingOutput("c", 0, 300, data=np.ones((300, 4), np.float32)),
-           m.PoolingOutput("d", 1, 2, data=np.ones((2, 4), np.float32), indices=np.arange(2, dtype=np.int32))]
-    for outs in (big, [m.PoolingOutput(str(i), i, 4, data=vectors[i]) for i in range(3)]):
-        msg = Decoder(m.FrontendInbound).decode(enc.encode(m.OutputBatch.pack(outs, 0.1, 6, 2)))
-        for out in msg.unpack():
-            assert out.data.flags.owndata and out.data.flags.writeable
-            assert out.indices is None or (out.indices.flags.owndata and out.indices.flags.writeable)
+    cases = [(_inputs([300, 2]), [(np.arange(300, dtype=np.int32), np.ones(300, np.float32)),
+                                  (np.arange(2, dtype=np.int32), np.ones(2, np.float32))], True),
+             (_inputs([300, 2]), [np.ones((300, 4), np.float32), np.ones((2, 4), np.float32)], False),
+             (_inputs([4, 4, 4]), vectors, False)]
+    for batch, results, sparse in cases:
+        msg = Decoder(m.FrontendInbound).decode(enc.encode(m.OutputBatch.pack(batch, results, 0.1, 6, 2, sparse=sparse)))
+        msg.unpack()
+        for array in msg.arrays + (msg.sparse_ids or []):
+            assert array.flags.owndata and array.flags.writeable
+        if sparse:
+            assert [a.tolist() for a in msg.sparse_ids] == [list(range(300)), [0, 1]]
+
+
+@pytest.mark.parametrize("change", ["indices", "tokens", "rows", "both", "neither", "arrays", "sparse", "chunks"])
+def test_output_columns_that_do_not_fit_are_rejected(change):
+    ids, idx, tok = ["a", "b"], np.array([0, 1]), np.array([3, 4])
+    data, arrays, sparse_ids, chunks = np.ones((2, 4), np.float32), None, None, None
+    if change == "indices":
+        idx = np.array([0, 1, 2])
+    elif change == "tokens":
+        tok = np.array([3])
+    elif change == "rows":
+        data = np.ones((3, 4), np.float32)
+    elif change == "both":
+        arrays = [np.ones(4, np.float32)] * 2
+    elif change == "neither":
+        data = None
+    elif change == "arrays":
+        data, arrays = None, [np.ones(4, np.float32)]
+    elif change == "sparse":
+        data, arrays, sparse_ids = None, [np.ones(4, np.float32)] * 2, [np.arange(3, dtype=np.int32)] * 2
+    else:
+        chunks = np.zeros((2, 3), np.int64)
+    msg = Decoder(m.FrontendInbound).decode(Encoder().encode(
+        m.OutputBatch(ids, idx, tok, 0.1, 8, 2, data, arrays, sparse_ids, chunks)))
+    with pytest.raises(ValueError):
+        msg.unpack()
 
 
 def test_wrong_type_for_the_socket_is_rejected():
