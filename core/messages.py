@@ -66,7 +66,7 @@ class RenderParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     params: PoolingParams
     prompt: str | None = None
     pair: str | None = None
-    token_ids: np.ndarray | None = None  # int32
+    token_ids: np.ndarray | None = None  # int32 (int64 in the frontend until its range is checked; int32 on the wire)
     conversation: list[dict[str, str]] | None = None
     raw: Any = None
     max_query_tokens: int | None = None  # pairs: content tokens kept of each side before pairing

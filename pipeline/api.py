@@ -469,7 +469,7 @@ class Pipeline:
 
             progress = tqdm(total=total, desc="Processed prompts", unit="docs", dynamic_ncols=True)
         call = Call(self._dispatcher, prefix, requests, opts, progress=progress,
-                    default_normalize=self.model_spec.normalize, loop=loop)
+                    default_normalize=self.model_spec.normalize, vocab_size=self.model_spec.vocab_size, loop=loop)
         self._local.call = call
         return call
 

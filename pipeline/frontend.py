@@ -48,7 +48,7 @@ from pooling_pipeline.call_stats import CallStats
 from pooling_pipeline.core import messages as m
 from pooling_pipeline.core.vectors import finish_embeddings
 from pooling_pipeline.errors import EngineDeadError, PipelineError, StepError
-from pooling_pipeline.inputs import CallOptions, FailedRequest
+from pooling_pipeline.inputs import CallOptions, FailedRequest, token_id_errors
 from pooling_pipeline.outputs import OUTPUT_TYPES, PoolingRequestOutput
 from pooling_pipeline.process_group import ProcessGroup
 
@@ -450,7 +450,7 @@ class Dispatcher:
 
 class Call:
     def __init__(self, dispatcher: Dispatcher, prefix: str, requests: Iterator[m.RenderParams | FailedRequest],
-                 opts: CallOptions, *, progress=None, default_normalize: bool = True,
+                 opts: CallOptions, *, progress=None, default_normalize: bool = True, vocab_size: int | None = None,
                  loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.dispatcher = dispatcher
         self.prefix = prefix
@@ -460,6 +460,7 @@ class Call:
         self.chat_template = opts.chat_template
         self.default_normalize = default_normalize
         self.result_type = OUTPUT_TYPES.get(opts.task, PoolingRequestOutput)  # what the caller gets back
+        self.vocab_size = vocab_size  # token ids are range-checked a message at a time, when sent
         self.errors = opts.errors  # "raise": the first failure ends the call; "return": it becomes an output
         self.chunks: dict[str, ChunkSum] = {}  # chunk mode: documents with chunks still out
         self.stats = CallStats(engines=dispatcher.num_engines)
@@ -711,6 +712,10 @@ class Call:
         """One batch (at most batch_items) to a worker, or into the backlog when none can take it."""
         if not batch:
             return
+        if self.vocab_size is not None and (bad := token_id_errors(batch, self.vocab_size)):
+            batch, sizes = self._refuse(batch, sizes, bad)
+            if not batch:
+                return
         chars = sum(sizes)
         sent = self.dispatcher.dispatch(self, batch, self.chat_template, chars)
         if sent is None:  # no worker can take it now: kept for the next turn
@@ -721,6 +726,20 @@ class Call:
         for request, size in zip(batch, sizes):
             inflight[request.request_id] = (request, worker, gen, size, engine)
         self.inflight_chars += chars
+
+    def _refuse(self, batch: list[m.RenderParams], sizes: list[int], bad: list[tuple[int, str]]
+                ) -> tuple[list[m.RenderParams], list[int]]:
+        """Requests whose token ids leave the vocabulary (found when their message is sent):
+        the call's error (errors="raise") or error outputs; the batch without them."""
+        if self.errors != "return":
+            raise ValueError(bad[0][1])
+        for position, error in bad:
+            request = batch[position]
+            self.ready[request.index] = self.result_type(request.request_id, request.index, None, 0, 1, error)
+            self.stats.errors += 1
+        gone = {position for position, _ in bad}
+        kept = [i for i in range(len(batch)) if i not in gone]
+        return [batch[i] for i in kept], [sizes[i] for i in kept]
 
     # ---- receiving ------------------------------------------------------------------------
 

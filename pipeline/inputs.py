@@ -292,8 +292,8 @@ def _requests(prompts: Iterator, opts: CallOptions, spec: ModelSpec, num_special
                                chunk_overlap=opts.chunk_overlap, text_prefix=text_prefix)
             continue
         if type(prompt) is np.ndarray and (ids := id_blocks.ids(index) if id_blocks is not None
-                                           else _quick_ids(prompt, spec.vocab_size)) is not None:
-            try:  # well-formed token ids (checked with their block, or alone)
+                                           else _quick_ids(prompt)) is not None:
+            try:  # well-formed token ids (checked with their block, or range-checked when sent)
                 max_tokens = resolve_max_tokens(spec, opts, num_special_tokens, p, index)
             except ValueError as e:
                 if opts.errors != "return":
@@ -353,7 +353,7 @@ def parse_prompt(prompt: object, index: int, spec: ModelSpec) -> dict[str, Any]:
     if isinstance(prompt, dict):
         keys = set(prompt)
         if keys == {"prompt_token_ids"}:
-            return {"token_ids": _check_token_ids(prompt["prompt_token_ids"], index, spec)}
+            return {"token_ids": _check_token_ids(prompt["prompt_token_ids"], index, spec.vocab_size)}
         if keys == {"prompt"}:
             if not isinstance(prompt["prompt"], str):
                 raise TypeError(f"request {index}: 'prompt' must be a str, got {type(prompt['prompt']).__name__}")
@@ -363,7 +363,7 @@ def parse_prompt(prompt: object, index: int, spec: ModelSpec) -> dict[str, Any]:
     if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(x, dict) for x in prompt):
         return {"conversation": _check_conversation(prompt, index)}
     if isinstance(prompt, (list, tuple, np.ndarray)):
-        return {"token_ids": _check_token_ids(prompt, index, spec)}
+        return {"token_ids": _check_token_ids(prompt, index, spec.vocab_size)}
     if prompt is None:
         raise TypeError(f"request {index}: prompt is None")
     raise TypeError(f"request {index}: a prompt must be a str, a list of token ids, a dict or a "
@@ -417,21 +417,39 @@ def _check_raw(raw: object, index: int) -> object:
 QUICK_CHECK_MAX_IDS = 128
 
 
-def _quick_ids(arr: np.ndarray, vocab_size: int) -> np.ndarray | None:
-    """A copy of a 1-D integer array whose ids are all in the vocabulary, as int32; None for
-    anything else (then `_check_token_ids` says what is wrong)."""
-    if arr.ndim != 1 or not arr.size or arr.dtype.kind not in "iu":
+def _quick_ids(arr: np.ndarray) -> np.ndarray | None:
+    """A copy of a 1-D integer array, its range not checked yet (the frontend checks a whole
+    message's ids at once before sending them: `token_id_errors`); None for anything else (then
+    `_check_token_ids` says what is wrong). int32 when every value of its type fits, int64
+    otherwise (narrowed once checked: a cast now could wrap an id into range); uint64 takes the
+    per-request check (int64 cannot hold all of it)."""
+    if arr.ndim != 1 or not arr.size or arr.dtype.kind not in "iu" or arr.dtype == np.uint64:
         return None
-    if arr.size <= QUICK_CHECK_MAX_IDS:
-        values = arr.tolist()
-        if min(values) < 0 or max(values) >= vocab_size:
-            return None
-    elif int(arr.min()) < 0 or int(arr.max()) >= vocab_size:
-        return None
-    return arr.astype(np.int32)
+    narrow = arr.dtype.itemsize < 4 or arr.dtype == np.int32
+    return arr.astype(np.int32 if narrow else np.int64)
 
 
-def _check_token_ids(ids: object, index: int, spec: ModelSpec) -> np.ndarray:
+def token_id_errors(requests: list[RenderParams], vocab_size: int) -> list[tuple[int, str]]:
+    """(position, error) for each request whose token ids leave the vocabulary: one reduction
+    over all of them in the usual case, the per-request check only when it finds something."""
+    arrays = [r.token_ids for r in requests if r.token_ids is not None]
+    if not arrays:
+        return []
+    flat = np.concatenate(arrays)  # int32 or int64: a negative id read as unsigned is huge
+    if int(flat.view(np.uint32 if flat.dtype == np.int32 else np.uint64).max()) < vocab_size:
+        return []
+    errors = []
+    for position, request in enumerate(requests):
+        ids = request.token_ids
+        if ids is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+            try:
+                _check_token_ids(ids, request.index, vocab_size)
+            except ValueError as e:
+                errors.append((position, str(e)))
+    return errors
+
+
+def _check_token_ids(ids: object, index: int, vocab_size: int) -> np.ndarray:
     if isinstance(ids, (list, tuple)) and any(isinstance(x, bool) for x in ids):
         raise TypeError(f"request {index}: token ids must be integers, not bools")
     try:
@@ -447,10 +465,10 @@ def _check_token_ids(ids: object, index: int, spec: ModelSpec) -> np.ndarray:
         raise TypeError(f"request {index}: token ids must be integers, got {arr.dtype} values")
     # One reduction: read as unsigned, a negative id is huge, so the maximum alone finds any id out of range.
     as_int64 = arr if arr.dtype == np.int64 else arr.astype(np.int64)
-    if int(as_int64.view(np.uint64).max()) >= spec.vocab_size:
+    if int(as_int64.view(np.uint64).max()) >= vocab_size:
         low, high = int(arr.min()), int(arr.max())
         bad = low if low < 0 else high
         position = int(np.flatnonzero(arr == bad)[0])
         raise ValueError(f"request {index}: token id {bad} at position {position} is outside the "
-                         f"vocabulary [0, {spec.vocab_size})")
+                         f"vocabulary [0, {vocab_size})")
     return arr.astype(np.int32)

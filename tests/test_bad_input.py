@@ -193,3 +193,22 @@ def test_token_ids_are_copied_when_the_call_reads_them(pipe):
     rest = [first, *stream]
     for ours, ref in zip(rest, expected):
         np.testing.assert_allclose(ours.embedding, ref.embedding, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad_id,dtype", [(30522, np.int32), (-1, np.int64), (2**32 + 5, np.int64),
+                                          (2**32 - 1, np.uint32), (2**64 - 1, np.uint64)])
+def test_token_ids_from_a_generator_are_range_checked_when_sent(pipe, bad_id, dtype):
+    """A stream of id arrays is range-checked a message at a time, just before it is sent: a bad
+    id (a wide one too, which a cast to int32 would wrap into the vocabulary) still fails its own
+    request by index and position; errors="return" fails that request only."""
+    good = [np.array([101, 2000 + i, 102], dtype=dtype) for i in range(150)]
+    reference = pipe.embed([a.tolist() for a in good], use_tqdm=False)
+    prompts = list(good)
+    prompts[77] = np.array([101, 7, bad_id, 102], dtype=dtype)
+    with pytest.raises(ValueError, match=rf"request 77: token id {bad_id} at position 2 is outside"):
+        list(pipe.embed_stream(iter(prompts), use_tqdm=False))
+    outs = list(pipe.embed_stream(iter(prompts), errors="return", use_tqdm=False))
+    assert [o.index for o in outs] == list(range(150))
+    assert [o.index for o in outs if o.error] == [77] and "token id" in outs[77].error
+    for i in (0, 76, 78, 149):
+        np.testing.assert_allclose(outs[i].embedding, reference[i].embedding, atol=1e-5)
