@@ -650,36 +650,42 @@ class Call:
         pending: list[m.RenderParams] = []
         sizes: list[int] = []
         pending_chars = 0
-        while True:
-            if not self.granted:
-                self._send(pending, sizes)
-                pending, sizes, pending_chars = [], [], 0
-                self.granted = dispatcher.acquire(self, self.batch_items)
-                if not self.granted:
+        requests, batch_items = self.requests, self.batch_items
+        granted, issued = self.granted, self.issued  # (locals in the loop; written back below)
+        try:
+            while True:
+                if not granted:
+                    self._send(pending, sizes)
+                    pending, sizes, pending_chars = [], [], 0
+                    granted = dispatcher.acquire(self, batch_items)
+                    if not granted:
+                        break
+                if dispatcher.chars + pending_chars >= MAX_INFLIGHT_CHARS:
+                    with dispatcher.lock:
+                        dispatcher.waiters.add(self)
                     break
-            if dispatcher.chars + pending_chars >= MAX_INFLIGHT_CHARS:
-                with dispatcher.lock:
-                    dispatcher.waiters.add(self)
-                break
-            try:
-                request = next(self.requests)  # validation errors surface here, in the caller
-            except StopIteration:
-                self.exhausted = True
-                break
-            self.granted -= 1
-            self.issued += 1
-            if isinstance(request, FailedRequest):  # refused in the caller (errors="return")
-                self.ready[request.index] = self.result_type(request.request_id, request.index, None, 0, 1,
-                                                             request.error)
-                self.stats.errors += 1
-                continue
-            size = request_size(request)
-            pending.append(request)
-            sizes.append(size)
-            pending_chars += size
-            if len(pending) == self.batch_items:
-                self._send(pending, sizes)
-                pending, sizes, pending_chars = [], [], 0
+                try:
+                    request = next(requests)  # validation errors surface here, in the caller
+                except StopIteration:
+                    self.exhausted = True
+                    break
+                granted -= 1
+                issued += 1
+                if type(request) is FailedRequest:  # refused in the caller (errors="return")
+                    self.ready[request.index] = self.result_type(request.request_id, request.index, None, 0, 1,
+                                                                 request.error)
+                    self.stats.errors += 1
+                    continue
+                prompt = request.prompt
+                size = len(prompt) if prompt and request.pair is None else request_size(request)
+                pending.append(request)
+                sizes.append(size)
+                pending_chars += size
+                if len(pending) == batch_items:
+                    self._send(pending, sizes)
+                    pending, sizes, pending_chars = [], [], 0
+        finally:
+            self.granted, self.issued = granted, issued
         self._send(pending, sizes)
         if self.exhausted:
             dispatcher.done_drawing(self)

@@ -153,6 +153,10 @@ def _prompt_prefixes(opts: CallOptions, spec: ModelSpec, count: int | None) -> t
     prompts_it, prompts_count = per_request(opts.prompt, "prompt", check_prompt, count)
     names_it, names_count = per_request(opts.prompt_name, "prompt_name", check_name, count)
     default = spec.prompts.get(spec.default_prompt_name) if spec.default_prompt_name else None
+    if prompts_count is None and names_count is None:  # one for the whole call
+        prompt, name = opts.prompt, opts.prompt_name
+        text = prompt if prompt is not None else spec.prompts[name] if name is not None else default
+        return itertools.repeat(text or None), None
 
     def resolve() -> Iterator[str | None]:
         for prompt, name in zip(prompts_it, names_it):
@@ -271,6 +275,7 @@ def _requests(prompts: Iterator, opts: CallOptions, spec: ModelSpec, num_special
     # The usual request (a text, one set of options for the call) is built without a detour.
     plain_text = not opts.pairs and not opts.plugin
     index = -1
+    last_params, max_tokens = None, 0  # the params max_tokens was last resolved for
     for index, prompt in enumerate(prompts):
         for count, name in limits:
             if index >= count:
@@ -279,13 +284,15 @@ def _requests(prompts: Iterator, opts: CallOptions, spec: ModelSpec, num_special
         p, priority, text_prefix = next(params_it), next(priority_it), next(prefix_it)
         if plain_text and type(prompt) is str and (prompt.isascii() or _valid_unicode(prompt)) and (
                 text_prefix is None or opts.long_inputs != "chunk"):
-            try:
-                max_tokens = resolve_max_tokens(spec, opts, num_special_tokens, p, index)
-            except ValueError as e:
-                if opts.errors != "return":
-                    raise
-                yield FailedRequest(f"{id_prefix}{index}", index, str(e))
-                continue
+            if p is not last_params:  # (the same params for every request, as usual: resolved once)
+                try:
+                    max_tokens = resolve_max_tokens(spec, opts, num_special_tokens, p, index)
+                except ValueError as e:
+                    if opts.errors != "return":
+                        raise
+                    yield FailedRequest(f"{id_prefix}{index}", index, str(e))
+                    continue
+                last_params = p
             yield RenderParams(f"{id_prefix}{index}", index, opts.task, max_tokens, p, prompt,
                                max_query_tokens=opts.max_tokens_per_query, max_doc_tokens=opts.max_tokens_per_doc,
                                priority=priority, truncate_left=truncate_left, long_inputs=opts.long_inputs,
@@ -293,13 +300,16 @@ def _requests(prompts: Iterator, opts: CallOptions, spec: ModelSpec, num_special
             continue
         if type(prompt) is np.ndarray and (ids := id_blocks.ids(index) if id_blocks is not None
                                            else _quick_ids(prompt)) is not None:
-            try:  # well-formed token ids (checked with their block, or range-checked when sent)
-                max_tokens = resolve_max_tokens(spec, opts, num_special_tokens, p, index)
-            except ValueError as e:
-                if opts.errors != "return":
-                    raise
-                yield FailedRequest(f"{id_prefix}{index}", index, str(e))
-                continue
+            # well-formed token ids (checked with their block, or range-checked when sent)
+            if p is not last_params:
+                try:
+                    max_tokens = resolve_max_tokens(spec, opts, num_special_tokens, p, index)
+                except ValueError as e:
+                    if opts.errors != "return":
+                        raise
+                    yield FailedRequest(f"{id_prefix}{index}", index, str(e))
+                    continue
+                last_params = p
             yield RenderParams(f"{id_prefix}{index}", index, opts.task, max_tokens, p, token_ids=ids,
                                max_query_tokens=opts.max_tokens_per_query, max_doc_tokens=opts.max_tokens_per_doc,
                                priority=priority, truncate_left=truncate_left, long_inputs=opts.long_inputs,
