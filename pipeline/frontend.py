@@ -676,8 +676,13 @@ class Call:
                                                                  request.error)
                     self.stats.errors += 1
                     continue
-                prompt = request.prompt
-                size = len(prompt) if prompt and request.pair is None else request_size(request)
+                prompt = request.prompt  # (request_size's usual cases, inline: this runs per request)
+                if prompt and request.pair is None:
+                    size = len(prompt)
+                elif prompt is None and request.token_ids is not None:
+                    size = request.token_ids.size
+                else:
+                    size = request_size(request)
                 pending.append(request)
                 sizes.append(size)
                 pending_chars += size
@@ -767,11 +772,35 @@ class Call:
         workers: list[int] = []  # of each request settled (counted once at the end)
         engine_of: list[int] = []
         inflight, ready, make = self.inflight, self.ready, self.result_type
+        columns = zip(msg.request_ids, msg.indices.tolist(), msg.num_prompt_tokens.tolist(), msg.arrays)
+        if msg.chunks is None and msg.sparse_ids is None:  # the usual case, in a lean loop
+            for rid, index, num_tokens, data in columns:
+                entry = inflight.pop(rid, None)
+                if entry is None or entry[0].index != index:
+                    if entry is not None:
+                        inflight[rid] = entry
+                    stats.duplicates_dropped += 1  # re-sent, aborted or from an earlier call
+                    continue
+                workers.append(entry[1])
+                engine_of.append(entry[4])
+                chars += entry[3]
+                ready[index] = make(rid, index, data, num_tokens)
+                tokens += num_tokens
+            accepted, engine = len(workers), engine_of[0] if engine_of else -1
+        else:
+            accepted, tokens, chars, engine = self._on_special_outputs(msg, columns, workers, engine_of)
+        self._settle_outputs(msg, accepted, tokens, chars, workers, engine_of, engine)
+
+    def _on_special_outputs(self, msg: m.OutputBatch, columns, workers: list[int], engine_of: list[int]
+                            ) -> tuple[int, int, int, int]:
+        """`_on_outputs` for chunks of long documents (pooled back into one vector when the last
+        arrives) and sparse vectors (their token ids)."""
+        stats, inflight, ready, make = self.stats, self.inflight, self.ready, self.result_type
+        accepted = tokens = chars = 0
         engine = -1  # which engine core computed this batch (a batch comes from one): from its requests
         chunk_of = None if msg.chunks is None else msg.chunks.tolist()
         sparse_ids = msg.sparse_ids
-        for i, (rid, index, num_tokens, data) in enumerate(zip(
-                msg.request_ids, msg.indices.tolist(), msg.num_prompt_tokens.tolist(), msg.arrays)):
+        for i, (rid, index, num_tokens, data) in enumerate(columns):
             entry = inflight.get(rid)
             if entry is None or entry[0].index != index:
                 stats.duplicates_dropped += 1  # re-sent, aborted or from an earlier call
@@ -799,6 +828,12 @@ class Call:
                 result.indices = sparse_ids[i]
             tokens += num_tokens
             accepted += 1
+        return accepted, tokens, chars, engine
+
+    def _settle_outputs(self, msg: m.OutputBatch, accepted: int, tokens: int, chars: int, workers: list[int],
+                        engine_of: list[int], engine: int) -> None:
+        """Counts what `_on_outputs` accepted and gives their workers, engines and text budget back."""
+        stats = self.stats
         stats.requests += accepted
         stats.prompt_tokens += tokens
         settled, engines = Counter(workers), Counter(engine_of)
