@@ -321,6 +321,7 @@ class InputReader:
         self.control_decoder = Decoder(m.EngineControl, key=key)
         self.dropped_control = DropLog(engine.log, "a malformed or foreign control message")
         self.dropped_input = DropLog(engine.log, "a malformed or foreign input message")
+        self.tasks = frozenset(engine.cfg.model.tasks)
 
     def run(self) -> None:
         inputs, control, window = self.inputs, self.control, self.engine.window
@@ -378,13 +379,16 @@ class InputReader:
         The array checks run once on the message's packed ids; per item only what is not in
         the array remains."""
         model = self.cfg.model
-        ids, lengths = msg.token_ids, msg.lengths
-        if ids.dtype != np.int32 or (lengths.size and (int(lengths.min()) < 1 or int(lengths.max()) > model.max_model_len)):
+        ids, sizes = msg.token_ids, msg.lengths.tolist()
+        if ids.dtype != np.int32 or (sizes and (min(sizes) < 1 or max(sizes) > model.max_model_len)):
             return False
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= model.vocab_size):
+        # One reduction: read as unsigned, a negative id is huge.
+        if ids.size and int(ids.view(np.uint32).max()) >= model.vocab_size:
             return False
-        return all(r.task in model.tasks and (r.token_type_start is None or 0 <= r.token_type_start < r.token_ids.size)
-                   for r in items)
+        if not {r.task for r in items} <= self.tasks:
+            return False
+        pairs = [(r.token_type_start, r.token_ids.size) for r in items if r.token_type_start is not None]
+        return all(0 <= start < size for start, size in pairs)
 
     def _refuse_invalid(self, items: list[m.PoolingEngineInput]) -> list[m.PoolingEngineInput]:
         """A well-formed message with bad contents: those requests are refused, the rest kept."""

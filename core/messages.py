@@ -179,16 +179,17 @@ class EngineInputBatch(msgspec.Struct, tag=True, array_like=True):
 
     def unpack(self) -> list[PoolingEngineInput]:
         """The items, each with a view of its ids. ValueError when the parts do not fit together."""
-        lengths = self.lengths
-        if (lengths.ndim != 1 or lengths.dtype.kind != "i" or len(lengths) != len(self.items)
-                or self.token_ids.ndim != 1 or (lengths.size and int(lengths.min()) < 0)
-                or int(lengths.sum()) != self.token_ids.size):
+        lengths, ids = self.lengths, self.token_ids
+        if lengths.ndim != 1 or lengths.dtype.kind != "i" or len(lengths) != len(self.items) or ids.ndim != 1:
             raise ValueError("packed token ids do not match the items' lengths")
-        if any(item.token_ids is not None for item in self.items):
-            raise ValueError("token ids must travel packed, not in the items")
+        sizes = lengths.tolist()  # (a message's few dozen: Python's min and sum beat numpy's per-call cost)
+        if sizes and (min(sizes) < 0 or sum(sizes) != ids.size) or not sizes and ids.size:
+            raise ValueError("packed token ids do not match the items' lengths")
         start = 0
-        for item, length in zip(self.items, lengths.tolist()):
-            item.token_ids = self.token_ids[start:start + length]
+        for item, length in zip(self.items, sizes):
+            if item.token_ids is not None:
+                raise ValueError("token ids must travel packed, not in the items")
+            item.token_ids = ids[start:start + length]
             start += length
         return self.items
 
@@ -220,10 +221,10 @@ class OutputBatch(msgspec.Struct, tag=True, array_like=True):
         """The outputs of `batch`: `results` is an [n, dim] array, or one array per request
         ((token ids, weights) pairs when `sparse`)."""
         n = len(batch)
-        indices = np.fromiter((r.index for r in batch), dtype=np.int64, count=n)
-        tokens = np.fromiter((len(r.token_ids) for r in batch), dtype=np.int64, count=n)
+        indices = np.array([r.index for r in batch], dtype=np.int64)
+        tokens = np.array([r.token_ids.size for r in batch], dtype=np.int64)
         chunks = None
-        if any(r.chunk >= 0 for r in batch):
+        if n and max([r.chunk for r in batch]) >= 0:
             chunks = np.array([(r.chunk, r.num_chunks) for r in batch], dtype=np.int64).reshape(n, 2)
         data = arrays = sparse_ids = None
         if isinstance(results, np.ndarray):
