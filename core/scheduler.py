@@ -37,17 +37,16 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_padding_fraction = max_padding_fraction
         self.overhead_tokens = overhead_tokens
-        # Insertion order is arrival order; keyed by external id (and chunk) so a re-sent
-        # request replaces itself.
-        self.waiting: dict[Key, PoolingEngineInput] = {}
+        # Keyed by arrival number; insertion order is arrival order (a re-sent request replaces
+        # its waiting copy and goes last, keeping its arrival number).
+        self.waiting: dict[int, PoolingEngineInput] = {}
         # The same requests in (length, arrival) order, as buckets: one list of arrivals per
         # length (ascending: arrivals only grow, so adding is an append) and the lengths that
         # have a bucket, sorted (a few hundred at most). Adding costs no sort and no comparison
         # with the rest of the window; a batch is a run of that order, walked bucket by bucket.
         self._buckets: dict[int, list[int]] = {}
         self._lengths: list[int] = []
-        self._arrival: dict[Key, int] = {}
-        self._key_of: dict[int, Key] = {}  # arrival -> key
+        self._arrival: dict[Key, int] = {}  # the arrival number of each waiting request, by external id (and chunk)
         self._counter = itertools.count()
         self._urgent = 0  # waiting requests with a priority other than 0
 
@@ -60,18 +59,17 @@ class Scheduler:
 
     def add_many(self, requests: list[PoolingEngineInput]) -> int:
         """Adds requests in arrival order; returns how many replaced a waiting copy of themselves."""
-        waiting, arrival_of, key_of, counter, buckets = self.waiting, self._arrival, self._key_of, self._counter, self._buckets
+        waiting, arrival_of, counter, buckets = self.waiting, self._arrival, self._counter, self._buckets
         replaced = 0
         for request in requests:
             key = (request.request_id, request.chunk)
-            if key in waiting:  # a re-sent request: the new copy takes the old one's place
-                self._forget([key])
-                replaced += 1
             arrival = arrival_of.get(key)
             if arrival is None:
                 arrival = arrival_of[key] = next(counter)
-            key_of[arrival] = key
-            waiting[key] = request
+            else:  # a re-sent request: the new copy takes the waiting one's place
+                self._forget(arrival)
+                replaced += 1
+            waiting[arrival] = request
             length = len(request.token_ids)
             bucket = buckets.get(length)
             if bucket is None:
@@ -87,10 +85,9 @@ class Scheduler:
     def abort(self, request_ids: list[str]) -> int:
         """Removes these requests (every chunk of a chunked one); returns how many were removed."""
         wanted = set(request_ids)
-        keys = [k for k in self.waiting if k[0] in wanted]
-        self._forget(keys)
+        keys = [k for k in self._arrival if k[0] in wanted]
         for key in keys:
-            del self._key_of[self._arrival.pop(key)]
+            self._forget(self._arrival.pop(key))
         return len(keys)
 
     def take_all(self) -> list[PoolingEngineInput]:
@@ -100,36 +97,34 @@ class Scheduler:
         self._buckets.clear()
         self._lengths.clear()
         self._arrival.clear()
-        self._key_of.clear()
         self._urgent = 0
         return batch
 
-    def _forget(self, keys: list[Key]) -> None:
-        """Takes these waiting requests out of `waiting` and the buckets (their arrival stays)."""
-        for key in keys:
-            request = self.waiting.pop(key)
-            self._urgent -= request.priority != 0
-            length = len(request.token_ids)
-            bucket = self._buckets[length]
-            del bucket[bisect.bisect_left(bucket, self._arrival[key])]
-            if not bucket:
-                del self._buckets[length]
-                del self._lengths[bisect.bisect_left(self._lengths, length)]
+    def _forget(self, arrival: int) -> None:
+        """Takes this waiting request out of `waiting` and the buckets (not out of `_arrival`)."""
+        request = self.waiting.pop(arrival)
+        self._urgent -= request.priority != 0
+        length = len(request.token_ids)
+        bucket = self._buckets[length]
+        del bucket[bisect.bisect_left(bucket, arrival)]
+        if not bucket:
+            del self._buckets[length]
+            del self._lengths[bisect.bisect_left(self._lengths, length)]
 
     def next_batch(self) -> list[PoolingEngineInput]:
         if not self.waiting:
             return []
         # The anchor: the oldest among the most urgent (lowest priority value) waiting requests.
-        oldest = next(iter(self.waiting.values()))
-        if self._urgent:
-            oldest = min(self.waiting.values(), key=lambda r: r.priority)  # min() keeps the first of ties
+        anchor, oldest = next(iter(self.waiting.items()))
+        if self._urgent:  # (min() keeps the first of ties)
+            anchor, oldest = min(self.waiting.items(), key=lambda item: item[1].priority)
         lengths, buckets = self._lengths, self._buckets
         # The batch is a run of the (length, arrival) order: from offset `lo_off` of bucket
         # `lo_li` (an index into `lengths`) to offset `hi_off` of bucket `hi_li`, both included.
         longest = real = len(oldest.token_ids)
         lo_li = hi_li = bisect.bisect_left(lengths, longest)
         anchor_bucket = buckets[longest]
-        lo_off = hi_off = bisect.bisect_left(anchor_bucket, self._arrival[(oldest.request_id, oldest.chunk)])
+        lo_off = hi_off = bisect.bisect_left(anchor_bucket, anchor)
         hi_size = len(anchor_bucket)  # of bucket hi_li
         count = 1
         max_seqs, max_tokens, max_padding = self.max_num_seqs, self.max_num_batched_tokens, self.max_padding_fraction
@@ -172,7 +167,7 @@ class Scheduler:
 
     def _take(self, lo_li: int, lo_off: int, hi_li: int, hi_off: int) -> list[PoolingEngineInput]:
         """Removes the run from (lo_li, lo_off) to (hi_li, hi_off) and returns its requests."""
-        lengths, buckets, key_of, arrival_of, waiting = self._lengths, self._buckets, self._key_of, self._arrival, self.waiting
+        lengths, buckets, arrival_of, waiting = self._lengths, self._buckets, self._arrival, self.waiting
         batch = []
         emptied = []
         for li in range(lo_li, hi_li + 1):
@@ -180,9 +175,8 @@ class Scheduler:
             start = lo_off if li == lo_li else 0
             end = hi_off + 1 if li == hi_li else len(bucket)
             for arrival in bucket[start:end]:
-                key = key_of.pop(arrival)
-                del arrival_of[key]
-                request = waiting.pop(key)
+                request = waiting.pop(arrival)
+                del arrival_of[(request.request_id, request.chunk)]
                 self._urgent -= request.priority != 0
                 batch.append(request)
             del bucket[start:end]
