@@ -272,7 +272,6 @@ def _requests(prompts: Iterator, opts: CallOptions, spec: ModelSpec, num_special
     prefix_it, prefix_count = prefixes
     per_request_counts = ((params_count, "pooling_params"), (priority_count, "priority"), (prefix_count, "prompt"))
     limits = [(count, name) for count, name in per_request_counts if count is not None]
-    # The usual request (a text, one set of options for the call) is built without a detour.
     plain_text = not opts.pairs and not opts.plugin
     index = -1
     last_params, max_tokens = None, 0  # the params max_tokens was last resolved for
@@ -282,8 +281,14 @@ def _requests(prompts: Iterator, opts: CallOptions, spec: ModelSpec, num_special
                 raise ValueError(f"{name} has {count} entries but there are more prompts "
                                  f"(prompt {index} has none)")
         p, priority, text_prefix = next(params_it), next(priority_it), next(prefix_it)
-        if plain_text and type(prompt) is str and (prompt.isascii() or _valid_unicode(prompt)) and (
-                text_prefix is None or opts.long_inputs != "chunk"):
+        # The usual requests -- a text, or a well-formed token-id array (checked with its block,
+        # or range-checked when sent) -- are built without a detour.
+        ids = None
+        if plain_text and (
+                (type(prompt) is str and (prompt.isascii() or _valid_unicode(prompt))
+                 and (text_prefix is None or opts.long_inputs != "chunk"))
+                or (type(prompt) is np.ndarray
+                    and (ids := id_blocks.ids(index) if id_blocks is not None else _quick_ids(prompt)) is not None)):
             if p is not last_params:  # (the same params for every request, as usual: resolved once)
                 try:
                     max_tokens = resolve_max_tokens(spec, opts, num_special_tokens, p, index)
@@ -293,27 +298,12 @@ def _requests(prompts: Iterator, opts: CallOptions, spec: ModelSpec, num_special
                     yield FailedRequest(f"{id_prefix}{index}", index, str(e))
                     continue
                 last_params = p
-            yield RenderParams(f"{id_prefix}{index}", index, opts.task, max_tokens, p, prompt,
-                               max_query_tokens=opts.max_tokens_per_query, max_doc_tokens=opts.max_tokens_per_doc,
-                               priority=priority, truncate_left=truncate_left, long_inputs=opts.long_inputs,
-                               chunk_overlap=opts.chunk_overlap, text_prefix=text_prefix)
-            continue
-        if type(prompt) is np.ndarray and (ids := id_blocks.ids(index) if id_blocks is not None
-                                           else _quick_ids(prompt)) is not None:
-            # well-formed token ids (checked with their block, or range-checked when sent)
-            if p is not last_params:
-                try:
-                    max_tokens = resolve_max_tokens(spec, opts, num_special_tokens, p, index)
-                except ValueError as e:
-                    if opts.errors != "return":
-                        raise
-                    yield FailedRequest(f"{id_prefix}{index}", index, str(e))
-                    continue
-                last_params = p
-            yield RenderParams(f"{id_prefix}{index}", index, opts.task, max_tokens, p, token_ids=ids,
-                               max_query_tokens=opts.max_tokens_per_query, max_doc_tokens=opts.max_tokens_per_doc,
-                               priority=priority, truncate_left=truncate_left, long_inputs=opts.long_inputs,
-                               chunk_overlap=opts.chunk_overlap)
+            text = ids is None
+            yield RenderParams(f"{id_prefix}{index}", index, opts.task, max_tokens, p, prompt if text else None,
+                               token_ids=ids, max_query_tokens=opts.max_tokens_per_query,
+                               max_doc_tokens=opts.max_tokens_per_doc, priority=priority, truncate_left=truncate_left,
+                               long_inputs=opts.long_inputs, chunk_overlap=opts.chunk_overlap,
+                               text_prefix=text_prefix if text else None)
             continue
         try:
             fields: dict[str, Any] = {}

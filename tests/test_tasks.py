@@ -249,6 +249,11 @@ def test_io_processor_plugin(tmp_path, st_model, monkeypatch):
             pipe.encode([records[0], {"fail": True}], task="plugin", use_tqdm=False)
         with pytest.raises(TypeError, match="request 0: plugin input must be plain data"):
             pipe.encode([object()], task="plugin", use_tqdm=False)
+        # An integer array is a plugin's raw item like any other, never taken for token ids.
+        with pytest.raises(TypeError, match="request 0: plugin input must be plain data"):
+            pipe.encode([np.array([101, 102], dtype=np.int32)], task="plugin", use_tqdm=False)
+        with pytest.raises(TypeError, match="request 0: plugin input must be plain data"):
+            list(pipe.encode_stream(iter([np.array([101, 102], dtype=np.int32)]), task="plugin", use_tqdm=False))
         assert len(pipe.encode(records, task="plugin", use_tqdm=False)) == 2  # still usable
     assert [r["index"] for r in results] == [0, 1]
     expected = st_model.encode(["FILES. open() returns a file object.", "LISTS. sorted() returns a new list."])
