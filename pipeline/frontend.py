@@ -450,7 +450,7 @@ class Dispatcher:
 
 class Call:
     def __init__(self, dispatcher: Dispatcher, prefix: str, requests: Iterator[m.RenderParams | FailedRequest],
-                 opts: CallOptions, *, progress=None, default_normalize: bool = True, vocab_size: int | None = None,
+                 opts: CallOptions, *, vocab_size: int, progress=None, default_normalize: bool = True,
                  loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.dispatcher = dispatcher
         self.prefix = prefix
@@ -460,7 +460,9 @@ class Call:
         self.chat_template = opts.chat_template
         self.default_normalize = default_normalize
         self.result_type = OUTPUT_TYPES.get(opts.task, PoolingRequestOutput)  # what the caller gets back
-        self.vocab_size = vocab_size  # token ids are range-checked a message at a time, when sent
+        # Token ids are range-checked a message at a time, when sent (before that, wide ones are
+        # int64: only a checked message may be narrowed to int32 for the wire).
+        self.vocab_size = vocab_size
         self.errors = opts.errors  # "raise": the first failure ends the call; "return": it becomes an output
         self.chunks: dict[str, ChunkSum] = {}  # chunk mode: documents with chunks still out
         self.stats = CallStats(engines=dispatcher.num_engines)
@@ -723,7 +725,7 @@ class Call:
         """One batch (at most batch_items) to a worker, or into the backlog when none can take it."""
         if not batch:
             return
-        if self.vocab_size is not None and (bad := token_id_errors(batch, self.vocab_size)):
+        if bad := token_id_errors(batch, self.vocab_size):
             batch, sizes = self._refuse(batch, sizes, bad)
             if not batch:
                 return
