@@ -103,8 +103,8 @@ class PoolingEngineInput(msgspec.Struct, array_like=True, omit_defaults=True, gc
 
 
 class RenderBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
-    """Requests for a render worker. Token-id prompts travel packed (`pack` / `unpack`): one
-    array for the message, like EngineInputBatch, not one encoded array per request."""
+    """Requests for a render worker. Token-id prompts travel packed (`encode_packed` / `unpack`):
+    one array for the message, like EngineInputBatch, not one encoded array per request."""
 
     items: list[RenderParams]  # token_ids None where they are in `token_ids` below
     chat_template: str | None = None  # the call's template for conversations (once per batch)
@@ -149,7 +149,8 @@ class RenderBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True)
         start = 0
         for i, length in zip(where.tolist(), lengths.tolist()):
             item = self.items[i]
-            if item.token_ids is not None or item.prompt is not None or item.conversation is not None:
+            if (item.token_ids is not None or item.prompt is not None or item.pair is not None
+                    or item.conversation is not None or item.raw is not None):
                 raise ValueError(f"item {i} has packed token ids and another input")
             item.token_ids = ids[start:start + length]
             start += length
@@ -198,7 +199,7 @@ class OutputBatch(msgspec.Struct, tag=True, array_like=True):
     """A step's outputs, as columns: one entry per request in each (no struct per request).
     When they are all vectors of one size (embeddings, class probabilities, scores) their data
     travels as one [n, dim] array, `data`; otherwise each output's array is in `arrays`.
-    Build it with `pack`; a receiver calls `check` before reading it."""
+    Build it with `pack`; a receiver calls `unpack` (which checks it) before reading it."""
 
     request_ids: list[str]
     indices: np.ndarray  # int64: each request's position in its call's input

@@ -313,8 +313,7 @@ class Dispatcher:
         """Up to `want` slots for `call` (0: none now; the call is woken when some come back).
         Each call drawing input may hold its share, max_inflight / calls drawing."""
         with self.lock:
-            share = max(1, self.max_inflight // max(1, len(self.drawing)))
-            granted = min(want, self.free, share - call.held)
+            granted = min(want, self.grantable(call))
             if granted <= 0:
                 self.waiters.add(call)
                 return 0
@@ -324,6 +323,13 @@ class Dispatcher:
             if inflight > self.peak_inflight:
                 self.peak_inflight = inflight
             return granted
+
+    def grantable(self, call: Call) -> int:
+        """How many more slots `call` could be granted now: its share (max_inflight / calls
+        drawing) less what it holds, within the free slots. (The caller holds the lock, or
+        reads a value that may be stale by the time it acts on it.)"""
+        share = max(1, self.max_inflight // max(1, len(self.drawing)))
+        return min(self.free, share - call.held)
 
     def release(self, call: Call, count: int) -> None:
         with self.lock:
@@ -713,9 +719,7 @@ class Call:
         inflight = self.issued - self.next_index
         if inflight < FULL_BATCH_WAIT_MIN_MESSAGES * self.batch_items:
             return False
-        share = max(1, dispatcher.max_inflight // max(1, len(dispatcher.drawing)))
-        available = self.granted + min(dispatcher.free, share - self.held)
-        if available >= self.batch_items:
+        if self.granted + dispatcher.grantable(self) >= self.batch_items:
             return False
         with dispatcher.lock:  # woken when slots come back (release wakes the waiters)
             dispatcher.waiters.add(self)
