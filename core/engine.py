@@ -35,7 +35,9 @@ import numpy as np
 import zmq
 
 from pooling_pipeline.core import messages as m
+from pooling_pipeline.core.columns import Requests
 from pooling_pipeline.core.config import EngineConfig
+from pooling_pipeline.core.options import TASKS
 from pooling_pipeline.core.runtime import (
     BusyClock,
     DropLog,
@@ -63,9 +65,10 @@ CPU_BATCH_TOKENS, GPU_BATCH_TOKENS = 2048, 16384
 CPU_MAX_PADDING, GPU_MAX_PADDING = 0.05, 0.25
 # The measured step overhead, in padded tokens, is capped (a noisy probe must not mean "any padding").
 MAX_OVERHEAD_TOKENS = 1 << 16
-# Ids aborted before their input arrived are remembered so the late input is dropped. Bounded:
-# the frontend never has more than its window in flight, so older entries can only be strays.
+# Aborted requests are remembered so a late input is dropped. Bounded: the frontend never has more
+# than its window in flight, so older entries can only be strays.
 MAX_REMEMBERED_ABORTS = 1 << 20
+MAX_REMEMBERED_ABORTED_CALLS = 1 << 16
 
 
 class Window:
@@ -146,14 +149,14 @@ class EngineCore:
             log.warning("could not measure the step cost (%s); batches stay tight", e)
             self.step_overhead_s, overhead_tokens = 0.0, 0.0
         self.scheduler = Scheduler(cfg.max_num_seqs, self.max_num_batched_tokens,
-                                   CPU_MAX_PADDING if on_cpu else GPU_MAX_PADDING, overhead_tokens)
-        self.aborted: OrderedDict[str, None] = OrderedDict()
+                                   CPU_MAX_PADDING if on_cpu else GPU_MAX_PADDING, overhead_tokens, capacity=cfg.window)
+        self.aborts = AbortMemory()
         self.encoder = Encoder(key)
         self.running = True
         self.steps = 0
         self.window = Window(cfg.window)
         self.times = StageTimes()
-        # input thread -> loop: ("inputs", items) | ("abort", ids) | ("shutdown",); bounded by the window.
+        # input thread -> loop: ("inputs", Requests) | ("abort", call, indices) | ("shutdown",); bounded by the window.
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         # loop -> output thread: messages to send, or finished steps to pack; bounded by the window.
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -215,7 +218,7 @@ class EngineCore:
             if kind == "inputs":
                 self._admit(event[1])
             elif kind == "abort":
-                self._abort(event[1])
+                self._abort(event[1], event[2])
             else:  # shutdown
                 self.running = False
                 return
@@ -224,22 +227,22 @@ class EngineCore:
             except queue.Empty:
                 return
 
-    def _admit(self, items: list[m.PoolingEngineInput]) -> None:
-        if self.aborted:  # inputs aborted before they arrived are dropped
-            kept = [r for r in items if r.request_id not in self.aborted]
-            self.window.release(len(items) - len(kept))
-            items = kept
+    def _admit(self, requests: Requests) -> None:
+        if self.aborts:  # inputs aborted before they arrived are dropped
+            kept = self.aborts.keep(requests)
+            if kept is not None:
+                self.window.release(len(requests) - len(kept))
+                requests = kept
+                if not len(requests):
+                    return
         # A re-sent request takes its old copy's place: one window slot is freed for each.
-        self.window.release(self.scheduler.add_many(items))
+        self.window.release(self.scheduler.add(requests))
 
-    def _abort(self, request_ids: list[str]) -> None:
-        self.window.release(self.scheduler.abort(request_ids))
-        # Remember every aborted id, not only those still on their way: a chunked document's
-        # other chunks may still come, and ids are never reused.
-        for rid in request_ids:
-            self.aborted[rid] = None
-        while len(self.aborted) > MAX_REMEMBERED_ABORTS:
-            self.aborted.popitem(last=False)
+    def _abort(self, call: str, indices: list[int] | None) -> None:
+        self.window.release(self.scheduler.abort(call, indices))
+        # Remember every aborted request, not only those still on their way: a chunked
+        # document's other chunks may still come, and ids are never reused.
+        self.aborts.add(call, indices)
 
     def _launch(self):
         in_core = len(self.scheduler)
@@ -256,7 +259,7 @@ class EngineCore:
             self._isolate(batch, in_core, e)
             return None
 
-    def _finish(self, batch: list[m.PoolingEngineInput], step, in_core: int) -> None:
+    def _finish(self, batch: Requests, step, in_core: int) -> None:
         try:
             with self.clock:
                 results, padded, device_s = self.runner.finish(step)
@@ -265,47 +268,94 @@ class EngineCore:
             return
         self._send_results(batch, results, padded, device_s, in_core)
 
-    def _isolate(self, batch: list[m.PoolingEngineInput], in_core: int, error: Exception) -> None:
+    def _isolate(self, batch: Requests, in_core: int, error: Exception) -> None:
         """A step failed. One bad input must not cost its batch: each request runs alone, so
         only the culprit fails and the others get their results."""
         if len(batch) == 1:
             self._fail_step(batch, error)
             return
         self.log.warning("step of %d requests failed (%s); isolating the culprit", len(batch), error)
-        for request in batch:
-            if request.chunk >= 0 and request.request_id in self.aborted:
+        for row in range(len(batch)):
+            request = batch.select([row])
+            if request.chunk[0] >= 0 and self.aborts.has(request.calls[0], int(request.indices[0])):
                 self.window.release(1)  # another chunk of its document failed: the document has failed
                 continue
             start = time.perf_counter()
             try:
                 with self.clock:
-                    results, padded = self.runner.run([request])
+                    results, padded = self.runner.run(request)
             except Exception as e:
-                self._fail_step([request], e)
+                self._fail_step(request, e)
                 continue
-            self._send_results([request], results, padded, time.perf_counter() - start, in_core)
+            self._send_results(request, results, padded, time.perf_counter() - start, in_core)
 
-    def _fail_step(self, batch: list[m.PoolingEngineInput], error: Exception) -> None:
-        self.log.error("step failed for %s: %s: %s", [r.request_id for r in batch], type(error).__name__, error)
+    def _fail_step(self, batch: Requests, error: Exception) -> None:
+        self.log.error("step failed for %s: %s: %s", list(zip(batch.calls.tolist(), batch.indices.tolist())),
+                       type(error).__name__, error)
         self._fail(batch, f"{type(error).__name__}: {error}")
         # A document with a failed chunk has failed: its other chunks are dropped, not computed.
-        failed_docs = list(dict.fromkeys(r.request_id for r in batch if r.chunk >= 0))
-        if failed_docs:
-            self._abort(failed_docs)
+        chunked = np.flatnonzero(batch.chunk >= 0)
+        for call, index in dict.fromkeys(zip(batch.calls[chunked].tolist(), batch.indices[chunked].tolist())):
+            self._abort(call, [index])
 
-    def _fail(self, batch: list[m.PoolingEngineInput], error: str) -> None:
-        self.outbox.put((m.StepFailed([r.request_id for r in batch], [r.index for r in batch], error), len(batch)))
+    def _fail(self, batch: Requests, error: str) -> None:
+        self.outbox.put((m.StepFailed(batch.calls.tolist(), batch.indices.tolist(), error), len(batch)))
 
-    def _send_results(self, batch, results, padded: int, device_s: float, in_core: int) -> None:
-        if self.aborted:  # chunks of a document that failed meanwhile are not sent
-            keep = [i for i, r in enumerate(batch) if r.chunk < 0 or r.request_id not in self.aborted]
+    def _send_results(self, batch: Requests, results, padded: int, device_s: float, in_core: int) -> None:
+        if self.aborts and (batch.chunk >= 0).any():  # chunks of a document that failed meanwhile are not sent
+            keep = [i for i, (call, index, chunk) in enumerate(zip(batch.calls.tolist(), batch.indices.tolist(),
+                                                                   batch.chunk.tolist()))
+                    if chunk < 0 or not self.aborts.has(call, index)]
             if len(keep) < len(batch):
                 self.window.release(len(batch) - len(keep))
-                batch = [batch[i] for i in keep]
+                batch = batch.select(keep)
                 results = results[keep] if isinstance(results, np.ndarray) else [results[i] for i in keep]
-                if not batch:
+                if not len(batch):
                     return
         self.outbox.put(((batch, results, padded, device_s, in_core), len(batch)))
+
+
+class AbortMemory:
+    """What was aborted, so that inputs still on their way are dropped when they arrive: whole
+    calls, and single requests (with all their chunks). Bounded: the frontend never has more than
+    its window in flight, so older entries can only be strays."""
+
+    def __init__(self) -> None:
+        self.calls: OrderedDict[str, None] = OrderedDict()
+        self.requests: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self.per_call: dict[str, int] = {}  # single requests remembered, per call
+
+    def __bool__(self) -> bool:
+        return bool(self.calls) or bool(self.requests)
+
+    def add(self, call: str, indices: list[int] | None) -> None:
+        if indices is None:
+            self.calls[call] = None
+            while len(self.calls) > MAX_REMEMBERED_ABORTED_CALLS:
+                self.calls.popitem(last=False)
+            return
+        for index in indices:
+            if (call, index) not in self.requests:
+                self.requests[(call, index)] = None
+                self.per_call[call] = self.per_call.get(call, 0) + 1
+        while len(self.requests) > MAX_REMEMBERED_ABORTS:
+            (old_call, _), _ = self.requests.popitem(last=False)
+            self.per_call[old_call] -= 1
+            if not self.per_call[old_call]:
+                del self.per_call[old_call]
+
+    def has(self, call: str, index: int) -> bool:
+        return call in self.calls or (call, index) in self.requests
+
+    def keep(self, requests: Requests) -> Requests | None:
+        """The requests not aborted (None: all of them; a message is one call's)."""
+        call = requests.calls[0] if len(requests) else None
+        if call in self.calls:
+            return requests.select([])
+        if call not in self.per_call:
+            return None
+        keep = [i for i, index in enumerate(requests.indices.tolist()) if (call, index) not in self.requests]
+        return None if len(keep) == len(requests) else requests.select(keep)
 
 
 class InputReader:
@@ -357,66 +407,84 @@ class InputReader:
             if isinstance(msg, m.Shutdown):
                 self.engine.inbox.put(("shutdown",))
                 return False
-            self.engine.inbox.put(("abort", msg.request_ids))
+            self.engine.inbox.put(("abort", msg.call, msg.indices))
 
     def _on_inputs(self, frames) -> None:
         start = time.perf_counter()
         try:
             msg = self.input_decoder.decode(frames)
-            items = msg.unpack()
+            msg.check()
+            if len(msg.indices) > self.cfg.max_message_items:  # the window counts on it
+                raise ValueError(f"an input message of {len(msg.indices)} requests (at most "
+                                 f"{self.cfg.max_message_items})")
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
             self.dropped_input(e)
             return
-        if not self._all_valid(msg, items):
-            items = self._refuse_invalid(items)
-        if items:
-            self.engine.window.take(len(items))
-            self.engine.inbox.put(("inputs", items))
+        requests = Requests.from_message(msg)
+        if len(set(requests.keys())) != len(requests):
+            self.dropped_input(ValueError("an input message names one request twice"))
+            return
+        if not self._all_valid(msg, requests):
+            requests = self._refuse_invalid(msg, requests)
+        if len(requests):
+            self.engine.window.take(len(requests))
+            self.engine.inbox.put(("inputs", requests))
         self.engine.times.add(msg.worker, msg.render_s, time.perf_counter() - start)
 
-    def _all_valid(self, msg: m.EngineInputBatch, items: list[m.PoolingEngineInput]) -> bool:
-        """True when every input passes `_invalid`'s checks (False says "look at each one").
-        The array checks run once on the message's packed ids; per item only what is not in
-        the array remains."""
+    def _all_valid(self, msg: m.EngineInputBatch, requests: Requests) -> bool:
+        """True when every input passes `_invalid`'s checks (False says "look at each one"):
+        array checks over the whole message, no loop over its requests."""
         model = self.cfg.model
-        ids, sizes = msg.token_ids, msg.lengths.tolist()
-        if ids.dtype != np.int32 or (sizes and (min(sizes) < 1 or max(sizes) > model.max_model_len)):
+        ids, lengths = msg.token_ids, requests.lengths
+        if not len(requests):
+            return True
+        if ids.dtype != np.int32 or int(lengths.min()) < 1 or int(lengths.max()) > model.max_model_len:
             return False
         # One reduction: read as unsigned, a negative id is huge.
         if ids.size and int(ids.view(np.uint32).max()) >= model.vocab_size:
             return False
-        if not {r.task for r in items} <= self.tasks:
+        if not set(msg.tasks) <= self.tasks:
             return False
-        pairs = [(r.token_type_start, r.token_ids.size) for r in items if r.token_type_start is not None]
-        return all(0 <= start < size for start, size in pairs)
+        types, chunk, dimensions = requests.token_type_start, requests.chunk, requests.dimensions
+        return bool(((types >= -1) & (types < lengths) & (requests.pool_start >= 0)
+                     & ((dimensions == -1) | (dimensions >= 1))
+                     & ((chunk == -1) | ((chunk >= 0) & (chunk < requests.num_chunks)))).all())
 
-    def _refuse_invalid(self, items: list[m.PoolingEngineInput]) -> list[m.PoolingEngineInput]:
+    def _refuse_invalid(self, msg: m.EngineInputBatch, requests: Requests) -> Requests:
         """A well-formed message with bad contents: those requests are refused, the rest kept."""
         good, rejected = [], []
-        for request in items:
-            problem = self._invalid(request)
+        for row in range(len(requests)):
+            problem = self._invalid(requests, row, msg.token_ids.dtype)
             if problem:
-                rejected.append((request, problem))
+                rejected.append((int(requests.indices[row]), problem))
             else:
-                good.append(request)
+                good.append(row)
         if rejected:
             self.engine.log.error("rejected %d malformed engine inputs", len(rejected))
-            self.engine.outbox.put((m.RenderFailed([r.request_id for r, _ in rejected], [r.index for r, _ in rejected],
-                                                   [e for _, e in rejected]), 0))
-        return good
+            self.engine.outbox.put((m.RenderFailed(msg.call, [i for i, _ in rejected], [e for _, e in rejected]), 0))
+        return requests.select(good)
 
-    def _invalid(self, request: m.PoolingEngineInput) -> str | None:
-        ids = request.token_ids
-        if request.task not in self.cfg.model.tasks:
-            return f"task {request.task!r} is not one this model runs ({self.cfg.model.tasks})"
-        if request.token_type_start is not None and not 0 <= request.token_type_start < ids.size:
-            return f"token_type_start {request.token_type_start} is outside the prompt"
-        if ids.dtype != np.int32 or ids.ndim != 1:
-            return f"engine input must be a 1-D int32 array, got {ids.dtype} with shape {ids.shape}"
-        if not 0 < ids.size <= self.cfg.model.max_model_len:
-            return f"engine input has {ids.size} tokens; the model takes 1 to {self.cfg.model.max_model_len}"
-        if int(ids.min()) < 0 or int(ids.max()) >= self.cfg.model.vocab_size:
-            return f"engine input has token ids outside [0, {self.cfg.model.vocab_size})"
+    def _invalid(self, requests: Requests, row: int, dtype) -> str | None:
+        model = self.cfg.model
+        ids, length = requests.ids(row), int(requests.lengths[row])
+        types, pool = int(requests.token_type_start[row]), int(requests.pool_start[row])
+        chunk, num_chunks = int(requests.chunk[row]), int(requests.num_chunks[row])
+        if not 0 <= int(requests.task[row]) < len(TASKS) or TASKS[int(requests.task[row])] not in model.tasks:
+            return f"the task is not one this model runs ({model.tasks})"
+        if not -1 <= types < length:
+            return f"token_type_start {types} is outside the prompt"
+        if pool < 0:
+            return f"pool_start {pool} is negative"
+        if int(requests.dimensions[row]) == 0 or int(requests.dimensions[row]) < -1:
+            return f"dimensions {int(requests.dimensions[row])} is not a positive count"
+        if chunk != -1 and not 0 <= chunk < num_chunks:
+            return f"chunk {chunk} of {num_chunks} is not a chunk of its document"
+        if dtype != np.int32:
+            return f"engine input must be int32 token ids, got {dtype}"
+        if not 0 < length <= model.max_model_len:
+            return f"engine input has {length} tokens; the model takes 1 to {model.max_model_len}"
+        if int(ids.min()) < 0 or int(ids.max()) >= model.vocab_size:
+            return f"engine input has token ids outside [0, {model.vocab_size})"
         return None
 
 
@@ -439,9 +507,38 @@ class OutputWriter:
             self.to_front.send_multipart(self.encoder.encode(msg), copy=False)
             window.release(count)
 
-    def _pack(self, batch, results, padded: int, device_s: float, in_core: int) -> m.OutputBatch:
+    def _pack(self, batch: Requests, results, padded: int, device_s: float, in_core: int) -> m.OutputBatch:
         render_s, admit_s = self.engine.times.take()
-        return m.OutputBatch.pack(batch, results, device_s, padded, in_core, render_s, admit_s, self.sparse)
+        return pack_outputs(batch, results, device_s, padded, in_core, render_s, admit_s, self.sparse)
+
+
+def pack_outputs(batch: Requests, results, busy_s: float, padded_tokens: int, in_core: int,
+                 render_s: dict[int, float] | None = None, admit_s: float = 0.0, sparse: bool = False) -> m.OutputBatch:
+    """The OutputBatch of a step: its columns from the batch's, and `results` -- an [n, dim]
+    array, or one array per request ((token ids, weights) pairs when `sparse`)."""
+    calls = batch.calls
+    n = len(batch)
+    if not n or (calls == calls[0]).all():  # one call, as usual
+        call_list, call_of = ([calls[0]] if n else []), None
+    else:
+        unique, call_of = np.unique(calls, return_inverse=True)
+        call_list, call_of = unique.tolist(), call_of.reshape(-1).astype(np.int64)
+    chunks = None
+    if n and (batch.chunk >= 0).any():
+        chunks = np.ascontiguousarray(np.stack([batch.chunk, batch.num_chunks], axis=1))
+    data = arrays = sparse_ids = None
+    if isinstance(results, np.ndarray):
+        data = np.ascontiguousarray(results, dtype=np.float32)
+    elif sparse:
+        sparse_ids = [ids for ids, _ in results]
+        arrays = [weights for _, weights in results]
+    elif results and all(a.ndim == 1 for a in results) and len({a.shape for a in results}) == 1:
+        data = np.stack(results).astype(np.float32, copy=False)
+    else:
+        arrays = list(results)
+    return m.OutputBatch(call_list, np.ascontiguousarray(batch.indices), np.ascontiguousarray(batch.lengths),
+                         busy_s, padded_tokens, in_core, call_of, data, arrays, sparse_ids, chunks,
+                         render_s or {}, admit_s)
 
 
 def _or_die(fn, log):

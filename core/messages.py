@@ -2,12 +2,16 @@
 
 One module so that the wire protocol can be read in one place. Each socket decodes against the
 union of the message types it expects (tagged by class name); anything else is rejected.
-The per-request structs are created with `gc=False`: thousands are alive at once in every
-process, and the cyclic garbage collector would otherwise walk them all again and again (it cost
-the frontend a fifth of its time); none can be part of a reference cycle (their fields are
-scalars, strings, arrays and plain data).
 Arrays (token ids, pooled outputs) are `np.ndarray` fields: `core.serial` moves them as raw bytes,
 inline when small and as separate zero-copy frames when large. Nothing is pickled.
+
+A message is a batch in columns, not a list of per-request structs: the requests of one message
+belong to one call (a step's outputs may serve several: `OutputBatch.calls`), so a request is
+named by two explicit fields, its call's id and its index in the call's input, and travels as one
+entry of an `indices` column; token ids travel as one packed array with a `lengths` column; the
+options every request of a message shares travel once. Decoding, validation and bookkeeping
+then cost per message, not per request, in every process. (The string a caller sees as
+`request_id` is the call's id followed by the index; it is made only for the caller's results.)
 
 Flow:  frontend --RenderBatch--> render worker --EngineInputBatch--> engine core
        engine core --OutputBatch / StepFailed--> frontend;  render worker --RenderFailed--> frontend
@@ -51,26 +55,14 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
             raise ValueError(f"{where}.normalize applies to embedding tasks; use use_activation for {task!r}")
 
 
-class RenderParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """One request's raw input and options, before tokenization (frontend -> render worker).
+class RenderOptions(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """How to render a request, as the frontend resolved it: shared by every request of a
+    RenderBatch (the usual case: a call's options are the same for all its requests), or one
+    request's own (`RenderParams`)."""
 
-    Exactly one input form is set: `prompt` (text, with `pair` for a cross-encoder's document),
-    `token_ids` (used verbatim), `conversation` (rendered with the chat template) or `raw`
-    (handed to the io_processor plugin's `render`).
-    """
-
-    request_id: str  # external id
-    index: int  # position in the caller's input; the frontend restores order with it
     task: Task
-    max_tokens: int  # keep at most this many tokens (special tokens included), resolved by the frontend
+    max_tokens: int  # keep at most this many tokens (special tokens included)
     params: PoolingParams
-    prompt: str | None = None
-    pair: str | None = None
-    token_ids: np.ndarray | None = None  # int32 (int64 in the frontend until its range is checked; int32 on the wire)
-    conversation: list[dict[str, str]] | None = None
-    raw: Any = None
-    max_query_tokens: int | None = None  # pairs: content tokens kept of each side before pairing
-    max_doc_tokens: int | None = None
     priority: int = 0
     truncate_left: bool = False  # keep the last tokens instead of the first
     long_inputs: LongInputs = "truncate"
@@ -78,15 +70,31 @@ class RenderParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     # The model's prompt (ST's `prompts`), put in front of the text (of a pair's first text) in the
     # worker; sent apart so the worker can count its tokens (pooling may leave them out).
     text_prefix: str | None = None
+    max_query_tokens: int | None = None  # pairs: content tokens kept of each side before pairing
+    max_doc_tokens: int | None = None
 
 
-class PoolingEngineInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """One request's token ids and params, ready for the engine core (render worker -> engine)."""
+class RenderParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One request's raw input with its own options, before tokenization (the general path of a
+    RenderBatch: per-request options, conversations, plugin data). Exactly one input form is set:
+    `prompt` (with `pair` for a cross-encoder's document), `token_ids` (used verbatim),
+    `conversation` (rendered with the chat template) or `raw` (the io_processor plugin's `render`)."""
 
-    request_id: str
+    options: RenderOptions
+    prompt: str | None = None
+    pair: str | None = None
+    token_ids: np.ndarray | None = None  # int32
+    conversation: list[dict[str, str]] | None = None
+    raw: Any = None
+
+
+class PoolingEngineInput(msgspec.Struct, omit_defaults=True, gc=False):
+    """One request's token ids and params, ready for the engine core: what `EngineInputBatch.pack`
+    takes (the render worker's general path, tests). It does not travel by itself."""
+
     index: int
     task: Task
-    token_ids: np.ndarray | None  # int32, already truncated (packed per batch on the wire: None there)
+    token_ids: np.ndarray  # int32, already truncated
     params: PoolingParams
     # Token type ids are zeros then ones (a text pair): only the index of the first 1 travels.
     token_type_start: int | None = None
@@ -94,119 +102,180 @@ class PoolingEngineInput(msgspec.Struct, array_like=True, omit_defaults=True, gc
     # Tokens at the start that pooling leaves out: the prompt's, when the model's Pooling has
     # include_prompt=false (ST's prompt_length).
     pool_start: int = 0
-    # Chunk mode: this input is chunk `chunk` of `num_chunks` of one long document (same external id).
+    # Chunk mode: this input is chunk `chunk` of `num_chunks` of one long document (same index).
     chunk: int = -1
     num_chunks: int = 0
+
+
+# ---- column checks ------------------------------------------------------------------------
+
+
+def int_column(values: np.ndarray | None, n: int, name: str, optional: bool = True, shape: tuple = ()) -> None:
+    """ValueError unless `values` is an integer array of shape (n, *shape) (or None when optional)."""
+    if values is None:
+        if optional:
+            return
+        raise ValueError(f"{name} is missing")
+    if values.dtype.kind != "i" or values.shape != (n, *shape):
+        raise ValueError(f"{name} must be integers of shape {(n, *shape)}, got {values.dtype} {values.shape}")
+
+
+def packed_lengths(token_ids: np.ndarray | None, lengths: np.ndarray | None, n: int) -> list[int]:
+    """The lengths (checked: one per request, non-negative, adding up to the packed ids)."""
+    if token_ids is None or token_ids.ndim != 1:
+        raise ValueError("packed token ids must be one flat array")
+    int_column(lengths, n, "lengths", optional=False)
+    sizes = lengths.tolist()  # (a message's few dozen: Python's min and sum beat numpy's per-call cost)
+    if sizes and min(sizes) < 0 or sum(sizes) != token_ids.size:
+        raise ValueError("packed token ids do not match their lengths")
+    return sizes
+
+
+def split_packed(token_ids: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
+    """Each request's ids, as views of the packed array."""
+    out, start = [], 0
+    for size in sizes:
+        out.append(token_ids[start:start + size])
+        start += size
+    return out
 
 
 # ---- batches on the wire -------------------------------------------------------------------
 
 
 class RenderBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
-    """Requests for a render worker. Token-id prompts travel packed (`encode_packed` / `unpack`):
-    one array for the message, like EngineInputBatch, not one encoded array per request."""
+    """Requests of one call for a render worker. Exactly one input column is set: `texts` (with
+    `pairs`, a cross-encoder's (query, document) pairs) or packed `token_ids`, all rendered with
+    `options`; or `items`, each request with its own options and input."""
 
-    items: list[RenderParams]  # token_ids None where they are in `token_ids` below
+    call: str  # the call's id
+    indices: np.ndarray  # int64: each request's position in the call's input
+    options: RenderOptions | None = None  # for texts / token ids
+    texts: list[str] | None = None
+    pairs: list[str] | None = None
+    token_ids: np.ndarray | None = None  # int32, every request's ids back to back
+    lengths: np.ndarray | None = None  # int64, one per request
+    items: list[RenderParams] | None = None
     chat_template: str | None = None  # the call's template for conversations (once per batch)
     engine: int = 0  # data parallel: the engine core these requests go to (the frontend picks it)
-    token_ids: np.ndarray | None = None  # int32: the ids of the items in `with_ids`, back to back
-    lengths: np.ndarray | None = None  # int64, one per item in `with_ids`
-    with_ids: np.ndarray | None = None  # int64: positions in `items` of the token-id prompts
 
-    @classmethod
-    def encode_packed(cls, encoder, items: list[RenderParams], chat_template: str | None = None,
-                      engine: int = 0) -> list:
-        """The frames of a batch of these items with their ids packed. The items are the
-        frontend's own (kept to re-send): their ids are taken out only while encoding."""
-        with_ids = [i for i, item in enumerate(items) if item.token_ids is not None]
-        if not with_ids:
-            return encoder.encode(cls(items, chat_template, engine))
-        arrays = [items[i].token_ids for i in with_ids]
-        batch = cls(items, chat_template, engine, np.concatenate(arrays).astype(np.int32, copy=False),
-                    np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays)),
-                    np.asarray(with_ids, dtype=np.int64))
-        try:
-            for i in with_ids:
-                items[i].token_ids = None
-            return encoder.encode(batch)
-        finally:
-            for i, ids in zip(with_ids, arrays):
-                items[i].token_ids = ids
-
-    def unpack(self) -> list[RenderParams]:
-        """The items, each token-id prompt with a view of its ids. ValueError when the parts do
-        not fit together."""
-        if self.token_ids is None and self.lengths is None and self.with_ids is None:
-            return self.items
-        ids, lengths, where = self.token_ids, self.lengths, self.with_ids
-        if (ids is None or lengths is None or where is None or ids.ndim != 1 or lengths.ndim != 1
-                or where.ndim != 1 or lengths.dtype.kind != "i" or where.dtype.kind != "i"
-                or len(lengths) != len(where) or (lengths.size and int(lengths.min()) < 0)
-                or int(lengths.sum()) != ids.size
-                or (where.size and (int(where.min()) < 0 or int(where.max()) >= len(self.items)))
-                or len(set(where.tolist())) != where.size):
-            raise ValueError("packed token ids do not match the items")
-        start = 0
-        for i, length in zip(where.tolist(), lengths.tolist()):
-            item = self.items[i]
-            if (item.token_ids is not None or item.prompt is not None or item.pair is not None
-                    or item.conversation is not None or item.raw is not None):
-                raise ValueError(f"item {i} has packed token ids and another input")
-            item.token_ids = ids[start:start + length]
-            start += length
-        return self.items
+    def check(self) -> int:
+        """The number of requests; ValueError when the columns do not fit together."""
+        if self.indices.ndim != 1:
+            raise ValueError("indices must be one flat array")
+        n = len(self.indices)
+        int_column(self.indices, n, "indices", optional=False)
+        forms = [self.texts is not None, self.token_ids is not None, self.items is not None]
+        if sum(forms) != 1:
+            raise ValueError("a RenderBatch needs exactly one of texts, token_ids and items")
+        if (self.items is None) == (self.options is None):
+            raise ValueError("texts and token ids need the batch's options; items carry their own")
+        if self.texts is not None and len(self.texts) != n or self.items is not None and len(self.items) != n:
+            raise ValueError("inputs do not match the indices")
+        if self.pairs is not None and (self.texts is None or len(self.pairs) != n):
+            raise ValueError("pairs need one query text each")
+        if self.token_ids is not None:
+            packed_lengths(self.token_ids, self.lengths, n)
+        elif self.lengths is not None:
+            raise ValueError("lengths without packed token ids")
+        return n
 
 
-class EngineInputBatch(msgspec.Struct, tag=True, array_like=True):
-    """Engine inputs with their token ids packed into one array (one buffer per message instead
-    of one per request: decoding and validating cost per message, not per request).
-    Build it with `pack`; `unpack` gives the inputs back with their ids."""
+class EngineInputBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+    """Engine inputs of one call in columns: one packed ids array, a lengths column, the
+    message's distinct (task, params) once, and the per-request columns that differ from their
+    defaults (absent otherwise). Build one with `pack` from PoolingEngineInput (or column by
+    column, as the render worker does); `check` before reading one from the wire."""
 
     worker: int
-    items: list[PoolingEngineInput]  # token_ids None: they are in `token_ids` below
-    token_ids: np.ndarray  # int32, every item's ids back to back
-    lengths: np.ndarray  # int64, one per item
+    call: str
+    indices: np.ndarray  # int64 [n]
+    lengths: np.ndarray  # int64 [n]
+    token_ids: np.ndarray  # int32, every request's ids back to back
+    tasks: list[Task]  # the message's distinct (task, params) pairs, usually one ...
+    params: list[PoolingParams]
+    param_of: np.ndarray | None = None  # int64 [n]: each request's entry in tasks/params; None: entry 0
+    token_type_start: np.ndarray | None = None  # int64 [n]: first token of type 1; -1: none
+    pool_start: np.ndarray | None = None  # int64 [n]
+    priority: np.ndarray | None = None  # int64 [n]
+    chunks: np.ndarray | None = None  # int64 [n, 2]: (chunk, num_chunks); (-1, 0) for a whole request
     render_s: float = 0.0  # the worker's rendering time since its previous message (for stats)
 
     @classmethod
-    def pack(cls, worker: int, items: list[PoolingEngineInput], render_s: float = 0.0) -> EngineInputBatch:
-        """Takes the items' ids into one array (the items themselves are left without them)."""
-        arrays = [item.token_ids for item in items]
+    def pack(cls, worker: int, call: str, inputs: list[PoolingEngineInput], render_s: float = 0.0) -> EngineInputBatch:
+        n = len(inputs)
+        arrays = [r.token_ids for r in inputs]
         flat = np.concatenate(arrays).astype(np.int32, copy=False) if arrays else np.zeros(0, np.int32)
-        lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
-        for item in items:
-            item.token_ids = None
-        return cls(worker, items, flat, lengths, render_s)
+        kinds: dict[tuple, int] = {}
+        tasks, params, param_of = [], [], []
+        for r in inputs:
+            key = (r.task, msgspec.msgpack.encode(r.params))
+            if key not in kinds:
+                kinds[key] = len(tasks)
+                tasks.append(r.task)
+                params.append(r.params)
+            param_of.append(kinds[key])
 
-    def unpack(self) -> list[PoolingEngineInput]:
-        """The items, each with a view of its ids. ValueError when the parts do not fit together."""
-        lengths, ids = self.lengths, self.token_ids
-        if lengths.ndim != 1 or lengths.dtype.kind != "i" or len(lengths) != len(self.items) or ids.ndim != 1:
-            raise ValueError("packed token ids do not match the items' lengths")
-        sizes = lengths.tolist()  # (a message's few dozen: Python's min and sum beat numpy's per-call cost)
-        if sizes and (min(sizes) < 0 or sum(sizes) != ids.size) or not sizes and ids.size:
-            raise ValueError("packed token ids do not match the items' lengths")
-        start = 0
-        for item, length in zip(self.items, sizes):
-            if item.token_ids is not None:
-                raise ValueError("token ids must travel packed, not in the items")
-            item.token_ids = ids[start:start + length]
-            start += length
-        return self.items
+        def column(values: list[int], default: int) -> np.ndarray | None:
+            return np.asarray(values, dtype=np.int64) if any(v != default for v in values) else None
+
+        chunks = None
+        if any(r.chunk >= 0 for r in inputs):
+            chunks = np.asarray([(r.chunk, r.num_chunks) for r in inputs], dtype=np.int64).reshape(n, 2)
+        return cls(worker, call, np.asarray([r.index for r in inputs], dtype=np.int64),
+                   np.fromiter(map(len, arrays), dtype=np.int64, count=n), flat, tasks, params,
+                   column(param_of, 0), column([-1 if r.token_type_start is None else r.token_type_start
+                                                for r in inputs], -1),
+                   column([r.pool_start for r in inputs], 0), column([r.priority for r in inputs], 0), chunks,
+                   render_s)
+
+    def check(self) -> list[int]:
+        """The lengths; ValueError when the columns do not fit together (a malformed message)."""
+        if self.indices.ndim != 1:
+            raise ValueError("indices must be one flat array")
+        n = len(self.indices)
+        int_column(self.indices, n, "indices", optional=False)
+        sizes = packed_lengths(self.token_ids, self.lengths, n)
+        if not self.tasks or len(self.tasks) != len(self.params):
+            raise ValueError("tasks and params must be pairs, at least one")
+        int_column(self.param_of, n, "param_of")
+        if self.param_of is not None and n and (int(self.param_of.min()) < 0
+                                                or int(self.param_of.max()) >= len(self.tasks)):
+            raise ValueError("param_of names no entry of tasks/params")
+        for name in ("token_type_start", "pool_start", "priority"):
+            int_column(getattr(self, name), n, name)
+        int_column(self.chunks, n, "chunks", shape=(2,))
+        return sizes
+
+    def inputs(self) -> list[PoolingEngineInput]:
+        """Back to one struct per request (tests, the general path's checks): slow, never hot."""
+        sizes = self.check()
+        ids = split_packed(self.token_ids, sizes)
+        out = []
+        for i, index in enumerate(self.indices.tolist()):
+            entry = 0 if self.param_of is None else int(self.param_of[i])
+            tts = -1 if self.token_type_start is None else int(self.token_type_start[i])
+            chunk, num_chunks = (-1, 0) if self.chunks is None else map(int, self.chunks[i])
+            out.append(PoolingEngineInput(
+                index, self.tasks[entry], ids[i], self.params[entry], None if tts < 0 else tts,
+                0 if self.priority is None else int(self.priority[i]),
+                0 if self.pool_start is None else int(self.pool_start[i]), chunk, num_chunks))
+        return out
 
 
-class OutputBatch(msgspec.Struct, tag=True, array_like=True):
+class OutputBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     """A step's outputs, as columns: one entry per request in each (no struct per request).
     When they are all vectors of one size (embeddings, class probabilities, scores) their data
     travels as one [n, dim] array, `data`; otherwise each output's array is in `arrays`.
-    Build it with `pack`; a receiver calls `unpack` (which checks it) before reading it."""
+    A receiver calls `check` before reading one."""
 
-    request_ids: list[str]
+    calls: list[str]  # the calls whose requests the step served
     indices: np.ndarray  # int64: each request's position in its call's input
     num_prompt_tokens: np.ndarray  # int64
     busy_s: float  # engine time spent on this batch (forward + pooling)
     padded_tokens: int  # tokens the forward pass computed, padding included
     in_core: int  # requests admitted in the engine when this batch was formed
+    call_of: np.ndarray | None = None  # int64: each output's call, a position in `calls`; None: calls[0]
     data: np.ndarray | None = None  # [n, dim] float32: row i is output i
     arrays: list[np.ndarray] | None = None  # or output i's own array ([tokens, dim], sparse weights ...)
     sparse_ids: list[np.ndarray] | None = None  # sparse_embed: output i's token ids (int32), its weights in `arrays`
@@ -216,36 +285,18 @@ class OutputBatch(msgspec.Struct, tag=True, array_like=True):
     render_s: dict[int, float] = {}
     admit_s: float = 0.0
 
-    @classmethod
-    def pack(cls, batch: list[PoolingEngineInput], results, busy_s: float, padded_tokens: int, in_core: int,
-             render_s: dict[int, float] | None = None, admit_s: float = 0.0, sparse: bool = False) -> OutputBatch:
-        """The outputs of `batch`: `results` is an [n, dim] array, or one array per request
-        ((token ids, weights) pairs when `sparse`)."""
-        n = len(batch)
-        indices = np.array([r.index for r in batch], dtype=np.int64)
-        tokens = np.array([r.token_ids.size for r in batch], dtype=np.int64)
-        chunks = None
-        if n and max([r.chunk for r in batch]) >= 0:
-            chunks = np.array([(r.chunk, r.num_chunks) for r in batch], dtype=np.int64).reshape(n, 2)
-        data = arrays = sparse_ids = None
-        if isinstance(results, np.ndarray):
-            data = np.ascontiguousarray(results, dtype=np.float32)
-        elif sparse:
-            sparse_ids = [ids for ids, _ in results]
-            arrays = [weights for _, weights in results]
-        elif results and all(a.ndim == 1 for a in results) and len({a.shape for a in results}) == 1:
-            data = np.stack(results).astype(np.float32, copy=False)
-        else:
-            arrays = list(results)
-        return cls([r.request_id for r in batch], indices, tokens, busy_s, padded_tokens, in_core, data, arrays,
-                   sparse_ids, chunks, render_s or {}, admit_s)
-
     def check(self) -> None:
         """ValueError when the columns do not fit together (a malformed message)."""
-        n = len(self.request_ids)
-        if self.indices.shape != (n,) or self.num_prompt_tokens.shape != (n,) \
-                or self.indices.dtype.kind != "i" or self.num_prompt_tokens.dtype.kind != "i":
-            raise ValueError("output columns do not have one entry per request")
+        if self.indices.ndim != 1:
+            raise ValueError("indices must be one flat array")
+        n = len(self.indices)
+        int_column(self.indices, n, "indices", optional=False)
+        int_column(self.num_prompt_tokens, n, "num_prompt_tokens", optional=False)
+        if not self.calls and n:
+            raise ValueError("outputs need their calls")
+        int_column(self.call_of, n, "call_of")
+        if self.call_of is not None and n and (int(self.call_of.min()) < 0 or int(self.call_of.max()) >= len(self.calls)):
+            raise ValueError("call_of names no entry of calls")
         if (self.data is None) == (self.arrays is None):
             raise ValueError("outputs need exactly one of data and arrays")
         if self.data is not None and (self.data.ndim != 2 or self.data.shape[0] != n):
@@ -255,47 +306,45 @@ class OutputBatch(msgspec.Struct, tag=True, array_like=True):
         if self.sparse_ids is not None and (self.arrays is None or len(self.sparse_ids) != n or any(
                 ids.shape != weights.shape for ids, weights in zip(self.sparse_ids, self.arrays))):
             raise ValueError("sparse token ids do not match their weights")
-        if self.chunks is not None and (self.chunks.shape != (n, 2) or self.chunks.dtype.kind != "i"):
-            raise ValueError("chunk numbers do not match the outputs")
+        int_column(self.chunks, n, "chunks", shape=(2,))
 
-    def unpack(self) -> None:
-        """Checks the message (ValueError when malformed) and leaves each output's own array in
-        `arrays` (`data` None): a copy of its row, or of its array when that is a view of a
-        received frame -- a caller keeping a few results must not keep whole batches alive."""
-        self.check()
-        if self.data is not None:
-            self.arrays, self.data = [row.copy() for row in self.data], None
-        else:
+    def own_arrays(self) -> None:
+        """Each output array that is a view of a received frame becomes a copy of its own: a
+        caller keeping a few results must not keep whole frames alive. (`data` is copied where
+        the receiver puts its rows.)"""
+        if self.arrays is not None:
             self.arrays = [a if a.flags.owndata else a.copy() for a in self.arrays]
         if self.sparse_ids is not None:
             self.sparse_ids = [a if a.flags.owndata else a.copy() for a in self.sparse_ids]
 
-    def select(self, positions: list[int], share: float) -> OutputBatch:
-        """The outputs at these positions, with the step's costs scaled by `share` (a step that
-        served several calls: each gets its part)."""
-        pick = np.asarray(positions, dtype=np.int64)
+    def part(self, call: int) -> OutputBatch:
+        """The outputs of `calls[call]` alone, with the step's costs split by requests (a step
+        that served several calls: each gets its share)."""
+        rows = np.flatnonzero(self.call_of == call)
+        share = len(rows) / max(len(self.indices), 1)
+        pick = rows.tolist()
         return OutputBatch(
-            [self.request_ids[i] for i in positions], self.indices[pick], self.num_prompt_tokens[pick],
-            self.busy_s * share, round(self.padded_tokens * share), self.in_core,
-            None if self.data is None else self.data[pick],
-            None if self.arrays is None else [self.arrays[i] for i in positions],
-            None if self.sparse_ids is None else [self.sparse_ids[i] for i in positions],
-            None if self.chunks is None else self.chunks[pick],
+            [self.calls[call]], self.indices[rows], self.num_prompt_tokens[rows], self.busy_s * share,
+            round(self.padded_tokens * share), self.in_core, None,
+            None if self.data is None else self.data[rows],
+            None if self.arrays is None else [self.arrays[i] for i in pick],
+            None if self.sparse_ids is None else [self.sparse_ids[i] for i in pick],
+            None if self.chunks is None else self.chunks[rows],
             {w: s * share for w, s in self.render_s.items()}, self.admit_s * share)
 
 
 class RenderFailed(msgspec.Struct, tag=True, array_like=True):
-    """A render worker could not turn some requests into engine inputs."""
+    """Requests of one call that could not be turned into engine inputs, with why."""
 
-    request_ids: list[str]
+    call: str
     indices: list[int]
     errors: list[str]
 
 
 class StepFailed(msgspec.Struct, tag=True, array_like=True):
-    """A model step raised; its requests were aborted in the engine."""
+    """A model step raised; its requests were aborted in the engine. `calls[i]` is request i's call."""
 
-    request_ids: list[str]
+    calls: list[str]
     indices: list[int]
     error: str
 
@@ -303,10 +352,12 @@ class StepFailed(msgspec.Struct, tag=True, array_like=True):
 # ---- control ----------------------------------------------------------------------------
 
 
-class Abort(msgspec.Struct, tag=True, array_like=True):
-    """Drop these requests: waiting ones now, ones still on their way when they arrive."""
+class Abort(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+    """Drop these requests of a call -- every one of them when `indices` is None -- waiting ones
+    now, ones still on their way when they arrive."""
 
-    request_ids: list[str]
+    call: str
+    indices: list[int] | None = None
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):

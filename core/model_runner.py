@@ -9,8 +9,9 @@ import time
 import numpy as np
 import torch
 
+from pooling_pipeline.core.columns import COL, COLUMNS, TASK_CODE, Requests
 from pooling_pipeline.core.config import ENCODER_ONLY_CLASSES, ModelSpec
-from pooling_pipeline.core.messages import PoolingEngineInput, PoolingParams
+from pooling_pipeline.core.options import TASKS
 from pooling_pipeline.core.pooling import SentenceHead, apply_activation, pool, splade
 from pooling_pipeline.core.vectors import finish_embeddings
 
@@ -80,8 +81,7 @@ class ModelRunner:
         token = min(1000, self.spec.vocab_size - 1)
 
         def timed(num_rows: int, num_tokens: int) -> float:
-            batch = [PoolingEngineInput(f"probe{i}", i, self.spec.tasks[0], np.full(num_tokens, token, np.int32),
-                                        PoolingParams()) for i in range(num_rows)]
+            batch = probe_batch(num_rows, num_tokens, token, self.spec.tasks[0])
             best = float("inf")
             for attempt in range(3):
                 start = time.perf_counter()
@@ -95,7 +95,7 @@ class ModelRunner:
         per_token = max((large - small) / max(large_tokens - small_tokens, 1), 1e-12)
         return max(small - per_token * small_tokens, 0.0), per_token
 
-    def run(self, batch: list[PoolingEngineInput]) -> tuple[list | np.ndarray, int]:
+    def run(self, batch: Requests) -> tuple[list | np.ndarray, int]:
         """Runs a batch start to finish: one result per request -- a float32 array, or (token ids,
         weights) for sparse_embed; an [n, dim] matrix when they are all vectors of one size --
         and the number of padded tokens computed."""
@@ -103,20 +103,19 @@ class ModelRunner:
         return results, padded
 
     @torch.inference_mode()
-    def launch(self, batch: list[PoolingEngineInput]) -> PendingStep:
+    def launch(self, batch: Requests) -> PendingStep:
         """Starts a step: collation, the forward pass and pooling are queued on the device, and
         their results' copies back to pinned host memory too. On CUDA this returns while the device
         works, so the engine can collate the next batch meanwhile; on a CPU it returns when done."""
         started = time.perf_counter()
         on_cuda = self.device.type == "cuda"
-        lengths_np = np.fromiter((len(r.token_ids) for r in batch), dtype=np.int64, count=len(batch))
-        max_len = int(lengths_np.max())
-        ids = np.full((len(batch), max_len), self.pad_token_id, dtype=np.int64)
-        types = np.zeros((len(batch), max_len), dtype=np.int64) if self.uses_token_types else None
-        for row, request in enumerate(batch):
-            ids[row, : lengths_np[row]] = request.token_ids
-            if types is not None and request.token_type_start is not None:
-                types[row, request.token_type_start: lengths_np[row]] = 1
+        ids, real = batch.padded(self.pad_token_id)  # one masked assignment, no loop over requests
+        lengths_np = np.ascontiguousarray(batch.lengths)
+        max_len = ids.shape[1]
+        types = None
+        if self.uses_token_types:
+            starts = batch.token_type_start[:, None]  # zeros, then ones from the start (a pair's second text)
+            types = ((np.arange(max_len)[None, :] >= starts) & (starts >= 0) & real).astype(np.int64)
         begin = end = None
         if on_cuda:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -163,22 +162,19 @@ class ModelRunner:
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         return host.copy_(tensor, non_blocking=True)
 
-    def _from_hidden(self, hidden: torch.Tensor, mask, lengths: torch.Tensor, lengths_np: np.ndarray, batch):
+    def _from_hidden(self, hidden: torch.Tensor, mask, lengths: torch.Tensor, lengths_np: np.ndarray,
+                     batch: Requests):
         """Pooled vectors on the device (the tensors to copy back) and the host-side finish."""
-        # Requests that share options are finished together (usually the whole batch).
-        groups: dict[tuple, list[int]] = {}
-        for row, request in enumerate(batch):
-            p = request.params
-            normalize = self.spec.normalize if p.normalize is None else p.normalize
-            groups.setdefault((request.task, p.dimensions, normalize), []).append(row)
+        # Requests that share options are finished together (usually the whole batch: one group).
+        groups = option_groups(batch, np.where(batch.normalize < 0, int(self.spec.normalize), batch.normalize))
         tensors = []
-        for (task, _, _), rows in groups.items():
-            index = torch.tensor(rows, device=hidden.device) if len(rows) < len(batch) else None
+        for (task, _, _), rows in groups:
+            index = torch.from_numpy(rows).to(hidden.device) if len(rows) < len(batch) else None
             part = hidden if index is None else hidden.index_select(0, index)
             if task == "token_embed":
                 tensors.append(part.float())
                 continue
-            part_mask = self._pooling_mask(mask, batch, rows) if index is not None else self._pooling_mask(mask, batch)
+            part_mask = self._pooling_mask(mask, batch, rows if index is not None else None)
             part_lengths = lengths if index is None else lengths.index_select(0, index)
             pooled = pool(part, part_mask, part_lengths, self.spec.pooling.modes)
             if self.sentence_head is not None:
@@ -187,33 +183,33 @@ class ModelRunner:
 
         def finish(arrays: list[np.ndarray]) -> list[np.ndarray] | np.ndarray:
             out: list = [None] * len(batch)
-            for ((task, dimensions, normalize), rows), values in zip(groups.items(), arrays):
+            for ((task, dimensions, normalize), rows), values in zip(groups, arrays):
                 vectors = finish_embeddings(values, dimensions, normalize)
                 if task != "token_embed" and len(rows) == len(batch):  # one group: the matrix as it is
                     if dimensions is None and self.spec.truncate_dim is not None:
                         vectors = vectors[:, : self.spec.truncate_dim]
                     return vectors
                 if task == "token_embed":
-                    for i, row in enumerate(rows):
+                    for i, row in enumerate(rows.tolist()):
                         out[row] = vectors[i, : int(lengths_np[row])]
                     continue
                 if dimensions is None and self.spec.truncate_dim is not None:  # ST: cut after Normalize
                     vectors = vectors[:, : self.spec.truncate_dim]
-                for i, row in enumerate(rows):
+                for i, row in enumerate(rows.tolist()):
                     out[row] = vectors[i]
             return out
 
         return tensors, finish
 
-    def _pooling_mask(self, mask: torch.Tensor, batch, rows: list[int] | None = None) -> torch.Tensor:
+    def _pooling_mask(self, mask: torch.Tensor, batch: Requests, rows: np.ndarray | None = None) -> torch.Tensor:
         """The tokens each request pools: its real tokens, less its prompt's when the model's
         Pooling has include_prompt=false (as ST, which zeroes the first prompt_length positions)."""
+        pool_start = batch.pool_start if rows is None else batch.pool_start[rows]
         if rows is not None:
-            mask = mask.index_select(0, torch.tensor(rows, device=mask.device))
-            batch = [batch[r] for r in rows]
-        if self.spec.pooling.include_prompt or not any(r.pool_start for r in batch):
+            mask = mask.index_select(0, torch.from_numpy(rows).to(mask.device))
+        if self.spec.pooling.include_prompt or not pool_start.any():
             return mask
-        starts = torch.tensor([r.pool_start for r in batch], device=mask.device)
+        starts = torch.from_numpy(np.ascontiguousarray(pool_start)).to(mask.device)
         positions = torch.arange(mask.shape[1], device=mask.device)[None, :]
         return mask * (positions >= starts[:, None]).to(mask.dtype)
 
@@ -239,21 +235,52 @@ class ModelRunner:
 
         return tensors, finish
 
-    def _from_logits(self, logits: torch.Tensor, lengths: np.ndarray, batch):
+    def _from_logits(self, logits: torch.Tensor, lengths: np.ndarray, batch: Requests):
         logits = logits.float()
-        tasks = sorted({r.task for r in batch})
-        tensors = [logits] + [apply_activation(logits, self.spec, task) for task in tasks]
+        codes = np.unique(batch.task).tolist()
+        tensors = [logits] + [apply_activation(logits, self.spec, TASKS[code]) for code in codes]
+        per_token = self.spec.head == "token_classification"
 
-        def finish(arrays: list[np.ndarray]) -> list[np.ndarray]:
-            raw, activated = arrays[0], dict(zip(tasks, arrays[1:]))
-            out = []
-            for row, request in enumerate(batch):
-                use_activation = request.params.use_activation is not False
-                values = activated[request.task][row] if use_activation else raw[row]
-                out.append(values[: int(lengths[row])] if self.spec.head == "token_classification" else values)
-            return out
+        def finish(arrays: list[np.ndarray]) -> list[np.ndarray] | np.ndarray:
+            # Each row: its task's activation, or the raw logits with use_activation=False.
+            out = arrays[0].copy()
+            for code, activated in zip(codes, arrays[1:]):
+                rows = (batch.task == code) & (batch.use_activation != 0)
+                out[rows] = activated[rows]
+            if not per_token:
+                return out
+            return [out[row, : int(lengths[row])] for row in range(len(batch))]
 
         return tensors, finish
+
+
+def option_groups(batch: Requests, normalize: np.ndarray) -> list[tuple[tuple[str, int | None, bool], np.ndarray]]:
+    """The batch's rows grouped by what finishes their vectors: (task, dimensions, normalize),
+    each with its rows (ascending). One group, without a loop over rows, in the usual case."""
+    combo = np.stack([batch.task, batch.dimensions, normalize], axis=1)
+
+    def key(row: np.ndarray) -> tuple[str, int | None, bool]:
+        task, dimensions, norm = (int(v) for v in row)
+        return TASKS[task], None if dimensions < 0 else dimensions, bool(norm)
+
+    if not len(combo) or (combo == combo[0]).all():
+        return [(key(combo[0]), np.arange(len(combo)))] if len(combo) else []
+    unique, inverse = np.unique(combo, axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    return [(key(row), np.flatnonzero(inverse == g)) for g, row in enumerate(unique)]
+
+
+def probe_batch(num_rows: int, num_tokens: int, token: int, task: str) -> Requests:
+    """A synthetic batch (the step-cost probe): `num_rows` requests of `num_tokens` ids each."""
+    cols = np.zeros((num_rows, len(COLUMNS)), np.int64)
+    cols[:, COL["indices"]] = np.arange(num_rows)
+    cols[:, COL["lengths"]] = num_tokens
+    cols[:, COL["task"]] = TASK_CODE[task]
+    for name in ("normalize", "dimensions", "use_activation", "token_type_start", "chunk"):
+        cols[:, COL[name]] = -1
+    calls = np.empty(num_rows, dtype=object)
+    calls[:] = "probe"
+    return Requests(calls, cols, np.full(num_rows * num_tokens, token, np.int32))
 
 
 class PendingStep:

@@ -1,6 +1,8 @@
 """Admitted requests and how they are cut into batches.
 
-The engine admits at most `window` requests (it stops reading its socket while full). Each step
+The engine admits at most `window` requests (it stops reading its socket while full); they wait
+in a `RequestTable` (columns and one token arena), and a batch is gathered from it as a
+`Requests` (columns) with a few array operations. Each step
 takes one batch that always contains the oldest waiting request (the oldest of the lowest
 `priority` value when priorities are given) -- so no request waits forever
 and the frontend's reorder buffer keeps moving -- grown with the requests nearest to it in
@@ -20,79 +22,80 @@ length, so little of the forward pass is spent on padding:
 from __future__ import annotations
 
 import bisect
-import itertools
 
-from pooling_pipeline.core.messages import PoolingEngineInput
+import numpy as np
+
+from pooling_pipeline.core.columns import COL, Requests, RequestTable
 
 # Below this many requests a batch grows whatever the padding (per-batch overhead dominates).
 MIN_BATCH_BEFORE_PADDING_LIMIT = 4
-
-Key = tuple[str, int]  # (external id, chunk of a long document)
+LENGTH, PRIORITY = COL["lengths"], COL["priority"]
 
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_padding_fraction: float,
-                 overhead_tokens: float = 0.0) -> None:
+                 overhead_tokens: float = 0.0, capacity: int = 1024) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_padding_fraction = max_padding_fraction
         self.overhead_tokens = overhead_tokens
-        # Keyed by arrival number; insertion order is arrival order (a re-sent request replaces
-        # its waiting copy and goes last, keeping its arrival number).
-        self.waiting: dict[int, PoolingEngineInput] = {}
+        self.table = RequestTable(capacity)
+        # Arrival number -> slot in the table; insertion order is arrival order (a re-sent
+        # request replaces its waiting copy and arrives anew, last).
+        self.waiting: dict[int, int] = {}
         # The same requests in (length, arrival) order, as buckets: one list of arrivals per
         # length (ascending: arrivals only grow, so adding is an append) and the lengths that
         # have a bucket, sorted (a few hundred at most). Adding costs no sort and no comparison
         # with the rest of the window; a batch is a run of that order, walked bucket by bucket.
         self._buckets: dict[int, list[int]] = {}
         self._lengths: list[int] = []
-        self._arrival: dict[Key, int] = {}  # the arrival number of each waiting request, by external id (and chunk)
-        self._counter = itertools.count()
+        self._arrival: dict[tuple, int] = {}  # each waiting request's arrival number, by its key
+        self._next_arrival = 0
         self._urgent = 0  # waiting requests with a priority other than 0
 
     def __len__(self) -> int:
         return len(self.waiting)
 
-    def add(self, request: PoolingEngineInput) -> bool:
-        """Adds a request; True when it replaced a waiting copy of itself (a re-sent request)."""
-        return self.add_many([request]) == 1
-
-    def add_many(self, requests: list[PoolingEngineInput]) -> int:
-        """Adds requests in arrival order; returns how many replaced a waiting copy of themselves."""
-        waiting, arrival_of, counter, buckets = self.waiting, self._arrival, self._counter, self._buckets
+    def add(self, requests: Requests) -> int:
+        """Adds requests (their keys unique among them: the engine checks) in arrival order;
+        returns how many replaced a waiting copy of themselves (re-sent requests)."""
+        keys = requests.keys()
         replaced = 0
-        for request in requests:
-            key = (request.request_id, request.chunk)
-            arrival = arrival_of.get(key)
-            if arrival is None:
-                arrival = arrival_of[key] = next(counter)
-            else:  # a re-sent request: the new copy takes the waiting one's place
-                self._forget(arrival)
-                replaced += 1
-            waiting[arrival] = request
-            length = len(request.token_ids)
+        if not self._arrival.keys().isdisjoint(keys):
+            for key in keys:
+                arrival = self._arrival.pop(key, None)
+                if arrival is not None:
+                    self._forget(arrival)
+                    replaced += 1
+        slots = self.table.put(requests, keys)
+        first = self._next_arrival
+        arrivals = range(first, first + len(keys))
+        self._next_arrival += len(keys)
+        self._arrival.update(zip(keys, arrivals))
+        self.waiting.update(zip(arrivals, slots.tolist()))
+        buckets = self._buckets
+        for arrival, length in zip(arrivals, requests.lengths.tolist()):
             bucket = buckets.get(length)
             if bucket is None:
                 buckets[length] = [arrival]
                 bisect.insort(self._lengths, length)
-            elif bucket[-1] < arrival:
+            else:
                 bucket.append(arrival)
-            else:  # a re-sent request keeps its first arrival
-                bisect.insort(bucket, arrival)
-            self._urgent += request.priority != 0
+        self._urgent += int(np.count_nonzero(requests.priority))
         return replaced
 
-    def abort(self, request_ids: list[str]) -> int:
-        """Removes these requests (every chunk of a chunked one); returns how many were removed."""
-        wanted = set(request_ids)
-        keys = [k for k in self._arrival if k[0] in wanted]
+    def abort(self, call: str, indices: list[int] | None = None) -> int:
+        """Removes these requests of a call (every chunk of a chunked one; every request of the
+        call when `indices` is None); returns how many were removed."""
+        wanted = None if indices is None else set(indices)
+        keys = [k for k in self._arrival if k[0] == call and (wanted is None or k[1] in wanted)]
         for key in keys:
             self._forget(self._arrival.pop(key))
         return len(keys)
 
-    def take_all(self) -> list[PoolingEngineInput]:
+    def take_all(self) -> Requests:
         """Empties the scheduler, returning what was waiting (in arrival order)."""
-        batch = list(self.waiting.values())
+        batch = self.table.take(list(self.waiting.values()))
         self.waiting.clear()
         self._buckets.clear()
         self._lengths.clear()
@@ -101,27 +104,30 @@ class Scheduler:
         return batch
 
     def _forget(self, arrival: int) -> None:
-        """Takes this waiting request out of `waiting` and the buckets (not out of `_arrival`)."""
-        request = self.waiting.pop(arrival)
-        self._urgent -= request.priority != 0
-        length = len(request.token_ids)
+        """Takes this waiting request out of `waiting`, the buckets and the table (not out of `_arrival`)."""
+        slot = self.waiting.pop(arrival)
+        length, priority = int(self.table.cols[slot, LENGTH]), int(self.table.cols[slot, PRIORITY])
+        self._urgent -= priority != 0
         bucket = self._buckets[length]
         del bucket[bisect.bisect_left(bucket, arrival)]
         if not bucket:
             del self._buckets[length]
             del self._lengths[bisect.bisect_left(self._lengths, length)]
+        self.table.release([slot])
 
-    def next_batch(self) -> list[PoolingEngineInput]:
+    def next_batch(self) -> Requests | None:
         if not self.waiting:
-            return []
+            return None
         # The anchor: the oldest among the most urgent (lowest priority value) waiting requests.
-        anchor, oldest = next(iter(self.waiting.items()))
-        if self._urgent:  # (min() keeps the first of ties)
-            anchor, oldest = min(self.waiting.items(), key=lambda item: item[1].priority)
+        anchor, slot = next(iter(self.waiting.items()))
+        if self._urgent:  # (argmin keeps the first, the oldest, of ties)
+            slots = np.fromiter(self.waiting.values(), dtype=np.int64, count=len(self.waiting))
+            pick = int(np.argmin(self.table.cols[slots, PRIORITY]))
+            anchor, slot = list(self.waiting)[pick], int(slots[pick])
         lengths, buckets = self._lengths, self._buckets
         # The batch is a run of the (length, arrival) order: from offset `lo_off` of bucket
         # `lo_li` (an index into `lengths`) to offset `hi_off` of bucket `hi_li`, both included.
-        longest = real = len(oldest.token_ids)
+        longest = real = int(self.table.cols[slot, LENGTH])
         lo_li = hi_li = bisect.bisect_left(lengths, longest)
         anchor_bucket = buckets[longest]
         lo_off = hi_off = bisect.bisect_left(anchor_bucket, anchor)
@@ -165,26 +171,28 @@ class Scheduler:
             count += 1
         return self._take(lo_li, lo_off, hi_li, hi_off)
 
-    def _take(self, lo_li: int, lo_off: int, hi_li: int, hi_off: int) -> list[PoolingEngineInput]:
+    def _take(self, lo_li: int, lo_off: int, hi_li: int, hi_off: int) -> Requests:
         """Removes the run from (lo_li, lo_off) to (hi_li, hi_off) and returns its requests."""
-        lengths, buckets, arrival_of, waiting = self._lengths, self._buckets, self._arrival, self.waiting
-        batch = []
+        lengths, buckets, waiting = self._lengths, self._buckets, self.waiting
+        slots: list[int] = []
         emptied = []
         for li in range(lo_li, hi_li + 1):
             bucket = buckets[lengths[li]]
             start = lo_off if li == lo_li else 0
             end = hi_off + 1 if li == hi_li else len(bucket)
-            for arrival in bucket[start:end]:
-                request = waiting.pop(arrival)
-                del arrival_of[(request.request_id, request.chunk)]
-                self._urgent -= request.priority != 0
-                batch.append(request)
+            slots += [waiting.pop(arrival) for arrival in bucket[start:end]]
             del bucket[start:end]
             if not bucket:
                 emptied.append(li)
         for li in reversed(emptied):
             del buckets[lengths[li]]
             del lengths[li]
+        arrival_of = self._arrival
+        for key in self.table.keys[slots].tolist():
+            del arrival_of[key]
+        batch = self.table.take(slots)
+        if self._urgent:
+            self._urgent -= int(np.count_nonzero(batch.priority))
         return batch
 
     def _cheaper_per_token(self, real: int, padded: int, new_real: int, new_padded: int) -> bool:

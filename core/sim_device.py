@@ -64,20 +64,18 @@ def _table(dim: int) -> np.ndarray:
     return rows / np.linalg.norm(rows, axis=1, keepdims=True)
 
 
-def sim_keys(token_ids: list[np.ndarray]) -> np.ndarray:
+def sim_keys(token_ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """The table row of each request: a hash of its length, first, middle and last token ids
-    (computed for the whole batch at once: this is the device's work, not the host's)."""
-    lengths = np.fromiter(map(len, token_ids), dtype=np.int64, count=len(token_ids))
-    flat = np.concatenate(token_ids).astype(np.int64)
-    ends = np.cumsum(lengths)
-    starts = ends - lengths
-    keys = lengths * 1_000_003 + flat[starts] * 7919 + flat[starts + lengths // 2] * 104_729 + flat[ends - 1]
+    (packed ids, as a batch holds them; computed for the whole batch at once)."""
+    flat = token_ids.astype(np.int64)
+    keys = lengths * 1_000_003 + flat[starts] * 7919 + flat[starts + lengths // 2] * 104_729 + flat[starts + lengths - 1]
     return keys % TABLE_ROWS
 
 
 def sim_vectors(token_ids: list[np.ndarray], dim: int) -> np.ndarray:
     """[n, dim] unit vectors: what the simulated device returns for these requests' token ids."""
-    return _table(dim)[sim_keys(token_ids)]
+    lengths = np.fromiter(map(len, token_ids), dtype=np.int64, count=len(token_ids))
+    return _table(dim)[sim_keys(np.concatenate(token_ids), np.cumsum(lengths) - lengths, lengths)]
 
 
 class SimRunner:
@@ -96,12 +94,14 @@ class SimRunner:
     def step_cost(self, max_tokens: int) -> tuple[float, float]:
         return self.sim.step_s, self.sim.token_s
 
-    def launch(self, batch) -> tuple[list[np.ndarray], int, float, float]:
-        ids = [r.token_ids for r in batch]
-        padded = len(batch) * max(map(len, ids))
+    def launch(self, batch) -> tuple[np.ndarray, int, float, float]:
+        # The host's part of a step, as on CUDA: the padded ids matrix the device would be given
+        # (ModelRunner.launch collates the same way); the device's part is a table lookup.
+        ids, _ = batch.padded(0)
+        padded = ids.size
         device_s = self.sim.step_s + self.sim.token_s * padded
         self.free_at = max(time.perf_counter(), self.free_at) + device_s
-        return self.table[sim_keys(ids)], padded, device_s, self.free_at
+        return self.table[sim_keys(batch.token_ids, batch.starts, batch.lengths)], padded, device_s, self.free_at
 
     def finish(self, step) -> tuple[np.ndarray, int, float]:
         rows, padded, device_s, done_at = step

@@ -27,7 +27,7 @@ from pooling_pipeline.core.sim_device import resolve_sim_device
 from pooling_pipeline.cpu_plan import engine_devices, plan_cpu
 from pooling_pipeline.errors import EngineDeadError, PipelineError
 from pooling_pipeline.frontend import Call, Dispatcher, new_call_prefix
-from pooling_pipeline.inputs import CallOptions, FailedRequest, Tokenization, build_requests, check_priority
+from pooling_pipeline.inputs import CallOptions, Tokenization, build_requests, check_priority
 from pooling_pipeline.outputs import ClassificationOutput, EmbeddingOutput, RankedDocument, ScoringOutput
 from pooling_pipeline.process_group import ProcessGroup
 from pooling_pipeline.similarity import similarity
@@ -440,10 +440,10 @@ class Pipeline:
             return results
         return list(queries) + list(docs), opts, pairwise
 
-    def _requests(self, prompts, opts: CallOptions) -> tuple[str, Iterator, int | None]:
-        """The call's id prefix and its requests, lazily (with how many when known)."""
+    def _requests(self, prompts, opts: CallOptions, materialize: bool):
+        """The call's id and its requests, lazily (with how many when known). `materialize`:
+        a list call, checked whole before any work starts."""
         self._live_group()
-        prefix = new_call_prefix()
         refused: dict[int, str] = {}
         if opts.errors == "return" and isinstance(opts.priority, (list, tuple)):
             # errors="return": a bad priority fails its request only (an error output naming it).
@@ -456,29 +456,27 @@ class Pipeline:
                     priorities[i] = 0
             if refused:
                 opts = msgspec.structs.replace(opts, priority=priorities)
-        requests, total = build_requests(prompts, opts, self.model_spec, self._tokenization, prefix)
-        if refused:
-            requests = _refuse(requests, refused)
-        return prefix, requests, total
+        source, total = build_requests(prompts, opts, self.model_spec, self._tokenization, refused)
+        return new_call_prefix(), source, total
 
-    def _call(self, prefix: str, requests: Iterator, opts: CallOptions, total: int | None,
-              loop: asyncio.AbstractEventLoop | None = None) -> Call:
+    def _call(self, prefix: str, source, opts: CallOptions, total: int | None,
+              loop: asyncio.AbstractEventLoop | None = None, materialize: bool = False) -> Call:
         progress = None
         if opts.use_tqdm:
             from tqdm.auto import tqdm
 
             progress = tqdm(total=total, desc="Processed prompts", unit="docs", dynamic_ncols=True)
-        call = Call(self._dispatcher, prefix, requests, opts, progress=progress,
-                    default_normalize=self.model_spec.normalize, vocab_size=self.model_spec.vocab_size, loop=loop)
+        call = Call(self._dispatcher, prefix, source, opts, progress=progress,
+                    default_normalize=self.model_spec.normalize, loop=loop, keep_all=materialize)
         self._local.call = call
         return call
 
     def _stream(self, prompts, opts: CallOptions, materialize: bool = False) -> Iterator:
         """Builds the call's requests, runs them through the group, yields wrapped outputs in order."""
-        prefix, requests, total = self._requests(prompts, opts)
+        prefix, source, total = self._requests(prompts, opts, materialize)
         if materialize:
-            requests = iter(list(requests))  # a list is checked whole before any work starts
-        call = self._call(prefix, requests, opts, total)
+            source = source.drain(self._dispatcher.batch_items)  # a list is checked whole before any work starts
+        call = self._call(prefix, source, opts, total, materialize=materialize)
         outputs = self._outputs(call)
         return self._post_process(outputs) if opts.plugin else outputs
 
@@ -493,13 +491,14 @@ class Pipeline:
 
     async def _astream(self, prompts, opts: CallOptions, materialize: bool = False) -> AsyncIterator:
         """`_stream` on the caller's event loop."""
-        prefix, requests, total = self._requests(prompts, opts)
+        prefix, source, total = self._requests(prompts, opts, materialize)
         if materialize:  # checked whole before any work starts; a long list in a thread
+            items = self._dispatcher.batch_items
             if total is not None and total <= ASYNC_INLINE_CHECK_ITEMS:
-                requests = iter(list(requests))
+                source = source.drain(items)
             else:
-                requests = iter(await asyncio.to_thread(list, requests))
-        call = self._call(prefix, requests, opts, total, loop=asyncio.get_running_loop())
+                source = await asyncio.to_thread(source.drain, items)
+        call = self._call(prefix, source, opts, total, loop=asyncio.get_running_loop(), materialize=materialize)
         try:
             async for result in call.aoutputs():
                 yield self._post_process_one(result) if opts.plugin else result
@@ -527,15 +526,6 @@ class Pipeline:
         except Exception as e:
             raise ValueError(f"request {out.index}: io_processor post_process failed: "
                              f"{type(e).__name__}: {e}") from e
-
-
-def _refuse(requests: Iterator, refused: dict[int, str]) -> Iterator:
-    """The requests, with those whose options were refused in the caller as error outputs."""
-    for request in requests:
-        error = refused.get(request.index)
-        if error is not None and not isinstance(request, FailedRequest):
-            request = FailedRequest(request.request_id, request.index, error)
-        yield request
 
 
 def _check_rank(query, top_k) -> None:

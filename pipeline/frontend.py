@@ -3,25 +3,26 @@
 `Dispatcher` (one per group) is what the calls share:
 
 * one receiver thread, the only reader of the results socket: it decodes each message and routes
-  it to its call by the call's id prefix (every external id is `<call prefix><index>`; a message
-  that belongs to one call -- always so while one call runs -- goes to it whole, without looking
-  at its requests), and it watches the group: heartbeats, the engine, dead render workers
+  it to its call by the call's id, an explicit field of every message (a request is named by
+  its call's id and its index; a step's outputs that served several calls are split by their
+  `call_of` column), and it watches the group: heartbeats, the engine, dead render workers
   (restarted with back-off; every call re-sends what the lost worker held);
 * the in-flight bound: at most `max_inflight` requests issued and not yet handed to their caller,
   over all calls together, shared fairly among the calls still reading input; and the text held
   for them (kept for re-sending) bounded too;
 * least-loaded dispatch to the render workers that are up (a restarting worker gets nothing),
   and with data-parallel engine cores, to the engine core with the fewest requests in flight
-  (named in each RenderBatch; the call's in-flight entry records it, and an answer or failure
-  settles it).
+  (named in each RenderBatch; the call's ticket for the batch records it, and answers or
+  failures settle it).
 
-A `Call` is one embed/encode/... call. It pulls RenderParams lazily from its request generator,
-sends them in small batches, and hands results back in input order (the reorder buffer counts
-against the bound, so memory stays bounded however long the input is). It is driven by `pump()`
+A `Call` is one embed/encode/... call. It draws its requests lazily in blocks (a message's worth:
+`inputs.RequestSource`), sends each block as one RenderBatch, keeps what is in flight by index in
+arrays, and hands results back in input order (the reorder buffer counts against the bound, so
+memory stays bounded however long the input is). It is driven by `pump()`
 in the caller's thread -- by a plain generator (`outputs`) or an async one (`aoutputs`, which
 awaits the receiver's wake-ups on its event loop). A failure, a stop by the caller (generator
 closed or collected, KeyboardInterrupt, task cancelled) or a bad input found on the way aborts
-that call's requests by external id and returns its slots; no other call is touched.
+that call's requests (the whole call, by its id) and returns its slots; no other call is touched.
 
 Lock discipline: `Dispatcher.lock` guards the shared counters and the registry; the group's
 `send_lock` guards its sockets. A call that ends abnormally never takes a lock (it may be ended by
@@ -48,7 +49,7 @@ from pooling_pipeline.call_stats import CallStats
 from pooling_pipeline.core import messages as m
 from pooling_pipeline.core.vectors import finish_embeddings
 from pooling_pipeline.errors import EngineDeadError, PipelineError, StepError
-from pooling_pipeline.inputs import CallOptions, FailedRequest, token_id_errors
+from pooling_pipeline.inputs import Block, CallOptions, FailedRequest
 from pooling_pipeline.outputs import OUTPUT_TYPES, PoolingRequestOutput
 from pooling_pipeline.process_group import ProcessGroup
 
@@ -61,8 +62,7 @@ CALL_WAIT_S = 0.5  # a call re-checks the dispatcher at least this often while i
 # Besides the request count, the text held for requests in flight is bounded (kept for re-sending
 # if a worker dies): a window of 100 MB web pages must not hold gigabytes.
 MAX_INFLIGHT_CHARS = 64 * 1024 * 1024
-# External ids: a random call prefix (unguessable: 64 bits) then the request's index.
-PREFIX_LEN = 17
+# A call's id: random (unguessable: 64 bits); a request's external id is the call's id then its index.
 # A call holds back a partial message while this many full messages' worth of its requests are in
 # flight (the pipeline stays fed) and waits for slots to fill a whole one.
 FULL_BATCH_WAIT_MIN_MESSAGES = 4
@@ -70,19 +70,6 @@ FULL_BATCH_WAIT_MIN_MESSAGES = 4
 
 def new_call_prefix() -> str:
     return secrets.token_hex(8) + "-"
-
-
-def request_size(request: m.RenderParams) -> int:
-    """Roughly the characters (or token ids) held for a request."""
-    prompt = request.prompt
-    if prompt and request.pair is None:  # the usual case, first
-        return len(prompt)
-    size = len(prompt or "") + len(request.pair or "")
-    if request.token_ids is not None:
-        size += request.token_ids.size
-    if request.conversation is not None:
-        size += sum(len(turn["content"]) for turn in request.conversation)
-    return max(size, 1)
 
 
 class ChunkSum:
@@ -218,46 +205,34 @@ class Dispatcher:
             return
         calls = self.routes
         if kind is m.OutputBatch:
-            ids = msg.request_ids
-            if len(calls) == 1:  # one call running: the message is its (it drops strays by id)
-                for call in calls.values():
-                    call.deliver(msg)
-                return
-            prefixes = [rid[:PREFIX_LEN] for rid in ids]
-            first = prefixes[0] if prefixes else ""
-            if prefixes.count(first) == len(prefixes):
-                call = calls.get(first)
+            if msg.call_of is None:  # one call's outputs, as usual
+                call = calls.get(msg.calls[0]) if msg.calls else None
                 if call is None:
-                    self.stray_outputs += len(ids)
+                    self.stray_outputs += len(msg.indices)
                 else:
                     call.deliver(msg)
                 return
-            parts: dict[str, list[int]] = {}
-            for position, prefix in enumerate(prefixes):
-                parts.setdefault(prefix, []).append(position)
-            for prefix, positions in parts.items():
-                call = calls.get(prefix)
+            for position, name in enumerate(msg.calls):  # a step that served several calls
+                call = calls.get(name)
                 if call is None:
-                    self.stray_outputs += len(positions)
-                    continue
-                call.deliver(msg.select(positions, len(positions) / len(ids)))  # the step's cost, split by requests
+                    self.stray_outputs += int(np.count_nonzero(msg.call_of == position))
+                else:
+                    call.deliver(msg.part(position))  # the step's cost, split by requests
             return
-        # RenderFailed / StepFailed: a few ids; each goes to its call.
-        per_call: dict[str, list[int]] = {}
-        for i, rid in enumerate(msg.request_ids):
-            per_call.setdefault(rid[:PREFIX_LEN], []).append(i)
-        for prefix, positions in per_call.items():
-            call = calls.get(prefix)
-            if call is None:
-                continue
-            if len(positions) == len(msg.request_ids):
+        if kind is m.RenderFailed:
+            call = calls.get(msg.call)
+            if call is not None:
                 call.deliver(msg)
-            elif kind is m.RenderFailed:
-                call.deliver(m.RenderFailed([msg.request_ids[i] for i in positions], [msg.indices[i] for i in positions],
-                                            [msg.errors[i] for i in positions]))
-            else:
-                call.deliver(m.StepFailed([msg.request_ids[i] for i in positions], [msg.indices[i] for i in positions],
-                                          msg.error))
+            return
+        # StepFailed: a few requests, maybe of several calls; each call gets its own.
+        per_call: dict[str, list[int]] = {}
+        for name, index in zip(msg.calls, msg.indices):
+            per_call.setdefault(name, []).append(index)
+        for name, indices in per_call.items():
+            call = calls.get(name)
+            if call is not None:
+                call.deliver(msg if len(indices) == len(msg.indices) else m.StepFailed([name] * len(indices), indices,
+                                                                                        msg.error))
 
     def _check_health(self) -> None:
         group = self.group
@@ -276,10 +251,10 @@ class Dispatcher:
 
     def _flush_retired(self) -> None:
         while self.retiring:
-            call, ids_per_engine, per_worker, chars = self.retiring.popleft()
-            self._unregister(call, per_worker, chars, {k: len(ids) for k, ids in ids_per_engine.items()})
-            for engine, ids in ids_per_engine.items():
-                self.group.abort(ids, engine)
+            call, engines, per_worker, chars, per_engine = self.retiring.popleft()
+            self._unregister(call, per_worker, chars, per_engine)
+            for engine in engines:  # every request of the call, waiting or still on its way
+                self.group.abort(call.prefix, None, engine)
 
     def _fail(self, error: BaseException) -> None:
         if self.failure is None:
@@ -344,8 +319,7 @@ class Dispatcher:
         with self.lock:
             self.drawing.discard(call)
 
-    def dispatch(self, call: Call, batch: list[m.RenderParams], chat_template: str | None,
-                 chars: int) -> tuple[int, int, int] | None:
+    def dispatch(self, call: Call, block: Block, chat_template: str | None, chars: int) -> tuple[int, int, int] | None:
         """Sends a batch to the least-loaded worker that is up, for the engine core with the fewest
         requests in flight; (worker, its generation, engine), or None when no worker can take it
         now (the call keeps it and is woken when one can)."""
@@ -356,24 +330,25 @@ class Dispatcher:
                 self.waiters.add(call)
                 return None
             worker = min(up, key=self.outstanding.__getitem__)
-            self.outstanding[worker] += len(batch)
+            n = len(block)
+            self.outstanding[worker] += n
             loads = self.engine_outstanding
             engine = 0 if len(loads) == 1 else min(range(len(loads)), key=loads.__getitem__)
-            loads[engine] += len(batch)
+            loads[engine] += n
             gen = group.worker_gen[worker]
         try:
-            group.send_work(worker, batch, chat_template, engine)
-        except zmq.Again:  # gone since it was checked: the batch stays with the call
+            group.send_work(worker, block.render_batch(call.prefix, chat_template, engine))
+        except zmq.Again:  # gone since it was checked: the block stays with the call
             with self.lock:
-                self.outstanding[worker] = max(0, self.outstanding[worker] - len(batch))
-                loads[engine] = max(0, loads[engine] - len(batch))
+                self.outstanding[worker] = max(0, self.outstanding[worker] - n)
+                loads[engine] = max(0, loads[engine] - n)
                 self.retried_sends += 1
                 self.waiters.add(call)
             return None
         with self.lock:
             self.chars += chars
             self.batches_per_worker[worker] += 1
-            self.requests_per_engine[engine] += len(batch)
+            self.requests_per_engine[engine] += n
         return worker, gen, engine
 
     def settled(self, per_worker: Counter | dict, chars: int, per_engine: Counter | dict | None = None) -> None:
@@ -398,14 +373,14 @@ class Dispatcher:
         """A call that ended normally (nothing in flight): its slots come back now."""
         self._unregister(call, {}, 0)
 
-    def retire(self, call: Call, ids_per_engine: dict[int, list[str]], per_worker: Counter, chars: int) -> None:
-        """A call that ended abnormally: the receiver thread aborts its requests by external id
-        in the engine cores that hold them and returns its slots. Takes no lock: it may run inside
+    def retire(self, call: Call, engines: list[int], per_worker: Counter, chars: int, per_engine: Counter) -> None:
+        """A call that ended abnormally: the receiver thread aborts its requests (the whole call)
+        in the engine cores it sent to and returns its slots. Takes no lock: it may run inside
         the garbage collector."""
-        self.retiring.append((call, ids_per_engine, per_worker, chars))
+        self.retiring.append((call, engines, per_worker, chars, per_engine))
         self.wake_receiver()
 
-    def _unregister(self, call: Call, per_worker, chars: int, per_engine: dict | None = None) -> None:
+    def _unregister(self, call: Call, per_worker, chars: int, per_engine=None) -> None:
         with self.lock:
             if self.calls.get(call.prefix) is call:
                 del self.calls[call.prefix]
@@ -454,31 +429,61 @@ class Dispatcher:
                 pass
 
 
+class Ticket:
+    """A Block sent to a worker: where it went, and how many of its requests are still out."""
+
+    __slots__ = ("block", "worker", "gen", "engine", "pending")
+
+    def __init__(self, block: Block, worker: int, gen: int, engine: int) -> None:
+        self.block, self.worker, self.gen, self.engine = block, worker, gen, engine
+        self.pending = len(block)
+
+
 class Call:
-    def __init__(self, dispatcher: Dispatcher, prefix: str, requests: Iterator[m.RenderParams | FailedRequest],
-                 opts: CallOptions, *, vocab_size: int, progress=None, default_normalize: bool = True,
-                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+    """One call: its requests drawn in blocks, sent, answered and handed back in input order.
+
+    Its state is kept by index in rings of numpy arrays, one entry per request in flight or
+    answered and not yet handed back (the bound keeps them within `capacity` of each other, so
+    `index & mask` is a slot of its own): which index a slot holds while it is out (answers for
+    anything else are duplicates), its ticket (the Block it was sent in), its size in characters,
+    whether it is answered, its token count and -- for the usual outputs, one vector each -- its
+    vector, written for a whole OutputBatch with one fancy assignment. Other answers (errors,
+    per-token arrays, sparse vectors, pooled chunks) are result objects in `special`."""
+
+    def __init__(self, dispatcher: Dispatcher, prefix: str, source, opts: CallOptions, *,
+                 progress=None, default_normalize: bool = True, loop: asyncio.AbstractEventLoop | None = None,
+                 keep_all: bool = False) -> None:
         self.dispatcher = dispatcher
         self.prefix = prefix
-        self.requests = requests
+        self.source = source
         self.batch_items = dispatcher.batch_items
         self.progress = progress
         self.chat_template = opts.chat_template
         self.default_normalize = default_normalize
         self.result_type = OUTPUT_TYPES.get(opts.task, PoolingRequestOutput)  # what the caller gets back
-        # Token ids are range-checked a message at a time, when sent (before that, wide ones are
-        # int64: only a checked message may be narrowed to int32 for the wire).
-        self.vocab_size = vocab_size
         self.errors = opts.errors  # "raise": the first failure ends the call; "return": it becomes an output
-        self.chunks: dict[str, ChunkSum] = {}  # chunk mode: documents with chunks still out
+        # keep_all (a list call: every result is kept): results handed back together share one
+        # array; in a stream each result gets a copy of its own row, so that keeping a few of
+        # them does not keep their neighbours' memory too.
+        self.keep_all = keep_all
         self.stats = CallStats(engines=dispatcher.num_engines)
-        # external id -> (request, worker, worker generation it was sent to, its size in characters,
-        # the engine core its inputs went to)
-        self.inflight: dict[str, tuple[m.RenderParams, int, int, int, int]] = {}
-        self.backlog: deque[tuple[m.RenderParams, int]] = deque()  # (request, size) to (re)send when a worker can
-        self.ready: dict[int, PoolingRequestOutput] = {}  # reorder buffer: index -> result
+        capacity = 1 << max(4, (dispatcher.max_inflight - 1).bit_length())
+        self.mask = capacity - 1
+        self.out_index = np.full(capacity, -1, np.int64)  # slot -> the index sent and not answered
+        self.ticket_of = np.zeros(capacity, np.int64)
+        self.size_of = np.zeros(capacity, np.int64)
+        self.answered = np.zeros(capacity, dtype=bool)  # slot -> answered, not handed back yet
+        self.tokens = np.zeros(capacity, np.int64)
+        self.rows: np.ndarray | None = None  # [capacity, dim] float32, made with the first vectors
+        self.special: dict[int, PoolingRequestOutput] = {}  # answered otherwise, by index
+        self.tickets: dict[int, Ticket] = {}
+        self.next_ticket = 0
+        self.engines_used: set[int] = set()
+        self.chunks: dict[int, ChunkSum] = {}  # chunk mode: documents with chunks still out, by index
+        self.backlog: deque[Block] = deque()  # blocks to (re)send when a worker can take them
         self.inbox: deque = deque()  # messages routed here by the receiver thread
         self.inflight_chars = 0
+        self.ready_count = 0  # answered and not handed back (the reorder buffer)
         self.held = 0  # slots held (granted + issued and not handed back); changed under dispatcher.lock
         self.granted = 0  # slots held for requests not drawn yet
         self.issued = 0
@@ -563,20 +568,44 @@ class Call:
             msg = inbox.popleft()
             handlers[type(msg)](msg)
         self._issue()
-        ready = self.ready
-        out = []
-        index = self.next_index
-        while index in ready:
-            out.append(ready.pop(index))
-            index += 1
-        if out:
-            self.next_index = index
-            dispatcher.release(self, len(out))
+        out = self._hand_back() if self.ready_count else []
         self.stats.frontend_busy_s += time.perf_counter() - started
-        done = self.exhausted and index == self.issued
+        done = self.exhausted and self.next_index == self.issued
         if done:
             self._complete()
         return out, done
+
+    def _hand_back(self) -> list[PoolingRequestOutput]:
+        """The answered results from `next_index` on, up to the first still out, in order."""
+        first, count, mask = self.next_index, self.issued - self.next_index, self.mask
+        start = first & mask
+        answered = self.answered
+        window = answered[start:start + count]
+        if len(window) < count:  # the range wraps around the ring
+            window = np.concatenate([window, answered[:count - len(window)]])
+        run = count if window.all() else int(window.argmin())
+        if not run:
+            return []
+        slots = np.arange(first, first + run) & mask
+        answered[slots] = False
+        make, prefix, special = self.result_type, self.prefix, self.special
+        tokens = self.tokens[slots].tolist()
+        if self.rows is not None:
+            vectors = self.rows[slots]  # (a copy: a gather)
+            if not self.keep_all:
+                vectors = [row.copy() for row in vectors]
+        else:
+            vectors = [None] * run
+        if not special:
+            out = [make(f"{prefix}{index}", index, row, num_tokens)
+                   for index, row, num_tokens in zip(range(first, first + run), vectors, tokens)]
+        else:
+            out = [special.pop(index, None) or make(f"{prefix}{index}", index, row, num_tokens)
+                   for index, row, num_tokens in zip(range(first, first + run), vectors, tokens)]
+        self.next_index = first + run
+        self.ready_count -= run
+        self.dispatcher.release(self, run)
+        return out
 
     def deliver(self, msg) -> None:
         """From the receiver thread: a message (or notice) for this call."""
@@ -616,18 +645,18 @@ class Call:
         self.exhausted = True
         if not self.started:
             return
-        per_worker = Counter(entry[1] for entry in self.inflight.values())
-        ids_per_engine: dict[int, list[str]] = {}
-        for rid, entry in self.inflight.items():
-            ids_per_engine.setdefault(entry[4], []).append(rid)
+        per_worker, per_engine = Counter(), Counter()
+        for ticket in self.tickets.values():
+            per_worker[ticket.worker] += ticket.pending
+            per_engine[ticket.engine] += ticket.pending
         chars = self.inflight_chars
-        self.inflight.clear()
+        self.tickets.clear()
         self.chunks.clear()
+        self.special.clear()
         self.inflight_chars = 0
         self.backlog.clear()
-        self.ready.clear()
         self.inbox.clear()
-        self.dispatcher.retire(self, ids_per_engine, per_worker, chars)
+        self.dispatcher.retire(self, sorted(self.engines_used), per_worker, chars, per_engine)
 
     def _complete(self) -> None:
         if not self.retired:
@@ -645,61 +674,43 @@ class Call:
 
     def _issue(self) -> None:
         if self.backlog:
-            backlog = list(self.backlog)
+            blocks = list(self.backlog)
             self.backlog.clear()
-            for start in range(0, len(backlog), self.batch_items):  # what cannot be sent goes back
-                part = backlog[start:start + self.batch_items]
-                self._send([r for r, _ in part], [size for _, size in part])
+            for block in blocks:  # what cannot be sent goes back
+                self._send(block)
         if self.exhausted:
             return
         dispatcher = self.dispatcher
         if self._can_wait_for_a_full_batch():
             return
-        pending: list[m.RenderParams] = []
-        sizes: list[int] = []
-        pending_chars = 0
-        requests, batch_items = self.requests, self.batch_items
-        granted, issued = self.granted, self.issued  # (locals in the loop; written back below)
-        try:
-            while True:
-                if not granted:
-                    self._send(pending, sizes)
-                    pending, sizes, pending_chars = [], [], 0
-                    granted = dispatcher.acquire(self, batch_items)
-                    if not granted:
-                        break
-                if dispatcher.chars + pending_chars >= MAX_INFLIGHT_CHARS:
-                    with dispatcher.lock:
-                        dispatcher.waiters.add(self)
+        source, batch_items = self.source, self.batch_items
+        while True:
+            if not self.granted:
+                self.granted = dispatcher.acquire(self, batch_items)
+                if not self.granted:
                     break
-                try:
-                    request = next(requests)  # validation errors surface here, in the caller
-                except StopIteration:
-                    self.exhausted = True
-                    break
-                granted -= 1
-                issued += 1
-                if type(request) is FailedRequest:  # refused in the caller (errors="return")
-                    self.ready[request.index] = self.result_type(request.request_id, request.index, None, 0, 1,
-                                                                 request.error)
-                    self.stats.errors += 1
-                    continue
-                prompt = request.prompt  # (request_size's usual cases, inline: this runs per request)
-                if prompt and request.pair is None:
-                    size = len(prompt)
-                elif prompt is None and request.token_ids is not None:
-                    size = request.token_ids.size
+            room = MAX_INFLIGHT_CHARS - dispatcher.chars
+            if room <= 0:  # the text held for requests in flight is at its bound
+                with dispatcher.lock:
+                    dispatcher.waiters.add(self)
+                break
+            pieces = source.take(self.granted, room)  # validation errors surface here, in the caller
+            for piece in pieces:
+                failed = type(piece) is FailedRequest
+                if (piece.index if failed else piece.indices[0]) != self.issued:
+                    # The ring of slots counts on requests drawn in input order.
+                    raise PipelineError(f"requests were drawn out of order (this is a bug): {self.issued} expected")
+                if failed:  # refused in the caller (errors="return")
+                    self._refused(piece)
+                    drawn = 1
                 else:
-                    size = request_size(request)
-                pending.append(request)
-                sizes.append(size)
-                pending_chars += size
-                if len(pending) == batch_items:
-                    self._send(pending, sizes)
-                    pending, sizes, pending_chars = [], [], 0
-        finally:
-            self.granted, self.issued = granted, issued
-        self._send(pending, sizes)
+                    self._send(piece)
+                    drawn = len(piece)
+                self.granted -= drawn
+                self.issued += drawn
+            if source.exhausted:
+                self.exhausted = True
+                break
         if self.exhausted:
             dispatcher.done_drawing(self)
             if self.granted:
@@ -725,38 +736,34 @@ class Call:
             dispatcher.waiters.add(self)
         return True
 
-    def _send(self, batch: list[m.RenderParams], sizes: list[int]) -> None:
-        """One batch (at most batch_items) to a worker, or into the backlog when none can take it."""
-        if not batch:
-            return
-        if bad := token_id_errors(batch, self.vocab_size):
-            batch, sizes = self._refuse(batch, sizes, bad)
-            if not batch:
-                return
-        chars = sum(sizes)
-        sent = self.dispatcher.dispatch(self, batch, self.chat_template, chars)
+    def _send(self, block: Block) -> None:
+        """One block to a worker, or into the backlog when none can take it."""
+        chars = sum(block.sizes)
+        sent = self.dispatcher.dispatch(self, block, self.chat_template, chars)
         if sent is None:  # no worker can take it now: kept for the next turn
-            self.backlog.extend(zip(batch, sizes))
+            self.backlog.append(block)
             return
         worker, gen, engine = sent
-        inflight = self.inflight
-        for request, size in zip(batch, sizes):
-            inflight[request.request_id] = (request, worker, gen, size, engine)
+        number = self.next_ticket
+        self.next_ticket += 1
+        self.tickets[number] = Ticket(block, worker, gen, engine)
+        self.engines_used.add(engine)
+        indices = np.asarray(block.indices, dtype=np.int64)
+        slots = indices & self.mask
+        self.out_index[slots] = indices
+        self.ticket_of[slots] = number
+        self.size_of[slots] = block.sizes
         self.inflight_chars += chars
 
-    def _refuse(self, batch: list[m.RenderParams], sizes: list[int], bad: list[tuple[int, str]]
-                ) -> tuple[list[m.RenderParams], list[int]]:
-        """Requests whose token ids leave the vocabulary (found when their message is sent):
-        the call's error (errors="raise") or error outputs; the batch without them."""
-        if self.errors != "return":
-            raise ValueError(bad[0][1])
-        for position, error in bad:
-            request = batch[position]
-            self.ready[request.index] = self.result_type(request.request_id, request.index, None, 0, 1, error)
-            self.stats.errors += 1
-        gone = {position for position, _ in bad}
-        kept = [i for i in range(len(batch)) if i not in gone]
-        return [batch[i] for i in kept], [sizes[i] for i in kept]
+    def _refused(self, failed: FailedRequest) -> None:
+        self._answer_special(failed.index, self.result_type(f"{self.prefix}{failed.index}", failed.index, None, 0, 1,
+                                                            failed.error))
+        self.stats.errors += 1
+
+    def _answer_special(self, index: int, result: PoolingRequestOutput) -> None:
+        self.special[index] = result
+        self.answered[index & self.mask] = True
+        self.ready_count += 1
 
     # ---- receiving ------------------------------------------------------------------------
 
@@ -771,138 +778,182 @@ class Call:
         stats.max_in_core_seen = max(stats.max_in_core_seen, msg.in_core)
         depths = stats.depths
         depths["engine_window"].add(msg.in_core)
-        depths["batch_size"].add(len(msg.request_ids))
+        depths["batch_size"].add(len(msg.indices))
         depths["frontend_inflight"].add(self.issued - self.next_index)
-        depths["reorder_buffer"].add(len(self.ready))
-        accepted = tokens = chars = 0
-        workers: list[int] = []  # of each request settled (counted once at the end)
-        engine_of: list[int] = []
-        inflight, ready, make = self.inflight, self.ready, self.result_type
-        columns = zip(msg.request_ids, msg.indices.tolist(), msg.num_prompt_tokens.tolist(), msg.arrays)
-        if msg.chunks is None and msg.sparse_ids is None:  # the usual case, in a lean loop
-            for rid, index, num_tokens, data in columns:
-                entry = inflight.pop(rid, None)
-                if entry is None or entry[0].index != index:
-                    if entry is not None:
-                        inflight[rid] = entry
-                    stats.duplicates_dropped += 1  # re-sent, aborted or from an earlier call
-                    continue
-                workers.append(entry[1])
-                engine_of.append(entry[4])
-                chars += entry[3]
-                ready[index] = make(rid, index, data, num_tokens)
-                tokens += num_tokens
-            accepted, engine = len(workers), engine_of[0] if engine_of else -1
+        depths["reorder_buffer"].add(self.ready_count)
+        data = msg.data
+        if (data is not None and msg.chunks is None and msg.sparse_ids is None
+                and (self.rows is None or self.rows.shape[1] == data.shape[1])):
+            self._on_vectors(msg, data)  # the usual case: one vector each, in array operations
         else:
-            accepted, tokens, chars, engine = self._on_special_outputs(msg, columns, workers, engine_of)
-        self._settle_outputs(msg, accepted, tokens, chars, workers, engine_of, engine)
+            self._on_special_outputs(msg)
 
-    def _on_special_outputs(self, msg: m.OutputBatch, columns, workers: list[int], engine_of: list[int]
-                            ) -> tuple[int, int, int, int]:
-        """`_on_outputs` for chunks of long documents (pooled back into one vector when the last
-        arrives) and sparse vectors (their token ids)."""
-        stats, inflight, ready, make = self.stats, self.inflight, self.ready, self.result_type
-        accepted = tokens = chars = 0
-        engine = -1  # which engine core computed this batch (a batch comes from one): from its requests
-        chunk_of = None if msg.chunks is None else msg.chunks.tolist()
-        sparse_ids = msg.sparse_ids
-        for i, (rid, index, num_tokens, data) in enumerate(columns):
-            entry = inflight.get(rid)
-            if entry is None or entry[0].index != index:
-                stats.duplicates_dropped += 1  # re-sent, aborted or from an earlier call
-                continue
-            if engine < 0:
-                engine = entry[4]
-            num_chunks = 1
-            if chunk_of is not None and chunk_of[i][0] >= 0:
-                chunk, num_chunks = chunk_of[i]
-                chunks = self.chunks.get(rid)
-                if chunks is None:
-                    chunks = self.chunks[rid] = ChunkSum(num_chunks)
-                if not chunks.add(chunk, data, num_tokens):
-                    stats.duplicates_dropped += 1
-                if not chunks.complete:
-                    continue
-                data, num_tokens = chunks.finish(entry[0].params, self.default_normalize), chunks.tokens
-                del self.chunks[rid]
-            del inflight[rid]
-            workers.append(entry[1])
-            engine_of.append(entry[4])
-            chars += entry[3]
-            result = ready[index] = make(rid, index, data, num_tokens, num_chunks)
-            if sparse_ids is not None:
-                result.indices = sparse_ids[i]
-            tokens += num_tokens
-            accepted += 1
-        return accepted, tokens, chars, engine
+    def _on_vectors(self, msg: m.OutputBatch, data: np.ndarray) -> None:
+        indices = msg.indices
+        slots = indices & self.mask
+        live = self.out_index[slots] == indices  # out, and not answered yet
+        num_tokens = msg.num_prompt_tokens
+        if not live.all() or (len(slots) > 1 and np.unique(slots).size != len(slots)):
+            live &= _first_of_each(slots)
+            self.stats.duplicates_dropped += len(indices) - int(live.sum())  # re-sent, aborted or forged
+            indices, slots, data, num_tokens = indices[live], slots[live], data[live], num_tokens[live]
+            if not len(indices):
+                return
+        if self.rows is None:
+            self.rows = np.zeros((self.mask + 1, data.shape[1]), np.float32)
+        self.rows[slots] = data
+        self.tokens[slots] = num_tokens
+        self.out_index[slots] = -1
+        self.answered[slots] = True
+        self.ready_count += len(slots)
+        self._settle(slots, int(num_tokens.sum()), msg.busy_s)
 
-    def _settle_outputs(self, msg: m.OutputBatch, accepted: int, tokens: int, chars: int, workers: list[int],
-                        engine_of: list[int], engine: int) -> None:
-        """Counts what `_on_outputs` accepted and gives their workers, engines and text budget back."""
+    def _settle(self, slots: np.ndarray, tokens: int, busy_s: float | None = None) -> None:
+        """Counts these answered requests and gives their workers, engines and text budget back."""
+        tickets = self.ticket_of[slots]
+        chars = int(self.size_of[slots].sum())
+        per_worker: dict[int, int] = {}
+        per_engine: dict[int, int] = {}
+        if (tickets == tickets[0]).all():
+            counts = [(int(tickets[0]), len(slots))]
+        else:
+            numbers, sizes = np.unique(tickets, return_counts=True)
+            counts = zip(numbers.tolist(), sizes.tolist())
+        for number, count in counts:
+            ticket = self.tickets[number]
+            ticket.pending -= count
+            per_worker[ticket.worker] = per_worker.get(ticket.worker, 0) + count
+            per_engine[ticket.engine] = per_engine.get(ticket.engine, 0) + count
+            if not ticket.pending:
+                del self.tickets[number]
         stats = self.stats
+        accepted = len(slots)
         stats.requests += accepted
         stats.prompt_tokens += tokens
-        settled, engines = Counter(workers), Counter(engine_of)
-        if engine >= 0 and stats.engines > 1:
-            stats.engine_busy_per_engine[engine] = stats.engine_busy_per_engine.get(engine, 0.0) + msg.busy_s
+        for engine, count in per_engine.items():
+            stats.requests_per_engine[engine] = stats.requests_per_engine.get(engine, 0) + count
+        if busy_s is not None and stats.engines > 1 and len(per_engine) == 1:  # (a batch comes from one engine)
+            (engine,) = per_engine
+            stats.engine_busy_per_engine[engine] = stats.engine_busy_per_engine.get(engine, 0.0) + busy_s
             stats.batches_per_engine[engine] = stats.batches_per_engine.get(engine, 0) + 1
-        for k, count in engines.items():
-            stats.requests_per_engine[k] = stats.requests_per_engine.get(k, 0) + count
-        if accepted:
-            self.inflight_chars -= chars
-            self.dispatcher.settled(settled, chars, engines)
-        if self.progress is not None and accepted:
+        self.inflight_chars -= chars
+        self.dispatcher.settled(per_worker, chars, per_engine)
+        if self.progress is not None:
             self.progress.update(accepted)
             wall = time.perf_counter() - stats.start
             self.progress.set_postfix_str(f"{stats.prompt_tokens / max(wall, 1e-9):,.0f} tok/s", refresh=False)
 
+    def _on_special_outputs(self, msg: m.OutputBatch) -> None:
+        """Outputs that are not one vector each in the ring: chunks of long documents (pooled back
+        into one vector when the last arrives), sparse vectors (their token ids), per-token arrays."""
+        arrays = list(msg.data) if msg.data is not None else msg.arrays
+        chunk_of = None if msg.chunks is None else msg.chunks.tolist()
+        sparse_ids = msg.sparse_ids
+        mask, out_index = self.mask, self.out_index
+        settled: list[int] = []
+        tokens = 0
+        for i, (index, num_tokens) in enumerate(zip(msg.indices.tolist(), msg.num_prompt_tokens.tolist())):
+            slot = index & mask
+            if index < 0 or out_index[slot] != index:
+                self.stats.duplicates_dropped += 1  # re-sent, aborted or from an earlier call
+                continue
+            data, num_chunks = arrays[i], 1
+            if msg.data is not None:
+                data = data.copy()  # (a row of the received frame)
+            if chunk_of is not None and chunk_of[i][0] >= 0:
+                chunk, num_chunks = chunk_of[i]
+                chunks = self.chunks.get(index)
+                if chunks is None:
+                    chunks = self.chunks[index] = ChunkSum(num_chunks)
+                if not chunks.add(chunk, data, num_tokens):
+                    self.stats.duplicates_dropped += 1
+                if not chunks.complete:
+                    continue
+                params = self._options_of(index).params
+                data, num_tokens = chunks.finish(params, self.default_normalize), chunks.tokens
+                del self.chunks[index]
+            result = self.result_type(f"{self.prefix}{index}", index, data, num_tokens, num_chunks)
+            if sparse_ids is not None:
+                result.indices = sparse_ids[i]
+            out_index[slot] = -1
+            self._answer_special(index, result)
+            settled.append(slot)
+            tokens += num_tokens
+        if settled:
+            self._settle(np.asarray(settled, dtype=np.int64), tokens, msg.busy_s)
+
+    def _options_of(self, index: int) -> m.RenderOptions:
+        block = self.tickets[int(self.ticket_of[index & self.mask])].block
+        return block.options_of(block.indices.index(index))
+
     def _on_render_failed(self, msg: m.RenderFailed) -> None:
-        for rid, index, error in zip(msg.request_ids, msg.indices, msg.errors):
-            if self._owns(rid, index):
+        for index, error in zip(msg.indices, msg.errors):
+            if self._owns(index):
                 if self.errors != "return":
                     raise ValueError(f"request {index}: {error}")
-                self._fail(rid, index, f"request {index}: {error}")
+                self._fail(index, f"request {index}: {error}")
 
     def _on_step_failed(self, msg: m.StepFailed) -> None:
         # One request appears once however many of its chunks the failed step held.
-        mine = dict.fromkeys((rid, index) for rid, index in zip(msg.request_ids, msg.indices)
-                             if self._owns(rid, index))
+        mine = [index for index in dict.fromkeys(msg.indices) if self._owns(index)]
         if mine and self.errors != "return":
             # The call ends: `abort` (on the way out) drops these and every other request still
-            # in flight by external id, other chunks of a failed document included.
-            raise StepError(
-                f"the engine core failed a step for requests {[i for _, i in mine]} "
-                f"(ids {[r for r, _ in mine]}): {msg.error}",
-                [r for r, _ in mine], [i for _, i in mine])
-        for rid, index in mine:
-            self._fail(rid, index, f"request {index}: the model failed on it: {msg.error}")
+            # in flight, other chunks of a failed document included.
+            ids = [f"{self.prefix}{index}" for index in mine]
+            raise StepError(f"the engine core failed a step for requests {mine} (ids {ids}): {msg.error}", ids, mine)
+        for index in mine:
+            self._fail(index, f"request {index}: the model failed on it: {msg.error}")
 
     def _on_lost_worker(self, notice: LostWorker) -> None:
         """A worker lost its process: what this call had sent to it comes again from the others."""
         self.stats.worker_restarts += 1
-        lost = [(req, size, engine) for req, worker, gen, size, engine in self.inflight.values()
-                if worker == notice.index and gen <= notice.gen]
-        for req, size, _ in lost:
-            del self.inflight[req.request_id]
-            self.inflight_chars -= size
-            self.chunks.pop(req.request_id, None)  # its chunks come again, whole
+        lost = [number for number, t in self.tickets.items() if t.worker == notice.index and t.gen <= notice.gen]
+        chars, per_engine = 0, Counter()
+        for number in lost:
+            ticket = self.tickets.pop(number)
+            indices = np.asarray(ticket.block.indices, dtype=np.int64)
+            slots = indices & self.mask
+            out = (self.out_index[slots] == indices) & (self.ticket_of[slots] == number)
+            positions = np.flatnonzero(out).tolist()
+            if not positions:
+                continue
+            self.out_index[slots[out]] = -1
+            chars += int(self.size_of[slots[out]].sum())
+            per_engine[ticket.engine] += len(positions)
+            for index in indices[out].tolist():
+                self.chunks.pop(index, None)  # its chunks come again, whole
+            self.backlog.append(ticket.block.select(positions))
         if lost:
-            self.dispatcher.settled({}, sum(size for _, size, _ in lost), Counter(engine for _, _, engine in lost))
-            self.backlog.extend((req, size) for req, size, _ in lost)
+            self.inflight_chars -= chars
+            self.dispatcher.settled({}, chars, per_engine)
 
-    def _owns(self, request_id: str, index: int) -> bool:
-        entry = self.inflight.get(request_id)
-        return entry is not None and entry[0].index == index
+    def _owns(self, index: int) -> bool:
+        return index >= 0 and self.out_index[index & self.mask] == index
 
-    def _fail(self, request_id: str, index: int, error: str) -> None:
+    def _fail(self, index: int, error: str) -> None:
         """errors="return": this request's output carries the error; the call goes on."""
-        request, worker, _, size, engine = self.inflight.pop(request_id)
+        slot = index & self.mask
+        number = int(self.ticket_of[slot])
+        ticket = self.tickets[number]
+        options = ticket.block.options_of(ticket.block.indices.index(index))
+        size = int(self.size_of[slot])
+        self.out_index[slot] = -1
+        ticket.pending -= 1
+        if not ticket.pending:
+            del self.tickets[number]
         self.inflight_chars -= size
-        self.dispatcher.settled({worker: 1}, size, {engine: 1})
-        if request.long_inputs == "chunk":  # its other chunks would be computed for nothing
-            self.chunks.pop(request_id, None)
-            self.dispatcher.group.abort([request_id], engine)
-        self.ready[index] = self.result_type(request_id, index, None, 0, 1, error)
+        self.dispatcher.settled({ticket.worker: 1}, size, {ticket.engine: 1})
+        if options.long_inputs == "chunk":  # its other chunks would be computed for nothing
+            self.chunks.pop(index, None)
+            self.dispatcher.group.abort(self.prefix, [index], ticket.engine)
+        self._answer_special(index, self.result_type(f"{self.prefix}{index}", index, None, 0, 1, error))
         self.stats.errors += 1
         if self.progress is not None:
             self.progress.update(1)
+
+
+def _first_of_each(slots: np.ndarray) -> np.ndarray:
+    """True at the first occurrence of each value (a message naming one request twice)."""
+    first = np.zeros(len(slots), dtype=bool)
+    first[np.unique(slots, return_index=True)[1]] = True
+    return first

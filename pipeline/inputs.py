@@ -6,6 +6,7 @@ index and what is wrong; nothing malformed reaches a worker.
 
 from __future__ import annotations
 
+import collections
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -14,8 +15,9 @@ from typing import Annotated, Any
 import msgspec
 import numpy as np
 
+from pooling_pipeline.core.columns import ragged_positions
 from pooling_pipeline.core.config import ModelSpec
-from pooling_pipeline.core.messages import PoolingParams, RenderParams
+from pooling_pipeline.core.messages import PoolingParams, RenderBatch, RenderOptions, RenderParams
 from pooling_pipeline.core.options import (
     ErrorsMode,
     LongInputs,
@@ -34,7 +36,6 @@ PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
 class FailedRequest:
     """A request refused in the caller (errors="return"): it becomes an error output, never sent."""
 
-    request_id: str
     index: int
     error: str
 
@@ -74,11 +75,11 @@ class Tokenization:
 
 
 def build_requests(prompts: object, opts: CallOptions, spec: ModelSpec, tokenization: Tokenization,
-                   id_prefix: str) -> tuple[Iterator[RenderParams | FailedRequest], int | None]:
-    """The call's requests, lazily, and how many there are when that is known.
-
-    A list is checked here as far as can be without reading it all (per-request options); each
-    prompt is checked as it is drawn, so a generator is never read ahead of the frontend."""
+                   refused: dict[int, str] | None = None) -> tuple[RequestSource, int | None]:
+    """The call's requests, drawn lazily in blocks (`RequestSource.take`), and how many there are
+    when that is known. A list is checked here as far as can be without reading it all
+    (per-request options); each prompt is checked as it is drawn, so a generator is never read
+    ahead of the frontend. `refused`: indices refused already (errors="return"), with why."""
     if opts.pairs:
         items: Iterable = prompts  # the API pairs queries with documents
     elif opts.plugin:
@@ -94,48 +95,274 @@ def build_requests(prompts: object, opts: CallOptions, spec: ModelSpec, tokeniza
     priorities = per_request(0 if opts.priority is None else opts.priority, "priority", check_priority, count)
     prefixes = _prompt_prefixes(opts, spec, count)
     side = opts.truncation_side or tokenization.truncation_side
-    id_blocks = TokenIdBlocks(items, spec.vocab_size) if isinstance(items, (list, tuple)) and not opts.pairs \
-        and not opts.plugin else None
-    return _requests(iter(items), opts, spec, tokenization.num_special_tokens, side == "left", id_prefix,
-                     params, priorities, prefixes, id_blocks), count
+    return RequestSource(iter(items), opts, spec, tokenization.num_special_tokens, side == "left",
+                         params, priorities, prefixes, refused or {}), count
 
 
-class TokenIdBlocks:
-    """Token-id prompts of a list, checked a block at a time: one concatenation and one range
-    check for a thousand integer arrays instead of a few numpy calls each (numpy's per-call cost
-    is most of what a short prompt costs). `ids(index)` is the prompt's ids as an int32 view of
-    its block's copy, or None when the prompt is not a 1-D integer array or its block holds an
-    id out of range: such a prompt takes the per-request check, which names what is wrong."""
+TEXT, PAIR, IDS, ITEM = range(4)  # what a Block carries: texts, (query, document) pairs, token ids, RenderParams
 
-    BLOCK = 1024
 
-    def __init__(self, items: list | tuple, vocab_size: int) -> None:
-        self.items = items
-        self.vocab_size = vocab_size
-        self.block_start = -1
-        self.views: dict[int, np.ndarray] = {}
+class Block:
+    """Requests of one call drawn together: what one RenderBatch carries, kept until they are
+    answered (to re-send them if their worker dies). One input form, all with `options` --
+    texts (with `pairs`), token ids (packed, range-checked, int32) -- or `items` with their own."""
 
-    def ids(self, index: int) -> np.ndarray | None:
-        start = index - index % self.BLOCK
-        if start != self.block_start:
-            self.block_start = start
-            self.views = self._check_block(start)
-        return self.views.get(index)
+    __slots__ = ("indices", "options", "texts", "pairs", "token_ids", "lengths", "items", "sizes")
 
-    def _check_block(self, start: int) -> dict[int, np.ndarray]:
-        block = self.items[start:start + self.BLOCK]
-        arrays = [(start + i, a) for i, a in enumerate(block)
-                  if type(a) is np.ndarray and a.ndim == 1 and a.size and a.dtype.kind in "iu"]
-        if not arrays:
-            return {}
-        # As int64 then read as unsigned: a negative id (or a uint64 one past 2**63) is huge, so
-        # one maximum finds any id outside the vocabulary.
-        flat = np.concatenate([a for _, a in arrays], dtype=np.int64, casting="unsafe")
-        if int(flat.view(np.uint64).max()) >= self.vocab_size:
-            return {}
-        flat = flat.astype(np.int32)  # the caller's arrays are copied: changing them later changes nothing
-        ends = np.cumsum([a.size for _, a in arrays]).tolist()
-        return {index: flat[end - a.size:end] for (index, a), end in zip(arrays, ends)}
+    def __init__(self, indices: list[int], sizes: list[int], options: RenderOptions | None = None,
+                 texts: list[str] | None = None, pairs: list[str] | None = None, token_ids: np.ndarray | None = None,
+                 lengths: np.ndarray | None = None, items: list[RenderParams] | None = None) -> None:
+        self.indices, self.sizes, self.options = indices, sizes, options
+        self.texts, self.pairs, self.token_ids, self.lengths, self.items = texts, pairs, token_ids, lengths, items
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def render_batch(self, call: str, chat_template: str | None, engine: int) -> RenderBatch:
+        return RenderBatch(call, np.asarray(self.indices, dtype=np.int64), self.options, self.texts, self.pairs,
+                           self.token_ids, self.lengths, self.items, chat_template if self.items else None, engine)
+
+    def select(self, positions: list[int]) -> Block:
+        """The requests at these positions (to re-send them)."""
+        pick = (lambda column: None if column is None else [column[i] for i in positions])
+        token_ids = lengths = None
+        if self.token_ids is not None:
+            starts = np.cumsum(self.lengths) - self.lengths
+            lengths = self.lengths[positions]
+            token_ids = self.token_ids[ragged_positions(starts[positions], lengths)]
+        return Block(pick(self.indices), pick(self.sizes), self.options, pick(self.texts), pick(self.pairs),
+                     token_ids, lengths, pick(self.items))
+
+    def options_of(self, position: int) -> RenderOptions:
+        return self.options if self.items is None else self.items[position].options
+
+
+class RequestSource:
+    """A call's prompts, checked and drawn in blocks as the frontend asks for them (`take`).
+
+    The usual call -- texts or token-id arrays, one set of options for all -- takes a fast path:
+    the options are resolved once into one RenderOptions, a prompt costs a type check and an
+    append, and a block's token ids are copied and range-checked in one reduction. Anything
+    else (per-request options, dict prompts, conversations, pairs, plugin data) is checked
+    prompt by prompt, each with its own options where they differ."""
+
+    def __init__(self, prompts: Iterator, opts: CallOptions, spec: ModelSpec, num_special_tokens: int,
+                 truncate_left: bool, params: tuple[Iterator, int | None], priorities: tuple[Iterator, int | None],
+                 prefixes: tuple[Iterator, int | None], refused: dict[int, str]) -> None:
+        self.prompts = prompts
+        self.opts, self.spec = opts, spec
+        self.num_special_tokens, self.truncate_left = num_special_tokens, truncate_left
+        self.params_it, params_count = params
+        self.priority_it, priority_count = priorities
+        self.prefix_it, prefix_count = prefixes
+        self.refused = refused
+        self.counts = [(c, name) for c, name in ((params_count, "pooling_params"), (priority_count, "priority"),
+                                                  (prefix_count, "prompt")) if c is not None]
+        self.index = 0  # of the next prompt
+        self.exhausted = False
+        self.shared = self._shared_options()  # None: options per request
+        self._last_params, self._last_max_tokens = None, 0
+
+    def _shared_options(self) -> RenderOptions | None:
+        """The one RenderOptions of a call whose requests all share them, or None."""
+        opts = self.opts
+        if self.counts or self.refused:
+            return None
+        params, priority, text_prefix = next(self.params_it), next(self.priority_it), next(self.prefix_it)
+        if text_prefix is not None and opts.long_inputs == "chunk":
+            return None  # refused request by request (below)
+        try:
+            max_tokens = resolve_max_tokens(self.spec, opts, self.num_special_tokens, params, 0)
+        except ValueError:
+            return None  # every request is refused, each naming itself (below)
+        return self._options(params, priority, text_prefix, max_tokens)
+
+    def _options(self, params: PoolingParams, priority: int, text_prefix: str | None, max_tokens: int) -> RenderOptions:
+        opts = self.opts
+        return RenderOptions(opts.task, max_tokens, params, priority, self.truncate_left, opts.long_inputs,
+                             opts.chunk_overlap, text_prefix, opts.max_tokens_per_query, opts.max_tokens_per_doc)
+
+    def take(self, limit: int, max_chars: int) -> list[Block | FailedRequest]:
+        """Up to `limit` requests, strictly in input order (the call keeps them in a ring by index):
+        blocks of consecutive requests of one input form, and the requests refused here
+        (errors="return"; with errors="raise" the first refusal raises).
+        Stops early once the requests drawn hold `max_chars` characters (at least one is drawn)."""
+        out: list[Block | FailedRequest] = []
+        form, indices, payload, sizes = -1, [], [], []
+        chars = 0
+        drawn = 0
+        shared = self.shared
+        plain = shared is not None and not self.opts.pairs and not self.opts.plugin
+        for prompt in itertools.islice(self.prompts, limit):
+            index = self.index
+            self.index += 1
+            drawn += 1
+            # The usual requests, without a detour: a text, or an integer array.
+            kind = type(prompt)
+            if plain and kind is str and (prompt.isascii() or _valid_unicode(prompt)):
+                this, value, size = TEXT, prompt, len(prompt)
+            elif plain and kind is np.ndarray and prompt.ndim == 1 and prompt.size and prompt.dtype.kind in "iu" \
+                    and prompt.dtype != np.uint64:
+                this, value, size = IDS, prompt, prompt.size
+            else:
+                try:
+                    this, value = self._checked(prompt, index)
+                except (ValueError, TypeError) as e:
+                    if self.opts.errors != "return":
+                        raise
+                    this, value = -1, FailedRequest(index, str(e))
+                size = 1 if this < 0 else _size(this, value)
+            if this != form and indices:
+                out.extend(self._close(form, indices, payload, sizes))
+                indices, payload, sizes = [], [], []
+            form = this
+            if this < 0:
+                out.append(value)
+                continue
+            indices.append(index)
+            payload.append(value)
+            sizes.append(size)
+            chars += size
+            if chars >= max_chars:
+                break
+        if indices:
+            out.extend(self._close(form, indices, payload, sizes))
+        if drawn < limit and (not indices or chars < max_chars):
+            self._finish()
+        return out
+
+    def _checked(self, prompt: object, index: int) -> tuple[int, object]:
+        """A prompt off the fast path: (its form, what its Block holds for it). Raises
+        ValueError/TypeError naming the request."""
+        for count, name in self.counts:
+            if index >= count:
+                raise ValueError(f"{name} has {count} entries but there are more prompts (prompt {index} has none)")
+        if self.shared is None:
+            params, priority, text_prefix = next(self.params_it), next(self.priority_it), next(self.prefix_it)
+        else:
+            params, priority, text_prefix = self.shared.params, self.shared.priority, self.shared.text_prefix
+        if index in self.refused:
+            raise ValueError(self.refused[index])
+        opts = self.opts
+        if opts.pairs:
+            query, document = prompt
+            fields = {"prompt": check_text(query, index, "query"), "pair": check_text(document, index, "document")}
+        elif opts.plugin:
+            fields = {"raw": _check_raw(prompt, index)}
+        else:
+            fields = parse_prompt(prompt, index, self.spec)
+        if text_prefix is not None and opts.long_inputs == "chunk" and "prompt" in fields:
+            raise ValueError(f"request {index}: a prompt with long_inputs='chunk' is not supported "
+                             "(a long document's chunks would not all carry it)")
+        if self.shared is not None and "raw" not in fields and "conversation" not in fields:
+            if "pair" in fields:
+                return PAIR, (fields["prompt"], fields["pair"])
+            return (TEXT, fields["prompt"]) if "prompt" in fields else (IDS, fields["token_ids"])
+        if params is not self._last_params:  # (usually the same params as the request before)
+            self._last_max_tokens = resolve_max_tokens(self.spec, opts, self.num_special_tokens, params, index)
+            self._last_params = params
+        options = self.shared or self._options(params, priority, text_prefix if "prompt" in fields else None,
+                                               self._last_max_tokens)
+        return ITEM, RenderParams(options, **fields)
+
+    def _close(self, form: int, indices: list[int], payload: list, sizes: list[int]) -> list[Block | FailedRequest]:
+        """The block of these requests (and, for token ids, the requests refused by its check)."""
+        if form == TEXT:
+            return [Block(indices, sizes, self.shared, texts=payload)]
+        if form == PAIR:
+            return [Block(indices, sizes, self.shared, texts=[q for q, _ in payload], pairs=[d for _, d in payload])]
+        if form == ITEM:
+            return [Block(indices, sizes, items=payload)]
+        # Token ids: copied once (the caller may change its arrays later) and range-checked in
+        # one reduction: as int64 read as unsigned, a negative id (or a uint64 one past 2**63) is huge.
+        flat = np.concatenate(payload, dtype=np.int64, casting="unsafe")
+        lengths = np.fromiter(sizes, dtype=np.int64, count=len(sizes))
+        vocab = self.spec.vocab_size
+        if flat.size and int(flat.view(np.uint64).max()) >= vocab:
+            # Someone's id is out of range: each prompt checked alone, the refused ones answered
+            # apart -- in input order, as everything a source hands out (the call counts on it).
+            pieces: list[Block | FailedRequest] = []
+            run: list[int] = []  # positions of consecutive prompts that passed
+            for position, (index, ids) in enumerate(zip(indices, payload)):
+                try:
+                    _check_token_ids(ids, index, vocab)
+                    run.append(position)
+                    continue
+                except ValueError as e:
+                    if self.opts.errors != "return":
+                        raise
+                    failed = FailedRequest(index, str(e))
+                if run:
+                    pieces.append(self._ids_block(run, indices, payload, sizes))
+                    run = []
+                pieces.append(failed)
+            if run:
+                pieces.append(self._ids_block(run, indices, payload, sizes))
+            return pieces
+        return [Block(indices, sizes, self.shared, token_ids=flat.astype(np.int32), lengths=lengths)]
+
+    def _ids_block(self, positions: list[int], indices: list[int], payload: list, sizes: list[int]) -> Block:
+        arrays = [payload[i] for i in positions]
+        return Block([indices[i] for i in positions], [sizes[i] for i in positions], self.shared,
+                     token_ids=np.concatenate(arrays, dtype=np.int64, casting="unsafe").astype(np.int32),
+                     lengths=np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays)))
+
+    def _finish(self) -> None:
+        self.exhausted = True
+        for count, name in self.counts:
+            if self.index != count:
+                raise ValueError(f"{name} has {count} entries but there are {self.index} prompts")
+
+    def drain(self, block_items: int) -> PreparedSource:
+        """Every request now (a list is checked whole before any work starts), as a source that
+        hands them out as this one would."""
+        pieces: list[Block | FailedRequest] = []
+        while not self.exhausted:
+            pieces.extend(self.take(block_items, 1 << 62))
+        return PreparedSource(pieces)
+
+
+class PreparedSource:
+    """Requests drawn beforehand (`RequestSource.drain`), handed out by `take` in the same way."""
+
+    def __init__(self, pieces: list[Block | FailedRequest]) -> None:
+        self.pieces = collections.deque(pieces)
+        self.exhausted = not pieces
+
+    def take(self, limit: int, max_chars: int) -> list[Block | FailedRequest]:
+        out: list[Block | FailedRequest] = []
+        chars = 0
+        while self.pieces and limit > 0 and chars < max_chars:
+            piece = self.pieces[0]
+            if type(piece) is FailedRequest:
+                out.append(self.pieces.popleft())
+                limit -= 1
+                continue
+            if len(piece) > limit:  # a part of it now, the rest later
+                out.append(piece.select(list(range(limit))))
+                self.pieces[0] = piece.select(list(range(limit, len(piece))))
+                break
+            out.append(self.pieces.popleft())
+            limit -= len(piece)
+            chars += sum(piece.sizes)
+        self.exhausted = not self.pieces
+        return out
+
+
+def _size(form: int, value) -> int:
+    """Roughly the characters (or token ids) held for a request."""
+    if form == TEXT:
+        return max(len(value), 1)
+    if form == PAIR:
+        return max(len(value[0]) + len(value[1]), 1)
+    if form == IDS:
+        return max(value.size, 1)
+    size = len(value.prompt or "") + len(value.pair or "")
+    if value.token_ids is not None:
+        size += value.token_ids.size
+    if value.conversation is not None:
+        size += sum(len(turn["content"]) for turn in value.conversation)
+    return max(size, 1)
 
 
 def _prompt_prefixes(opts: CallOptions, spec: ModelSpec, count: int | None) -> tuple[Iterator, int | None]:
@@ -261,79 +488,6 @@ def check_priority(value: object, where: str) -> None:
         raise ValueError(f"{where} must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {value}")
 
 
-def _requests(prompts: Iterator, opts: CallOptions, spec: ModelSpec, num_special_tokens: int, truncate_left: bool,
-              id_prefix: str, params: tuple[Iterator, int | None], priorities: tuple[Iterator, int | None],
-              prefixes: tuple[Iterator, int | None], id_blocks: TokenIdBlocks | None = None
-              ) -> Iterator[RenderParams | FailedRequest]:
-    """Yields one RenderParams per prompt (a (query, document) tuple for pairs), validating as
-    it goes and never reading ahead of what the frontend asks for."""
-    params_it, params_count = params
-    priority_it, priority_count = priorities
-    prefix_it, prefix_count = prefixes
-    per_request_counts = ((params_count, "pooling_params"), (priority_count, "priority"), (prefix_count, "prompt"))
-    limits = [(count, name) for count, name in per_request_counts if count is not None]
-    plain_text = not opts.pairs and not opts.plugin
-    index = -1
-    last_params, max_tokens = None, 0  # the params max_tokens was last resolved for
-    for index, prompt in enumerate(prompts):
-        for count, name in limits:
-            if index >= count:
-                raise ValueError(f"{name} has {count} entries but there are more prompts "
-                                 f"(prompt {index} has none)")
-        p, priority, text_prefix = next(params_it), next(priority_it), next(prefix_it)
-        # The usual requests -- a text, or a well-formed token-id array (checked with its block,
-        # or range-checked when sent) -- are built without a detour.
-        ids = None
-        if plain_text and (
-                (type(prompt) is str and (prompt.isascii() or _valid_unicode(prompt))
-                 and (text_prefix is None or opts.long_inputs != "chunk"))
-                or (type(prompt) is np.ndarray
-                    and (ids := id_blocks.ids(index) if id_blocks is not None else _quick_ids(prompt)) is not None)):
-            if p is not last_params:  # (the same params for every request, as usual: resolved once)
-                try:
-                    max_tokens = resolve_max_tokens(spec, opts, num_special_tokens, p, index)
-                except ValueError as e:
-                    if opts.errors != "return":
-                        raise
-                    yield FailedRequest(f"{id_prefix}{index}", index, str(e))
-                    continue
-                last_params = p
-            text = ids is None
-            yield RenderParams(f"{id_prefix}{index}", index, opts.task, max_tokens, p, prompt if text else None,
-                               token_ids=ids, max_query_tokens=opts.max_tokens_per_query,
-                               max_doc_tokens=opts.max_tokens_per_doc, priority=priority, truncate_left=truncate_left,
-                               long_inputs=opts.long_inputs, chunk_overlap=opts.chunk_overlap,
-                               text_prefix=text_prefix if text else None)
-            continue
-        try:
-            fields: dict[str, Any] = {}
-            if opts.pairs:
-                query, document = prompt
-                fields["prompt"] = check_text(query, index, "query")
-                fields["pair"] = check_text(document, index, "document")
-            elif opts.plugin:
-                fields["raw"] = _check_raw(prompt, index)
-            else:
-                fields = parse_prompt(prompt, index, spec)
-            max_tokens = resolve_max_tokens(spec, opts, num_special_tokens, p, index)
-            if text_prefix is not None and opts.long_inputs == "chunk":
-                raise ValueError(f"request {index}: a prompt with long_inputs='chunk' is not supported "
-                                 "(a long document's chunks would not all carry it)")
-        except (ValueError, TypeError) as e:
-            if opts.errors != "return":
-                raise
-            yield FailedRequest(f"{id_prefix}{index}", index, str(e))
-            continue
-        yield RenderParams(request_id=f"{id_prefix}{index}", index=index, task=opts.task, max_tokens=max_tokens,
-                           params=p, max_query_tokens=opts.max_tokens_per_query,
-                           max_doc_tokens=opts.max_tokens_per_doc, priority=priority, truncate_left=truncate_left,
-                           long_inputs=opts.long_inputs, chunk_overlap=opts.chunk_overlap,
-                           text_prefix=text_prefix if "prompt" in fields else None, **fields)
-    for count, name in per_request_counts:
-        if count is not None and index + 1 != count:
-            raise ValueError(f"{name} has {count} entries but there are {index + 1} prompts")
-
-
 def resolve_max_tokens(spec: ModelSpec, opts: CallOptions, num_special_tokens: int, p: PoolingParams,
                        index: int) -> int:
     limit = opts.truncate_prompt_tokens if opts.truncate_prompt_tokens is not None else p.truncate_prompt_tokens
@@ -411,42 +565,6 @@ def _check_raw(raw: object, index: int) -> object:
     except (TypeError, msgspec.EncodeError) as e:
         raise TypeError(f"request {index}: plugin input must be plain data (str, numbers, lists, dicts): {e}") from None
     return raw
-
-
-# Below this many ids, Python's min/max over a list beat numpy's per-call cost.
-QUICK_CHECK_MAX_IDS = 128
-
-
-def _quick_ids(arr: np.ndarray) -> np.ndarray | None:
-    """A copy of a 1-D integer array, its range not checked yet (the frontend checks a whole
-    message's ids at once before sending them: `token_id_errors`); None for anything else (then
-    `_check_token_ids` says what is wrong). int32 when every value of its type fits, int64
-    otherwise (narrowed once checked: a cast now could wrap an id into range); uint64 takes the
-    per-request check (int64 cannot hold all of it)."""
-    if arr.ndim != 1 or not arr.size or arr.dtype.kind not in "iu" or arr.dtype == np.uint64:
-        return None
-    narrow = arr.dtype.itemsize < 4 or arr.dtype == np.int32
-    return arr.astype(np.int32 if narrow else np.int64)
-
-
-def token_id_errors(requests: list[RenderParams], vocab_size: int) -> list[tuple[int, str]]:
-    """(position, error) for each request whose token ids leave the vocabulary: one reduction
-    over all of them in the usual case, the per-request check only when it finds something."""
-    arrays = [r.token_ids for r in requests if r.token_ids is not None]
-    if not arrays:
-        return []
-    flat = np.concatenate(arrays)  # int32 or int64: a negative id read as unsigned is huge
-    if int(flat.view(np.uint32 if flat.dtype == np.int32 else np.uint64).max()) < vocab_size:
-        return []
-    errors = []
-    for position, request in enumerate(requests):
-        ids = request.token_ids
-        if ids is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-            try:
-                _check_token_ids(ids, request.index, vocab_size)
-            except ValueError as e:
-                errors.append((position, str(e)))
-    return errors
 
 
 def _check_token_ids(ids: object, index: int, vocab_size: int) -> np.ndarray:

@@ -167,7 +167,7 @@ class ProcessGroup:
         # Every message carries this key; the children get it in their environment.
         self.key = secrets.token_bytes(KEY_BYTES)
         self.encoder = Encoder(self.key)
-        # Arrays come as views of the received frames; OutputBatch.unpack copies each output's own.
+        # Arrays come as views of the received frames; the calls copy what they keep.
         self.decoder = Decoder(m.FrontendInbound, key=self.key)
         self.dropped = DropLog(log, "a malformed or foreign message from the results socket")
         # ZeroMQ sockets are not thread-safe: every send on the work and control sockets (and the
@@ -371,7 +371,8 @@ class ProcessGroup:
             try:
                 msg = self.decoder.decode(frames)
                 if isinstance(msg, m.OutputBatch):
-                    msg.unpack()  # checked; each output gets its own array
+                    msg.check()
+                    msg.own_arrays()  # (its vectors are copied where the call keeps them)
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
                 self.dropped(e)
                 if not self.results.poll(0):
@@ -392,28 +393,26 @@ class ProcessGroup:
             if msg.error is None:
                 self.ready.add((msg.role, msg.index))
 
-    def send_work(self, worker: int, items: list[m.RenderParams], chat_template: str | None = None,
-                  engine: int = 0) -> None:
-        """A batch to a render worker, whose inputs it sends on to engine core `engine`."""
+    def send_work(self, worker: int, batch: m.RenderBatch) -> None:
+        """A batch to a render worker, whose inputs it sends on to the engine core it names."""
         # NOBLOCK: a worker that died (no peer on its socket) raises zmq.Again instead of blocking.
         with self.send_lock:
             if self.closed:
                 raise zmq.Again()
-            frames = m.RenderBatch.encode_packed(self.encoder, items, chat_template, engine)
-            self.work[worker].send_multipart(frames, zmq.NOBLOCK, copy=False)
+            self.work[worker].send_multipart(self.encoder.encode(batch), zmq.NOBLOCK, copy=False)
 
-    def abort(self, request_ids: list[str], engine: int | None = None) -> None:
-        """Drops these requests in engine core `engine` (None: in every engine core)."""
+    def abort(self, call: str, indices: list[int] | None = None, engine: int | None = None) -> None:
+        """Drops these requests of a call (all of them when `indices` is None) in engine core
+        `engine` (None: in every engine core)."""
         with self.send_lock:
-            if not request_ids or self.closed:
+            if self.closed or indices is not None and not indices:
                 return
-            frames = self.encoder.encode(m.Abort(request_ids))
+            frames = self.encoder.encode(m.Abort(call, indices))
             for k in range(self.num_engines) if engine is None else (engine,):
                 try:  # never block on an engine that is gone: its requests went with it
                     self.controls[k].send_multipart(frames, zmq.NOBLOCK)
                 except zmq.Again:
-                    log.warning("could not send an abort for %d requests: %s is not reachable",
-                                len(request_ids), self.engines[k].name)
+                    log.warning("could not send an abort for call %s: %s is not reachable", call, self.engines[k].name)
 
     # ---- health ------------------------------------------------------------------------
 

@@ -103,7 +103,7 @@ def test_simulated_devices_give_exactly_the_vectors_of_one(texts):
         group = two._group
         with group.send_lock:
             group.work[0].send_multipart(group.encoder.encode(m.RenderBatch(
-                [m.RenderParams("stray-0", 0, "embed", 16, m.PoolingParams(), prompt="lost")], None, 7)))
+                "stray-", np.array([0]), m.RenderOptions("embed", 16, m.PoolingParams()), texts=["lost"], engine=7)))
         outs = two.embed(texts[:20], use_tqdm=False)  # (sent after it on the same socket: handled after it)
         np.testing.assert_array_equal(_vectors(outs), reference[:20])
         assert "RenderBatch.engine=7 is outside [0, 2)" in group.workers[0].log_tail()

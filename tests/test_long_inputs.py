@@ -121,11 +121,10 @@ def test_a_failed_step_listing_two_chunks_of_one_document(tmp_path, model_path, 
         def fail_two_chunks_of_the_document() -> None:
             time.sleep(1.0)
             call = next(iter(pipe._dispatcher.calls.values()))
-            rid, (request, *_) = next(iter(call.inflight.items()))
+            assert call._owns(0)  # the document, still in flight
             sock = zmq.Context.instance().socket(zmq.PUSH)
             sock.connect(group.endpoints["results"])
-            sock.send_multipart(group.encoder.encode(
-                m.StepFailed([rid, rid], [request.index, request.index], "RuntimeError: boom")))
+            sock.send_multipart(group.encoder.encode(m.StepFailed([call.prefix, call.prefix], [0, 0], "RuntimeError: boom")))
             sock.close(linger=1000)
 
         injector = threading.Thread(target=fail_two_chunks_of_the_document)

@@ -23,7 +23,8 @@ from tiny_models import build_tiny_model, faulty_model_dir
 import pooling_pipeline.process_group as process_group
 from pooling_pipeline import EngineDeadError, Pipeline, PipelineError, StepError
 from pooling_pipeline.core import messages as m
-from pooling_pipeline.core.engine import LAUNCH_AHEAD_ENV
+from pooling_pipeline.core.columns import Requests
+from pooling_pipeline.core.engine import LAUNCH_AHEAD_ENV, pack_outputs
 from pooling_pipeline.core.serial import Encoder
 
 TOL = 1e-5
@@ -113,19 +114,23 @@ def test_hostile_frames_on_every_socket_are_dropped(pipe, st_model):
     group = pipe._group
     rng = random.Random(11)
     enc = Encoder()
+    options = m.RenderOptions("embed", 8, m.PoolingParams())
+    ghost = [m.PoolingEngineInput(4, "embed", np.array([1, 2], np.int32), m.PoolingParams())]
     valid_wrong_type = [enc.encode(msg) for msg in (
-        m.Shutdown(), m.Abort(["nope"]), m.Ready("engine", 0, 1),
-        m.RenderBatch([m.RenderParams("x", 0, "embed", 8, m.PoolingParams(), prompt="stray")]),
-        m.OutputBatch(["ghost"], np.array([3]), np.array([2]), 0.1, 2, 1, None, [np.ones(384, np.float32)]),
-        m.OutputBatch.pack([m.PoolingEngineInput("ghost", 4, "embed", np.array([1, 2], np.int32), m.PoolingParams())],
-                           np.ones((1, 384), np.float32), 0.1, 2, 1),
-        m.OutputBatch(["ghost"], np.array([5]), np.array([2]), 0.1, 2, 1, np.ones((3, 384), np.float32)),
-        m.EngineInputBatch.pack(0, [m.PoolingEngineInput("ghost", 0, "embed", np.array([101, 102], np.int32),
-                                                    m.PoolingParams())]),
-        m.EngineInputBatch.pack(0, [m.PoolingEngineInput("bad", 0, "embed", np.array([10**6], np.int32),
-                                                    m.PoolingParams())]),
+        m.Shutdown(), m.Abort("nope"), m.Abort("nope", [1, 2]), m.Ready("engine", 0, 1),
+        m.RenderBatch("x-", np.array([0]), options, texts=["stray"]),
+        m.OutputBatch(["ghost-"], np.array([3]), np.array([2]), 0.1, 2, 1, None, None, [np.ones(384, np.float32)]),
+        pack_outputs(Requests.from_message(m.EngineInputBatch.pack(0, "ghost-", ghost)), np.ones((1, 384), np.float32),
+                     0.1, 2, 1),
+        m.OutputBatch(["ghost-"], np.array([5]), np.array([2]), 0.1, 2, 1, None, np.ones((3, 384), np.float32)),
+        m.EngineInputBatch.pack(0, "ghost-", [m.PoolingEngineInput(0, "embed", np.array([101, 102], np.int32),
+                                                                   m.PoolingParams())]),
+        m.EngineInputBatch.pack(0, "bad-", [m.PoolingEngineInput(0, "embed", np.array([10**6], np.int32),
+                                                                 m.PoolingParams())]),
+        m.EngineInputBatch.pack(0, "twice-", [m.PoolingEngineInput(0, "embed", np.array([101], np.int32),
+                                                                   m.PoolingParams())] * 2),
     )]
-    valid = enc.encode(m.RenderBatch([m.RenderParams("y", 1, "embed", 16, m.PoolingParams(), prompt="hi")]))[0]
+    valid = enc.encode(m.RenderBatch("y-", np.array([1]), options, texts=["hi"]))[0]
 
     def garbage():
         kind = rng.randrange(3)
@@ -218,10 +223,12 @@ def test_forged_frames_with_the_calls_own_ids_cannot_replace_results(pipe, st_mo
         prefix = first.request_id[: -len(str(first.index))]  # learned from a result: the forger knows the ids
         fake = np.full(384, 1 / np.sqrt(384), np.float32)
         for start in range(1, len(texts), 50):
-            inputs = [m.PoolingEngineInput(f"{prefix}{i}", i, "embed", np.array([101, 7592, 102], np.int32),
-                                           m.PoolingParams()) for i in range(start, min(start + 50, len(texts)))]
-            to_results.send_multipart(enc.encode(m.OutputBatch.pack(inputs, np.tile(fake, (len(inputs), 1)), 0.0, 3, 1)))
-            to_engine.send_multipart(enc.encode(m.EngineInputBatch.pack(0, inputs)))
+            inputs = [m.PoolingEngineInput(i, "embed", np.array([101, 7592, 102], np.int32), m.PoolingParams())
+                      for i in range(start, min(start + 50, len(texts)))]
+            msg = m.EngineInputBatch.pack(0, prefix, inputs)
+            outputs = pack_outputs(Requests.from_message(msg), np.tile(fake, (len(inputs), 1)), 0.0, 3, 1)
+            to_results.send_multipart(enc.encode(outputs))
+            to_engine.send_multipart(enc.encode(msg))
         outs = [first, *stream]
     finally:
         to_results.close(0)

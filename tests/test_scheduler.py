@@ -4,68 +4,94 @@ import random
 
 import numpy as np
 
-from pooling_pipeline.core.messages import PoolingEngineInput, PoolingParams
+from pooling_pipeline.core.columns import Requests
+from pooling_pipeline.core.messages import EngineInputBatch, PoolingEngineInput, PoolingParams
 from pooling_pipeline.core.scheduler import Scheduler
 
 
-def _req(i: int, length: int) -> PoolingEngineInput:
-    return PoolingEngineInput(str(i), i, "embed", np.zeros(length, dtype=np.int32), PoolingParams())
+def _req(i: int, length: int, priority: int = 0) -> PoolingEngineInput:
+    return PoolingEngineInput(i, "embed", np.zeros(length, dtype=np.int32), PoolingParams(), priority=priority)
+
+
+def _columns(requests: list[PoolingEngineInput]) -> Requests:
+    """As the engine admits them: one message's columns."""
+    msg = EngineInputBatch.pack(0, "call", requests)
+    msg.check()
+    return Requests.from_message(msg)
+
+
+class Sched(Scheduler):
+    """The scheduler, fed request by request (or a list at a time), its batches as indices."""
+
+    def add(self, request) -> int:
+        return super().add(_columns(request if isinstance(request, list) else [request]))
+
+    def next_indices(self) -> list[int]:
+        batch = self.next_batch()
+        return [] if batch is None else batch.indices.tolist()
+
+    def oldest(self) -> int:
+        return int(self.table.cols[next(iter(self.waiting.values())), 0])
 
 
 def test_batches_hold_the_oldest_and_respect_limits():
     rng = random.Random(0)
-    sched = Scheduler(max_num_seqs=16, max_num_batched_tokens=512, max_padding_fraction=0.1)
+    sched = Sched(max_num_seqs=16, max_num_batched_tokens=512, max_padding_fraction=0.1)
     arrivals = [_req(i, rng.choice([3, 5, 8, 20, 40, 120, 256])) for i in range(400)]
     for r in arrivals[:128]:
         sched.add(r)
     done, nxt = [], 128
     while len(sched):
-        oldest = next(iter(sched.waiting.values())).request_id
+        oldest = sched.oldest()
         batch = sched.next_batch()
-        assert oldest in {r.request_id for r in batch}
+        assert oldest in batch.indices.tolist()
         assert 1 <= len(batch) <= 16
-        assert max(len(r.token_ids) for r in batch) * len(batch) <= 512
-        done += batch
+        assert int(batch.lengths.max()) * len(batch) <= 512
+        for i in range(len(batch)):  # each request's own ids come out of the token arena
+            assert len(batch.ids(i)) == len(arrivals[int(batch.indices[i])].token_ids)
+        done += batch.indices.tolist()
         while nxt < len(arrivals) and len(sched) < 128:
             sched.add(arrivals[nxt])
             nxt += 1
-    assert sorted(r.index for r in done) == list(range(400))
+    assert sorted(done) == list(range(400))
 
 
 def test_similar_lengths_are_grouped():
-    sched = Scheduler(max_num_seqs=64, max_num_batched_tokens=4096, max_padding_fraction=0.05)
+    sched = Sched(max_num_seqs=64, max_num_batched_tokens=4096, max_padding_fraction=0.05)
     for i in range(256):
         sched.add(_req(i, 10 if i % 2 else 200))
     padded = real = 0
     while len(sched):
         batch = sched.next_batch()
-        longest = max(len(r.token_ids) for r in batch)
-        padded += longest * len(batch)
-        real += sum(len(r.token_ids) for r in batch)
+        padded += int(batch.lengths.max()) * len(batch)
+        real += int(batch.lengths.sum())
     assert 1 - real / padded < 0.05
 
 
 def test_abort_removes_waiting_and_counts_them():
-    sched = Scheduler(8, 1024, 0.1)
+    sched = Sched(8, 1024, 0.1)
     for i in range(4):
-        assert sched.add(_req(i, 5)) is False
-    assert sched.add(_req(2, 5)) is True  # a re-sent request replaces its waiting copy
-    assert sched.abort(["1", "3", "99"]) == 2
-    assert sorted(r.request_id for r in sched.waiting.values()) == ["0", "2"]
+        assert sched.add(_req(i, 5)) == 0
+    assert sched.add(_req(2, 5)) == 1  # a re-sent request replaces its waiting copy
+    assert len(sched) == 4
+    assert sched.abort("call", [1, 3, 99]) == 2
+    assert sched.abort("another call") == 0
+    assert sorted(sched.next_indices()) == [0, 2]
+    sched.add([_req(i, 5) for i in range(5, 9)])
+    assert sched.abort("call") == 4 and len(sched) == 0  # the whole call
+    assert sched.next_batch() is None
 
 
 def test_lower_priority_value_runs_first():
-    sched = Scheduler(max_num_seqs=1, max_num_batched_tokens=1024, max_padding_fraction=0.0)
-    for i in range(6):
-        r = _req(i, 10 + i * 50)  # lengths far apart: one request per batch
-        r.priority = 5 if i < 3 else -1
-        sched.add(r)
-    order = [r.index for _ in range(6) for r in sched.next_batch()]
+    sched = Sched(max_num_seqs=1, max_num_batched_tokens=1024, max_padding_fraction=0.0)
+    for i in range(6):  # lengths far apart: one request per batch
+        sched.add(_req(i, 10 + i * 50, priority=5 if i < 3 else -1))
+    order = [i for _ in range(6) for i in sched.next_indices()]
     assert order[:3] == [3, 4, 5] and sorted(order[3:]) == [0, 1, 2]
 
 
 def _reference_batch(waiting: list[PoolingEngineInput], max_num_seqs: int, max_tokens: int, max_padding: float,
-                     overhead_tokens: float) -> list[str]:
+                     overhead_tokens: float) -> list[int]:
     """The batching rule written plainly (a full sort per step), to check the incremental index."""
     oldest = min(waiting, key=lambda r: r.priority)
     by_length = sorted(waiting, key=lambda r: len(r.token_ids))
@@ -88,32 +114,31 @@ def _reference_batch(waiting: list[PoolingEngineInput], max_num_seqs: int, max_t
             break
         lo, hi = (lo - 1, hi) if side == "left" else (lo, hi + 1)
         longest, real = new_longest, new_real
-    return [r.request_id for r in by_length[lo:hi]]
+    return [r.index for r in by_length[lo:hi]]
 
 
 def test_incremental_index_matches_the_plain_rule():
     rng = random.Random(3)
     for overhead in (0.0, 40.0, 5000.0):
-        sched = Scheduler(32, 1024, 0.05, overhead_tokens=overhead)
+        sched = Sched(32, 1024, 0.05, overhead_tokens=overhead, capacity=64)  # (the table grows as needed)
         waiting: list[PoolingEngineInput] = []
         for i in range(3000):
-            request = _req(i, rng.choice([4, 5, 6, 9, 17, 30, 31, 64, 200]))
-            request.priority = rng.choice([0, 0, 0, 0, 1, -1])
+            request = _req(i, rng.choice([4, 5, 6, 9, 17, 30, 31, 64, 200]), priority=rng.choice([0, 0, 0, 0, 1, -1]))
             sched.add(request)
             waiting.append(request)
             if rng.random() < 0.01:  # an abort now and then
                 gone = waiting.pop(rng.randrange(len(waiting)))
-                assert sched.abort([gone.request_id, "never-seen"]) == 1
+                assert sched.abort("call", [gone.index, 10**9]) == 1
             if rng.random() < 0.3 and waiting:
                 expected = _reference_batch(waiting, 32, 1024, 0.05, overhead)
-                assert [r.request_id for r in sched.next_batch()] == expected
-                waiting = [r for r in waiting if r.request_id not in set(expected)]
+                assert sched.next_indices() == expected
+                waiting = [r for r in waiting if r.index not in set(expected)]
                 assert len(sched) == len(waiting)
 
 
 def test_step_overhead_fills_batches_past_the_padding_cap():
     lengths = [10, 20, 30, 40, 50, 60, 70, 80]
-    tight, full = Scheduler(64, 4096, 0.05), Scheduler(64, 4096, 0.05, overhead_tokens=10_000)
+    tight, full = Sched(64, 4096, 0.05), Sched(64, 4096, 0.05, overhead_tokens=10_000)
     for i, length in enumerate(lengths):
         tight.add(_req(i, length))
         full.add(_req(i, length))
@@ -121,19 +146,42 @@ def test_step_overhead_fills_batches_past_the_padding_cap():
     assert len(full.next_batch()) == len(lengths)  # a step that is mostly overhead takes them all
 
 
-def test_add_many_forms_the_same_batches_as_adding_one_by_one():
+def test_adding_a_message_forms_the_same_batches_as_adding_one_by_one():
     rng = random.Random(7)
-    one, many = Scheduler(32, 1024, 0.05, overhead_tokens=40), Scheduler(32, 1024, 0.05, overhead_tokens=40)
+    one, many = Sched(32, 1024, 0.05, overhead_tokens=40), Sched(32, 1024, 0.05, overhead_tokens=40)
     next_id = 0
     for _ in range(200):
-        chunk = []
+        chunk, seen = [], set()
         for _ in range(rng.randrange(1, 40)):
-            # now and then a re-sent request (an id still waiting, or already taken)
+            # now and then a re-sent request (an id still waiting, or already taken; once a message)
             rid = rng.randrange(max(next_id, 1)) if rng.random() < 0.05 else next_id
+            if rid in seen:
+                continue
+            seen.add(rid)
             next_id += rid == next_id
             chunk.append(_req(rid, rng.choice([3, 5, 8, 9, 20, 31, 64, 100])))
         replaced = sum(one.add(r) for r in chunk)
-        assert many.add_many(chunk) == replaced
+        assert many.add(chunk) == replaced
         for _ in range(rng.randrange(3)):
-            assert [r.request_id for r in one.next_batch()] == [r.request_id for r in many.next_batch()]
+            assert one.next_indices() == many.next_indices()
     assert len(one) == len(many)
+
+
+def test_the_token_arena_moves_and_grows_and_keeps_every_requests_ids():
+    rng = random.Random(5)
+    sched = Sched(8, 1 << 20, 1.0, capacity=16)
+    sched.table.arena = np.zeros(64, np.int32)  # tiny: it is compacted and grown over and over
+    expected = {}
+    for i in range(600):
+        ids = np.asarray([rng.randrange(30000) for _ in range(rng.randrange(1, 40))], np.int32)
+        expected[i] = ids
+        sched.add(PoolingEngineInput(i, "embed", ids, PoolingParams()))
+        if rng.random() < 0.4:
+            batch = sched.next_batch()
+            for row, index in enumerate(batch.indices.tolist()):
+                np.testing.assert_array_equal(batch.ids(row), expected.pop(index))
+    while len(sched):
+        batch = sched.next_batch()
+        for row, index in enumerate(batch.indices.tolist()):
+            np.testing.assert_array_equal(batch.ids(row), expected.pop(index))
+    assert not expected

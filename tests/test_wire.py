@@ -8,86 +8,125 @@ import numpy as np
 import pytest
 
 from pooling_pipeline.core import messages as m
+from pooling_pipeline.core.columns import Requests
+from pooling_pipeline.core.engine import pack_outputs
 from pooling_pipeline.core.serial import INLINE_MAX_BYTES, Decoder, Encoder, ForeignMessage
+
+
+def _inputs(lengths: list[int], chunked: bool = False, **fields) -> list[m.PoolingEngineInput]:
+    return [m.PoolingEngineInput(i, "embed", np.arange(n, dtype=np.int32), m.PoolingParams(),
+                                 chunk=i if chunked else -1, num_chunks=len(lengths) if chunked else 0, **fields)
+            for i, n in enumerate(lengths)]
+
+
+def _batch(inputs: list[m.PoolingEngineInput], call: str = "c-") -> Requests:
+    """A step's batch, as the engine has it: columns (here, of one message)."""
+    msg = m.EngineInputBatch.pack(0, call, inputs)
+    msg.check()
+    return Requests.from_message(msg)
 
 
 def test_round_trip_small_and_large_arrays():
     enc, dec = Encoder(), Decoder(m.EngineInbound)
     small = np.arange(7, dtype=np.int32)
-    large = np.arange(INLINE_MAX_BYTES, dtype=np.int32)  # 16 KB: travels as its own frame
-    frames = enc.encode(m.EngineInputBatch.pack(0, [
-        m.PoolingEngineInput("a", 0, "embed", small, m.PoolingParams()),
-        m.PoolingEngineInput("b", 1, "embed", large, m.PoolingParams(dimensions=8, normalize=False)),
+    large = np.arange(INLINE_MAX_BYTES, dtype=np.int32)  # travels as its own frame
+    frames = enc.encode(m.EngineInputBatch.pack(0, "call-", [
+        m.PoolingEngineInput(0, "embed", small, m.PoolingParams()),
+        m.PoolingEngineInput(5, "embed", large, m.PoolingParams(dimensions=8, normalize=False), token_type_start=3),
     ]))
     assert len(frames) == 2  # the packed ids are big enough for their own frame
-    items = dec.decode(frames).unpack()
-    assert [i.request_id for i in items] == ["a", "b"]
+    msg = dec.decode(frames)
+    assert msg.call == "call-" and msg.indices.tolist() == [0, 5] and msg.lengths.tolist() == [7, INLINE_MAX_BYTES]
+    assert msg.param_of.tolist() == [0, 1] and msg.priority is None and msg.chunks is None  # defaults do not travel
+    items = msg.inputs()
     np.testing.assert_array_equal(items[0].token_ids, small)
     np.testing.assert_array_equal(items[1].token_ids, large)
-    assert items[1].params == m.PoolingParams(dimensions=8, normalize=False)
+    assert items[1].params == m.PoolingParams(dimensions=8, normalize=False) and items[1].token_type_start == 3
+    assert items[0].token_type_start is None
+    requests = Requests.from_message(msg)  # as the engine reads it: columns
+    assert requests.dimensions.tolist() == [-1, 8] and requests.normalize.tolist() == [-1, 0]
+    assert requests.token_type_start.tolist() == [-1, 3] and requests.keys() == [("call-", 0), ("call-", 5)]
+    np.testing.assert_array_equal(requests.ids(1), large)
 
 
-def test_packed_parts_that_do_not_fit_are_rejected():
-    dec = Decoder(m.EngineInbound)
-    item = m.PoolingEngineInput("a", 0, "embed", None, m.PoolingParams())
-    for ids, lengths in [(np.arange(5, dtype=np.int32), np.array([4])),  # lengths do not add up
-                         (np.arange(5, dtype=np.int32), np.array([5, 0])),  # one length too many
-                         (np.arange(5, dtype=np.int32), np.array([-1])),
-                         (np.arange(6, dtype=np.int32).reshape(2, 3), np.array([6]))]:
-        msg = dec.decode(Encoder().encode(m.EngineInputBatch(0, [item], ids, lengths)))
-        with pytest.raises(ValueError):
-            msg.unpack()
-    inline = m.PoolingEngineInput("a", 0, "embed", np.arange(2, dtype=np.int32), m.PoolingParams())
-    msg = dec.decode(Encoder().encode(m.EngineInputBatch(0, [inline], np.zeros(0, np.int32), np.array([0]))))
-    with pytest.raises(ValueError, match="packed"):
-        msg.unpack()
+@pytest.mark.parametrize("change", ["sum", "extra length", "negative", "2-D ids", "param_of", "entries", "column",
+                                    "chunks"])
+def test_engine_input_columns_that_do_not_fit_are_rejected(change):
+    ids, lengths, indices = np.arange(5, dtype=np.int32), np.array([2, 3]), np.array([0, 1])
+    tasks, params, param_of, priority, chunks = ["embed"], [m.PoolingParams()], None, None, None
+    if change == "sum":
+        lengths = np.array([2, 2])
+    elif change == "extra length":
+        lengths = np.array([2, 3, 0])
+    elif change == "negative":
+        lengths = np.array([-1, 6])
+    elif change == "2-D ids":
+        ids = np.arange(6, dtype=np.int32).reshape(2, 3)
+    elif change == "param_of":
+        param_of = np.array([0, 1])
+    elif change == "entries":
+        tasks = ["embed", "classify"]
+    elif change == "column":
+        priority = np.array([1, 2, 3])
+    else:
+        chunks = np.zeros((2, 3), np.int64)
+    msg = m.EngineInputBatch(0, "c-", indices, lengths, ids, tasks, params, param_of, priority=priority, chunks=chunks)
+    msg = Decoder(m.EngineInbound).decode(Encoder().encode(msg))
+    with pytest.raises(ValueError):
+        msg.check()
 
 
-def _inputs(lengths: list[int], chunked: bool = False) -> list[m.PoolingEngineInput]:
-    return [m.PoolingEngineInput(f"p-{i}", i, "embed", np.arange(n, dtype=np.int32), m.PoolingParams(),
-                                 chunk=i if chunked else -1, num_chunks=len(lengths) if chunked else 0)
-            for i, n in enumerate(lengths)]
-
-
-def test_output_vectors_travel_as_one_array_and_come_back_as_rows():
-    enc, dec = Encoder(), Decoder(m.FrontendInbound, writable_arrays=True)
+def test_output_vectors_travel_as_one_array():
+    enc, dec = Encoder(), Decoder(m.FrontendInbound)
     vectors = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
-    batch = _inputs([4, 5, 6])
+    batch = _batch(_inputs([4, 5, 6]))
     for results in (vectors, list(vectors)):  # a runner's matrix, or one vector each
-        msg = dec.decode(enc.encode(m.OutputBatch.pack(batch, results, 0.1, 12, 3)))
+        msg = dec.decode(enc.encode(pack_outputs(batch, results, 0.1, 12, 3)))
+        msg.check()
         assert msg.data is not None and msg.data.shape == (3, 8) and msg.arrays is None and msg.chunks is None
-        assert msg.request_ids == ["p-0", "p-1", "p-2"] and msg.indices.tolist() == [0, 1, 2]
+        assert msg.calls == ["c-"] and msg.call_of is None and msg.indices.tolist() == [0, 1, 2]
         assert msg.num_prompt_tokens.tolist() == [4, 5, 6]
-        msg.unpack()
-        assert msg.data is None
-        np.testing.assert_array_equal(np.stack(msg.arrays), vectors)
+        np.testing.assert_array_equal(msg.data, vectors)
     # Token vectors differ in length per request: they stay per output.
     ragged = [np.ones((2, 4), np.float32), np.ones((3, 4), np.float32)]
-    msg = dec.decode(enc.encode(m.OutputBatch.pack(_inputs([2, 3]), ragged, 0.1, 6, 2)))
-    assert msg.data is None
-    msg.unpack()
-    assert [a.shape for a in msg.arrays] == [(2, 4), (3, 4)]
+    msg = dec.decode(enc.encode(pack_outputs(_batch(_inputs([2, 3])), ragged, 0.1, 6, 2)))
+    assert msg.data is None and [a.shape for a in msg.arrays] == [(2, 4), (3, 4)]
     # Chunks carry (chunk, number of chunks).
-    msg = dec.decode(enc.encode(m.OutputBatch.pack(_inputs([2, 3], chunked=True), vectors[:2], 0.1, 6, 2)))
+    msg = dec.decode(enc.encode(pack_outputs(_batch(_inputs([2, 3], chunked=True)), vectors[:2], 0.1, 6, 2)))
     assert msg.chunks.tolist() == [[0, 2], [1, 2]]
-    # Decoded as views of the received frames (the frontend's decoder): every output gets its own
-    # writable copy, so a result kept does not pin a frame or a batch.
+    # Decoded as views of the received frames (the frontend's decoder): every per-output array
+    # gets its own writable copy, so a result kept does not pin a frame.
     cases = [(_inputs([300, 2]), [(np.arange(300, dtype=np.int32), np.ones(300, np.float32)),
                                   (np.arange(2, dtype=np.int32), np.ones(2, np.float32))], True),
-             (_inputs([300, 2]), [np.ones((300, 4), np.float32), np.ones((2, 4), np.float32)], False),
-             (_inputs([4, 4, 4]), vectors, False)]
-    for batch, results, sparse in cases:
-        msg = Decoder(m.FrontendInbound).decode(enc.encode(m.OutputBatch.pack(batch, results, 0.1, 6, 2, sparse=sparse)))
-        msg.unpack()
+             (_inputs([300, 2]), [np.ones((300, 4), np.float32), np.ones((2, 4), np.float32)], False)]
+    for inputs, results, sparse in cases:
+        msg = dec.decode(enc.encode(pack_outputs(_batch(inputs), results, 0.1, 6, 2, sparse=sparse)))
+        msg.check()
+        msg.own_arrays()
         for array in msg.arrays + (msg.sparse_ids or []):
             assert array.flags.owndata and array.flags.writeable
         if sparse:
             assert [a.tolist() for a in msg.sparse_ids] == [list(range(300)), [0, 1]]
 
 
-@pytest.mark.parametrize("change", ["indices", "tokens", "rows", "both", "neither", "arrays", "sparse", "chunks"])
+def test_a_step_of_several_calls_names_each_outputs_call_and_splits_by_call():
+    a, b = _batch(_inputs([3, 4]), "a-"), _batch(_inputs([5]), "b-")
+    step = Requests(np.concatenate([a.calls, b.calls]), np.concatenate([a.cols, b.cols]),
+                    np.concatenate([a.token_ids, b.token_ids]))
+    vectors = np.arange(12, dtype=np.float32).reshape(3, 4)
+    msg = Decoder(m.FrontendInbound).decode(Encoder().encode(pack_outputs(step, vectors, 0.3, 15, 3)))
+    msg.check()
+    assert msg.calls == ["a-", "b-"] and msg.call_of.tolist() == [0, 0, 1]
+    first, second = msg.part(0), msg.part(1)
+    assert first.calls == ["a-"] and first.indices.tolist() == [0, 1] and first.call_of is None
+    np.testing.assert_array_equal(second.data, vectors[2:])
+    assert second.num_prompt_tokens.tolist() == [5] and abs(first.busy_s - 0.2) < 1e-9
+
+
+@pytest.mark.parametrize("change", ["indices", "tokens", "rows", "both", "neither", "arrays", "sparse", "chunks",
+                                    "call_of", "calls"])
 def test_output_columns_that_do_not_fit_are_rejected(change):
-    ids, idx, tok = ["a", "b"], np.array([0, 1]), np.array([3, 4])
+    calls, idx, tok, call_of = ["a-"], np.array([0, 1]), np.array([3, 4]), None
     data, arrays, sparse_ids, chunks = np.ones((2, 4), np.float32), None, None, None
     if change == "indices":
         idx = np.array([0, 1, 2])
@@ -103,12 +142,16 @@ def test_output_columns_that_do_not_fit_are_rejected(change):
         data, arrays = None, [np.ones(4, np.float32)]
     elif change == "sparse":
         data, arrays, sparse_ids = None, [np.ones(4, np.float32)] * 2, [np.arange(3, dtype=np.int32)] * 2
+    elif change == "call_of":
+        call_of = np.array([0, 1])  # names a second call that is not there
+    elif change == "calls":
+        calls = []
     else:
         chunks = np.zeros((2, 3), np.int64)
     msg = Decoder(m.FrontendInbound).decode(Encoder().encode(
-        m.OutputBatch(ids, idx, tok, 0.1, 8, 2, data, arrays, sparse_ids, chunks)))
+        m.OutputBatch(calls, idx, tok, 0.1, 8, 2, call_of, data, arrays, sparse_ids, chunks)))
     with pytest.raises(ValueError):
-        msg.unpack()
+        msg.check()
 
 
 def test_wrong_type_for_the_socket_is_rejected():
@@ -126,17 +169,60 @@ def test_wrong_type_for_the_socket_is_rejected():
     "not an array",
 ])
 def test_malformed_arrays_are_rejected(bad):
-    header = msgspec.msgpack.encode(["EngineInputBatch", 0, [["a", 0, "embed", None, {}]], bad,
-                                     ["<i8", [1], b"\x03" + b"\x00" * 7]])
+    index = ["<i8", [1], b"\x00" * 8]
+    header = msgspec.msgpack.encode(["EngineInputBatch", 0, "c-", index, ["<i8", [1], b"\x03" + b"\x00" * 7], bad,
+                                     ["embed"], [{}]])
     with pytest.raises(msgspec.ValidationError):
         Decoder(m.EngineInbound).decode([header])
+
+
+def test_render_batches_carry_one_input_form_and_shared_options():
+    enc, dec = Encoder(), Decoder(m.WorkerInbound)
+    options = m.RenderOptions("embed", 16, m.PoolingParams(), text_prefix="query: ")
+    indices = np.array([3, 4, 9])
+    texts = dec.decode(enc.encode(m.RenderBatch("c-", indices, options, texts=["a", "b", "c"], engine=1)))
+    assert texts.check() == 3 and texts.options == options and texts.engine == 1 and texts.indices.tolist() == [3, 4, 9]
+    ids = np.arange(5000, dtype=np.int32)
+    packed = dec.decode(enc.encode(m.RenderBatch("c-", indices, options, token_ids=ids, lengths=np.array([1, 4, 4995]))))
+    assert packed.check() == 3
+    assert [a.tolist()[:2] for a in m.split_packed(packed.token_ids, packed.lengths.tolist())] == [[0], [1, 2], [5, 6]]
+    items = [m.RenderParams(options, conversation=[{"role": "user", "content": "hi"}]),
+             m.RenderParams(m.RenderOptions("embed", 8, m.PoolingParams(normalize=False)), prompt="x")]
+    general = dec.decode(enc.encode(m.RenderBatch("c-", indices[:2], items=items, chat_template="tmpl")))
+    assert general.check() == 2 and general.items[1].options.max_tokens == 8 and general.chat_template == "tmpl"
+
+
+@pytest.mark.parametrize("change", ["two forms", "no form", "lengths", "texts", "no options", "items with options",
+                                    "pairs", "2-D indices"])
+def test_render_batches_that_do_not_fit_are_rejected(change):
+    options = m.RenderOptions("embed", 16, m.PoolingParams())
+    fields = {"options": options, "texts": ["a", "b"]}
+    indices = np.array([0, 1])
+    if change == "two forms":
+        fields.update(token_ids=np.arange(3, dtype=np.int32), lengths=np.array([1, 2]))
+    elif change == "no form":
+        del fields["texts"]
+    elif change == "lengths":
+        fields = {"options": options, "token_ids": np.arange(3, dtype=np.int32), "lengths": np.array([1, 3])}
+    elif change == "texts":
+        fields["texts"] = ["a"]
+    elif change == "no options":
+        del fields["options"]
+    elif change == "items with options":
+        fields = {"options": options, "items": [m.RenderParams(options, prompt="a")] * 2}
+    elif change == "pairs":
+        fields["pairs"] = ["only one"]
+    else:
+        indices = np.array([[0, 1]])
+    msg = Decoder(m.WorkerInbound).decode(Encoder().encode(m.RenderBatch("c-", indices, **fields)))
+    with pytest.raises(ValueError):
+        msg.check()
 
 
 def test_fuzzed_frames_never_crash_the_decoder():
     rng = random.Random(1)
     enc = Encoder()
-    valid = enc.encode(m.EngineInputBatch.pack(3, [m.PoolingEngineInput("x", 1, "embed", np.arange(5, dtype=np.int32),
-                                                                         m.PoolingParams())]))[0]
+    valid = enc.encode(m.EngineInputBatch.pack(3, "c-", _inputs([5, 2])))[0]
     decoders = [Decoder(t) for t in (m.EngineInbound, m.EngineControl, m.WorkerInbound, m.FrontendInbound)]
     rejected = 0
     for i in range(3000):
@@ -150,8 +236,10 @@ def test_fuzzed_frames_never_crash_the_decoder():
             frame = bytes(data)
         for dec in decoders:
             try:
-                dec.decode([frame])
-            except (msgspec.DecodeError, msgspec.ValidationError):
+                msg = dec.decode([frame])
+                if hasattr(msg, "check"):
+                    msg.check()
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
                 rejected += 1
     assert rejected > 3000  # most of them are garbage for most sockets, and none raised anything else
 
@@ -162,53 +250,13 @@ def test_messages_without_the_group_key_are_dropped_unread():
     key = os.urandom(16)
     enc, dec = Encoder(key), Decoder(m.EngineInbound, key=key)
     ids = np.arange(INLINE_MAX_BYTES, dtype=np.int32)  # large: its own frame, after the key and the header
-    msg = m.EngineInputBatch.pack(0, [m.PoolingEngineInput("a", 0, "embed", ids, m.PoolingParams())])
+    msg = m.EngineInputBatch.pack(0, "c-", [m.PoolingEngineInput(0, "embed", ids, m.PoolingParams())])
     frames = enc.encode(msg)
     assert frames[0] == key and len(frames) == 3
-    np.testing.assert_array_equal(dec.decode(frames).unpack()[0].token_ids, ids)
+    np.testing.assert_array_equal(dec.decode(frames).inputs()[0].token_ids, ids)
     forged = [Encoder().encode(msg), Encoder(os.urandom(16)).encode(msg), [key], [], [key[:-1] + b"x", *frames[1:]],
               [frames[1], *frames]]
     for frames in forged:
         with pytest.raises(ForeignMessage):
             dec.decode(frames)
     assert issubclass(ForeignMessage, msgspec.DecodeError)  # every receiver's "drop and log" path
-
-
-def test_render_batch_packs_token_ids_and_leaves_the_items_as_they_were():
-    enc, dec = Encoder(), Decoder(m.WorkerInbound)
-    ids_a, ids_b = np.arange(5, dtype=np.int32), np.arange(3000, dtype=np.int32)
-    items = [m.RenderParams("t", 0, "embed", 16, m.PoolingParams(), prompt="text"),
-             m.RenderParams("a", 1, "embed", 16, m.PoolingParams(), token_ids=ids_a),
-             m.RenderParams("c", 2, "embed", 16, m.PoolingParams(), conversation=[{"role": "user", "content": "hi"}]),
-             m.RenderParams("b", 3, "embed", 16, m.PoolingParams(), token_ids=ids_b)]
-    frames = m.RenderBatch.encode_packed(enc, items, "tmpl", 1)
-    assert items[1].token_ids is ids_a and items[3].token_ids is ids_b  # the frontend keeps them to re-send
-    msg = dec.decode(frames)
-    assert msg.with_ids.tolist() == [1, 3] and msg.lengths.tolist() == [5, 3000]
-    out = msg.unpack()
-    assert [o.request_id for o in out] == ["t", "a", "c", "b"] and msg.chat_template == "tmpl" and msg.engine == 1
-    assert out[0].prompt == "text" and out[0].token_ids is None and out[2].token_ids is None
-    np.testing.assert_array_equal(out[1].token_ids, ids_a)
-    np.testing.assert_array_equal(out[3].token_ids, ids_b)
-    plain = dec.decode(m.RenderBatch.encode_packed(enc, items[:1]))
-    assert plain.token_ids is None and plain.unpack()[0].prompt == "text"
-
-
-@pytest.mark.parametrize("change", ["lengths", "position", "twice", "missing", "text too"])
-def test_render_batch_packed_parts_that_do_not_fit_are_rejected(change):
-    items = [m.RenderParams("a", 0, "embed", 16, m.PoolingParams(), prompt=None),
-             m.RenderParams("b", 1, "embed", 16, m.PoolingParams(), prompt=None)]
-    ids, lengths, where = np.arange(6, dtype=np.int32), np.array([2, 4]), np.array([0, 1])
-    if change == "lengths":
-        lengths = np.array([2, 5])
-    elif change == "position":
-        where = np.array([0, 2])
-    elif change == "twice":
-        where = np.array([1, 1])
-    elif change == "missing":
-        lengths = None
-    else:
-        items[1].prompt = "and text"
-    msg = Decoder(m.WorkerInbound).decode(Encoder().encode(m.RenderBatch(items, None, 0, ids, lengths, where)))
-    with pytest.raises(ValueError):
-        msg.unpack()

@@ -89,7 +89,7 @@ def serve(cfg: WorkerConfig, renderer, work: zmq.Socket, to_engines: list[zmq.So
             msg = decoder.decode(frames)
             if isinstance(msg, m.Shutdown):
                 return
-            items = msg.unpack()
+            msg.check()
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
             dropped(e)
             continue
@@ -98,15 +98,17 @@ def serve(cfg: WorkerConfig, renderer, work: zmq.Socket, to_engines: list[zmq.So
             continue
         to_engine = to_engines[msg.engine]
         with clock:
-            inputs, failed = renderer.render(items, msg.chat_template)
+            rows, failed = renderer.render(msg)
+            batches, refused = rows.messages(cfg.index, msg.call, cfg.max_message_items, cfg.model.vocab_size, 0.0)
         render_s += clock.last_s
-        for start in range(0, len(inputs), cfg.max_message_items):  # chunk mode can make many inputs
-            batch = m.EngineInputBatch.pack(cfg.index, inputs[start:start + cfg.max_message_items], render_s)
-            render_s = 0.0
+        if batches:  # the time rides on the next message to the engine
+            batches[0].render_s, render_s = render_s, 0.0
+        for batch in batches:  # chunk mode can make many inputs
             to_engine.send_multipart(encoder.encode(batch), copy=False)
+        failed += refused
         if failed:
             to_front.send_multipart(encoder.encode(m.RenderFailed(
-                [it.request_id for it, _ in failed], [it.index for it, _ in failed], [err for _, err in failed])))
+                msg.call, [index for index, _ in failed], [error for _, error in failed])))
 
 
 if __name__ == "__main__":

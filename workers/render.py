@@ -1,18 +1,30 @@
-"""Turns RenderParams into PoolingEngineInput: tokenization and truncation, nothing else."""
+"""Turns a RenderBatch into engine inputs in columns: tokenization and truncation, nothing else."""
 
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 
+import msgspec
 import numpy as np
 from tokenizers import Tokenizer
 
 from pooling_pipeline.core.config import ModelSpec
-from pooling_pipeline.core.messages import PoolingEngineInput, PoolingParams, RenderParams
+from pooling_pipeline.core.messages import (
+    EngineInputBatch,
+    PoolingParams,
+    RenderBatch,
+    RenderOptions,
+    RenderParams,
+    packed_lengths,
+    split_packed,
+)
 from pooling_pipeline.workers.truncation import TruncatingTokenizer
 
 MAX_CACHED_PROMPTS = 1024  # prompts whose token count a worker remembers
+# Chunk mode: raw chunk vectors (the frontend pools them, then normalizes as the call asked).
+CHUNK_PARAMS = PoolingParams(normalize=False)
 
 
 def load_hf_tokenizer(spec: ModelSpec):
@@ -48,6 +60,127 @@ def load_plugin(target: str):
     return cls()
 
 
+class EngineRows:
+    """One call's rendered requests, in columns, on their way to the engine core: indices, ids
+    (a list of ints or an int32 array per row), each row's (task, params) as an entry of a small
+    table, and the columns that differ from their defaults (created when first needed)."""
+
+    def __init__(self) -> None:
+        self.indices: list[int] = []
+        self.ids: list = []
+        self.kinds: dict[tuple, int] = {}  # (task, encoded params) -> entry
+        self.tasks: list[str] = []
+        self.params: list[PoolingParams] = []
+        self.param_of: list[int] | None = None  # None while every row is entry 0
+        self.token_type_start: list[int] | None = None
+        self.pool_start: list[int] | None = None
+        self.priority: list[int] | None = None
+        self.chunks: list[tuple[int, int]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def kind(self, task: str, params: PoolingParams) -> int:
+        key = (task, msgspec.msgpack.encode(params))
+        entry = self.kinds.get(key)
+        if entry is None:
+            entry = self.kinds[key] = len(self.tasks)
+            self.tasks.append(task)
+            self.params.append(params)
+        return entry
+
+    def extend(self, indices: list[int], ids: list, kind: int = 0, pool_start: int = 0, priority: int = 0) -> None:
+        """Rows that share their kind, pool start and priority (the usual case: a batch's)."""
+        n = len(indices)
+        self._column("param_of", kind, 0, n)
+        self._column("pool_start", pool_start, 0, n)
+        self._column("priority", priority, 0, n)
+        self._column("token_type_start", -1, -1, n)
+        self._column("chunks", (-1, 0), (-1, 0), n)
+        self.indices.extend(indices)
+        self.ids.extend(ids)
+
+    def add(self, index: int, ids, kind: int = 0, *, token_type_start: int | None = None, pool_start: int = 0,
+            priority: int = 0, chunk: tuple[int, int] = (-1, 0)) -> None:
+        self._column("param_of", kind, 0, 1)
+        self._column("pool_start", pool_start, 0, 1)
+        self._column("priority", priority, 0, 1)
+        self._column("token_type_start", -1 if token_type_start is None else token_type_start, -1, 1)
+        self._column("chunks", chunk, (-1, 0), 1)
+        self.indices.append(index)
+        self.ids.append(ids)
+
+    def _column(self, name: str, value, default, n: int) -> None:
+        column = getattr(self, name)
+        if column is None:
+            if value == default:
+                return
+            column = [default] * len(self.indices)
+            setattr(self, name, column)
+        column.extend([value] * n)
+
+    def messages(self, worker: int, call: str, max_items: int, vocab_size: int, render_s: float
+                 ) -> tuple[list[EngineInputBatch], list[tuple[int, str]]]:
+        """EngineInputBatch of at most `max_items` rows each, and the rows refused (no tokens,
+        or ids the model cannot take): one check per message, row by row only when it fails."""
+        out, failed = [], []
+        for start in range(0, len(self.indices), max_items):
+            rows = range(start, min(start + max_items, len(self.indices)))
+            ids = self.ids[start:rows.stop]
+            lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+            flat = _flat_ids(ids, int(lengths.sum()))
+            # One reduction: read as unsigned, a negative id is huge.
+            if len(ids) and (int(lengths.min()) < 1 or (flat.size and int(flat.view(np.uint64).max()) >= vocab_size)):
+                keep = []
+                for i in rows:
+                    problem = _ids_problem(np.asarray(self.ids[i]), vocab_size)
+                    if problem:
+                        failed.append((self.indices[i], problem))
+                    else:
+                        keep.append(i)
+                if not keep:
+                    continue
+                rows = keep
+                ids = [self.ids[i] for i in keep]
+                lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+                flat = _flat_ids(ids, int(lengths.sum()))
+            indices = _pick(self.indices, rows)
+            chunks = _pick(self.chunks, rows)
+            out.append(EngineInputBatch(
+                worker, call, indices, lengths, flat.astype(np.int32), self.tasks, self.params,
+                _pick(self.param_of, rows), _pick(self.token_type_start, rows), _pick(self.pool_start, rows),
+                _pick(self.priority, rows),
+                None if chunks is None else chunks.reshape(len(indices), 2), render_s))
+            render_s = 0.0
+        return out, failed
+
+
+def _pick(column: list | None, rows: range | list[int]) -> np.ndarray | None:
+    """A column's values at these rows, as int64 (None for a column no row set)."""
+    if column is None:
+        return None
+    values = column[rows.start:rows.stop] if isinstance(rows, range) else [column[i] for i in rows]
+    return np.asarray(values, dtype=np.int64)
+
+
+def _flat_ids(ids: list, total: int) -> np.ndarray:
+    """The rows' ids back to back, as int64 (Python lists from the tokenizer, or arrays): they
+    are range-checked before they are narrowed to int32, so no id can wrap into range."""
+    if all(type(x) is list for x in ids):
+        return np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=total)
+    if not ids:
+        return np.zeros(0, np.int64)
+    return np.concatenate([np.asarray(x).astype(np.int64, copy=False) for x in ids])
+
+
+def _ids_problem(ids: np.ndarray, vocab_size: int) -> str | None:
+    if ids.size == 0:
+        return "ValueError: prompt is empty after tokenization"
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        return f"ValueError: token ids must be in [0, {vocab_size})"
+    return None
+
+
 class Renderer:
     def __init__(self, spec: ModelSpec, hf_tokenizer, plugin=None) -> None:
         self.spec = spec
@@ -65,47 +198,133 @@ class Renderer:
         # that drops them) means the model sees zeros: then no boundary travels either.
         self.sends_token_types = "token_type_ids" in getattr(hf_tokenizer, "model_input_names", ["token_type_ids"])
 
-    def render(self, items: list[RenderParams], chat_template: str | None = None
-               ) -> tuple[list[PoolingEngineInput], list[tuple[RenderParams, str]]]:
-        """Returns the engine inputs and, separately, the requests that failed with why."""
-        ready: list[PoolingEngineInput] = []
-        failed: list[tuple[RenderParams, str]] = []
-        ids_by_pos: dict[int, list[int]] = {}
-        for item in items:
-            if item.text_prefix and item.prompt is not None:  # as ST: the prompt, then the text
-                item.prompt = item.text_prefix + item.prompt
-
-        # Short single texts go through the tokenizer in one batched call; the rest one by one.
-        min_tokens = self.tokenizer.num_special_tokens
-        short = [i for i, it in enumerate(items) if it.prompt is not None and it.pair is None
-                 and it.long_inputs == "truncate" and not it.truncate_left and it.max_tokens >= min_tokens
-                 and self.tokenizer.short_enough(it.prompt, it.max_tokens)]
+    def render(self, batch: RenderBatch) -> tuple[EngineRows, list[tuple[int, str]]]:
+        """The batch's engine inputs in columns, and the requests that failed with why."""
+        rows = EngineRows()
+        failed: list[tuple[int, str]] = []
+        indices = batch.indices.tolist()
+        if batch.items is not None:
+            for index, item in zip(indices, batch.items):
+                self._render_item(rows, index, item, batch.chat_template, failed)
+            return rows, failed
+        opts = batch.options
+        kind = rows.kind(opts.task, opts.params)
+        if opts.max_tokens < self.tokenizer.num_special_tokens:
+            error = (f"ValueError: cannot keep {opts.max_tokens} tokens: the model adds "
+                     f"{self.tokenizer.num_special_tokens} special tokens")
+            return rows, [(index, error) for index in indices]
+        pool_start = self._prompt_tokens(opts.text_prefix) if self.pools_without_prompt else 0
+        if batch.token_ids is not None:  # used verbatim, cut to max_tokens
+            sizes = packed_lengths(batch.token_ids, batch.lengths, len(indices))
+            ids = split_packed(batch.token_ids, sizes)
+            keep = opts.max_tokens
+            if max(sizes, default=0) > keep:
+                ids = [a[-keep:] if opts.truncate_left else a[:keep] for a in ids]
+            rows.extend(indices, ids, kind, 0, opts.priority)
+            return rows, failed
+        texts = batch.texts
+        if opts.text_prefix:  # as ST: the prompt, then the text (of a pair: the query)
+            texts = [opts.text_prefix + t for t in texts]
+        if batch.pairs is not None:
+            for index, query, document in zip(indices, texts, batch.pairs):
+                try:
+                    ids, type_ids = self.tokenizer.encode_pair(query, document, opts.max_tokens,
+                                                               opts.max_query_tokens, opts.max_doc_tokens)
+                    start = compress_token_type_ids(type_ids) if self.sends_token_types else None
+                except Exception as e:  # any failure becomes this request's error, never a crash
+                    failed.append((index, f"{type(e).__name__}: {e}"))
+                    continue
+                rows.add(index, ids, kind, token_type_start=start, pool_start=pool_start, priority=opts.priority)
+            return rows, failed
+        if opts.long_inputs == "chunk":
+            for index, text in zip(indices, texts):
+                try:
+                    chunks = self._chunks(text, opts)
+                except Exception as e:
+                    failed.append((index, f"{type(e).__name__}: {e}"))
+                    continue
+                chunk_kind = rows.kind(opts.task, CHUNK_PARAMS)
+                for k, ids in enumerate(chunks):
+                    rows.add(index, ids, chunk_kind, priority=opts.priority, chunk=(k, len(chunks)))
+            return rows, failed
+        # Short texts kept from the start go through the tokenizer in one batched call; the rest
+        # one by one (the truncation planner: a long text costs what its kept prefix costs).
+        tokenizer = self.tokenizer
+        batched = opts.long_inputs == "truncate" and not opts.truncate_left
+        limit = 2 * tokenizer._first_piece_chars(tokenizer.content_budget(opts.max_tokens)) if batched else -1
+        short = [i for i, t in enumerate(texts) if len(t) <= limit]
+        encoded: dict[int, list[int]] = {}
         if short:
             try:
-                encoded = self.tokenizer.encode_many([items[i].prompt for i in short],
-                                                   [items[i].max_tokens for i in short])
-                ids_by_pos.update(zip(short, encoded))
+                if len(short) == len(texts):
+                    rows.extend(indices, tokenizer.encode_many(texts, opts.max_tokens), kind, pool_start, opts.priority)
+                    return rows, failed
+                encoded = dict(zip(short, tokenizer.encode_many([texts[i] for i in short], opts.max_tokens)))
             except Exception:
-                pass  # retried one by one below, so the failure lands on the right request
-        unchecked: list[tuple[RenderParams, PoolingEngineInput]] = []
-        for pos, item in enumerate(items):
-            if item.long_inputs == "chunk" and item.prompt is not None:
+                encoded = {}  # retried one by one below, so the failure lands on the right request
+        for i, (index, text) in enumerate(zip(indices, texts)):
+            ids = encoded.get(i)
+            if ids is None:
                 try:
-                    ready.extend(self._chunks(item))
+                    if opts.long_inputs == "error":
+                        self._refuse_if_too_long(text, opts.max_tokens)
+                    ids = tokenizer.encode(text, opts.max_tokens, left=opts.truncate_left)
                 except Exception as e:
-                    failed.append((item, f"{type(e).__name__}: {e}"))
-                continue
-            try:
-                token_ids, type_start = self._render_one(item, ids_by_pos.get(pos), chat_template)
-            except Exception as e:  # any failure becomes this request's error, never a crash
-                failed.append((item, f"{type(e).__name__}: {e}"))
-                continue
-            unchecked.append((item, PoolingEngineInput(
-                request_id=item.request_id, index=item.index, task=item.task, token_ids=token_ids,
-                params=item.params, token_type_start=type_start, priority=item.priority,
-                pool_start=self._prompt_tokens(item.text_prefix) if self.pools_without_prompt else 0)))
-        ready.extend(self._checked(unchecked, failed))
-        return ready, failed
+                    failed.append((index, f"{type(e).__name__}: {e}"))
+                    continue
+            rows.add(index, ids, kind, pool_start=pool_start, priority=opts.priority)
+        return rows, failed
+
+    def _render_item(self, rows: EngineRows, index: int, item: RenderParams, chat_template: str | None,
+                     failed: list[tuple[int, str]]) -> None:
+        """The general path: one request with its own options and input form."""
+        opts = item.options
+        try:
+            if opts.max_tokens < self.tokenizer.num_special_tokens:
+                raise ValueError(f"cannot keep {opts.max_tokens} tokens: the model adds "
+                                 f"{self.tokenizer.num_special_tokens} special tokens")
+            prompt = item.prompt
+            if opts.text_prefix and prompt is not None:
+                prompt = opts.text_prefix + prompt
+            if opts.long_inputs == "chunk" and prompt is not None:
+                chunks = self._chunks(prompt, opts)
+                chunk_kind = rows.kind(opts.task, CHUNK_PARAMS)
+                for k, ids in enumerate(chunks):
+                    rows.add(index, ids, chunk_kind, priority=opts.priority, chunk=(k, len(chunks)))
+                return
+            ids, type_start = self._render_one(item, prompt, chat_template)
+            pool_start = self._prompt_tokens(opts.text_prefix) if self.pools_without_prompt else 0
+        except Exception as e:  # any failure becomes this request's error, never a crash
+            failed.append((index, f"{type(e).__name__}: {e}"))
+            return
+        rows.add(index, ids, rows.kind(opts.task, opts.params), token_type_start=type_start,
+                 pool_start=pool_start, priority=opts.priority)
+
+    def _render_one(self, item: RenderParams, prompt: str | None, chat_template: str | None):
+        opts = item.options
+        if item.raw is not None:
+            if self.plugin is None:
+                raise ValueError("this pipeline has no io_processor to render plugin input")
+            rendered = self.plugin.render(item.raw)
+            if isinstance(rendered, str):
+                return self.tokenizer.encode(rendered, opts.max_tokens), None
+            return self._ids(list(rendered)[: opts.max_tokens]), None
+        if item.token_ids is not None:
+            ids = np.asarray(item.token_ids)
+            return (ids[-opts.max_tokens:] if opts.truncate_left else ids[: opts.max_tokens]), None
+        if item.conversation is not None:
+            text = self.hf.apply_chat_template(item.conversation, chat_template=chat_template, tokenize=False)
+            # Like transformers' apply_chat_template(tokenize=True): the template owns the special tokens.
+            return self.tokenizer.encode(text, opts.max_tokens, add_special_tokens=False), None
+        if prompt is None:
+            raise ValueError("request has no input")
+        if item.pair is not None:
+            ids, type_ids = self.tokenizer.encode_pair(prompt, item.pair, opts.max_tokens,
+                                                     opts.max_query_tokens, opts.max_doc_tokens)
+            return ids, compress_token_type_ids(type_ids) if self.sends_token_types else None
+        if opts.long_inputs == "error":
+            self._refuse_if_too_long(prompt, opts.max_tokens)
+        return self.tokenizer.encode(prompt, opts.max_tokens, left=opts.truncate_left), None
 
     def _prompt_tokens(self, prompt: str | None) -> int:
         """ST's prompt_length: the prompt tokenized alone, special tokens included, less a
@@ -119,103 +338,45 @@ class Renderer:
             self.prompt_tokens[prompt] = len(ids) - (1 if ids and ids[-1] in self.special_ids else 0)
         return self.prompt_tokens[prompt]
 
-    def _checked(self, rendered: list[tuple[RenderParams, PoolingEngineInput]],
-                 failed: list[tuple[RenderParams, str]]) -> list[PoolingEngineInput]:
-        """The inputs whose ids the model can take; the others go to `failed`. One check for the
-        whole batch in the usual case, request by request only when it finds a problem."""
-        if not rendered:
-            return []
-        arrays = [inp.token_ids for _, inp in rendered]
-        flat = np.concatenate(arrays)
-        if min(map(len, arrays)) > 0 and int(flat.min()) >= 0 and int(flat.max()) < self.spec.vocab_size:
-            return [inp for _, inp in rendered]
-        good = []
-        for item, inp in rendered:
-            try:
-                self._check(inp.token_ids)
-                good.append(inp)
-            except ValueError as e:
-                failed.append((item, f"{type(e).__name__}: {e}"))
-        return good
-
-    def _render_one(self, item: RenderParams, encoded: list[int] | None, chat_template: str | None
-                    ) -> tuple[np.ndarray, int | None]:
-        if item.max_tokens < self.tokenizer.num_special_tokens:
-            raise ValueError(f"cannot keep {item.max_tokens} tokens: the model adds "
-                             f"{self.tokenizer.num_special_tokens} special tokens")
-        if encoded is not None:
-            return np.asarray(encoded, dtype=np.int32), None
-        if item.raw is not None:
-            if self.plugin is None:
-                raise ValueError("this pipeline has no io_processor to render plugin input")
-            rendered = self.plugin.render(item.raw)
-            if isinstance(rendered, str):
-                return self._ids(self.tokenizer.encode(rendered, item.max_tokens)), None
-            return self._ids(list(rendered)[: item.max_tokens]), None
-        if item.token_ids is not None:
-            return np.asarray(item.token_ids, dtype=np.int32)[: item.max_tokens], None
-        if item.conversation is not None:
-            text = self.hf.apply_chat_template(item.conversation, chat_template=chat_template, tokenize=False)
-            # Like transformers' apply_chat_template(tokenize=True): the template owns the special tokens.
-            return self._ids(self.tokenizer.encode(text, item.max_tokens, add_special_tokens=False)), None
-        if item.prompt is None:
-            raise ValueError("request has no input")
-        if item.pair is not None:
-            ids, type_ids = self.tokenizer.encode_pair(item.prompt, item.pair, item.max_tokens,
-                                                     item.max_query_tokens, item.max_doc_tokens)
-            return self._ids(ids), compress_token_type_ids(type_ids) if self.sends_token_types else None
-        if item.long_inputs == "error":
-            self._refuse_if_too_long(item)
-        return self._ids(self.tokenizer.encode(item.prompt, item.max_tokens, left=item.truncate_left)), None
-
-    def _refuse_if_too_long(self, item: RenderParams) -> None:
-        budget = self.tokenizer.content_budget(item.max_tokens)
-        count, exact = self.tokenizer.count_tokens(item.prompt, budget)
+    def _refuse_if_too_long(self, text: str, max_tokens: int) -> None:
+        budget = self.tokenizer.content_budget(max_tokens)
+        count, exact = self.tokenizer.count_tokens(text, budget)
         if count > budget:
             total = count + self.tokenizer.num_special_tokens
             raise ValueError(f"prompt has {'' if exact else 'at least '}{total} tokens, more than the "
-                             f"{item.max_tokens} this call keeps (long_inputs='error')")
+                             f"{max_tokens} this call keeps (long_inputs='error')")
 
-    def _chunks(self, item: RenderParams) -> list[PoolingEngineInput]:
+    def _chunks(self, text: str, opts: RenderOptions) -> list[list[int]]:
         """Chunk mode: the whole document in chunks of `max_tokens` (special tokens included),
         consecutive chunks sharing `chunk_overlap` tokens. Each chunk is its own engine input
-        under the document's external id; the frontend pools them back into one embedding."""
-        width = self.tokenizer.content_budget(item.max_tokens)
-        step = width - item.chunk_overlap
+        under the document's index; the frontend pools them back into one embedding."""
+        width = self.tokenizer.content_budget(opts.max_tokens)
+        step = width - opts.chunk_overlap
         if width < 1 or step < 1:
-            raise ValueError(f"chunk_overlap={item.chunk_overlap} leaves no room in chunks of "
-                             f"{item.max_tokens} tokens")
+            raise ValueError(f"chunk_overlap={opts.chunk_overlap} leaves no room in chunks of "
+                             f"{opts.max_tokens} tokens")
         chunks: list[list[int]] = []
         buffer: list[int] = []
-        for piece in self.tokenizer.content_ids(item.prompt):
+        for piece in self.tokenizer.content_ids(text):
             buffer.extend(piece)
             while len(buffer) > width:  # more tokens follow: this chunk is not the last
                 chunks.append(buffer[:width])
                 buffer = buffer[step:]
         if buffer or not chunks:
             chunks.append(buffer)
-        params = PoolingParams(normalize=False)  # raw chunk vectors: the frontend pools, then normalizes
-        inputs = []
-        for k, content in enumerate(chunks):
-            ids = self._ids(self.tokenizer.with_special_tokens(content))
-            self._check(ids)
-            inputs.append(PoolingEngineInput(request_id=item.request_id, index=item.index, task=item.task,
-                                             token_ids=ids, params=params, priority=item.priority,
-                                             chunk=k, num_chunks=len(chunks)))
-        return inputs
+        out = [self.tokenizer.with_special_tokens(content) for content in chunks]
+        for ids in out:
+            problem = _ids_problem(np.asarray(ids), self.spec.vocab_size)
+            if problem:  # a document fails whole, not one of its chunks
+                raise ValueError(problem.removeprefix("ValueError: "))
+        return out
 
     @staticmethod
     def _ids(ids) -> np.ndarray:
         arr = np.asarray(ids)
         if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
             raise TypeError("rendered input must be a flat list of integer token ids")
-        return arr.astype(np.int32)
-
-    def _check(self, ids: np.ndarray) -> None:
-        if ids.size == 0:
-            raise ValueError("prompt is empty after tokenization")
-        if int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.spec.vocab_size})")
+        return arr.astype(np.int64)
 
 
 def lowercase_first(tokenizer: Tokenizer) -> None:

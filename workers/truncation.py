@@ -207,23 +207,14 @@ class TruncatingTokenizer:
         """Texts this short are tokenized whole: planning would not save anything."""
         return len(text) <= 2 * self._first_piece_chars(self.content_budget(max_tokens))
 
-    def encode_many(self, texts: list[str], max_tokens: list[int]) -> list[list[int]]:
+    def encode_many(self, texts: list[str], max_tokens: int) -> list[list[int]]:
         """Batch path for short texts: the first `max_tokens` ids of each, special tokens included,
-        with one call into the tokenizer per distinct `max_tokens` (usually one per batch).
-        The tokenizer's own truncation keeps `max_tokens` minus the special tokens, then adds
-        them: the same ids as `encode`."""
-        out: list[list[int]] = [[] for _ in texts]
-        groups: dict[int, list[int]] = {}
-        for i, k in enumerate(max_tokens):
-            groups.setdefault(k, []).append(i)
-        for k, rows in groups.items():
-            if k != self._batch_limit:
-                self.batch_tokenizer.enable_truncation(max_length=k)
-                self._batch_limit = k
-            encodings = self._encode_batch([texts[i] for i in rows])
-            for i, enc in zip(rows, encodings):
-                out[i] = enc.ids
-        return out
+        in one call into the tokenizer. The tokenizer's own truncation keeps `max_tokens` minus
+        the special tokens, then adds them: the same ids as `encode`."""
+        if max_tokens != self._batch_limit:
+            self.batch_tokenizer.enable_truncation(max_length=max_tokens)
+            self._batch_limit = max_tokens
+        return [enc.ids for enc in self._encode_batch(texts)]
 
     def encode(self, text: str, max_tokens: int, add_special_tokens: bool = True, left: bool = False) -> list[int]:
         """The first (last, when `left`) `max_tokens` ids of `text`, special tokens included when added."""

@@ -1,0 +1,212 @@
+"""The engine core's requests in columns: a message's, the window's, a step's.
+
+`Requests` holds requests as numpy columns (one entry per request) and their token ids packed in
+one array: what the input thread makes of an EngineInputBatch, and what a step's batch is. The
+engine never makes a Python object per request: admitting, batching, collating and packing the
+outputs are array operations per message or per step.
+
+`RequestTable` holds the waiting requests: a slot each (their columns at that slot) and their
+token ids in one arena, so that a step's batch -- requests from many messages, picked by length --
+is gathered with a few fancy-indexing operations whatever the number of messages it draws from.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pooling_pipeline.core.options import TASKS
+
+# Per-request pooling options as small integers (what the engine reads of PoolingParams; the
+# worker has applied truncate_prompt_tokens already): task as its position in TASKS, and for the
+# optional ones -1 for None (normalize, use_activation: 0 or 1 otherwise; dimensions: the count).
+# They are the columns of one [n, len(COLUMNS)] int64 matrix, so that selecting, storing and
+# gathering requests is one fancy-indexing operation, not one per column.
+COLUMNS = ("indices", "lengths", "task", "normalize", "dimensions", "use_activation",
+           "token_type_start", "pool_start", "priority", "chunk", "num_chunks")
+COL = {name: k for k, name in enumerate(COLUMNS)}
+TASK_CODE = {task: code for code, task in enumerate(TASKS)}
+
+
+def _option_code(value: bool | int | None) -> int:
+    return -1 if value is None else int(value)
+
+
+def _column(k: int) -> property:
+    return property(lambda self: self.cols[:, k], doc=f"the column {COLUMNS[k]!r} (a view of `cols`)")
+
+
+class Requests:
+    """Requests in columns: `calls`, an object array of call ids (one per request); `cols`, the
+    [n, len(COLUMNS)] int64 matrix (each column also as an attribute: `lengths`, `indices`, ...);
+    `token_ids`, the requests' ids back to back (int32); `starts`, where each request's begin."""
+
+    __slots__ = ("calls", "cols", "token_ids", "starts")
+
+    def __init__(self, calls: np.ndarray, cols: np.ndarray, token_ids: np.ndarray) -> None:
+        self.calls = calls
+        self.cols = cols
+        self.token_ids = token_ids
+        lengths = cols[:, COL["lengths"]]
+        self.starts = np.cumsum(lengths) - lengths
+
+    indices = _column(COL["indices"])  # the position in its call's input
+    lengths = _column(COL["lengths"])  # token ids
+    task = _column(COL["task"])  # TASK_CODE
+    normalize = _column(COL["normalize"])
+    dimensions = _column(COL["dimensions"])
+    use_activation = _column(COL["use_activation"])
+    token_type_start = _column(COL["token_type_start"])  # first token of type 1; -1: none
+    pool_start = _column(COL["pool_start"])
+    priority = _column(COL["priority"])
+    chunk = _column(COL["chunk"])  # -1: a whole request
+    num_chunks = _column(COL["num_chunks"])
+
+    @classmethod
+    def from_message(cls, msg) -> Requests:
+        """An EngineInputBatch's columns (the message checked with `msg.check()`); `task` is
+        the code of the task named (-2 for a task the vocabulary does not know)."""
+        n = len(msg.indices)
+        cols = np.empty((n, len(COLUMNS)), dtype=np.int64)
+        table = np.asarray([[TASK_CODE.get(t, -2), _option_code(p.normalize), _option_code(p.dimensions),
+                             _option_code(p.use_activation)] for t, p in zip(msg.tasks, msg.params)], dtype=np.int64)
+        kinds = slice(COL["task"], COL["use_activation"] + 1)
+        cols[:, kinds] = table[0] if msg.param_of is None else table[msg.param_of]
+        cols[:, COL["indices"]] = msg.indices
+        cols[:, COL["lengths"]] = msg.lengths
+        for name, column, default in (("token_type_start", msg.token_type_start, -1),
+                                      ("pool_start", msg.pool_start, 0), ("priority", msg.priority, 0)):
+            cols[:, COL[name]] = default if column is None else column
+        if msg.chunks is None:
+            cols[:, COL["chunk"]] = -1
+            cols[:, COL["num_chunks"]] = 0
+        else:
+            cols[:, COL["chunk"]:COL["num_chunks"] + 1] = msg.chunks
+        calls = np.empty(n, dtype=object)
+        calls[:] = msg.call
+        return cls(calls, cols, msg.token_ids)
+
+    def __len__(self) -> int:
+        return len(self.cols)
+
+    def ids(self, row: int) -> np.ndarray:
+        start = int(self.starts[row])
+        return self.token_ids[start:start + int(self.lengths[row])]
+
+    def select(self, rows) -> Requests:
+        """These rows (positions, in any order), as a Requests of their own."""
+        rows = np.asarray(rows, dtype=np.int64)
+        return Requests(self.calls[rows], self.cols[rows],
+                        self.token_ids[ragged_positions(self.starts[rows], self.lengths[rows])])
+
+    def keys(self) -> list:
+        """Each request's identity in the engine: (call, index), with its chunk for a chunk."""
+        chunk = self.chunk
+        if (chunk < 0).all():
+            return list(zip(self.calls.tolist(), self.indices.tolist()))
+        return [(c, i) if k < 0 else (c, i, k)
+                for c, i, k in zip(self.calls.tolist(), self.indices.tolist(), chunk.tolist())]
+
+    def padded(self, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """The [n, longest] int64 matrix of the ids, each row padded with `pad_id`, and the
+        [n, longest] bool mask of real tokens: one masked assignment, no loop over requests."""
+        lengths = self.lengths
+        longest = int(lengths.max()) if len(self) else 0
+        mask = np.arange(longest)[None, :] < lengths[:, None]
+        ids = np.full(mask.shape, pad_id, dtype=np.int64)
+        ids[mask] = self.token_ids
+        return ids, mask
+
+
+def ragged_positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The positions starts[i] .. starts[i] + lengths[i] - 1 of every i, back to back."""
+    total = int(lengths.sum())
+    if not total:
+        return np.zeros(0, np.int64)
+    out_starts = np.cumsum(lengths) - lengths
+    return np.repeat(starts - out_starts, lengths) + np.arange(total)
+
+
+class RequestTable:
+    """Waiting requests: a slot each (their columns there) and their ids in one token arena.
+
+    `put` stores a message's requests (a slice copy of its ids, one fancy assignment of its
+    columns); `take` gathers a batch's slots into a Requests and frees them. The arena is a bump
+    allocator: when it is full, the live requests' ids are moved to its start (one gather), and
+    it grows when more than half of it is live. Slots come from a stack of free ones."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = 0
+        self.calls = np.empty(0, dtype=object)
+        self.keys = np.empty(0, dtype=object)  # each slot's request identity (Requests.keys)
+        self.cols = np.zeros((0, len(COLUMNS)), np.int64)
+        self.offsets = np.zeros(0, np.int64)  # where each slot's ids begin in the arena
+        self.free = np.zeros(0, np.int64)  # a stack: free[:top] are free slots
+        self.top = 0
+        self.used = np.zeros(0, dtype=bool)
+        self.arena = np.zeros(max(1 << 16, 64 * capacity), np.int32)
+        self.head = 0
+        self._grow(max(1, capacity))
+
+    def _grow(self, capacity: int) -> None:
+        old, extra = self.capacity, capacity - self.capacity
+        self.calls = np.concatenate([self.calls, np.empty(extra, dtype=object)])
+        self.keys = np.concatenate([self.keys, np.empty(extra, dtype=object)])
+        self.cols = np.concatenate([self.cols, np.zeros((extra, len(COLUMNS)), np.int64)])
+        self.offsets = np.concatenate([self.offsets, np.zeros(extra, np.int64)])
+        self.used = np.concatenate([self.used, np.zeros(extra, dtype=bool)])
+        stack = np.concatenate([np.arange(capacity - 1, old - 1, -1), self.free[:self.top]])
+        self.free = np.zeros(capacity, np.int64)
+        self.free[:len(stack)] = stack
+        self.top = len(stack)
+        self.capacity = capacity
+
+    def put(self, requests: Requests, keys: list) -> np.ndarray:
+        """Stores the requests (with their keys); returns their slots."""
+        n = len(requests)
+        if n > self.top:  # (the engine's window keeps this from happening; never fail for it)
+            self._grow(max(2 * self.capacity, self.capacity + n))
+        slots = self.free[self.top - n:self.top].copy()
+        self.top -= n
+        total = requests.token_ids.size
+        if self.head + total > self.arena.size:
+            self._compact(total)
+        self.arena[self.head:self.head + total] = requests.token_ids
+        self.offsets[slots] = self.head + requests.starts
+        self.head += total
+        self.calls[slots] = requests.calls
+        keyed = np.empty(n, dtype=object)
+        keyed[:] = keys
+        self.keys[slots] = keyed
+        self.cols[slots] = requests.cols
+        self.used[slots] = True
+        return slots
+
+    def take(self, slots) -> Requests:
+        """The requests at these slots, in that order, as a Requests; their slots are freed."""
+        slots = np.asarray(slots, dtype=np.int64)
+        cols = self.cols[slots]
+        requests = Requests(self.calls[slots], cols,
+                            self.arena[ragged_positions(self.offsets[slots], cols[:, COL["lengths"]])])
+        self.release(slots)
+        return requests
+
+    def release(self, slots) -> None:
+        slots = np.asarray(slots, dtype=np.int64)
+        self.used[slots] = False
+        self.calls[slots] = None  # (no reference kept to a finished call's id)
+        self.keys[slots] = None
+        self.free[self.top:self.top + len(slots)] = slots
+        self.top += len(slots)
+
+    def _compact(self, needed: int) -> None:
+        live = np.flatnonzero(self.used)
+        lengths = self.cols[live, COL["lengths"]]
+        kept = self.arena[ragged_positions(self.offsets[live], lengths)]
+        size = self.arena.size
+        while kept.size + needed > size // 2:
+            size *= 2
+        arena = self.arena if size == self.arena.size else np.zeros(size, np.int32)
+        arena[:kept.size] = kept
+        self.arena = arena
+        self.offsets[live] = np.cumsum(lengths) - lengths
+        self.head = kept.size
