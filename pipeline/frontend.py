@@ -791,12 +791,11 @@ class Call:
     def _on_vectors(self, msg: m.OutputBatch, data: np.ndarray) -> None:
         indices = msg.indices
         slots = indices & self.mask
-        live = self.out_index[slots] == indices  # out, and not answered yet
         num_tokens = msg.num_prompt_tokens
-        if not live.all() or (len(slots) > 1 and np.unique(slots).size != len(slots)):
-            live &= _first_of_each(slots)
-            self.stats.duplicates_dropped += len(indices) - int(live.sum())  # re-sent, aborted or forged
-            indices, slots, data, num_tokens = indices[live], slots[live], data[live], num_tokens[live]
+        rows = _live_rows(self.out_index, indices, slots)
+        if rows is not None:  # some are not (or no longer) out: re-sent, aborted or forged
+            self.stats.duplicates_dropped += len(indices) - len(rows)
+            indices, slots, data, num_tokens = indices[rows], slots[rows], data[rows], num_tokens[rows]
             if not len(indices):
                 return
         if self.rows is None:
@@ -952,8 +951,12 @@ class Call:
             self.progress.update(1)
 
 
-def _first_of_each(slots: np.ndarray) -> np.ndarray:
-    """True at the first occurrence of each value (a message naming one request twice)."""
-    first = np.zeros(len(slots), dtype=bool)
-    first[np.unique(slots, return_index=True)[1]] = True
-    return first
+def _live_rows(out_index: np.ndarray, indices: np.ndarray, slots: np.ndarray) -> np.ndarray | None:
+    """The rows of an answer to accept -- those whose index is out (a stale index may share its
+    slot with a live one: only the live one counts), each index once -- or None for all."""
+    live = out_index[slots] == indices
+    if live.all() and (len(slots) < 2 or np.unique(slots).size == len(slots)):
+        return None
+    rows = np.flatnonzero(live)
+    _, first = np.unique(slots[rows], return_index=True)  # (a message naming one request twice)
+    return rows[np.sort(first)]

@@ -303,3 +303,18 @@ def _wait_idle(pipe, timeout_s: float = 30.0) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"the group is not idle: {pipe.stats()['group']}")
+
+
+def test_an_answer_is_accepted_by_index_even_when_a_stale_one_shares_its_slot():
+    """A call keeps what is out in a ring by index; a late duplicate (a request answered and
+    handed back long ago, re-sent after its worker died) can land in the same slot as a request
+    out now, in the same message. Only the live one counts, once; the stale one is dropped."""
+    from pooling_pipeline.frontend import _live_rows
+
+    mask = 255
+    out_index = np.full(mask + 1, -1, np.int64)
+    out_index[[75, 76, 80]] = [331, 332, 80]  # 331 and 332 are out; 75 was handed back long ago
+    indices = np.array([75, 331, 332, 332, 80, 7])  # a stale one in 331's slot, 332 twice, 7 never sent
+    rows = _live_rows(out_index, indices, indices & mask)
+    assert indices[rows].tolist() == [331, 332, 80]
+    assert _live_rows(out_index, np.array([331, 332]), np.array([331, 332]) & mask) is None  # all live: no copy

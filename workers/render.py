@@ -251,7 +251,7 @@ class Renderer:
         # one by one (the truncation planner: a long text costs what its kept prefix costs).
         tokenizer = self.tokenizer
         batched = opts.long_inputs == "truncate" and not opts.truncate_left
-        limit = 2 * tokenizer._first_piece_chars(tokenizer.content_budget(opts.max_tokens)) if batched else -1
+        limit = tokenizer.short_text_chars(opts.max_tokens) if batched else -1
         short = [i for i, t in enumerate(texts) if len(t) <= limit]
         encoded: dict[int, list[int]] = {}
         if short:

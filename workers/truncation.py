@@ -203,9 +203,9 @@ class TruncatingTokenizer:
     def content_budget(self, max_tokens: int) -> int:
         return max(0, max_tokens - self.num_special_tokens)
 
-    def short_enough(self, text: str, max_tokens: int) -> bool:
-        """Texts this short are tokenized whole: planning would not save anything."""
-        return len(text) <= 2 * self._first_piece_chars(self.content_budget(max_tokens))
+    def short_text_chars(self, max_tokens: int) -> int:
+        """Texts this short (in characters) are tokenized whole: planning would not save anything."""
+        return 2 * self._first_piece_chars(self.content_budget(max_tokens))
 
     def encode_many(self, texts: list[str], max_tokens: int) -> list[list[int]]:
         """Batch path for short texts: the first `max_tokens` ids of each, special tokens included,
