@@ -99,12 +99,12 @@ class Requests:
                         self.token_ids[ragged_positions(self.starts[rows], self.lengths[rows])])
 
     def keys(self) -> list:
-        """Each request's identity in the engine: (call, index), with its chunk for a chunk."""
+        """Each request's identity within its call: its index, or (index, chunk) for a chunk of a
+        long document (with the call's id, the request's identity in the engine)."""
         chunk = self.chunk
         if (chunk < 0).all():
-            return list(zip(self.calls.tolist(), self.indices.tolist()))
-        return [(c, i) if k < 0 else (c, i, k)
-                for c, i, k in zip(self.calls.tolist(), self.indices.tolist(), chunk.tolist())]
+            return self.indices.tolist()
+        return [i if k < 0 else (i, k) for i, k in zip(self.indices.tolist(), chunk.tolist())]
 
     def padded(self, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
         """The [n, longest] int64 matrix of the ids, each row padded with `pad_id`, and the
@@ -131,18 +131,17 @@ class RequestTable:
 
     `put` stores a message's requests (a slice copy of its ids, one fancy assignment of its
     columns); `take` gathers a batch's slots into a Requests and frees them. The arena is a bump
-    allocator: when it is full, the live requests' ids are moved to its start (one gather), and
-    it grows when more than half of it is live. Slots come from a stack of free ones."""
+    allocator: when it is full, the live requests' ids (the owner says which slots are live) are
+    moved to its start with one gather, and it grows when more than half of it is live. Slots
+    come from a stack of free ones."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = 0
         self.calls = np.empty(0, dtype=object)
-        self.keys = np.empty(0, dtype=object)  # each slot's request identity (Requests.keys)
         self.cols = np.zeros((0, len(COLUMNS)), np.int64)
         self.offsets = np.zeros(0, np.int64)  # where each slot's ids begin in the arena
         self.free = np.zeros(0, np.int64)  # a stack: free[:top] are free slots
         self.top = 0
-        self.used = np.zeros(0, dtype=bool)
         self.arena = np.zeros(max(1 << 16, 64 * capacity), np.int32)
         self.head = 0
         self._grow(max(1, capacity))
@@ -150,18 +149,17 @@ class RequestTable:
     def _grow(self, capacity: int) -> None:
         old, extra = self.capacity, capacity - self.capacity
         self.calls = np.concatenate([self.calls, np.empty(extra, dtype=object)])
-        self.keys = np.concatenate([self.keys, np.empty(extra, dtype=object)])
         self.cols = np.concatenate([self.cols, np.zeros((extra, len(COLUMNS)), np.int64)])
         self.offsets = np.concatenate([self.offsets, np.zeros(extra, np.int64)])
-        self.used = np.concatenate([self.used, np.zeros(extra, dtype=bool)])
         stack = np.concatenate([np.arange(capacity - 1, old - 1, -1), self.free[:self.top]])
         self.free = np.zeros(capacity, np.int64)
         self.free[:len(stack)] = stack
         self.top = len(stack)
         self.capacity = capacity
 
-    def put(self, requests: Requests, keys: list) -> np.ndarray:
-        """Stores the requests (with their keys); returns their slots."""
+    def put(self, requests: Requests, live) -> np.ndarray:
+        """Stores the requests; returns their slots. `live()` gives the slots in use (asked only
+        when the arena must be compacted)."""
         n = len(requests)
         if n > self.top:  # (the engine's window keeps this from happening; never fail for it)
             self._grow(max(2 * self.capacity, self.capacity + n))
@@ -169,37 +167,28 @@ class RequestTable:
         self.top -= n
         total = requests.token_ids.size
         if self.head + total > self.arena.size:
-            self._compact(total)
+            self._compact(np.asarray(live(), dtype=np.int64), total)
         self.arena[self.head:self.head + total] = requests.token_ids
         self.offsets[slots] = self.head + requests.starts
         self.head += total
         self.calls[slots] = requests.calls
-        keyed = np.empty(n, dtype=object)
-        keyed[:] = keys
-        self.keys[slots] = keyed
         self.cols[slots] = requests.cols
-        self.used[slots] = True
         return slots
 
-    def take(self, slots) -> Requests:
-        """The requests at these slots, in that order, as a Requests; their slots are freed."""
-        slots = np.asarray(slots, dtype=np.int64)
+    def take(self, slots: np.ndarray) -> Requests:
+        """The requests at these slots (an int64 array), in that order, as a Requests; their slots are freed."""
         cols = self.cols[slots]
         requests = Requests(self.calls[slots], cols,
                             self.arena[ragged_positions(self.offsets[slots], cols[:, COL["lengths"]])])
         self.release(slots)
         return requests
 
-    def release(self, slots) -> None:
-        slots = np.asarray(slots, dtype=np.int64)
-        self.used[slots] = False
+    def release(self, slots: np.ndarray) -> None:
         self.calls[slots] = None  # (no reference kept to a finished call's id)
-        self.keys[slots] = None
         self.free[self.top:self.top + len(slots)] = slots
         self.top += len(slots)
 
-    def _compact(self, needed: int) -> None:
-        live = np.flatnonzero(self.used)
+    def _compact(self, live: np.ndarray, needed: int) -> None:
         lengths = self.cols[live, COL["lengths"]]
         kept = self.arena[ragged_positions(self.offsets[live], lengths)]
         size = self.arena.size

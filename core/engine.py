@@ -54,8 +54,6 @@ from pooling_pipeline.core.serial import Decoder, Encoder
 
 IDLE_WAIT_S = 0.5
 LAUNCH_AHEAD_ENV = "POOLING_PIPELINE_LAUNCH_AHEAD"
-# While the window is full the input thread looks for room this often (it reads control meanwhile).
-FULL_WINDOW_POLL_MS = 1
 # Batches of ever-changing shapes fragment the C heap: freed memory stays in the process unless it
 # is handed back now and then (a soak of 1M requests grew the engine by 124 MB without this).
 TRIM_EVERY_STEPS = 256
@@ -73,15 +71,23 @@ MAX_REMEMBERED_ABORTED_CALLS = 1 << 16
 
 class Window:
     """How many requests the engine holds, from the input thread's read to the output thread's
-    send; shared by the three threads."""
+    send; shared by the three threads. The input thread reads a message only when the window
+    has room for a whole one (`room` requests); while it has not, the thread sleeps on `wake_fd`
+    (in its poller, beside the control socket), which a release makes readable once there is
+    room again -- no polling while full."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, room: int) -> None:
         self.size = size
+        self.room = room
         self.used = 0
         self._lock = threading.Lock()
+        self._sleeping = False  # the input thread waits for room
+        self.wake_fd, self._wake_w = os.pipe()
+        os.set_blocking(self.wake_fd, False)
+        os.set_blocking(self._wake_w, False)
 
-    def has_room(self, n: int) -> bool:
-        return self.used + n <= self.size
+    def has_room(self) -> bool:
+        return self.used + self.room <= self.size
 
     def take(self, n: int) -> None:
         with self._lock:
@@ -91,6 +97,29 @@ class Window:
         if n:
             with self._lock:
                 self.used -= n
+                wake = self._sleeping and self.used + self.room <= self.size
+                if wake:
+                    self._sleeping = False
+            if wake:
+                try:
+                    os.write(self._wake_w, b"x")
+                except BlockingIOError:
+                    pass  # a wake-up is pending already
+
+    def sleep_until_room(self) -> bool:
+        """Arms the wake-up (True), or says there is room already (False). Then poll `wake_fd`."""
+        with self._lock:
+            if self.used + self.room <= self.size:
+                return False
+            self._sleeping = True
+            return True
+
+    def woken(self) -> None:
+        try:
+            while os.read(self.wake_fd, 64):
+                pass
+        except BlockingIOError:
+            pass
 
 
 class StageTimes:
@@ -154,7 +183,7 @@ class EngineCore:
         self.encoder = Encoder(key)
         self.running = True
         self.steps = 0
-        self.window = Window(cfg.window)
+        self.window = Window(cfg.window, cfg.max_message_items)
         self.times = StageTimes()
         # input thread -> loop: ("inputs", Requests) | ("abort", call, indices) | ("shutdown",); bounded by the window.
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -375,23 +404,22 @@ class InputReader:
 
     def run(self) -> None:
         inputs, control, window = self.inputs, self.control, self.engine.window
-        room = self.cfg.max_message_items
-        control_only, both = zmq.Poller(), zmq.Poller()
-        control_only.register(control, zmq.POLLIN)
-        both.register(control, zmq.POLLIN)
-        both.register(inputs, zmq.POLLIN)
+        full, room = zmq.Poller(), zmq.Poller()
+        full.register(control, zmq.POLLIN)
+        full.register(window.wake_fd, zmq.POLLIN)
+        room.register(control, zmq.POLLIN)
+        room.register(inputs, zmq.POLLIN)
         while True:
-            has_room = window.has_room(room)
-            events = dict((both if has_room else control_only).poll(IDLE_WAIT_S * 1000 if has_room else FULL_WINDOW_POLL_MS))
+            has_room = window.has_room() or not window.sleep_until_room()
+            events = dict((room if has_room else full).poll(IDLE_WAIT_S * 1000))
             if control in events and not self._drain_control():
                 return  # Shutdown
+            if window.wake_fd in events:
+                window.woken()
             if inputs in events:
-                while window.has_room(room):
-                    try:
-                        frames = inputs.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._on_inputs(frames)
+                # Whole messages while there is room (EVENTS: cheaper than a recv that raises zmq.Again).
+                while window.has_room() and inputs.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    self._on_inputs(inputs.recv_multipart(zmq.NOBLOCK, copy=False))
 
     def _drain_control(self) -> bool:
         while True:
@@ -421,7 +449,7 @@ class InputReader:
             self.dropped_input(e)
             return
         requests = Requests.from_message(msg)
-        if len(set(requests.keys())) != len(requests):
+        if len(set(requests.keys())) != len(requests):  # (a message is one call's)
             self.dropped_input(ValueError("an input message names one request twice"))
             return
         if not self._all_valid(msg, requests):
@@ -504,7 +532,9 @@ class OutputWriter:
             msg, count = item
             if isinstance(msg, tuple):
                 msg = self._pack(*msg)
-            self.to_front.send_multipart(self.encoder.encode(msg), copy=False)
+            # Copied into ZeroMQ's own message: a zero-copy send of a frame this size goes through
+            # pyzmq's garbage-collector thread, which takes the GIL (4 context switches a step, measured).
+            self.to_front.send_multipart(self.encoder.encode(msg))
             window.release(count)
 
     def _pack(self, batch: Requests, results, padded: int, device_s: float, in_core: int) -> m.OutputBatch:

@@ -49,7 +49,9 @@ class Scheduler:
         # with the rest of the window; a batch is a run of that order, walked bucket by bucket.
         self._buckets: dict[int, list[int]] = {}
         self._lengths: list[int] = []
-        self._arrival: dict[tuple, int] = {}  # each waiting request's arrival number, by its key
+        # Each waiting request's arrival number, by call and then by its key within the call
+        # (`Requests.keys`: the index, an int -- cheap to hash -- or (index, chunk)).
+        self._arrival: dict[str, dict] = {}
         self._next_arrival = 0
         self._urgent = 0  # waiting requests with a priority other than 0
 
@@ -57,21 +59,27 @@ class Scheduler:
         return len(self.waiting)
 
     def add(self, requests: Requests) -> int:
-        """Adds requests (their keys unique among them: the engine checks) in arrival order;
-        returns how many replaced a waiting copy of themselves (re-sent requests)."""
+        """Adds one call's requests (their keys unique among them: the engine checks) in arrival
+        order; returns how many replaced a waiting copy of themselves (re-sent requests)."""
+        if not len(requests):
+            return 0
         keys = requests.keys()
+        call = requests.calls[0]
+        arrival_of = self._arrival.get(call)
+        if arrival_of is None:
+            arrival_of = self._arrival[call] = {}
         replaced = 0
-        if not self._arrival.keys().isdisjoint(keys):
+        if not arrival_of.keys().isdisjoint(keys):
             for key in keys:
-                arrival = self._arrival.pop(key, None)
+                arrival = arrival_of.pop(key, None)
                 if arrival is not None:
                     self._forget(arrival)
                     replaced += 1
-        slots = self.table.put(requests, keys)
+        slots = self.table.put(requests, self._live_slots)
         first = self._next_arrival
         arrivals = range(first, first + len(keys))
         self._next_arrival += len(keys)
-        self._arrival.update(zip(keys, arrivals))
+        arrival_of.update(zip(keys, arrivals))
         self.waiting.update(zip(arrivals, slots.tolist()))
         buckets = self._buckets
         for arrival, length in zip(arrivals, requests.lengths.tolist()):
@@ -87,15 +95,24 @@ class Scheduler:
     def abort(self, call: str, indices: list[int] | None = None) -> int:
         """Removes these requests of a call (every chunk of a chunked one; every request of the
         call when `indices` is None); returns how many were removed."""
+        arrival_of = self._arrival.get(call)
+        if not arrival_of:
+            return 0
         wanted = None if indices is None else set(indices)
-        keys = [k for k in self._arrival if k[0] == call and (wanted is None or k[1] in wanted)]
+        keys = [k for k in arrival_of
+                if wanted is None or (k if type(k) is int else k[0]) in wanted]
         for key in keys:
-            self._forget(self._arrival.pop(key))
+            self._forget(arrival_of.pop(key))
+        if not arrival_of:
+            del self._arrival[call]
         return len(keys)
+
+    def _live_slots(self) -> list[int]:
+        return list(self.waiting.values())
 
     def take_all(self) -> Requests:
         """Empties the scheduler, returning what was waiting (in arrival order)."""
-        batch = self.table.take(list(self.waiting.values()))
+        batch = self.table.take(np.asarray(self._live_slots(), dtype=np.int64))
         self.waiting.clear()
         self._buckets.clear()
         self._lengths.clear()
@@ -113,7 +130,7 @@ class Scheduler:
         if not bucket:
             del self._buckets[length]
             del self._lengths[bisect.bisect_left(self._lengths, length)]
-        self.table.release([slot])
+        self.table.release(np.asarray([slot], dtype=np.int64))
 
     def next_batch(self) -> Requests | None:
         if not self.waiting:
@@ -121,7 +138,7 @@ class Scheduler:
         # The anchor: the oldest among the most urgent (lowest priority value) waiting requests.
         anchor, slot = next(iter(self.waiting.items()))
         if self._urgent:  # (argmin keeps the first, the oldest, of ties)
-            slots = np.fromiter(self.waiting.values(), dtype=np.int64, count=len(self.waiting))
+            slots = np.asarray(self._live_slots(), dtype=np.int64)
             pick = int(np.argmin(self.table.cols[slots, PRIORITY]))
             anchor, slot = list(self.waiting)[pick], int(slots[pick])
         lengths, buckets = self._lengths, self._buckets
@@ -187,13 +204,29 @@ class Scheduler:
         for li in reversed(emptied):
             del buckets[lengths[li]]
             del lengths[li]
-        arrival_of = self._arrival
-        for key in self.table.keys[slots].tolist():
-            del arrival_of[key]
-        batch = self.table.take(slots)
+        batch = self.table.take(np.asarray(slots, dtype=np.int64))
+        self._forget_keys(batch)
         if self._urgent:
             self._urgent -= int(np.count_nonzero(batch.priority))
         return batch
+
+    def _forget_keys(self, batch: Requests) -> None:
+        """The batch's requests are no longer waiting: out of `_arrival` (call by call)."""
+        calls = batch.calls
+        keys = batch.keys()
+        if (calls == calls[0]).all():  # one call, as usual
+            groups = [(calls[0], keys)]
+        else:
+            per_call: dict[str, list] = {}
+            for call, key in zip(calls.tolist(), keys):
+                per_call.setdefault(call, []).append(key)
+            groups = per_call.items()
+        for call, call_keys in groups:
+            arrival_of = self._arrival[call]
+            for key in call_keys:
+                del arrival_of[key]
+            if not arrival_of:
+                del self._arrival[call]
 
     def _cheaper_per_token(self, real: int, padded: int, new_real: int, new_padded: int) -> bool:
         """Whether real tokens per unit of step cost (overhead + padded tokens) go up."""

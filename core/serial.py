@@ -26,7 +26,7 @@ import msgspec
 import numpy as np
 
 # Arrays smaller than this travel inline in the header: a separate frame costs more than a copy.
-INLINE_MAX_BYTES = 4096
+INLINE_MAX_BYTES = 1 << 20
 ALLOWED_DTYPES = frozenset({"<i4", "<i8", "<f4", "<f2", "<f8", "|u1", "|i1", "|b1"})
 MAX_NDIM = 4
 

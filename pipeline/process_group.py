@@ -399,7 +399,7 @@ class ProcessGroup:
         with self.send_lock:
             if self.closed:
                 raise zmq.Again()
-            self.work[worker].send_multipart(self.encoder.encode(batch), zmq.NOBLOCK, copy=False)
+            self.work[worker].send_multipart(self.encoder.encode(batch), zmq.NOBLOCK)
 
     def abort(self, call: str, indices: list[int] | None = None, engine: int | None = None) -> None:
         """Drops these requests of a call (all of them when `indices` is None) in engine core

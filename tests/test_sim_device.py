@@ -61,5 +61,5 @@ def test_a_long_call_sends_whole_messages(model_path):
         per_message = pipe._dispatcher.batch_items
     assert [o.index for o in outs] == list(range(len(texts)))
     np.testing.assert_array_equal(np.stack([o.embedding for o in outs]), _expected(ids, SIM_PRESETS["minilm-h100"].dim))
-    assert per_message == 64
+    assert per_message == 256  # (max_num_seqs=256: messages of up to 256 requests)
     assert sent <= 1.1 * len(texts) / per_message, sent

@@ -104,7 +104,7 @@ def serve(cfg: WorkerConfig, renderer, work: zmq.Socket, to_engines: list[zmq.So
         if batches:  # the time rides on the next message to the engine
             batches[0].render_s, render_s = render_s, 0.0
         for batch in batches:  # chunk mode can make many inputs
-            to_engine.send_multipart(encoder.encode(batch), copy=False)
+            to_engine.send_multipart(encoder.encode(batch))
         failed += refused
         if failed:
             to_front.send_multipart(encoder.encode(m.RenderFailed(
