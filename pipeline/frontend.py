@@ -474,6 +474,7 @@ class Call:
         self.size_of = np.zeros(capacity, np.int64)
         self.answered = np.zeros(capacity, dtype=bool)  # slot -> answered, not handed back yet
         self.tokens = np.zeros(capacity, np.int64)
+        self.scratch = np.zeros(capacity, np.int64)  # (for _live_rows)
         self.rows: np.ndarray | None = None  # [capacity, dim] float32, made with the first vectors
         self.special: dict[int, PoolingRequestOutput] = {}  # answered otherwise, by index
         self.tickets: dict[int, Ticket] = {}
@@ -597,10 +598,10 @@ class Call:
         else:
             vectors = [None] * run
         if not special:
-            out = [make(f"{prefix}{index}", index, row, num_tokens)
+            out = [make(prefix, index, row, num_tokens)
                    for index, row, num_tokens in zip(range(first, first + run), vectors, tokens)]
         else:
-            out = [special.pop(index, None) or make(f"{prefix}{index}", index, row, num_tokens)
+            out = [special.pop(index, None) or make(prefix, index, row, num_tokens)
                    for index, row, num_tokens in zip(range(first, first + run), vectors, tokens)]
         self.next_index = first + run
         self.ready_count -= run
@@ -756,8 +757,7 @@ class Call:
         self.inflight_chars += chars
 
     def _refused(self, failed: FailedRequest) -> None:
-        self._answer_special(failed.index, self.result_type(f"{self.prefix}{failed.index}", failed.index, None, 0, 1,
-                                                            failed.error))
+        self._answer_special(failed.index, self.result_type(self.prefix, failed.index, None, 0, 1, failed.error))
         self.stats.errors += 1
 
     def _answer_special(self, index: int, result: PoolingRequestOutput) -> None:
@@ -792,7 +792,7 @@ class Call:
         indices = msg.indices
         slots = indices & self.mask
         num_tokens = msg.num_prompt_tokens
-        rows = _live_rows(self.out_index, indices, slots)
+        rows = _live_rows(self.out_index, self.scratch, indices, slots)
         if rows is not None:  # some are not (or no longer) out: re-sent, aborted or forged
             self.stats.duplicates_dropped += len(indices) - len(rows)
             indices, slots, data, num_tokens = indices[rows], slots[rows], data[rows], num_tokens[rows]
@@ -813,11 +813,13 @@ class Call:
         chars = int(self.size_of[slots].sum())
         per_worker: dict[int, int] = {}
         per_engine: dict[int, int] = {}
-        if (tickets == tickets[0]).all():
-            counts = [(int(tickets[0]), len(slots))]
-        else:
-            numbers, sizes = np.unique(tickets, return_counts=True)
-            counts = zip(numbers.tolist(), sizes.tolist())
+        low = int(tickets.min())
+        if low == int(tickets.max()):
+            counts = [(low, len(slots))]
+        else:  # (ticket numbers in flight are a short range: a bincount, no sort)
+            sizes = np.bincount(tickets - low)
+            numbers = np.flatnonzero(sizes)
+            counts = zip((numbers + low).tolist(), sizes[numbers].tolist())
         for number, count in counts:
             ticket = self.tickets[number]
             ticket.pending -= count
@@ -871,7 +873,7 @@ class Call:
                 params = self._options_of(index).params
                 data, num_tokens = chunks.finish(params, self.default_normalize), chunks.tokens
                 del self.chunks[index]
-            result = self.result_type(f"{self.prefix}{index}", index, data, num_tokens, num_chunks)
+            result = self.result_type(self.prefix, index, data, num_tokens, num_chunks)
             if sparse_ids is not None:
                 result.indices = sparse_ids[i]
             out_index[slot] = -1
@@ -945,18 +947,23 @@ class Call:
         if options.long_inputs == "chunk":  # its other chunks would be computed for nothing
             self.chunks.pop(index, None)
             self.dispatcher.group.abort(self.prefix, [index], ticket.engine)
-        self._answer_special(index, self.result_type(f"{self.prefix}{index}", index, None, 0, 1, error))
+        self._answer_special(index, self.result_type(self.prefix, index, None, 0, 1, error))
         self.stats.errors += 1
         if self.progress is not None:
             self.progress.update(1)
 
 
-def _live_rows(out_index: np.ndarray, indices: np.ndarray, slots: np.ndarray) -> np.ndarray | None:
+def _live_rows(out_index: np.ndarray, scratch: np.ndarray, indices: np.ndarray, slots: np.ndarray) -> np.ndarray | None:
     """The rows of an answer to accept -- those whose index is out (a stale index may share its
-    slot with a live one: only the live one counts), each index once -- or None for all."""
+    slot with a live one: only the live one counts), each index once -- or None for all.
+    `scratch` (one entry per slot) finds a slot named twice without a sort: each row writes its
+    position there, and only the last writer of a slot reads its own back."""
     live = out_index[slots] == indices
-    if live.all() and (len(slots) < 2 or np.unique(slots).size == len(slots)):
+    positions = np.arange(len(slots))
+    scratch[slots] = positions
+    once = scratch[slots] == positions
+    if live.all() and once.all():
         return None
     rows = np.flatnonzero(live)
-    _, first = np.unique(slots[rows], return_index=True)  # (a message naming one request twice)
-    return rows[np.sort(first)]
+    scratch[slots[rows[::-1]]] = rows[::-1]  # the first live row of each slot writes last: it is kept
+    return rows[scratch[slots[rows]] == rows]

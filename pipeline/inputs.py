@@ -100,6 +100,7 @@ def build_requests(prompts: object, opts: CallOptions, spec: ModelSpec, tokeniza
 
 
 TEXT, PAIR, IDS, ITEM = range(4)  # what a Block carries: texts, (query, document) pairs, token ids, RenderParams
+_SIZED = frozenset({str, np.ndarray, list, tuple})  # prompts whose len() is about what they hold
 
 
 class Block:
@@ -187,31 +188,71 @@ class RequestSource:
         blocks of consecutive requests of one input form, and the requests refused here
         (errors="return"; with errors="raise" the first refusal raises).
         Stops early once the requests drawn hold `max_chars` characters (at least one is drawn)."""
+        prompts, exhausted = self._read(limit, max_chars)
+        first = self.index
+        self.index += len(prompts)
+        out = None
+        if self.shared is not None and not self.opts.pairs and not self.opts.plugin and prompts:
+            block = self._plain_block(first, prompts)  # the usual block: checked whole
+            if block is not None:
+                out = [block]
+        if out is None:
+            out = self._checked_one_by_one(first, prompts)
+        if exhausted:
+            self._finish()
+        return out
+
+    def _read(self, limit: int, max_chars: int) -> tuple[list, bool]:
+        """The next prompts: at most `limit`, and no more once they hold `max_chars` characters
+        (a generator is read one at a time, never ahead); and whether the input is exhausted."""
+        prompts: list = []
+        chars = 0
+        for prompt in itertools.islice(self.prompts, limit):
+            prompts.append(prompt)
+            chars += len(prompt) if type(prompt) in _SIZED else 1
+            if chars >= max_chars:
+                return prompts, False
+        return prompts, len(prompts) < limit
+
+    def _plain_block(self, first: int, prompts: list) -> Block | None:
+        """The prompts as one Block when they are all texts (valid Unicode), or all 1-D integer
+        arrays with every id in the vocabulary: checked with a few calls for the whole block. None
+        otherwise (then each is checked alone, and a bad one is named)."""
+        kinds = set(map(type, prompts))
+        indices = list(range(first, first + len(prompts)))
+        if kinds == {str}:
+            joined = "".join(prompts)
+            if not joined.isascii() and not _valid_unicode(joined):
+                return None
+            return Block(indices, list(map(len, prompts)), self.shared, texts=prompts)
+        if kinds != {np.ndarray}:
+            return None
+        try:
+            flat = np.concatenate(prompts)  # (a copy: the caller may change its arrays later)
+        except ValueError:  # arrays of no or of different dimensions
+            return None
+        if flat.ndim != 1 or flat.dtype.kind not in "iu" or flat.dtype == np.uint64:
+            return None  # (int64 with uint64 concatenates to float64: refused here too)
+        lengths = np.fromiter(map(len, prompts), dtype=np.int64, count=len(prompts))
+        if int(lengths.min()) < 1:
+            return None
+        # One reduction: read as unsigned, a negative id is huge.
+        wide = flat.view(np.uint32) if flat.dtype == np.int32 else flat.astype(np.int64).view(np.uint64)
+        if int(wide.max()) >= self.spec.vocab_size:
+            return None
+        return Block(indices, lengths.tolist(), self.shared, token_ids=flat.astype(np.int32, copy=False),
+                     lengths=lengths)
+
+    def _checked_one_by_one(self, first: int, prompts: list) -> list[Block | FailedRequest]:
         out: list[Block | FailedRequest] = []
         form, indices, payload, sizes = -1, [], [], []
-        chars = 0
-        drawn = 0
-        shared = self.shared
-        plain = shared is not None and not self.opts.pairs and not self.opts.plugin
-        for prompt in itertools.islice(self.prompts, limit):
-            index = self.index
-            self.index += 1
-            drawn += 1
-            # The usual requests, without a detour: a text, or an integer array.
-            kind = type(prompt)
-            if plain and kind is str and (prompt.isascii() or _valid_unicode(prompt)):
-                this, value, size = TEXT, prompt, len(prompt)
-            elif plain and kind is np.ndarray and prompt.ndim == 1 and prompt.size and prompt.dtype.kind in "iu" \
-                    and prompt.dtype != np.uint64:
-                this, value, size = IDS, prompt, prompt.size
-            else:
-                try:
-                    this, value = self._checked(prompt, index)
-                except (ValueError, TypeError) as e:
-                    if self.opts.errors != "return":
-                        raise
-                    this, value = -1, FailedRequest(index, str(e))
-                size = 1 if this < 0 else _size(this, value)
+        for index, prompt in enumerate(prompts, first):
+            try:
+                this, value = self._checked(prompt, index)
+            except (ValueError, TypeError) as e:
+                if self.opts.errors != "return":
+                    raise
+                this, value = -1, FailedRequest(index, str(e))
             if this != form and indices:
                 out.extend(self._close(form, indices, payload, sizes))
                 indices, payload, sizes = [], [], []
@@ -221,14 +262,9 @@ class RequestSource:
                 continue
             indices.append(index)
             payload.append(value)
-            sizes.append(size)
-            chars += size
-            if chars >= max_chars:
-                break
+            sizes.append(_size(this, value))
         if indices:
             out.extend(self._close(form, indices, payload, sizes))
-        if drawn < limit and (not indices or chars < max_chars):
-            self._finish()
         return out
 
     def _checked(self, prompt: object, index: int) -> tuple[int, object]:

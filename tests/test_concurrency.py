@@ -315,6 +315,8 @@ def test_an_answer_is_accepted_by_index_even_when_a_stale_one_shares_its_slot():
     out_index = np.full(mask + 1, -1, np.int64)
     out_index[[75, 76, 80]] = [331, 332, 80]  # 331 and 332 are out; 75 was handed back long ago
     indices = np.array([75, 331, 332, 332, 80, 7])  # a stale one in 331's slot, 332 twice, 7 never sent
-    rows = _live_rows(out_index, indices, indices & mask)
+    scratch = np.zeros(mask + 1, np.int64)
+    rows = _live_rows(out_index, scratch, indices, indices & mask)
     assert indices[rows].tolist() == [331, 332, 80]
-    assert _live_rows(out_index, np.array([331, 332]), np.array([331, 332]) & mask) is None  # all live: no copy
+    assert _live_rows(out_index, scratch, np.array([331, 332]), np.array([331, 332]) & mask) is None  # all live
+    assert _live_rows(out_index, scratch, np.array([332, 331, 332]), np.array([332, 331, 332]) & mask).tolist() == [0, 1]
