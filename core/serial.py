@@ -25,8 +25,11 @@ from typing import Any
 import msgspec
 import numpy as np
 
-# Arrays smaller than this travel inline in the header: a separate frame costs more than a copy.
-INLINE_MAX_BYTES = 1 << 20
+# Arrays up to this size travel inline in the header: a separate frame costs more than a copy
+# (every frame is a GIL hand-off in pyzmq; a message's packed token ids, a few dozen KB, stay
+# inline). Larger ones (a step's vectors, ~260 KB for 170 MiniLM embeddings) get their own frame:
+# copied once by ZeroMQ instead of three times through the header, and read as a view.
+INLINE_MAX_BYTES = 1 << 16
 ALLOWED_DTYPES = frozenset({"<i4", "<i8", "<f4", "<f2", "<f8", "|u1", "|i1", "|b1"})
 MAX_NDIM = 4
 
