@@ -95,8 +95,9 @@ class Requests:
     def select(self, rows) -> Requests:
         """These rows (positions, in any order), as a Requests of their own."""
         rows = np.asarray(rows, dtype=np.int64)
-        return Requests(self.calls[rows], self.cols[rows],
-                        self.token_ids[ragged_positions(self.starts[rows], self.lengths[rows])])
+        cols = self.cols.take(rows, axis=0)
+        return Requests(self.calls.take(rows), cols,
+                        self.token_ids.take(ragged_positions(self.starts.take(rows), cols[:, COL["lengths"]])))
 
     def keys(self) -> list:
         """Each request's identity within its call: its index, or (index, chunk) for a chunk of a
@@ -177,9 +178,10 @@ class RequestTable:
 
     def take(self, slots: np.ndarray) -> Requests:
         """The requests at these slots (an int64 array), in that order, as a Requests; their slots are freed."""
-        cols = self.cols[slots]
-        requests = Requests(self.calls[slots], cols,
-                            self.arena[ragged_positions(self.offsets[slots], cols[:, COL["lengths"]])])
+        # (ndarray.take: a gather 2-4x faster than fancy indexing)
+        cols = self.cols.take(slots, axis=0)
+        requests = Requests(self.calls.take(slots), cols,
+                            self.arena.take(ragged_positions(self.offsets.take(slots), cols[:, COL["lengths"]])))
         self.release(slots)
         return requests
 

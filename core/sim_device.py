@@ -101,7 +101,8 @@ class SimRunner:
         padded = ids.size
         device_s = self.sim.step_s + self.sim.token_s * padded
         self.free_at = max(time.perf_counter(), self.free_at) + device_s
-        return self.table[sim_keys(batch.token_ids, batch.starts, batch.lengths)], padded, device_s, self.free_at
+        rows = self.table.take(sim_keys(batch.token_ids, batch.starts, batch.lengths), axis=0)
+        return rows, padded, device_s, self.free_at
 
     def finish(self, step) -> tuple[np.ndarray, int, float]:
         rows, padded, device_s, done_at = step

@@ -590,9 +590,9 @@ class Call:
         slots = np.arange(first, first + run) & mask
         answered[slots] = False
         make, prefix, special = self.result_type, self.prefix, self.special
-        tokens = self.tokens[slots].tolist()
+        tokens = self.tokens.take(slots).tolist()
         if self.rows is not None:
-            vectors = self.rows[slots]  # (a copy: a gather)
+            vectors = self.rows.take(slots, axis=0)  # (a copy: a gather)
             if not self.keep_all:
                 vectors = [row.copy() for row in vectors]
         else:
