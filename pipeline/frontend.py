@@ -462,7 +462,7 @@ class Call:
         self.default_normalize = default_normalize
         self.result_type = OUTPUT_TYPES.get(opts.task, PoolingRequestOutput)  # what the caller gets back
         self.errors = opts.errors  # "raise": the first failure ends the call; "return": it becomes an output
-        # keep_all (a list call: every result is kept): results handed back together share one
+        # keep_all (a list call: every result is kept): the results of one answer share one
         # array; in a stream each result gets a copy of its own row, so that keeping a few of
         # them does not keep their neighbours' memory too.
         self.keep_all = keep_all
@@ -475,7 +475,7 @@ class Call:
         self.answered = np.zeros(capacity, dtype=bool)  # slot -> answered, not handed back yet
         self.tokens = np.zeros(capacity, np.int64)
         self.scratch = np.zeros(capacity, np.int64)  # (for _live_rows)
-        self.rows: np.ndarray | None = None  # [capacity, dim] float32, made with the first vectors
+        self.vectors: list = [None] * capacity  # slot -> its answer's own vector (the usual outputs)
         self.special: dict[int, PoolingRequestOutput] = {}  # answered otherwise, by index
         self.tickets: dict[int, Ticket] = {}
         self.next_ticket = 0
@@ -591,12 +591,12 @@ class Call:
         answered[slots] = False
         make, prefix, special = self.result_type, self.prefix, self.special
         tokens = self.tokens.take(slots).tolist()
-        if self.rows is not None:
-            vectors = self.rows.take(slots, axis=0)  # (a copy: a gather)
-            if not self.keep_all:
-                vectors = [row.copy() for row in vectors]
-        else:
-            vectors = [None] * run
+        # The vectors of slots start .. start + run, the ring's end and start when it wraps.
+        stored, end = self.vectors, start + run
+        vectors = stored[start:end] + stored[:max(0, end - len(stored))]
+        stored[start:end] = [None] * (min(end, len(stored)) - start)  # (the results hold them now)
+        if end > len(stored):
+            stored[:end - len(stored)] = [None] * (end - len(stored))
         if not special:
             out = [make(prefix, index, row, num_tokens)
                    for index, row, num_tokens in zip(range(first, first + run), vectors, tokens)]
@@ -782,8 +782,7 @@ class Call:
         depths["frontend_inflight"].add(self.issued - self.next_index)
         depths["reorder_buffer"].add(self.ready_count)
         data = msg.data
-        if (data is not None and msg.chunks is None and msg.sparse_ids is None
-                and (self.rows is None or self.rows.shape[1] == data.shape[1])):
+        if data is not None and msg.chunks is None and msg.sparse_ids is None:
             self._on_vectors(msg, data)  # the usual case: one vector each, in array operations
         else:
             self._on_special_outputs(msg)
@@ -798,9 +797,13 @@ class Call:
             indices, slots, data, num_tokens = indices[rows], slots[rows], data[rows], num_tokens[rows]
             if not len(indices):
                 return
-        if self.rows is None:
-            self.rows = np.zeros((self.mask + 1, data.shape[1]), np.float32)
-        self.rows[slots] = data
+        # Each answer's own vector (the frame they came in is released): for a list call one copy
+        # of the message's rows, each a view of it (every result is kept anyway); in a stream a
+        # copy per row, so that a caller keeping a few results keeps no neighbours' memory.
+        rows = list(data.copy()) if self.keep_all else [row.copy() for row in data]
+        vectors = self.vectors
+        for slot, row in zip(slots.tolist(), rows):
+            vectors[slot] = row
         self.tokens[slots] = num_tokens
         self.out_index[slots] = -1
         self.answered[slots] = True
