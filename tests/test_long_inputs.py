@@ -27,6 +27,14 @@ def test_left_truncation_keeps_the_last_tokens(pipe, st_model):
     assert left[0].num_prompt_tokens == 256
     np.testing.assert_allclose(left[0].embedding, ref[0].embedding, atol=TOL, rtol=0)
     np.testing.assert_allclose(left[1].embedding, st_model.encode("short"), atol=TOL, rtol=0)
+    # Token ids are cut on the same side: the last ones kept with truncation_side="left".
+    long_ids = np.asarray(tok(doc[:20_000])["input_ids"], np.int32)
+    for side, kept in (("left", long_ids[-40:]), ("right", long_ids[:40])):
+        for prompt in (long_ids, {"prompt_token_ids": long_ids.tolist()}):  # the fast path and the other
+            cut = pipe.embed([prompt], truncation_side=side, truncate_prompt_tokens=40, use_tqdm=False)[0]
+            whole = pipe.embed([kept], use_tqdm=False)[0]
+            assert cut.num_prompt_tokens == 40
+            np.testing.assert_allclose(cut.embedding, whole.embedding, atol=TOL, rtol=0)
     with pytest.raises(ValueError, match="truncation_side must be one of 'left', 'right' or None"):
         pipe.embed([doc], truncation_side="middle")
 
