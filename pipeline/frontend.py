@@ -782,6 +782,8 @@ class Call:
         depths["frontend_inflight"].add(self.issued - self.next_index)
         depths["reorder_buffer"].add(self.ready_count)
         data = msg.data
+        if not len(msg.indices):  # (the engine sends none; a well-formed empty one changes nothing)
+            return
         if data is not None and msg.chunks is None and msg.sparse_ids is None:
             self._on_vectors(msg, data)  # the usual case: one vector each, in array operations
         else:

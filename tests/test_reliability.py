@@ -417,3 +417,35 @@ def test_a_failed_chunk_aborts_the_documents_other_chunks(tmp_path, model_path, 
 
 def _rows(log: Path) -> int:
     return sum(int(line) for line in log.read_text().split()) if log.exists() else 0
+
+
+def test_odd_answers_with_the_groups_key_leave_a_running_call_exact(pipe, st_model):
+    """Answers that a group member could send by mistake -- an empty one, one for an index long
+    handed back (it shares its ring slot with one still out), one for an index never sent, one
+    naming a request twice -- are dropped or counted once; every result is still the model's."""
+    texts = corpus.sentences(2000, seed=78)
+    reference = st_model.encode(texts)
+    group = pipe._group
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.connect(group.endpoints["results"])
+    try:
+        stream = pipe.embed_stream(iter(texts))
+        outs = [next(stream) for _ in range(1200)]
+        call = next(iter(pipe._dispatcher.calls.values()))
+        capacity = call.mask + 1
+        fake = np.full((1, 384), 1 / np.sqrt(384), np.float32)
+        odd = [m.OutputBatch([call.prefix], np.zeros(0, np.int64), np.zeros(0, np.int64), 0.0, 0, 0, None,
+                             np.zeros((0, 384), np.float32)),
+               m.OutputBatch([call.prefix], np.array([5]), np.array([3]), 0.0, 3, 1, None, fake),  # handed back
+               m.OutputBatch([call.prefix], np.array([10**9]), np.array([3]), 0.0, 3, 1, None, fake)]  # never sent
+        stale = 1200 - capacity if 1200 >= capacity else 0
+        odd.append(m.OutputBatch([call.prefix], np.array([stale, stale]), np.array([3, 3]), 0.0, 6, 1, None,
+                                 np.tile(fake, (2, 1))))
+        for msg in odd:
+            sock.send_multipart(group.encoder.encode(msg))
+        outs += list(stream)
+    finally:
+        sock.close(0)
+    assert [o.index for o in outs] == list(range(len(texts)))
+    np.testing.assert_allclose(np.stack([o.embedding for o in outs]), reference, atol=TOL, rtol=0)
+    assert pipe.stats()["duplicates_dropped"] >= 3
