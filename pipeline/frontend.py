@@ -682,11 +682,13 @@ class Call:
         if self.exhausted:
             return
         dispatcher = self.dispatcher
-        if self._can_wait_for_a_full_batch():
-            return
         source, batch_items = self.source, self.batch_items
         while True:
             if not self.granted:
+                # Checked before every grant, not once a turn: while this loop sends, results
+                # free a few slots at a time, and each grant would become a small message.
+                if self._can_wait_for_a_full_batch():
+                    break
                 self.granted = dispatcher.acquire(self, batch_items)
                 if not self.granted:
                     break
