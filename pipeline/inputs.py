@@ -142,8 +142,9 @@ class RequestSource:
     """A call's prompts, checked and drawn in blocks as the frontend asks for them (`take`).
 
     The usual call -- texts or token-id arrays, one set of options for all -- takes a fast path:
-    the options are resolved once into one RenderOptions, a prompt costs a type check and an
-    append, and a block's token ids are copied and range-checked in one reduction. Anything
+    the options are resolved once into one RenderOptions, a block of prompts (a message's worth)
+    is checked whole (all texts, or all integer arrays: one concatenation and one range check for
+    the ids), and only a block that fails that check is gone through prompt by prompt. Anything
     else (per-request options, dict prompts, conversations, pairs, plugin data) is checked
     prompt by prompt, each with its own options where they differ."""
 
