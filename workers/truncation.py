@@ -41,7 +41,6 @@ Prepend normalizer, no ByteLevel add_prefix_space).
 
 from __future__ import annotations
 
-import json
 import re
 import unicodedata
 from collections.abc import Iterator
@@ -49,6 +48,7 @@ from dataclasses import dataclass
 
 from tokenizers import Encoding, Tokenizer
 
+from pooling_pipeline.workers.tokenizer_shape import describe, flatten
 from pooling_pipeline.workers.word_cache import WordCache
 
 # Normalizers that map each character on its own. (Strip and Prepend touch only the ends of the
@@ -97,14 +97,14 @@ class PrefixRule:
 
 
 def analyse_tokenizer(tokenizer: Tokenizer) -> PrefixRule:
-    desc = json.loads(tokenizer.to_str())
+    desc = describe(tokenizer)
     cut_chars = WHITESPACE
     suffix_exact = True
     for added in desc.get("added_tokens") or []:
         if any(ch.isspace() for ch in added.get("content", "")):
             return PrefixRule(False, "", f"added token {added.get('content')!r} contains whitespace")
 
-    for norm in _flatten(desc.get("normalizer"), "normalizers"):
+    for norm in flatten(desc.get("normalizer"), "normalizers"):
         kind = norm.get("type")
         if kind == "Replace":
             pattern = (norm.get("pattern") or {}).get("String")
@@ -121,7 +121,7 @@ def analyse_tokenizer(tokenizer: Tokenizer) -> PrefixRule:
         elif kind not in _LOCAL_NORMALIZERS:
             return PrefixRule(False, "", f"normalizer {kind} is not known to be prefix-safe")
 
-    pre_tokenizers = _flatten(desc.get("pre_tokenizer"), "pretokenizers")
+    pre_tokenizers = flatten(desc.get("pre_tokenizer"), "pretokenizers")
     splitters = []
     split_kinds = set()  # the families of the splitters, for text without whitespace
     prefix_space = False  # something adds a space in front of a text's first word
@@ -156,17 +156,6 @@ def analyse_tokenizer(tokenizer: Tokenizer) -> PrefixRule:
             added_chars.update(form)
     return PrefixRule(True, cut_chars, "", suffix_exact, split_kind, suffix_exact and not prefix_space,
                       frozenset(added_chars))
-
-
-def _flatten(node: dict | None, key: str) -> list[dict]:
-    if not node:
-        return []
-    if node.get("type") == "Sequence":
-        out: list[dict] = []
-        for child in node.get(key) or []:
-            out.extend(_flatten(child, key))
-        return out
-    return [node]
 
 
 class TruncatingTokenizer:

@@ -29,11 +29,12 @@ refilled by the words that come next (the frequent ones come back first).
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import re
 
 from tokenizers import Tokenizer
+
+from pooling_pipeline.workers.tokenizer_shape import describe, flatten
 
 WORD_CACHE_ENV = "POOLING_PIPELINE_WORD_CACHE"  # "0" turns the shortcut off (for A/B measurements)
 MAX_CACHED_WORDS = 1 << 17  # ~30 MB of words and ids per worker at most
@@ -77,13 +78,13 @@ class WordCache:
         else None (then every text goes through the library)."""
         if os.environ.get(WORD_CACHE_ENV, "1") == "0":
             return None
-        desc = json.loads(tokenizer.to_str())
+        desc = describe(tokenizer)
         if (desc.get("model") or {}).get("type") != "WordPiece":
             return None
         if (desc.get("pre_tokenizer") or {}).get("type") != "BertPreTokenizer":
             return None
         lowercase = False
-        for norm in _flatten(desc.get("normalizer")):
+        for norm in flatten(desc.get("normalizer"), "normalizers"):
             kind = norm.get("type")
             if kind not in _ASCII_NEUTRAL_NORMALIZERS:
                 return None
@@ -163,11 +164,3 @@ def _added_token_forms(tokenizer: Tokenizer, added_tokens: list[dict]) -> list[s
             if normalized:
                 forms.add(normalized)
     return sorted(forms)
-
-
-def _flatten(node: dict | None) -> list[dict]:
-    if not node:
-        return []
-    if node.get("type") == "Sequence":
-        return [leaf for child in node.get("normalizers") or [] for leaf in _flatten(child)]
-    return [node]
