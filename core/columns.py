@@ -15,15 +15,11 @@ from __future__ import annotations
 import numpy as np
 
 from pooling_pipeline.core.options import TASKS
+from pooling_pipeline.core.schema import PARAM_CODES, TABLE_COLUMNS, blank_table, ragged_positions
 
-# Per-request pooling options as small integers (what the engine reads of PoolingParams; the
-# worker has applied truncate_prompt_tokens already): task as its position in TASKS, and for the
-# optional ones -1 for None (normalize, use_activation: 0 or 1 otherwise; dimensions: the count).
-# They are the columns of one [n, len(COLUMNS)] int64 matrix, so that selecting, storing and
-# gathering requests is one fancy-indexing operation, not one per column.
-COLUMNS = ("indices", "lengths", "task", "normalize", "dimensions", "use_activation",
-           "token_type_start", "pool_start", "priority", "chunk", "num_chunks")
-COL = {name: k for k, name in enumerate(COLUMNS)}
+# Each request is one row of an int64 matrix whose columns are `schema.TABLE_COLUMNS`, so that
+# selecting, storing and gathering requests is one array operation, not one per column.
+COL = {name: k for k, name in enumerate(TABLE_COLUMNS)}
 TASK_CODE = {task: code for code, task in enumerate(TASKS)}
 
 
@@ -31,13 +27,9 @@ def _option_code(value: bool | int | None) -> int:
     return -1 if value is None else int(value)
 
 
-def _column(k: int) -> property:
-    return property(lambda self: self.cols[:, k], doc=f"the column {COLUMNS[k]!r} (a view of `cols`)")
-
-
 class Requests:
     """Requests in columns: `calls`, an object array of call ids (one per request); `cols`, the
-    [n, len(COLUMNS)] int64 matrix (each column also as an attribute: `lengths`, `indices`, ...);
+    [n, len(TABLE_COLUMNS)] int64 matrix (each column also as an attribute: `lengths`, `indices`, ...);
     `token_ids`, the requests' ids back to back (int32); `starts`, where each request's begin."""
 
     __slots__ = ("calls", "cols", "token_ids", "starts")
@@ -49,38 +41,22 @@ class Requests:
         lengths = cols[:, COL["lengths"]]
         self.starts = np.cumsum(lengths) - lengths
 
-    indices = _column(COL["indices"])  # the position in its call's input
-    lengths = _column(COL["lengths"])  # token ids
-    task = _column(COL["task"])  # TASK_CODE
-    normalize = _column(COL["normalize"])
-    dimensions = _column(COL["dimensions"])
-    use_activation = _column(COL["use_activation"])
-    token_type_start = _column(COL["token_type_start"])  # first token of type 1; -1: none
-    pool_start = _column(COL["pool_start"])
-    priority = _column(COL["priority"])
-    chunk = _column(COL["chunk"])  # -1: a whole request
-    num_chunks = _column(COL["num_chunks"])
-
     @classmethod
     def from_message(cls, msg) -> Requests:
         """An EngineInputBatch's columns (the message checked with `msg.check()`); `task` is
         the code of the task named (-2 for a task the vocabulary does not know)."""
         n = len(msg.indices)
-        cols = np.empty((n, len(COLUMNS)), dtype=np.int64)
-        table = np.asarray([[TASK_CODE.get(t, -2), _option_code(p.normalize), _option_code(p.dimensions),
+        cols = blank_table(n)
+        # (in the order of PARAM_CODES)
+        codes = np.asarray([[TASK_CODE.get(t, -2), _option_code(p.normalize), _option_code(p.dimensions),
                              _option_code(p.use_activation)] for t, p in zip(msg.tasks, msg.params)], dtype=np.int64)
-        kinds = slice(COL["task"], COL["use_activation"] + 1)
-        cols[:, kinds] = table[0] if msg.param_of is None else table[msg.param_of]
+        param_of = msg.columns.get("param_of")
+        cols[:, COL[PARAM_CODES[0]]:COL[PARAM_CODES[-1]] + 1] = codes[0] if param_of is None else codes[param_of]
         cols[:, COL["indices"]] = msg.indices
         cols[:, COL["lengths"]] = msg.lengths
-        for name, column, default in (("token_type_start", msg.token_type_start, -1),
-                                      ("pool_start", msg.pool_start, 0), ("priority", msg.priority, 0)):
-            cols[:, COL[name]] = default if column is None else column
-        if msg.chunks is None:
-            cols[:, COL["chunk"]] = -1
-            cols[:, COL["num_chunks"]] = 0
-        else:
-            cols[:, COL["chunk"]:COL["num_chunks"] + 1] = msg.chunks
+        for name, values in msg.columns.items():
+            if name != "param_of":
+                cols[:, COL[name]] = values
         calls = np.empty(n, dtype=object)
         calls[:] = msg.call
         return cls(calls, cols, msg.token_ids)
@@ -118,13 +94,11 @@ class Requests:
         return ids, mask
 
 
-def ragged_positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The positions starts[i] .. starts[i] + lengths[i] - 1 of every i, back to back."""
-    total = int(lengths.sum())
-    if not total:
-        return np.zeros(0, np.int64)
-    out_starts = np.cumsum(lengths) - lengths
-    return np.repeat(starts - out_starts, lengths) + np.arange(total)
+# Every column of the table is also an attribute of Requests (`requests.lengths`, `.priority`,
+# `.chunk`, ...): a view of that column of `cols`.
+for _k, _name in enumerate(TABLE_COLUMNS):
+    setattr(Requests, _name, property(lambda self, k=_k: self.cols[:, k], doc=f"the column {_name!r} (a view of `cols`)"))
+del _k, _name
 
 
 class RequestTable:
@@ -139,7 +113,7 @@ class RequestTable:
     def __init__(self, capacity: int) -> None:
         self.capacity = 0
         self.calls = np.empty(0, dtype=object)
-        self.cols = np.zeros((0, len(COLUMNS)), np.int64)
+        self.cols = np.zeros((0, len(TABLE_COLUMNS)), np.int64)
         self.offsets = np.zeros(0, np.int64)  # where each slot's ids begin in the arena
         self.free = np.zeros(0, np.int64)  # a stack: free[:top] are free slots
         self.top = 0
@@ -150,7 +124,7 @@ class RequestTable:
     def _grow(self, capacity: int) -> None:
         old, extra = self.capacity, capacity - self.capacity
         self.calls = np.concatenate([self.calls, np.empty(extra, dtype=object)])
-        self.cols = np.concatenate([self.cols, np.zeros((extra, len(COLUMNS)), np.int64)])
+        self.cols = np.concatenate([self.cols, np.zeros((extra, len(TABLE_COLUMNS)), np.int64)])
         self.offsets = np.concatenate([self.offsets, np.zeros(extra, np.int64)])
         stack = np.concatenate([np.arange(capacity - 1, old - 1, -1), self.free[:self.top]])
         self.free = np.zeros(capacity, np.int64)
@@ -201,3 +175,52 @@ class RequestTable:
         self.arena = arena
         self.offsets[live] = np.cumsum(lengths) - lengths
         self.head = kept.size
+
+
+def task_lookup(tasks) -> np.ndarray:
+    """Whether each task code is one of `tasks`, indexed by code + 2 (codes -2, -1: no task)."""
+    return np.asarray([False, False] + [task in tasks for task in TASKS])
+
+
+def invalid_rows(requests: Requests, model, runs_task: np.ndarray) -> list[tuple[int, str]]:
+    """The rows an engine must refuse, each with the first rule it breaks; [] for a valid
+    message, the usual case, found with a few array operations over the whole message.
+    `model` is the ModelSpec; `runs_task`, its `task_lookup`."""
+    n = len(requests)
+    if not n:
+        return []
+    if requests.token_ids.dtype != np.int32:  # (the wire carries any allowed dtype)
+        return [(row, f"engine input must be int32 token ids, got {requests.token_ids.dtype}")
+                for row in range(n)]
+    lengths, task = requests.lengths, requests.task
+    types, pool, dims = requests.token_type_start, requests.pool_start, requests.dimensions
+    chunk, num_chunks = requests.chunk, requests.num_chunks
+    # Rules in the order a row's reason is chosen: (broken, why) with `why(row)` the message.
+    rules = [
+        (~runs_task.take(task + 2),
+         lambda row: f"the task is not one this model runs ({model.tasks})"),
+        ((types < -1) | (types >= lengths), lambda row: f"token_type_start {types[row]} is outside the prompt"),
+        (pool < 0, lambda row: f"pool_start {pool[row]} is negative"),
+        ((dims == 0) | (dims < -1), lambda row: f"dimensions {dims[row]} is not a positive count"),
+        ((chunk != -1) & ((chunk < 0) | (chunk >= num_chunks)),
+         lambda row: f"chunk {chunk[row]} of {num_chunks[row]} is not a chunk of its document"),
+        ((lengths < 1) | (lengths > model.max_model_len),
+         lambda row: f"engine input has {lengths[row]} tokens; the model takes 1 to {model.max_model_len}"),
+    ]
+    ids = requests.token_ids
+    if ids.size and int(ids.view(np.uint32).max()) >= model.vocab_size:  # read as unsigned, a negative id is huge
+        rows = np.flatnonzero(lengths > 0)
+        row_max = np.zeros(n, np.uint32)
+        row_max[rows] = np.maximum.reduceat(ids.view(np.uint32), requests.starts[rows])
+        rules.append((row_max >= model.vocab_size,
+                      lambda row: f"engine input has token ids outside [0, {model.vocab_size})"))
+    broken = np.zeros(n, bool)
+    for mask, _ in rules:
+        broken |= mask
+    if not broken.any():
+        return []
+    out = []
+    for row in np.flatnonzero(broken).tolist():
+        why = next(why for mask, why in rules if mask[row])
+        out.append((row, why(row)))
+    return out

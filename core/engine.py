@@ -35,9 +35,8 @@ import numpy as np
 import zmq
 
 from pooling_pipeline.core import messages as m
-from pooling_pipeline.core.columns import Requests
+from pooling_pipeline.core.columns import Requests, invalid_rows, task_lookup
 from pooling_pipeline.core.config import EngineConfig
-from pooling_pipeline.core.options import TASKS
 from pooling_pipeline.core.runtime import (
     BusyClock,
     DropLog,
@@ -207,8 +206,8 @@ class EngineCore:
         to_front.send_multipart(self.encoder.encode(m.Ready("engine", self.cfg.index, os.getpid(), info=self.ready_info())))
         start_heartbeat(ctx, self.cfg.output_endpoint, "engine", self.cfg.index, self.clock, self.key)
         # Each socket is used by one thread only: these two by the input thread, to_front by the output thread.
-        reader = InputReader(self, inputs, control)
-        writer = OutputWriter(self, to_front)
+        reader = InputThread(self, inputs, control)
+        writer = OutputThread(self, to_front)
         threads = [threading.Thread(target=_or_die(reader.run, self.log), name="engine-input", daemon=True),
                    threading.Thread(target=_or_die(writer.run, self.log), name="engine-output", daemon=True)]
         for t in threads:
@@ -387,7 +386,7 @@ class AbortMemory:
         return None if len(keep) == len(requests) else requests.select(keep)
 
 
-class InputReader:
+class InputThread:
     """The input thread: reads control always and inputs while the window has room; decodes and
     validates; hands the loop what it must act on."""
 
@@ -400,7 +399,7 @@ class InputReader:
         self.control_decoder = Decoder(m.EngineControl, key=key)
         self.dropped_control = DropLog(engine.log, "a malformed or foreign control message")
         self.dropped_input = DropLog(engine.log, "a malformed or foreign input message")
-        self.tasks = frozenset(engine.cfg.model.tasks)
+        self.runs_task = task_lookup(engine.cfg.model.tasks)
 
     def run(self) -> None:
         inputs, control, window = self.inputs, self.control, self.engine.window
@@ -452,71 +451,21 @@ class InputReader:
         if len(set(requests.keys())) != len(requests):  # (a message is one call's)
             self.dropped_input(ValueError("an input message names one request twice"))
             return
-        if not self._all_valid(msg, requests):
-            requests = self._refuse_invalid(msg, requests)
+        rejected = invalid_rows(requests, self.cfg.model, self.runs_task)
+        if rejected:  # a well-formed message with bad contents: those requests are refused, the rest kept
+            self.engine.log.error("rejected %d malformed engine inputs", len(rejected))
+            indices = requests.indices
+            self.engine.outbox.put((m.RenderFailed(msg.call, [int(indices[row]) for row, _ in rejected],
+                                                   [why for _, why in rejected]), 0))
+            refused = {row for row, _ in rejected}
+            requests = requests.select([row for row in range(len(requests)) if row not in refused])
         if len(requests):
             self.engine.window.take(len(requests))
             self.engine.inbox.put(("inputs", requests))
         self.engine.times.add(msg.worker, msg.render_s, time.perf_counter() - start)
 
-    def _all_valid(self, msg: m.EngineInputBatch, requests: Requests) -> bool:
-        """True when every input passes `_invalid`'s checks (False says "look at each one"):
-        array checks over the whole message, no loop over its requests."""
-        model = self.cfg.model
-        ids, lengths = msg.token_ids, requests.lengths
-        if not len(requests):
-            return True
-        if ids.dtype != np.int32 or int(lengths.min()) < 1 or int(lengths.max()) > model.max_model_len:
-            return False
-        # One reduction: read as unsigned, a negative id is huge.
-        if ids.size and int(ids.view(np.uint32).max()) >= model.vocab_size:
-            return False
-        if not set(msg.tasks) <= self.tasks:
-            return False
-        types, chunk, dimensions = requests.token_type_start, requests.chunk, requests.dimensions
-        return bool(((types >= -1) & (types < lengths) & (requests.pool_start >= 0)
-                     & ((dimensions == -1) | (dimensions >= 1))
-                     & ((chunk == -1) | ((chunk >= 0) & (chunk < requests.num_chunks)))).all())
 
-    def _refuse_invalid(self, msg: m.EngineInputBatch, requests: Requests) -> Requests:
-        """A well-formed message with bad contents: those requests are refused, the rest kept."""
-        good, rejected = [], []
-        for row in range(len(requests)):
-            problem = self._invalid(requests, row, msg.token_ids.dtype)
-            if problem:
-                rejected.append((int(requests.indices[row]), problem))
-            else:
-                good.append(row)
-        if rejected:
-            self.engine.log.error("rejected %d malformed engine inputs", len(rejected))
-            self.engine.outbox.put((m.RenderFailed(msg.call, [i for i, _ in rejected], [e for _, e in rejected]), 0))
-        return requests.select(good)
-
-    def _invalid(self, requests: Requests, row: int, dtype) -> str | None:
-        model = self.cfg.model
-        ids, length = requests.ids(row), int(requests.lengths[row])
-        types, pool = int(requests.token_type_start[row]), int(requests.pool_start[row])
-        chunk, num_chunks = int(requests.chunk[row]), int(requests.num_chunks[row])
-        if not 0 <= int(requests.task[row]) < len(TASKS) or TASKS[int(requests.task[row])] not in model.tasks:
-            return f"the task is not one this model runs ({model.tasks})"
-        if not -1 <= types < length:
-            return f"token_type_start {types} is outside the prompt"
-        if pool < 0:
-            return f"pool_start {pool} is negative"
-        if int(requests.dimensions[row]) == 0 or int(requests.dimensions[row]) < -1:
-            return f"dimensions {int(requests.dimensions[row])} is not a positive count"
-        if chunk != -1 and not 0 <= chunk < num_chunks:
-            return f"chunk {chunk} of {num_chunks} is not a chunk of its document"
-        if dtype != np.int32:
-            return f"engine input must be int32 token ids, got {dtype}"
-        if not 0 < length <= model.max_model_len:
-            return f"engine input has {length} tokens; the model takes 1 to {model.max_model_len}"
-        if int(ids.min()) < 0 or int(ids.max()) >= model.vocab_size:
-            return f"engine input has token ids outside [0, {model.vocab_size})"
-        return None
-
-
-class OutputWriter:
+class OutputThread:
     """The output thread: packs finished steps into OutputBatch, encodes and sends every message,
     then frees the window the requests held."""
 
@@ -566,9 +515,10 @@ def pack_outputs(batch: Requests, results, busy_s: float, padded_tokens: int, in
         data = np.stack(results).astype(np.float32, copy=False)
     else:
         arrays = list(results)
-    return m.OutputBatch(call_list, np.ascontiguousarray(batch.indices), np.ascontiguousarray(batch.lengths),
-                         busy_s, padded_tokens, in_core, call_of, data, arrays, sparse_ids, chunks,
-                         render_s or {}, admit_s)
+    return m.OutputBatch(calls=call_list, indices=np.ascontiguousarray(batch.indices),
+                         num_prompt_tokens=np.ascontiguousarray(batch.lengths), busy_s=busy_s,
+                         padded_tokens=padded_tokens, in_core=in_core, call_of=call_of, data=data, arrays=arrays,
+                         sparse_ids=sparse_ids, chunks=chunks, render_s=render_s or {}, admit_s=admit_s)
 
 
 def _or_die(fn, log):

@@ -26,6 +26,7 @@ import msgspec
 import numpy as np
 
 from pooling_pipeline.core.options import EMBEDDING_TASKS, LongInputs, PositiveInt, Task
+from pooling_pipeline.core.schema import DEFAULTS, int_column, packed_lengths, select_packed
 
 
 class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
@@ -87,57 +88,14 @@ class RenderParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     conversation: list[dict[str, str]] | None = None
     raw: Any = None
 
-
-class PoolingEngineInput(msgspec.Struct, omit_defaults=True, gc=False):
-    """One request's token ids and params, ready for the engine core: what `EngineInputBatch.pack`
-    takes (the render worker's general path, tests). It does not travel by itself."""
-
-    index: int
-    task: Task
-    token_ids: np.ndarray  # int32, already truncated
-    params: PoolingParams
-    # Token type ids are zeros then ones (a text pair): only the index of the first 1 travels.
-    token_type_start: int | None = None
-    priority: int = 0
-    # Tokens at the start that pooling leaves out: the prompt's, when the model's Pooling has
-    # include_prompt=false (ST's prompt_length).
-    pool_start: int = 0
-    # Chunk mode: this input is chunk `chunk` of `num_chunks` of one long document (same index).
-    chunk: int = -1
-    num_chunks: int = 0
-
-
-# ---- column checks ------------------------------------------------------------------------
-
-
-def int_column(values: np.ndarray | None, n: int, name: str, optional: bool = True, shape: tuple = ()) -> None:
-    """ValueError unless `values` is an integer array of shape (n, *shape) (or None when optional)."""
-    if values is None:
-        if optional:
-            return
-        raise ValueError(f"{name} is missing")
-    if values.dtype.kind != "i" or values.shape != (n, *shape):
-        raise ValueError(f"{name} must be integers of shape {(n, *shape)}, got {values.dtype} {values.shape}")
-
-
-def packed_lengths(token_ids: np.ndarray | None, lengths: np.ndarray | None, n: int) -> list[int]:
-    """The lengths (checked: one per request, non-negative, adding up to the packed ids)."""
-    if token_ids is None or token_ids.ndim != 1:
-        raise ValueError("packed token ids must be one flat array")
-    int_column(lengths, n, "lengths", optional=False)
-    sizes = lengths.tolist()  # (a message's few dozen: Python's min and sum beat numpy's per-call cost)
-    if sizes and min(sizes) < 0 or sum(sizes) != token_ids.size:
-        raise ValueError("packed token ids do not match their lengths")
-    return sizes
-
-
-def split_packed(token_ids: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
-    """Each request's ids, as views of the packed array."""
-    out, start = [], 0
-    for size in sizes:
-        out.append(token_ids[start:start + size])
-        start += size
-    return out
+    def size(self) -> int:
+        """Roughly the characters (or token ids) it holds."""
+        size = len(self.prompt or "") + len(self.pair or "")
+        if self.token_ids is not None:
+            size += self.token_ids.size
+        if self.conversation is not None:
+            size += sum(len(turn["content"]) for turn in self.conversation)
+        return max(size, 1)
 
 
 # ---- batches on the wire -------------------------------------------------------------------
@@ -180,54 +138,54 @@ class RenderBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True)
             raise ValueError("lengths without packed token ids")
         return n
 
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    # The frontend keeps each RenderBatch it sent until its requests are answered (to re-send
+    # the rest if their worker dies): these read it as a set of requests.
+
+    @property
+    def sizes(self) -> list[int]:
+        """Roughly the characters (or token ids) each request holds: what the frontend's
+        in-flight budget counts."""
+        if self.texts is not None:
+            if self.pairs is None:
+                return [len(t) or 1 for t in self.texts]
+            return [len(q) + len(d) or 1 for q, d in zip(self.texts, self.pairs)]
+        if self.token_ids is not None:
+            return [n or 1 for n in self.lengths.tolist()]
+        return [item.size() for item in self.items]
+
+    def select(self, positions: list[int]) -> RenderBatch:
+        """The requests at these positions, as a batch of their own (to re-send them)."""
+        pick = (lambda column: None if column is None else [column[i] for i in positions])
+        token_ids, lengths = self.token_ids, self.lengths
+        if token_ids is not None:
+            token_ids, lengths = select_packed(token_ids, lengths, positions)
+        return msgspec.structs.replace(self, indices=self.indices[positions], texts=pick(self.texts),
+                                       pairs=pick(self.pairs), token_ids=token_ids, lengths=lengths,
+                                       items=pick(self.items))
+
+    def options_of(self, position: int) -> RenderOptions:
+        return self.options if self.items is None else self.items[position].options
+
 
 class EngineInputBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
-    """Engine inputs of one call in columns: one packed ids array, a lengths column, the
-    message's distinct (task, params) once, and the per-request columns that differ from their
-    defaults (absent otherwise). Build one with `pack` from PoolingEngineInput (or column by
-    column, as the render worker does); `check` before reading one from the wire."""
+    """Engine inputs of one call in columns -- each row is one request's PoolingEngineInput: its
+    token ids and params, ready for the engine: one packed ids array with a lengths column, the
+    message's distinct (task, params) once, and the per-request columns of `core.schema` that
+    differ from their defaults (the others are absent). Built by the render worker's packer
+    (`workers.packer.EngineInputPacker`); a receiver calls `check` before reading one."""
 
     worker: int
     call: str
-    indices: np.ndarray  # int64 [n]
+    indices: np.ndarray  # int64 [n]: each request's position in its call's input
     lengths: np.ndarray  # int64 [n]
     token_ids: np.ndarray  # int32, every request's ids back to back
     tasks: list[Task]  # the message's distinct (task, params) pairs, usually one ...
     params: list[PoolingParams]
-    param_of: np.ndarray | None = None  # int64 [n]: each request's entry in tasks/params; None: entry 0
-    token_type_start: np.ndarray | None = None  # int64 [n]: first token of type 1; -1: none
-    pool_start: np.ndarray | None = None  # int64 [n]
-    priority: np.ndarray | None = None  # int64 [n]
-    chunks: np.ndarray | None = None  # int64 [n, 2]: (chunk, num_chunks); (-1, 0) for a whole request
+    columns: dict[str, np.ndarray] = {}  # schema.REQUEST_COLUMNS name -> int64 [n], when not all default
     render_s: float = 0.0  # the worker's rendering time since its previous message (for stats)
-
-    @classmethod
-    def pack(cls, worker: int, call: str, inputs: list[PoolingEngineInput], render_s: float = 0.0) -> EngineInputBatch:
-        n = len(inputs)
-        arrays = [r.token_ids for r in inputs]
-        flat = np.concatenate(arrays).astype(np.int32, copy=False) if arrays else np.zeros(0, np.int32)
-        kinds: dict[tuple, int] = {}
-        tasks, params, param_of = [], [], []
-        for r in inputs:
-            key = (r.task, msgspec.msgpack.encode(r.params))
-            if key not in kinds:
-                kinds[key] = len(tasks)
-                tasks.append(r.task)
-                params.append(r.params)
-            param_of.append(kinds[key])
-
-        def column(values: list[int], default: int) -> np.ndarray | None:
-            return np.asarray(values, dtype=np.int64) if any(v != default for v in values) else None
-
-        chunks = None
-        if any(r.chunk >= 0 for r in inputs):
-            chunks = np.asarray([(r.chunk, r.num_chunks) for r in inputs], dtype=np.int64).reshape(n, 2)
-        return cls(worker, call, np.asarray([r.index for r in inputs], dtype=np.int64),
-                   np.fromiter(map(len, arrays), dtype=np.int64, count=n), flat, tasks, params,
-                   column(param_of, 0), column([-1 if r.token_type_start is None else r.token_type_start
-                                                for r in inputs], -1),
-                   column([r.pool_start for r in inputs], 0), column([r.priority for r in inputs], 0), chunks,
-                   render_s)
 
     def check(self) -> list[int]:
         """The lengths; ValueError when the columns do not fit together (a malformed message)."""
@@ -238,29 +196,14 @@ class EngineInputBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=
         sizes = packed_lengths(self.token_ids, self.lengths, n)
         if not self.tasks or len(self.tasks) != len(self.params):
             raise ValueError("tasks and params must be pairs, at least one")
-        int_column(self.param_of, n, "param_of")
-        if self.param_of is not None and n and (int(self.param_of.min()) < 0
-                                                or int(self.param_of.max()) >= len(self.tasks)):
+        for name, values in self.columns.items():
+            if name not in DEFAULTS:
+                raise ValueError(f"unknown per-request column {name!r}")
+            int_column(values, n, name)
+        param_of = self.columns.get("param_of")
+        if param_of is not None and n and (int(param_of.min()) < 0 or int(param_of.max()) >= len(self.tasks)):
             raise ValueError("param_of names no entry of tasks/params")
-        for name in ("token_type_start", "pool_start", "priority"):
-            int_column(getattr(self, name), n, name)
-        int_column(self.chunks, n, "chunks", shape=(2,))
         return sizes
-
-    def inputs(self) -> list[PoolingEngineInput]:
-        """Back to one struct per request (tests, the general path's checks): slow, never hot."""
-        sizes = self.check()
-        ids = split_packed(self.token_ids, sizes)
-        out = []
-        for i, index in enumerate(self.indices.tolist()):
-            entry = 0 if self.param_of is None else int(self.param_of[i])
-            tts = -1 if self.token_type_start is None else int(self.token_type_start[i])
-            chunk, num_chunks = (-1, 0) if self.chunks is None else map(int, self.chunks[i])
-            out.append(PoolingEngineInput(
-                index, self.tasks[entry], ids[i], self.params[entry], None if tts < 0 else tts,
-                0 if self.priority is None else int(self.priority[i]),
-                0 if self.pool_start is None else int(self.pool_start[i]), chunk, num_chunks))
-        return out
 
 
 class OutputBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
@@ -324,13 +267,13 @@ class OutputBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True)
         share = len(rows) / max(len(self.indices), 1)
         pick = rows.tolist()
         return OutputBatch(
-            [self.calls[call]], self.indices[rows], self.num_prompt_tokens[rows], self.busy_s * share,
-            round(self.padded_tokens * share), self.in_core, None,
-            None if self.data is None else self.data[rows],
-            None if self.arrays is None else [self.arrays[i] for i in pick],
-            None if self.sparse_ids is None else [self.sparse_ids[i] for i in pick],
-            None if self.chunks is None else self.chunks[rows],
-            {w: s * share for w, s in self.render_s.items()}, self.admit_s * share)
+            calls=[self.calls[call]], indices=self.indices[rows], num_prompt_tokens=self.num_prompt_tokens[rows],
+            busy_s=self.busy_s * share, padded_tokens=round(self.padded_tokens * share), in_core=self.in_core,
+            data=None if self.data is None else self.data[rows],
+            arrays=None if self.arrays is None else [self.arrays[i] for i in pick],
+            sparse_ids=None if self.sparse_ids is None else [self.sparse_ids[i] for i in pick],
+            chunks=None if self.chunks is None else self.chunks[rows],
+            render_s={w: s * share for w, s in self.render_s.items()}, admit_s=self.admit_s * share)
 
 
 class RenderFailed(msgspec.Struct, tag=True, array_like=True):

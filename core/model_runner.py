@@ -9,10 +9,11 @@ import time
 import numpy as np
 import torch
 
-from pooling_pipeline.core.columns import COL, COLUMNS, TASK_CODE, Requests
+from pooling_pipeline.core.columns import COL, TASK_CODE, Requests
 from pooling_pipeline.core.config import ENCODER_ONLY_CLASSES, ModelSpec
 from pooling_pipeline.core.options import TASKS
 from pooling_pipeline.core.pooling import SentenceHead, apply_activation, pool, splade
+from pooling_pipeline.core.schema import blank_table
 from pooling_pipeline.core.vectors import finish_embeddings
 
 log = logging.getLogger("engine")
@@ -272,12 +273,10 @@ def option_groups(batch: Requests, normalize: np.ndarray) -> list[tuple[tuple[st
 
 def probe_batch(num_rows: int, num_tokens: int, token: int, task: str) -> Requests:
     """A synthetic batch (the step-cost probe): `num_rows` requests of `num_tokens` ids each."""
-    cols = np.zeros((num_rows, len(COLUMNS)), np.int64)
+    cols = blank_table(num_rows)
     cols[:, COL["indices"]] = np.arange(num_rows)
     cols[:, COL["lengths"]] = num_tokens
     cols[:, COL["task"]] = TASK_CODE[task]
-    for name in ("normalize", "dimensions", "use_activation", "token_type_start", "chunk"):
-        cols[:, COL[name]] = -1
     calls = np.empty(num_rows, dtype=object)
     calls[:] = "probe"
     return Requests(calls, cols, np.full(num_rows * num_tokens, token, np.int32))

@@ -458,8 +458,9 @@ class Pipeline:
                     priorities[i] = 0
             if refused:
                 opts = msgspec.structs.replace(opts, priority=priorities)
-        source, total = build_requests(prompts, opts, self.model_spec, self._tokenization, refused)
-        return new_call_prefix(), source, total
+        prefix = new_call_prefix()
+        source, total = build_requests(prompts, opts, self.model_spec, self._tokenization, prefix, refused)
+        return prefix, source, total
 
     def _call(self, prefix: str, source, opts: CallOptions, total: int | None,
               loop: asyncio.AbstractEventLoop | None = None, materialize: bool = False) -> Call:

@@ -42,14 +42,16 @@ import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Iterator
 
+import msgspec
 import numpy as np
 import zmq
 
 from pooling_pipeline.call_stats import CallStats
 from pooling_pipeline.core import messages as m
+from pooling_pipeline.core.messages import RenderBatch
 from pooling_pipeline.core.vectors import finish_embeddings
 from pooling_pipeline.errors import EngineDeadError, PipelineError, StepError
-from pooling_pipeline.inputs import Block, CallOptions, FailedRequest
+from pooling_pipeline.inputs import CallOptions, FailedRequest
 from pooling_pipeline.outputs import OUTPUT_TYPES, PoolingRequestOutput
 from pooling_pipeline.process_group import ProcessGroup
 
@@ -319,7 +321,7 @@ class Dispatcher:
         with self.lock:
             self.drawing.discard(call)
 
-    def dispatch(self, call: Call, block: Block, chat_template: str | None, chars: int) -> tuple[int, int, int] | None:
+    def dispatch(self, call: Call, block: RenderBatch, chars: int) -> tuple[int, int, int] | None:
         """Sends a batch to the least-loaded worker that is up, for the engine core with the fewest
         requests in flight; (worker, its generation, engine), or None when no worker can take it
         now (the call keeps it and is woken when one can)."""
@@ -337,7 +339,7 @@ class Dispatcher:
             loads[engine] += n
             gen = group.worker_gen[worker]
         try:
-            group.send_work(worker, block.render_batch(call.prefix, chat_template, engine))
+            group.send_work(worker, block if block.engine == engine else msgspec.structs.replace(block, engine=engine))
         except zmq.Again:  # gone since it was checked: the block stays with the call
             with self.lock:
                 self.outstanding[worker] = max(0, self.outstanding[worker] - n)
@@ -430,11 +432,11 @@ class Dispatcher:
 
 
 class Ticket:
-    """A Block sent to a worker: where it went, and how many of its requests are still out."""
+    """A RenderBatch sent to a worker: where it went, and how many of its requests are still out."""
 
     __slots__ = ("block", "worker", "gen", "engine", "pending")
 
-    def __init__(self, block: Block, worker: int, gen: int, engine: int) -> None:
+    def __init__(self, block: RenderBatch, worker: int, gen: int, engine: int) -> None:
         self.block, self.worker, self.gen, self.engine = block, worker, gen, engine
         self.pending = len(block)
 
@@ -445,7 +447,7 @@ class Call:
     Its state is kept by index in rings of numpy arrays, one entry per request in flight or
     answered and not yet handed back (the bound keeps them within `capacity` of each other, so
     `index & mask` is a slot of its own): which index a slot holds while it is out (answers for
-    anything else are duplicates), its ticket (the Block it was sent in), its size in characters,
+    anything else are duplicates), its ticket (the RenderBatch it was sent in), its size in characters,
     whether it is answered, its token count and -- for the usual outputs, one vector each -- its
     vector, written for a whole OutputBatch with one fancy assignment. Other answers (errors,
     per-token arrays, sparse vectors, pooled chunks) are result objects in `special`."""
@@ -458,7 +460,6 @@ class Call:
         self.source = source
         self.batch_items = dispatcher.batch_items
         self.progress = progress
-        self.chat_template = opts.chat_template
         self.default_normalize = default_normalize
         self.result_type = OUTPUT_TYPES.get(opts.task, PoolingRequestOutput)  # what the caller gets back
         self.errors = opts.errors  # "raise": the first failure ends the call; "return": it becomes an output
@@ -481,7 +482,7 @@ class Call:
         self.next_ticket = 0
         self.engines_used: set[int] = set()
         self.chunks: dict[int, ChunkSum] = {}  # chunk mode: documents with chunks still out, by index
-        self.backlog: deque[Block] = deque()  # blocks to (re)send when a worker can take them
+        self.backlog: deque[RenderBatch] = deque()  # blocks to (re)send when a worker can take them
         self.inbox: deque = deque()  # messages routed here by the receiver thread
         self.inflight_chars = 0
         self.ready_count = 0  # answered and not handed back (the reorder buffer)
@@ -739,10 +740,11 @@ class Call:
             dispatcher.waiters.add(self)
         return True
 
-    def _send(self, block: Block) -> None:
+    def _send(self, block: RenderBatch) -> None:
         """One block to a worker, or into the backlog when none can take it."""
-        chars = sum(block.sizes)
-        sent = self.dispatcher.dispatch(self, block, self.chat_template, chars)
+        sizes = block.sizes
+        chars = sum(sizes)
+        sent = self.dispatcher.dispatch(self, block, chars)
         if sent is None:  # no worker can take it now: kept for the next turn
             self.backlog.append(block)
             return
@@ -751,11 +753,11 @@ class Call:
         self.next_ticket += 1
         self.tickets[number] = Ticket(block, worker, gen, engine)
         self.engines_used.add(engine)
-        indices = np.asarray(block.indices, dtype=np.int64)
+        indices = block.indices
         slots = indices & self.mask
         self.out_index[slots] = indices
         self.ticket_of[slots] = number
-        self.size_of[slots] = block.sizes
+        self.size_of[slots] = sizes
         self.inflight_chars += chars
 
     def _refused(self, failed: FailedRequest) -> None:
@@ -892,7 +894,7 @@ class Call:
 
     def _options_of(self, index: int) -> m.RenderOptions:
         block = self.tickets[int(self.ticket_of[index & self.mask])].block
-        return block.options_of(block.indices.index(index))
+        return block.options_of(int(np.flatnonzero(block.indices == index)[0]))
 
     def _on_render_failed(self, msg: m.RenderFailed) -> None:
         for index, error in zip(msg.indices, msg.errors):
@@ -943,7 +945,7 @@ class Call:
         slot = index & self.mask
         number = int(self.ticket_of[slot])
         ticket = self.tickets[number]
-        options = ticket.block.options_of(ticket.block.indices.index(index))
+        options = ticket.block.options_of(int(np.flatnonzero(ticket.block.indices == index)[0]))
         size = int(self.size_of[slot])
         self.out_index[slot] = -1
         ticket.pending -= 1

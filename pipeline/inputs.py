@@ -15,7 +15,6 @@ from typing import Annotated, Any
 import msgspec
 import numpy as np
 
-from pooling_pipeline.core.columns import ragged_positions
 from pooling_pipeline.core.config import ModelSpec
 from pooling_pipeline.core.messages import PoolingParams, RenderBatch, RenderOptions, RenderParams
 from pooling_pipeline.core.options import (
@@ -27,6 +26,7 @@ from pooling_pipeline.core.options import (
     TruncationSide,
     checked,
 )
+from pooling_pipeline.core.schema import ids_out_of_range
 
 # Priorities travel as msgpack ints and are compared in the engine: keep them in int64.
 PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
@@ -74,10 +74,10 @@ class Tokenization:
     truncation_side: str  # the tokenizer's default
 
 
-def build_requests(prompts: object, opts: CallOptions, spec: ModelSpec, tokenization: Tokenization,
+def build_requests(prompts: object, opts: CallOptions, spec: ModelSpec, tokenization: Tokenization, call: str,
                    refused: dict[int, str] | None = None) -> tuple[RequestSource, int | None]:
-    """The call's requests, drawn lazily in blocks (`RequestSource.take`), and how many there are
-    when that is known. A list is checked here as far as can be without reading it all
+    """The call's requests (`call`: its id), drawn lazily as RenderBatch (`RequestSource.take`), and
+    how many there are when that is known. A list is checked here as far as can be without reading it all
     (per-request options); each prompt is checked as it is drawn, so a generator is never read
     ahead of the frontend. `refused`: indices refused already (errors="return"), with why."""
     if opts.pairs:
@@ -95,47 +95,12 @@ def build_requests(prompts: object, opts: CallOptions, spec: ModelSpec, tokeniza
     priorities = per_request(0 if opts.priority is None else opts.priority, "priority", check_priority, count)
     prefixes = _prompt_prefixes(opts, spec, count)
     side = opts.truncation_side or tokenization.truncation_side
-    return RequestSource(iter(items), opts, spec, tokenization.num_special_tokens, side == "left",
+    return RequestSource(iter(items), opts, spec, call, tokenization.num_special_tokens, side == "left",
                          params, priorities, prefixes, refused or {}), count
 
 
-TEXT, PAIR, IDS, ITEM = range(4)  # what a Block carries: texts, (query, document) pairs, token ids, RenderParams
+TEXT, PAIR, IDS, ITEM = range(4)  # a request's input form: text, (query, document) pair, token ids, RenderParams
 _SIZED = frozenset({str, np.ndarray, list, tuple})  # prompts whose len() is about what they hold
-
-
-class Block:
-    """Requests of one call drawn together: what one RenderBatch carries, kept until they are
-    answered (to re-send them if their worker dies). One input form, all with `options` --
-    texts (with `pairs`), token ids (packed, range-checked, int32) -- or `items` with their own."""
-
-    __slots__ = ("indices", "options", "texts", "pairs", "token_ids", "lengths", "items", "sizes")
-
-    def __init__(self, indices: list[int], sizes: list[int], options: RenderOptions | None = None,
-                 texts: list[str] | None = None, pairs: list[str] | None = None, token_ids: np.ndarray | None = None,
-                 lengths: np.ndarray | None = None, items: list[RenderParams] | None = None) -> None:
-        self.indices, self.sizes, self.options = indices, sizes, options
-        self.texts, self.pairs, self.token_ids, self.lengths, self.items = texts, pairs, token_ids, lengths, items
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def render_batch(self, call: str, chat_template: str | None, engine: int) -> RenderBatch:
-        return RenderBatch(call, np.asarray(self.indices, dtype=np.int64), self.options, self.texts, self.pairs,
-                           self.token_ids, self.lengths, self.items, chat_template if self.items else None, engine)
-
-    def select(self, positions: list[int]) -> Block:
-        """The requests at these positions (to re-send them)."""
-        pick = (lambda column: None if column is None else [column[i] for i in positions])
-        token_ids = lengths = None
-        if self.token_ids is not None:
-            starts = np.cumsum(self.lengths) - self.lengths
-            lengths = self.lengths[positions]
-            token_ids = self.token_ids[ragged_positions(starts[positions], lengths)]
-        return Block(pick(self.indices), pick(self.sizes), self.options, pick(self.texts), pick(self.pairs),
-                     token_ids, lengths, pick(self.items))
-
-    def options_of(self, position: int) -> RenderOptions:
-        return self.options if self.items is None else self.items[position].options
 
 
 class RequestSource:
@@ -148,11 +113,11 @@ class RequestSource:
     else (per-request options, dict prompts, conversations, pairs, plugin data) is checked
     prompt by prompt, each with its own options where they differ."""
 
-    def __init__(self, prompts: Iterator, opts: CallOptions, spec: ModelSpec, num_special_tokens: int,
+    def __init__(self, prompts: Iterator, opts: CallOptions, spec: ModelSpec, call: str, num_special_tokens: int,
                  truncate_left: bool, params: tuple[Iterator, int | None], priorities: tuple[Iterator, int | None],
                  prefixes: tuple[Iterator, int | None], refused: dict[int, str]) -> None:
         self.prompts = prompts
-        self.opts, self.spec = opts, spec
+        self.opts, self.spec, self.call = opts, spec, call
         self.num_special_tokens, self.truncate_left = num_special_tokens, truncate_left
         self.params_it, params_count = params
         self.priority_it, priority_count = priorities
@@ -181,10 +146,12 @@ class RequestSource:
 
     def _options(self, params: PoolingParams, priority: int, text_prefix: str | None, max_tokens: int) -> RenderOptions:
         opts = self.opts
-        return RenderOptions(opts.task, max_tokens, params, priority, self.truncate_left, opts.long_inputs,
-                             opts.chunk_overlap, text_prefix, opts.max_tokens_per_query, opts.max_tokens_per_doc)
+        return RenderOptions(task=opts.task, max_tokens=max_tokens, params=params, priority=priority,
+                             truncate_left=self.truncate_left, long_inputs=opts.long_inputs,
+                             chunk_overlap=opts.chunk_overlap, text_prefix=text_prefix,
+                             max_query_tokens=opts.max_tokens_per_query, max_doc_tokens=opts.max_tokens_per_doc)
 
-    def take(self, limit: int, max_chars: int) -> list[Block | FailedRequest]:
+    def take(self, limit: int, max_chars: int) -> list[RenderBatch | FailedRequest]:
         """Up to `limit` requests, strictly in input order (the call keeps them in a ring by index):
         blocks of consecutive requests of one input form, and the requests refused here
         (errors="return"; with errors="raise" the first refusal raises).
@@ -215,17 +182,17 @@ class RequestSource:
                 return prompts, False
         return prompts, len(prompts) < limit
 
-    def _plain_block(self, first: int, prompts: list) -> Block | None:
-        """The prompts as one Block when they are all texts (valid Unicode), or all 1-D integer
+    def _plain_block(self, first: int, prompts: list) -> RenderBatch | None:
+        """The prompts as one RenderBatch when they are all texts (valid Unicode), or all 1-D integer
         arrays with every id in the vocabulary: checked with a few calls for the whole block. None
         otherwise (then each is checked alone, and a bad one is named)."""
         kinds = set(map(type, prompts))
-        indices = list(range(first, first + len(prompts)))
+        indices = np.arange(first, first + len(prompts), dtype=np.int64)
         if kinds == {str}:
             joined = "".join(prompts)
             if not joined.isascii() and not _valid_unicode(joined):
                 return None
-            return Block(indices, list(map(len, prompts)), self.shared, texts=prompts)
+            return self._batch(indices, self.shared, texts=prompts)
         if kinds != {np.ndarray}:
             return None
         try:
@@ -237,16 +204,13 @@ class RequestSource:
         lengths = np.fromiter(map(len, prompts), dtype=np.int64, count=len(prompts))
         if int(lengths.min()) < 1:
             return None
-        # One reduction: read as unsigned, a negative id is huge.
-        wide = flat.view(np.uint32) if flat.dtype == np.int32 else flat.astype(np.int64).view(np.uint64)
-        if int(wide.max()) >= self.spec.vocab_size:
+        if ids_out_of_range(flat, self.spec.vocab_size):
             return None
-        return Block(indices, lengths.tolist(), self.shared, token_ids=flat.astype(np.int32, copy=False),
-                     lengths=lengths)
+        return self._batch(indices, self.shared, token_ids=flat.astype(np.int32, copy=False), lengths=lengths)
 
-    def _checked_one_by_one(self, first: int, prompts: list) -> list[Block | FailedRequest]:
-        out: list[Block | FailedRequest] = []
-        form, indices, payload, sizes = -1, [], [], []
+    def _checked_one_by_one(self, first: int, prompts: list) -> list[RenderBatch | FailedRequest]:
+        out: list[RenderBatch | FailedRequest] = []
+        form, indices, payload = -1, [], []
         for index, prompt in enumerate(prompts, first):
             try:
                 this, value = self._checked(prompt, index)
@@ -255,21 +219,20 @@ class RequestSource:
                     raise
                 this, value = -1, FailedRequest(index, str(e))
             if this != form and indices:
-                out.extend(self._close(form, indices, payload, sizes))
-                indices, payload, sizes = [], [], []
+                out.extend(self._close(form, indices, payload))
+                indices, payload = [], []
             form = this
             if this < 0:
                 out.append(value)
                 continue
             indices.append(index)
             payload.append(value)
-            sizes.append(_size(this, value))
         if indices:
-            out.extend(self._close(form, indices, payload, sizes))
+            out.extend(self._close(form, indices, payload))
         return out
 
     def _checked(self, prompt: object, index: int) -> tuple[int, object]:
-        """A prompt off the fast path: (its form, what its Block holds for it). Raises
+        """A prompt off the fast path: (its form, what its RenderBatch holds for it). Raises
         ValueError/TypeError naming the request."""
         for count, name in self.counts:
             if index >= count:
@@ -302,23 +265,22 @@ class RequestSource:
                                                self._last_max_tokens)
         return ITEM, RenderParams(options, **fields)
 
-    def _close(self, form: int, indices: list[int], payload: list, sizes: list[int]) -> list[Block | FailedRequest]:
-        """The block of these requests (and, for token ids, the requests refused by its check)."""
+    def _close(self, form: int, indices: list[int], payload: list) -> list[RenderBatch | FailedRequest]:
+        """The batch of these requests (and, for token ids, the requests refused by its check)."""
         if form == TEXT:
-            return [Block(indices, sizes, self.shared, texts=payload)]
+            return [self._batch(indices, self.shared, texts=payload)]
         if form == PAIR:
-            return [Block(indices, sizes, self.shared, texts=[q for q, _ in payload], pairs=[d for _, d in payload])]
+            return [self._batch(indices, self.shared, texts=[q for q, _ in payload], pairs=[d for _, d in payload])]
         if form == ITEM:
-            return [Block(indices, sizes, items=payload)]
+            return [self._batch(indices, items=payload)]
         # Token ids: copied once (the caller may change its arrays later) and range-checked in
-        # one reduction: as int64 read as unsigned, a negative id (or a uint64 one past 2**63) is huge.
+        # one reduction for the whole batch.
         flat = np.concatenate(payload, dtype=np.int64, casting="unsafe")
-        lengths = np.fromiter(sizes, dtype=np.int64, count=len(sizes))
         vocab = self.spec.vocab_size
-        if flat.size and int(flat.view(np.uint64).max()) >= vocab:
+        if ids_out_of_range(flat, vocab):
             # Someone's id is out of range: each prompt checked alone, the refused ones answered
             # apart -- in input order, as everything a source hands out (the call counts on it).
-            pieces: list[Block | FailedRequest] = []
+            pieces: list[RenderBatch | FailedRequest] = []
             run: list[int] = []  # positions of consecutive prompts that passed
             for position, (index, ids) in enumerate(zip(indices, payload)):
                 try:
@@ -330,19 +292,26 @@ class RequestSource:
                         raise
                     failed = FailedRequest(index, str(e))
                 if run:
-                    pieces.append(self._ids_block(run, indices, payload, sizes))
+                    pieces.append(self._ids_batch([indices[i] for i in run], [payload[i] for i in run]))
                     run = []
                 pieces.append(failed)
             if run:
-                pieces.append(self._ids_block(run, indices, payload, sizes))
+                pieces.append(self._ids_batch([indices[i] for i in run], [payload[i] for i in run]))
             return pieces
-        return [Block(indices, sizes, self.shared, token_ids=flat.astype(np.int32), lengths=lengths)]
+        return [self._ids_batch(indices, payload, flat)]
 
-    def _ids_block(self, positions: list[int], indices: list[int], payload: list, sizes: list[int]) -> Block:
-        arrays = [payload[i] for i in positions]
-        return Block([indices[i] for i in positions], [sizes[i] for i in positions], self.shared,
-                     token_ids=np.concatenate(arrays, dtype=np.int64, casting="unsafe").astype(np.int32),
-                     lengths=np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays)))
+    def _ids_batch(self, indices: list[int], arrays: list[np.ndarray], flat: np.ndarray | None = None) -> RenderBatch:
+        if flat is None:
+            flat = np.concatenate(arrays, dtype=np.int64, casting="unsafe")
+        return self._batch(indices, self.shared, token_ids=flat.astype(np.int32),
+                           lengths=np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays)))
+
+    def _batch(self, indices, options: RenderOptions | None = None, **inputs) -> RenderBatch:
+        """A RenderBatch of this call (`inputs`: one input form); the call's chat template goes
+        with conversations only."""
+        chat_template = self.opts.chat_template if "items" in inputs else None
+        return RenderBatch(call=self.call, indices=np.asarray(indices, dtype=np.int64), options=options,
+                           chat_template=chat_template, **inputs)
 
     def _finish(self) -> None:
         self.exhausted = True
@@ -353,7 +322,7 @@ class RequestSource:
     def drain(self, block_items: int) -> PreparedSource:
         """Every request now (a list is checked whole before any work starts), as a source that
         hands them out as this one would."""
-        pieces: list[Block | FailedRequest] = []
+        pieces: list[RenderBatch | FailedRequest] = []
         while not self.exhausted:
             pieces.extend(self.take(block_items, 1 << 62))
         return PreparedSource(pieces)
@@ -362,12 +331,12 @@ class RequestSource:
 class PreparedSource:
     """Requests drawn beforehand (`RequestSource.drain`), handed out by `take` in the same way."""
 
-    def __init__(self, pieces: list[Block | FailedRequest]) -> None:
+    def __init__(self, pieces: list[RenderBatch | FailedRequest]) -> None:
         self.pieces = collections.deque(pieces)
         self.exhausted = not pieces
 
-    def take(self, limit: int, max_chars: int) -> list[Block | FailedRequest]:
-        out: list[Block | FailedRequest] = []
+    def take(self, limit: int, max_chars: int) -> list[RenderBatch | FailedRequest]:
+        out: list[RenderBatch | FailedRequest] = []
         chars = 0
         while self.pieces and limit > 0 and chars < max_chars:
             piece = self.pieces[0]
@@ -384,22 +353,6 @@ class PreparedSource:
             chars += sum(piece.sizes)
         self.exhausted = not self.pieces
         return out
-
-
-def _size(form: int, value) -> int:
-    """Roughly the characters (or token ids) held for a request."""
-    if form == TEXT:
-        return max(len(value), 1)
-    if form == PAIR:
-        return max(len(value[0]) + len(value[1]), 1)
-    if form == IDS:
-        return max(value.size, 1)
-    size = len(value.prompt or "") + len(value.pair or "")
-    if value.token_ids is not None:
-        size += value.token_ids.size
-    if value.conversation is not None:
-        size += sum(len(turn["content"]) for turn in value.conversation)
-    return max(size, 1)
 
 
 def _prompt_prefixes(opts: CallOptions, spec: ModelSpec, count: int | None) -> tuple[Iterator, int | None]:
@@ -618,9 +571,7 @@ def _check_token_ids(ids: object, index: int, vocab_size: int) -> np.ndarray:
         raise ValueError(f"request {index}: the prompt's token id list is empty")
     if arr.dtype.kind not in "iu":
         raise TypeError(f"request {index}: token ids must be integers, got {arr.dtype} values")
-    # One reduction: read as unsigned, a negative id is huge, so the maximum alone finds any id out of range.
-    as_int64 = arr if arr.dtype == np.int64 else arr.astype(np.int64)
-    if int(as_int64.view(np.uint64).max()) >= vocab_size:
+    if ids_out_of_range(arr, vocab_size):
         low, high = int(arr.min()), int(arr.max())
         bad = low if low < 0 else high
         position = int(np.flatnonzero(arr == bad)[0])

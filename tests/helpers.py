@@ -53,3 +53,19 @@ def stream_until_killed(pipe, pid: int, texts: list[str], error: type[BaseExcept
     finally:
         killer.join()
     return time.monotonic() - start
+
+
+def engine_message(call: str, rows, worker: int = 0, task: str = "embed"):
+    """One EngineInputBatch as a render worker packs it (`workers.packer`, the production packer).
+    Each row is (index, ids), (index, ids, params) or (index, ids, params, {column: value}) with
+    columns of `core.schema`. Ids are not range-checked here (tests send bad ones on purpose)."""
+    from pooling_pipeline.core.messages import PoolingParams
+    from pooling_pipeline.workers.packer import EngineInputPacker
+
+    packer = EngineInputPacker()
+    for index, ids, params, columns in ((*row, PoolingParams(), {})[:4] for row in rows):
+        packer.add(index, ids, param_of=packer.kind(task, params), **columns)
+    messages, refused = packer.messages(worker, call, max(len(packer), 1), vocab_size=1 << 62)
+    if refused or len(messages) != 1:
+        raise ValueError(f"rows the packer refused: {refused}")
+    return messages[0]

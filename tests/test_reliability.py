@@ -17,7 +17,7 @@ import numpy as np
 import psutil
 import pytest
 import zmq
-from helpers import wait_gone
+from helpers import engine_message, wait_gone
 from tiny_models import build_tiny_model, faulty_model_dir
 
 import pooling_pipeline.process_group as process_group
@@ -115,20 +115,17 @@ def test_hostile_frames_on_every_socket_are_dropped(pipe, st_model):
     rng = random.Random(11)
     enc = Encoder()
     options = m.RenderOptions("embed", 8, m.PoolingParams())
-    ghost = [m.PoolingEngineInput(4, "embed", np.array([1, 2], np.int32), m.PoolingParams())]
+    ghost = [(4, np.array([1, 2], np.int32))]
     valid_wrong_type = [enc.encode(msg) for msg in (
         m.Shutdown(), m.Abort("nope"), m.Abort("nope", [1, 2]), m.Ready("engine", 0, 1),
         m.RenderBatch("x-", np.array([0]), options, texts=["stray"]),
         m.OutputBatch(["ghost-"], np.array([3]), np.array([2]), 0.1, 2, 1, None, None, [np.ones(384, np.float32)]),
-        pack_outputs(Requests.from_message(m.EngineInputBatch.pack(0, "ghost-", ghost)), np.ones((1, 384), np.float32),
+        pack_outputs(Requests.from_message(engine_message("ghost-", ghost)), np.ones((1, 384), np.float32),
                      0.1, 2, 1),
         m.OutputBatch(["ghost-"], np.array([5]), np.array([2]), 0.1, 2, 1, None, np.ones((3, 384), np.float32)),
-        m.EngineInputBatch.pack(0, "ghost-", [m.PoolingEngineInput(0, "embed", np.array([101, 102], np.int32),
-                                                                   m.PoolingParams())]),
-        m.EngineInputBatch.pack(0, "bad-", [m.PoolingEngineInput(0, "embed", np.array([10**6], np.int32),
-                                                                 m.PoolingParams())]),
-        m.EngineInputBatch.pack(0, "twice-", [m.PoolingEngineInput(0, "embed", np.array([101], np.int32),
-                                                                   m.PoolingParams())] * 2),
+        engine_message("ghost-", [(0, np.array([101, 102], np.int32))]),
+        engine_message("bad-", [(0, np.array([10**6], np.int32))]),
+        engine_message("twice-", [(0, np.array([101], np.int32))] * 2),
     )]
     valid = enc.encode(m.RenderBatch("y-", np.array([1]), options, texts=["hi"]))[0]
 
@@ -223,9 +220,8 @@ def test_forged_frames_with_the_calls_own_ids_cannot_replace_results(pipe, st_mo
         prefix = first.request_id[: -len(str(first.index))]  # learned from a result: the forger knows the ids
         fake = np.full(384, 1 / np.sqrt(384), np.float32)
         for start in range(1, len(texts), 50):
-            inputs = [m.PoolingEngineInput(i, "embed", np.array([101, 7592, 102], np.int32), m.PoolingParams())
-                      for i in range(start, min(start + 50, len(texts)))]
-            msg = m.EngineInputBatch.pack(0, prefix, inputs)
+            inputs = [(i, np.array([101, 7592, 102], np.int32)) for i in range(start, min(start + 50, len(texts)))]
+            msg = engine_message(prefix, inputs)
             outputs = pack_outputs(Requests.from_message(msg), np.tile(fake, (len(inputs), 1)), 0.0, 3, 1)
             to_results.send_multipart(enc.encode(outputs))
             to_engine.send_multipart(enc.encode(msg))

@@ -1,21 +1,31 @@
 """Batches always hold the oldest request, respect the limits and group similar lengths."""
 
 import random
+from typing import NamedTuple
 
 import numpy as np
+from helpers import engine_message
 
 from pooling_pipeline.core.columns import Requests
-from pooling_pipeline.core.messages import EngineInputBatch, PoolingEngineInput, PoolingParams
+from pooling_pipeline.core.messages import PoolingParams
 from pooling_pipeline.core.scheduler import Scheduler
 
 
-def _req(i: int, length: int, priority: int = 0) -> PoolingEngineInput:
-    return PoolingEngineInput(i, "embed", np.zeros(length, dtype=np.int32), PoolingParams(), priority=priority)
+class Req(NamedTuple):
+    """A request as the plain rule below sees it."""
+
+    index: int
+    token_ids: np.ndarray
+    priority: int = 0
 
 
-def _columns(requests: list[PoolingEngineInput]) -> Requests:
-    """As the engine admits them: one message's columns."""
-    msg = EngineInputBatch.pack(0, "call", requests)
+def _req(i: int, length: int, priority: int = 0) -> Req:
+    return Req(i, np.zeros(length, dtype=np.int32), priority)
+
+
+def _columns(requests: list[Req]) -> Requests:
+    """As the engine admits them: one message's columns, packed as a render worker packs them."""
+    msg = engine_message("call", [(r.index, r.token_ids, PoolingParams(), {"priority": r.priority}) for r in requests])
     msg.check()
     return Requests.from_message(msg)
 
@@ -90,7 +100,7 @@ def test_lower_priority_value_runs_first():
     assert order[:3] == [3, 4, 5] and sorted(order[3:]) == [0, 1, 2]
 
 
-def _reference_batch(waiting: list[PoolingEngineInput], max_num_seqs: int, max_tokens: int, max_padding: float,
+def _reference_batch(waiting: list[Req], max_num_seqs: int, max_tokens: int, max_padding: float,
                      overhead_tokens: float) -> list[int]:
     """The batching rule written plainly (a full sort per step), to check the incremental index."""
     oldest = min(waiting, key=lambda r: r.priority)
@@ -121,7 +131,7 @@ def test_incremental_index_matches_the_plain_rule():
     rng = random.Random(3)
     for overhead in (0.0, 40.0, 5000.0):
         sched = Sched(32, 1024, 0.05, overhead_tokens=overhead, capacity=64)  # (the table grows as needed)
-        waiting: list[PoolingEngineInput] = []
+        waiting: list[Req] = []
         for i in range(3000):
             request = _req(i, rng.choice([4, 5, 6, 9, 17, 30, 31, 64, 200]), priority=rng.choice([0, 0, 0, 0, 1, -1]))
             sched.add(request)
@@ -175,7 +185,7 @@ def test_the_token_arena_moves_and_grows_and_keeps_every_requests_ids():
     for i in range(600):
         ids = np.asarray([rng.randrange(30000) for _ in range(rng.randrange(1, 40))], np.int32)
         expected[i] = ids
-        sched.add(PoolingEngineInput(i, "embed", ids, PoolingParams()))
+        sched.add(Req(i, ids))
         if rng.random() < 0.4:
             batch = sched.next_batch()
             for row, index in enumerate(batch.indices.tolist()):

@@ -6,22 +6,25 @@ import random
 import msgspec
 import numpy as np
 import pytest
+from helpers import engine_message
 
 from pooling_pipeline.core import messages as m
 from pooling_pipeline.core.columns import Requests
 from pooling_pipeline.core.engine import pack_outputs
+from pooling_pipeline.core.schema import split_packed
 from pooling_pipeline.core.serial import INLINE_MAX_BYTES, Decoder, Encoder, ForeignMessage
 
 
-def _inputs(lengths: list[int], chunked: bool = False, **fields) -> list[m.PoolingEngineInput]:
-    return [m.PoolingEngineInput(i, "embed", np.arange(n, dtype=np.int32), m.PoolingParams(),
-                                 chunk=i if chunked else -1, num_chunks=len(lengths) if chunked else 0, **fields)
+def _inputs(lengths: list[int], chunked: bool = False, **columns) -> list[tuple]:
+    """Rows for `engine_message`: request i has ids 0 .. lengths[i] - 1."""
+    return [(i, np.arange(n, dtype=np.int32), m.PoolingParams(),
+             {"chunk": i, "num_chunks": len(lengths), **columns} if chunked else columns)
             for i, n in enumerate(lengths)]
 
 
-def _batch(inputs: list[m.PoolingEngineInput], call: str = "c-") -> Requests:
+def _batch(rows: list[tuple], call: str = "c-") -> Requests:
     """A step's batch, as the engine has it: columns (here, of one message)."""
-    msg = m.EngineInputBatch.pack(0, call, inputs)
+    msg = engine_message(call, rows)
     msg.check()
     return Requests.from_message(msg)
 
@@ -30,30 +33,28 @@ def test_round_trip_small_and_large_arrays():
     enc, dec = Encoder(), Decoder(m.EngineInbound)
     small = np.arange(7, dtype=np.int32)
     large = np.arange(INLINE_MAX_BYTES, dtype=np.int32)  # travels as its own frame
-    frames = enc.encode(m.EngineInputBatch.pack(0, "call-", [
-        m.PoolingEngineInput(0, "embed", small, m.PoolingParams()),
-        m.PoolingEngineInput(5, "embed", large, m.PoolingParams(dimensions=8, normalize=False), token_type_start=3),
+    frames = enc.encode(engine_message("call-", [
+        (0, small),
+        (5, large, m.PoolingParams(dimensions=8, normalize=False), {"token_type_start": 3}),
     ]))
     assert len(frames) == 2  # the packed ids are big enough for their own frame
     msg = dec.decode(frames)
     assert msg.call == "call-" and msg.indices.tolist() == [0, 5] and msg.lengths.tolist() == [7, INLINE_MAX_BYTES]
-    assert msg.param_of.tolist() == [0, 1] and msg.priority is None and msg.chunks is None  # defaults do not travel
-    items = msg.inputs()
-    np.testing.assert_array_equal(items[0].token_ids, small)
-    np.testing.assert_array_equal(items[1].token_ids, large)
-    assert items[1].params == m.PoolingParams(dimensions=8, normalize=False) and items[1].token_type_start == 3
-    assert items[0].token_type_start is None
+    # Only the columns some row differs in travel; the defaults do not.
+    assert sorted(msg.columns) == ["param_of", "token_type_start"] and msg.columns["param_of"].tolist() == [0, 1]
+    assert msg.params == [m.PoolingParams(), m.PoolingParams(dimensions=8, normalize=False)]
     requests = Requests.from_message(msg)  # as the engine reads it: columns
+    np.testing.assert_array_equal(requests.ids(0), small)
     assert requests.dimensions.tolist() == [-1, 8] and requests.normalize.tolist() == [-1, 0]
     assert requests.token_type_start.tolist() == [-1, 3] and requests.keys() == [0, 5]
     np.testing.assert_array_equal(requests.ids(1), large)
 
 
 @pytest.mark.parametrize("change", ["sum", "extra length", "negative", "2-D ids", "param_of", "entries", "column",
-                                    "chunks"])
+                                    "2-D column", "unknown column"])
 def test_engine_input_columns_that_do_not_fit_are_rejected(change):
     ids, lengths, indices = np.arange(5, dtype=np.int32), np.array([2, 3]), np.array([0, 1])
-    tasks, params, param_of, priority, chunks = ["embed"], [m.PoolingParams()], None, None, None
+    tasks, params, columns = ["embed"], [m.PoolingParams()], {}
     if change == "sum":
         lengths = np.array([2, 2])
     elif change == "extra length":
@@ -63,14 +64,17 @@ def test_engine_input_columns_that_do_not_fit_are_rejected(change):
     elif change == "2-D ids":
         ids = np.arange(6, dtype=np.int32).reshape(2, 3)
     elif change == "param_of":
-        param_of = np.array([0, 1])
+        columns = {"param_of": np.array([0, 1])}
     elif change == "entries":
         tasks = ["embed", "classify"]
     elif change == "column":
-        priority = np.array([1, 2, 3])
+        columns = {"priority": np.array([1, 2, 3])}
+    elif change == "2-D column":
+        columns = {"chunk": np.zeros((2, 3), np.int64)}
     else:
-        chunks = np.zeros((2, 3), np.int64)
-    msg = m.EngineInputBatch(0, "c-", indices, lengths, ids, tasks, params, param_of, priority=priority, chunks=chunks)
+        columns = {"no_such_column": np.array([1, 2])}
+    msg = m.EngineInputBatch(worker=0, call="c-", indices=indices, lengths=lengths, token_ids=ids, tasks=tasks,
+                             params=params, columns=columns)
     msg = Decoder(m.EngineInbound).decode(Encoder().encode(msg))
     with pytest.raises(ValueError):
         msg.check()
@@ -185,7 +189,7 @@ def test_render_batches_carry_one_input_form_and_shared_options():
     ids = np.arange(5000, dtype=np.int32)
     packed = dec.decode(enc.encode(m.RenderBatch("c-", indices, options, token_ids=ids, lengths=np.array([1, 4, 4995]))))
     assert packed.check() == 3
-    assert [a.tolist()[:2] for a in m.split_packed(packed.token_ids, packed.lengths.tolist())] == [[0], [1, 2], [5, 6]]
+    assert [a.tolist()[:2] for a in split_packed(packed.token_ids, packed.lengths.tolist())] == [[0], [1, 2], [5, 6]]
     items = [m.RenderParams(options, conversation=[{"role": "user", "content": "hi"}]),
              m.RenderParams(m.RenderOptions("embed", 8, m.PoolingParams(normalize=False)), prompt="x")]
     general = dec.decode(enc.encode(m.RenderBatch("c-", indices[:2], items=items, chat_template="tmpl")))
@@ -222,7 +226,7 @@ def test_render_batches_that_do_not_fit_are_rejected(change):
 def test_fuzzed_frames_never_crash_the_decoder():
     rng = random.Random(1)
     enc = Encoder()
-    valid = enc.encode(m.EngineInputBatch.pack(3, "c-", _inputs([5, 2])))[0]
+    valid = enc.encode(engine_message("c-", _inputs([5, 2]), worker=3))[0]
     decoders = [Decoder(t) for t in (m.EngineInbound, m.EngineControl, m.WorkerInbound, m.FrontendInbound)]
     rejected = 0
     for i in range(3000):
@@ -250,10 +254,10 @@ def test_messages_without_the_group_key_are_dropped_unread():
     key = os.urandom(16)
     enc, dec = Encoder(key), Decoder(m.EngineInbound, key=key)
     ids = np.arange(INLINE_MAX_BYTES, dtype=np.int32)  # large: its own frame, after the key and the header
-    msg = m.EngineInputBatch.pack(0, "c-", [m.PoolingEngineInput(0, "embed", ids, m.PoolingParams())])
+    msg = engine_message("c-", [(0, ids)])
     frames = enc.encode(msg)
     assert frames[0] == key and len(frames) == 3
-    np.testing.assert_array_equal(dec.decode(frames).inputs()[0].token_ids, ids)
+    np.testing.assert_array_equal(dec.decode(frames).token_ids, ids)
     forged = [Encoder().encode(msg), Encoder(os.urandom(16)).encode(msg), [key], [], [key[:-1] + b"x", *frames[1:]],
               [frames[1], *frames]]
     for frames in forged:

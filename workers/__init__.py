@@ -1,1 +1,2 @@
-"""Render workers: tokenize and truncate RenderParams into PoolingEngineInput, in their own processes."""
+"""Render workers: separate processes that turn RenderBatch (raw text, token ids, conversations) into
+EngineInputBatch -- tokenized, truncated, in columns -- and send them straight to the engine core."""

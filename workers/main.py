@@ -99,7 +99,7 @@ def serve(cfg: WorkerConfig, renderer, work: zmq.Socket, to_engines: list[zmq.So
         to_engine = to_engines[msg.engine]
         with clock:
             rows, failed = renderer.render(msg)
-            batches, refused = rows.messages(cfg.index, msg.call, cfg.max_message_items, cfg.model.vocab_size, 0.0)
+            batches, refused = rows.messages(cfg.index, msg.call, cfg.max_message_items, cfg.model.vocab_size)
         render_s += clock.last_s
         if batches:  # the time rides on the next message to the engine
             batches[0].render_s, render_s = render_s, 0.0

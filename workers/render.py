@@ -3,23 +3,15 @@
 from __future__ import annotations
 
 import importlib
-import itertools
 import json
 
-import msgspec
 import numpy as np
 from tokenizers import Tokenizer
 
 from pooling_pipeline.core.config import ModelSpec
-from pooling_pipeline.core.messages import (
-    EngineInputBatch,
-    PoolingParams,
-    RenderBatch,
-    RenderOptions,
-    RenderParams,
-    packed_lengths,
-    split_packed,
-)
+from pooling_pipeline.core.messages import PoolingParams, RenderBatch, RenderOptions, RenderParams
+from pooling_pipeline.core.schema import ids_out_of_range, packed_lengths, split_packed
+from pooling_pipeline.workers.packer import EngineInputPacker
 from pooling_pipeline.workers.truncation import TruncatingTokenizer
 
 MAX_CACHED_PROMPTS = 1024  # prompts whose token count a worker remembers
@@ -60,127 +52,6 @@ def load_plugin(target: str):
     return cls()
 
 
-class EngineRows:
-    """One call's rendered requests, in columns, on their way to the engine core: indices, ids
-    (a list of ints or an int32 array per row), each row's (task, params) as an entry of a small
-    table, and the columns that differ from their defaults (created when first needed)."""
-
-    def __init__(self) -> None:
-        self.indices: list[int] = []
-        self.ids: list = []
-        self.kinds: dict[tuple, int] = {}  # (task, encoded params) -> entry
-        self.tasks: list[str] = []
-        self.params: list[PoolingParams] = []
-        self.param_of: list[int] | None = None  # None while every row is entry 0
-        self.token_type_start: list[int] | None = None
-        self.pool_start: list[int] | None = None
-        self.priority: list[int] | None = None
-        self.chunks: list[tuple[int, int]] | None = None
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def kind(self, task: str, params: PoolingParams) -> int:
-        key = (task, msgspec.msgpack.encode(params))
-        entry = self.kinds.get(key)
-        if entry is None:
-            entry = self.kinds[key] = len(self.tasks)
-            self.tasks.append(task)
-            self.params.append(params)
-        return entry
-
-    def extend(self, indices: list[int], ids: list, kind: int = 0, pool_start: int = 0, priority: int = 0) -> None:
-        """Rows that share their kind, pool start and priority (the usual case: a batch's)."""
-        n = len(indices)
-        self._column("param_of", kind, 0, n)
-        self._column("pool_start", pool_start, 0, n)
-        self._column("priority", priority, 0, n)
-        self._column("token_type_start", -1, -1, n)
-        self._column("chunks", (-1, 0), (-1, 0), n)
-        self.indices.extend(indices)
-        self.ids.extend(ids)
-
-    def add(self, index: int, ids, kind: int = 0, *, token_type_start: int | None = None, pool_start: int = 0,
-            priority: int = 0, chunk: tuple[int, int] = (-1, 0)) -> None:
-        self._column("param_of", kind, 0, 1)
-        self._column("pool_start", pool_start, 0, 1)
-        self._column("priority", priority, 0, 1)
-        self._column("token_type_start", -1 if token_type_start is None else token_type_start, -1, 1)
-        self._column("chunks", chunk, (-1, 0), 1)
-        self.indices.append(index)
-        self.ids.append(ids)
-
-    def _column(self, name: str, value, default, n: int) -> None:
-        column = getattr(self, name)
-        if column is None:
-            if value == default:
-                return
-            column = [default] * len(self.indices)
-            setattr(self, name, column)
-        column.extend([value] * n)
-
-    def messages(self, worker: int, call: str, max_items: int, vocab_size: int, render_s: float
-                 ) -> tuple[list[EngineInputBatch], list[tuple[int, str]]]:
-        """EngineInputBatch of at most `max_items` rows each, and the rows refused (no tokens,
-        or ids the model cannot take): one check per message, row by row only when it fails."""
-        out, failed = [], []
-        for start in range(0, len(self.indices), max_items):
-            rows = range(start, min(start + max_items, len(self.indices)))
-            ids = self.ids[start:rows.stop]
-            lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-            flat = _flat_ids(ids, int(lengths.sum()))
-            # One reduction: read as unsigned, a negative id is huge.
-            if len(ids) and (int(lengths.min()) < 1 or (flat.size and int(flat.view(np.uint64).max()) >= vocab_size)):
-                keep = []
-                for i in rows:
-                    problem = _ids_problem(np.asarray(self.ids[i]), vocab_size)
-                    if problem:
-                        failed.append((self.indices[i], problem))
-                    else:
-                        keep.append(i)
-                if not keep:
-                    continue
-                rows = keep
-                ids = [self.ids[i] for i in keep]
-                lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-                flat = _flat_ids(ids, int(lengths.sum()))
-            indices = _pick(self.indices, rows)
-            chunks = _pick(self.chunks, rows)
-            out.append(EngineInputBatch(
-                worker, call, indices, lengths, flat.astype(np.int32), self.tasks, self.params,
-                _pick(self.param_of, rows), _pick(self.token_type_start, rows), _pick(self.pool_start, rows),
-                _pick(self.priority, rows),
-                None if chunks is None else chunks.reshape(len(indices), 2), render_s))
-            render_s = 0.0
-        return out, failed
-
-
-def _pick(column: list | None, rows: range | list[int]) -> np.ndarray | None:
-    """A column's values at these rows, as int64 (None for a column no row set)."""
-    if column is None:
-        return None
-    values = column[rows.start:rows.stop] if isinstance(rows, range) else [column[i] for i in rows]
-    return np.asarray(values, dtype=np.int64)
-
-
-def _flat_ids(ids: list, total: int) -> np.ndarray:
-    """The rows' ids back to back, as int64 (Python lists from the tokenizer, or arrays): they
-    are range-checked before they are narrowed to int32, so no id can wrap into range."""
-    if all(type(x) is list for x in ids):
-        return np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=total)
-    if not ids:
-        return np.zeros(0, np.int64)
-    return np.concatenate([np.asarray(x).astype(np.int64, copy=False) for x in ids])
-
-
-def _ids_problem(ids: np.ndarray, vocab_size: int) -> str | None:
-    if ids.size == 0:
-        return "ValueError: prompt is empty after tokenization"
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-        return f"ValueError: token ids must be in [0, {vocab_size})"
-    return None
-
-
 class Renderer:
     def __init__(self, spec: ModelSpec, hf_tokenizer, plugin=None) -> None:
         self.spec = spec
@@ -198,9 +69,9 @@ class Renderer:
         # that drops them) means the model sees zeros: then no boundary travels either.
         self.sends_token_types = "token_type_ids" in getattr(hf_tokenizer, "model_input_names", ["token_type_ids"])
 
-    def render(self, batch: RenderBatch) -> tuple[EngineRows, list[tuple[int, str]]]:
+    def render(self, batch: RenderBatch) -> tuple[EngineInputPacker, list[tuple[int, str]]]:
         """The batch's engine inputs in columns, and the requests that failed with why."""
-        rows = EngineRows()
+        rows = EngineInputPacker()
         failed: list[tuple[int, str]] = []
         indices = batch.indices.tolist()
         if batch.items is not None:
@@ -220,7 +91,7 @@ class Renderer:
             keep = opts.max_tokens
             if max(sizes, default=0) > keep:
                 ids = [a[-keep:] if opts.truncate_left else a[:keep] for a in ids]
-            rows.extend(indices, ids, kind, 0, opts.priority)
+            rows.extend(indices, ids, param_of=kind, priority=opts.priority)
             return rows, failed
         texts = batch.texts
         if opts.text_prefix:  # as ST: the prompt, then the text (of a pair: the query)
@@ -234,7 +105,8 @@ class Renderer:
                 except Exception as e:  # any failure becomes this request's error, never a crash
                     failed.append((index, f"{type(e).__name__}: {e}"))
                     continue
-                rows.add(index, ids, kind, token_type_start=start, pool_start=pool_start, priority=opts.priority)
+                rows.add(index, ids, param_of=kind, token_type_start=-1 if start is None else start, pool_start=pool_start,
+                         priority=opts.priority)
             return rows, failed
         if opts.long_inputs == "chunk":
             for index, text in zip(indices, texts):
@@ -245,7 +117,7 @@ class Renderer:
                     continue
                 chunk_kind = rows.kind(opts.task, CHUNK_PARAMS)
                 for k, ids in enumerate(chunks):
-                    rows.add(index, ids, chunk_kind, priority=opts.priority, chunk=(k, len(chunks)))
+                    rows.add(index, ids, param_of=chunk_kind, priority=opts.priority, chunk=k, num_chunks=len(chunks))
             return rows, failed
         # Short texts kept from the start go through the tokenizer in one batched call; the rest
         # one by one (the truncation planner: a long text costs what its kept prefix costs).
@@ -257,7 +129,8 @@ class Renderer:
         if short:
             try:
                 if len(short) == len(texts):
-                    rows.extend(indices, tokenizer.encode_many(texts, opts.max_tokens), kind, pool_start, opts.priority)
+                    rows.extend(indices, tokenizer.encode_many(texts, opts.max_tokens), param_of=kind, pool_start=pool_start,
+                                priority=opts.priority)
                     return rows, failed
                 encoded = dict(zip(short, tokenizer.encode_many([texts[i] for i in short], opts.max_tokens)))
             except Exception:
@@ -272,10 +145,10 @@ class Renderer:
                 except Exception as e:
                     failed.append((index, f"{type(e).__name__}: {e}"))
                     continue
-            rows.add(index, ids, kind, pool_start=pool_start, priority=opts.priority)
+            rows.add(index, ids, param_of=kind, pool_start=pool_start, priority=opts.priority)
         return rows, failed
 
-    def _render_item(self, rows: EngineRows, index: int, item: RenderParams, chat_template: str | None,
+    def _render_item(self, rows: EngineInputPacker, index: int, item: RenderParams, chat_template: str | None,
                      failed: list[tuple[int, str]]) -> None:
         """The general path: one request with its own options and input form."""
         opts = item.options
@@ -290,15 +163,16 @@ class Renderer:
                 chunks = self._chunks(prompt, opts)
                 chunk_kind = rows.kind(opts.task, CHUNK_PARAMS)
                 for k, ids in enumerate(chunks):
-                    rows.add(index, ids, chunk_kind, priority=opts.priority, chunk=(k, len(chunks)))
+                    rows.add(index, ids, param_of=chunk_kind, priority=opts.priority, chunk=k, num_chunks=len(chunks))
                 return
             ids, type_start = self._render_one(item, prompt, chat_template)
             pool_start = self._prompt_tokens(opts.text_prefix) if self.pools_without_prompt else 0
         except Exception as e:  # any failure becomes this request's error, never a crash
             failed.append((index, f"{type(e).__name__}: {e}"))
             return
-        rows.add(index, ids, rows.kind(opts.task, opts.params), token_type_start=type_start,
-                 pool_start=pool_start, priority=opts.priority)
+        rows.add(index, ids, param_of=rows.kind(opts.task, opts.params),
+                 token_type_start=-1 if type_start is None else type_start, pool_start=pool_start,
+                 priority=opts.priority)
 
     def _render_one(self, item: RenderParams, prompt: str | None, chat_template: str | None):
         opts = item.options
@@ -365,10 +239,11 @@ class Renderer:
         if buffer or not chunks:
             chunks.append(buffer)
         out = [self.tokenizer.with_special_tokens(content) for content in chunks]
-        for ids in out:
-            problem = _ids_problem(np.asarray(ids), self.spec.vocab_size)
-            if problem:  # a document fails whole, not one of its chunks
-                raise ValueError(problem.removeprefix("ValueError: "))
+        for ids in out:  # a document fails whole, not one of its chunks
+            if not ids:
+                raise ValueError("prompt is empty after tokenization")
+            if ids_out_of_range(np.asarray(ids, dtype=np.int64), self.spec.vocab_size):
+                raise ValueError(f"token ids must be in [0, {self.spec.vocab_size})")
         return out
 
     @staticmethod

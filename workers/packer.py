@@ -1,0 +1,123 @@
+"""The one producer of EngineInputBatch: rows appended as they are rendered, packed into messages.
+
+Each row is a request's index, its token ids and the values of the per-request columns that
+`core.schema` declares (the keywords of `add` / `extend`). A column is kept as a list only from the
+first row that differs from its default, and a message carries it only when one of its rows does,
+so the usual message (every row default) carries none. Ids are range-checked once per message
+before they are narrowed to int32, so no id can wrap into range.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import msgspec
+import numpy as np
+
+from pooling_pipeline.core.messages import EngineInputBatch, PoolingParams
+from pooling_pipeline.core.schema import DEFAULTS, ids_out_of_range
+
+
+class EngineInputPacker:
+    """One call's rendered requests, on their way to the engine core."""
+
+    def __init__(self) -> None:
+        self.indices: list[int] = []
+        self.ids: list = []  # a list of ints or an integer array per row
+        self.kinds: dict[tuple, int] = {}  # (task, encoded params) -> entry of tasks/params
+        self.tasks: list[str] = []
+        self.params: list[PoolingParams] = []
+        self.columns: dict[str, list[int]] = {}  # only the columns some row set to a non-default value
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def kind(self, task: str, params: PoolingParams) -> int:
+        """The entry of (task, params) in the message's table: the `param_of` of its rows."""
+        key = (task, msgspec.msgpack.encode(params))
+        entry = self.kinds.get(key)
+        if entry is None:
+            entry = self.kinds[key] = len(self.tasks)
+            self.tasks.append(task)
+            self.params.append(params)
+        return entry
+
+    def add(self, index: int, ids, **values: int) -> None:
+        """One row; `values` are per-request columns by name (the others take their default)."""
+        self.extend([index], [ids], **values)
+
+    def extend(self, indices: list[int], ids: list, **values: int) -> None:
+        """Rows that share their column values (the usual case: a batch's)."""
+        n = len(indices)
+        for name, value in values.items():
+            column = self.columns.get(name)
+            if column is None:
+                default = DEFAULTS[name]  # (a KeyError here is a name the schema does not declare: a bug)
+                if value == default:
+                    continue
+                column = self.columns[name] = [default] * len(self.indices)
+            column.extend([value] * n)
+        for name, column in self.columns.items():
+            if name not in values:
+                column.extend([DEFAULTS[name]] * n)
+        self.indices.extend(indices)
+        self.ids.extend(ids)
+
+    def messages(self, worker: int, call: str, max_items: int, vocab_size: int, render_s: float = 0.0
+                 ) -> tuple[list[EngineInputBatch], list[tuple[int, str]]]:
+        """EngineInputBatch of at most `max_items` rows each, and the rows refused (no tokens, or
+        ids the model cannot take): one check per message, row by row only when it fails."""
+        out, failed = [], []
+        for start in range(0, len(self.indices), max_items):
+            rows: range | list[int] = range(start, min(start + max_items, len(self.indices)))
+            ids = self.ids[start:rows.stop]
+            lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+            flat = _flat_ids(ids, int(lengths.sum()))
+            if len(ids) and (int(lengths.min()) < 1 or ids_out_of_range(flat, vocab_size)):
+                rows = [i for i in rows if not self._refused(i, vocab_size, failed)]
+                if not rows:
+                    continue
+                ids = [self.ids[i] for i in rows]
+                lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+                flat = _flat_ids(ids, int(lengths.sum()))
+            out.append(EngineInputBatch(
+                worker=worker, call=call, indices=_pick(self.indices, rows), lengths=lengths,
+                token_ids=flat.astype(np.int32), tasks=self.tasks, params=self.params,
+                columns={name: _pick(column, rows) for name, column in self.columns.items()
+                         if _differs(column, rows, DEFAULTS[name])},
+                render_s=render_s))
+            render_s = 0.0
+        return out, failed
+
+    def _refused(self, row: int, vocab_size: int, failed: list[tuple[int, str]]) -> bool:
+        ids = np.asarray(self.ids[row])
+        if ids.size == 0:
+            problem = "ValueError: prompt is empty after tokenization"
+        elif ids_out_of_range(ids, vocab_size):
+            problem = f"ValueError: token ids must be in [0, {vocab_size})"
+        else:
+            return False
+        failed.append((self.indices[row], problem))
+        return True
+
+
+def _pick(column: list[int], rows: range | list[int]) -> np.ndarray:
+    """A column's values at these rows, as int64."""
+    values = column[rows.start:rows.stop] if isinstance(rows, range) else [column[i] for i in rows]
+    return np.asarray(values, dtype=np.int64)
+
+
+def _differs(column: list[int], rows: range | list[int], default: int) -> bool:
+    if isinstance(rows, range):
+        return any(v != default for v in itertools.islice(column, rows.start, rows.stop))
+    return any(column[i] != default for i in rows)
+
+
+def _flat_ids(ids: list, total: int) -> np.ndarray:
+    """The rows' ids back to back, as int64 (Python lists from the tokenizer, or arrays): they
+    are range-checked before they are narrowed to int32, so no id can wrap into range."""
+    if all(type(x) is list for x in ids):
+        return np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=total)
+    if not ids:
+        return np.zeros(0, np.int64)
+    return np.concatenate([np.asarray(x).astype(np.int64, copy=False) for x in ids])
