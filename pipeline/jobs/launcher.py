@@ -245,7 +245,7 @@ def run(args: argparse.Namespace, interrupt: Interrupt | None = None) -> int:
 def describe_job(args: argparse.Namespace, sources: list, id_field: str | None) -> dict:
     """What identifies a job: a resume must match it, and load_results reads shards of one job only."""
     from pooling_pipeline import __version__
-    from pooling_pipeline.core.config import load_model_spec
+    from pooling_pipeline.core.model_layout import load_model_spec
     from pooling_pipeline.jobs.fingerprint import model_hash
 
     spec = load_model_spec(args.model, trust_remote_code=args.trust_remote_code, revision=args.revision)
