@@ -22,6 +22,7 @@ from ray.data import Datasink
 from ray.data.block import BlockAccessor
 
 from pooling_pipeline.jobs.launcher import print_summary
+from pooling_pipeline.jobs.records import format_for
 from pooling_pipeline.jobs.results_store import LAYOUT, MANIFEST, Quantizer, write_chunk, write_errors_file, write_manifest
 
 DATA_COLUMN, TOKENS_COLUMN, ERROR_COLUMN = "data", "num_tokens", "error"
@@ -101,8 +102,8 @@ def plan_actors(args: argparse.Namespace) -> dict:
 def read_dataset(files: list[str], text_field: str, id_field: str):
     if any(f == "-" for f in files):
         raise ValueError("--ray reads files (JSONL or Parquet), not standard input")
-    parquet = [f for f in files if f.endswith(".parquet")]
-    jsonl = [f for f in files if f.endswith((".jsonl", ".ndjson", ".json"))]
+    parquet = [f for f in files if format_for(f) == "parquet"]
+    jsonl = [f for f in files if format_for(f) == "jsonl"]
     other = [f for f in files if f not in parquet and f not in jsonl]
     if other:
         raise ValueError(f"--ray reads JSONL and Parquet inputs; cannot read {other[:3]}")

@@ -41,7 +41,7 @@ def file_fingerprint(path: str) -> dict:
 
 def input_fingerprints(sources) -> list[dict]:
     """One entry per input; a stream (stdin, a FIFO) cannot be read ahead: its bytes are hashed as
-    they are read instead (records.InputReader), and the manifest keeps that hash per chunk."""
+    they are read instead (records.RecordReader), and the manifest keeps that hash per chunk."""
     return [{"path": s.path, "stream": True} if s.stream else file_fingerprint(s.path) for s in sources]
 
 

@@ -36,7 +36,7 @@ from pooling_pipeline.call_stats import format_stats
 from pooling_pipeline.core.options import ERRORS_MODES, LONG_INPUTS
 from pooling_pipeline.jobs.job_errors import EXIT_INPUT, EXIT_RUNTIME, EXIT_USAGE, InputError, UsageError
 from pooling_pipeline.jobs.output_dir import META_DIR, OutputLock, check_output
-from pooling_pipeline.jobs.records import INPUT_FORMATS, InputReader, expand_inputs
+from pooling_pipeline.jobs.records import INPUT_FORMATS, RecordReader, expand_inputs
 from pooling_pipeline.jobs.results_store import CALIBRATION_ROWS, ERRORS, FORMATS, PRECISIONS, VECTOR_COLUMNS, ResultWriter
 
 SAMPLE = Path(__file__).resolve().parent / "data" / "sample.jsonl"
@@ -221,7 +221,7 @@ def run(args: argparse.Namespace, interrupt: Interrupt | None = None) -> int:
     out = check_output(args.output, args.input)
     lock = OutputLock(out)
     try:
-        reader = InputReader(sources, args.text_field, args.id_field, args.keep_fields)
+        reader = RecordReader(sources, args.text_field, args.id_field, args.keep_fields)
         if args.ray:  # Ray Data reads the inputs itself, and needs an id field
             from pooling_pipeline.integrations.ray_job import run_ray
 
@@ -306,7 +306,7 @@ class Interrupt:
 class Job:
     """One run of a local job: records in, results out in input order, completed work always kept."""
 
-    def __init__(self, args: argparse.Namespace, reader: InputReader, writer: ResultWriter, interrupt: Interrupt) -> None:
+    def __init__(self, args: argparse.Namespace, reader: RecordReader, writer: ResultWriter, interrupt: Interrupt) -> None:
         self.args = args
         self.interrupt = interrupt
         self.reader = reader
