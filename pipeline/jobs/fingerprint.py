@@ -61,10 +61,3 @@ def changed_input(then: list[dict], now: list[dict]) -> str | None:
                 return f"input {name} changed since the job began ({what} differs)"
     return None
 
-
-def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
