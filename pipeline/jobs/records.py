@@ -1,25 +1,11 @@
 """Input records for pipeline-run, streamed: JSONL, plain text, Parquet; files, directories, globs,
 FIFOs (`<(cmd)`) and stdin.
 
-Each format is one reader class (`JsonlReader`, `TextReader`, `ParquetReader`) behind the small
-`FormatReader` interface, and `FORMATS` is the one table that says which suffix is which format
-(the Ray job reads it too). `RecordReader` strings a job's inputs together: it numbers the records,
-keeps one shard's, and skips those an earlier run did.
-
-Every record gets its index in the whole input (inputs in the order given, a directory's files
-sorted), so shards (index % N == I) and resumes (skip the first K of this shard) are deterministic.
-
-Text is read as people write files: lines end at "\\n" only (a lone "\\r" inside a line is text,
-"\\r\\n" ends a line), a UTF-8 byte order mark at the start of a file is skipped, and each line is
-decoded on its own, so an invalid byte is the error of that line, not of the whole file.
-
-A record that cannot be embedded (invalid UTF-8, invalid JSON, a text that is missing, null or not a
-string, a missing id) is yielded with its `error` set and its file and line: the launcher stops on it,
-or, under --errors return, writes it to errors.jsonl and goes on.
-
-Ids: `--id-field NAME` makes every record carry a NAME field. Without it the first record of the
-whole input decides once: an `id` field there means every record needs one; none means every id
-is `file:line`. Either way a record never silently falls back to another kind of id.
+One reader class per format behind the small `FormatReader` interface; `FORMATS` is the one table
+of which suffix is which format (the Ray job reads it too). `RecordReader` strings a job's inputs
+together and numbers every record in the whole input (inputs in the order given, a directory's
+files sorted), so shards (index % N == I) and resumes (skip the first K of this shard) are
+deterministic. A record that cannot be embedded is yielded with its `error` set, in its place.
 """
 
 from __future__ import annotations
@@ -81,7 +67,12 @@ class Record:
 
 @dataclass
 class Fields:
-    """The fields a job reads from each record: the text, the id, and the ones it keeps."""
+    """The fields a job reads from each record: the text, the id, and the ones it keeps.
+
+    Ids: `--id-field NAME` makes every record carry a NAME field. Without it the first record of the
+    whole input decides once: an `id` field there means every record needs one; none means every id
+    is `file:line`. Either way a record never silently falls back to another kind of id. A record
+    whose text is missing, null or not a string, or whose id is missing, gets an error instead."""
 
     text: str = "text"
     id: str | None = None  # decided by the probe of the first input unless given (explicit)
@@ -151,7 +142,10 @@ class FormatReader:
 
 
 class _LineReader(FormatReader):
-    """Text and JSONL: one record per line, lines read as bytes and decoded each on its own."""
+    """Text and JSONL, read as people write files: lines end at "\\n" only (a lone "\\r" inside a
+    line is text, "\\r\\n" ends a line), a UTF-8 byte order mark at the start of a file is skipped,
+    and each line is decoded on its own, so an invalid byte is the error of that line, not of the
+    whole file."""
 
     skips_blank_lines: ClassVar[bool] = False
 
