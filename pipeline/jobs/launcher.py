@@ -32,6 +32,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from pooling_pipeline.call_stats import format_stats
 from pooling_pipeline.core.options import ERRORS_MODES, LONG_INPUTS
 from pooling_pipeline.jobs.job_errors import EXIT_INPUT, EXIT_RUNTIME, EXIT_USAGE, InputError, UsageError
 from pooling_pipeline.jobs.output_dir import OutputLock, check_output
@@ -449,7 +450,7 @@ class Job:
             print(f"pipeline-run: stopped at --limit {args.limit}; {kept}; the job is not complete: run again with "
                   "--resume and without --limit to finish it")
         if stats is not None:
-            print_local_summary(writer.manifest, stats, args.output)
+            print_local_summary(writer.manifest, stats, args.output, format_stats(stats))
         return 0
 
 

@@ -7,7 +7,6 @@ importing each other.
 
 from __future__ import annotations
 
-from pooling_pipeline.call_stats import format_stats
 from pooling_pipeline.jobs.output_dir import META_DIR
 from pooling_pipeline.jobs.results_store import ERRORS
 
@@ -21,8 +20,9 @@ def print_summary(rows: list[tuple[str, str]], records: int, details: list[str] 
     print(f"embedded {records} records")
 
 
-def print_local_summary(manifest: dict, stats: dict, out_dir: str) -> None:
-    """A local run: this run's records, the output's, throughput, engine load and memory."""
+def print_local_summary(manifest: dict, stats: dict, out_dir: str, details: list[str]) -> None:
+    """A local run: this run's records, the output's, throughput, engine load and memory; then the
+    call's statistics (`details`)."""
     m = manifest
     wall = stats["wall_s"]
     rss = stats["peak_rss_mb"]
@@ -42,7 +42,7 @@ def print_local_summary(manifest: dict, stats: dict, out_dir: str) -> None:
                      + ", workers " + ", ".join(f"{w:.0f} MB" for w in rss["workers"] if w is not None)),
         ("errors", f"{m['errors']}" + (f" (see {ERRORS})" if m["errors"] else "")),
         ("output", f"{out_dir}/ (metadata in {META_DIR}/)"),
-    ], stats["records"], format_stats(stats))
+    ], stats["records"], details)
 
 
 def print_ray_summary(manifest: dict, plan: dict, wall: float, tokens: int, out_dir) -> None:
