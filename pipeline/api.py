@@ -20,8 +20,8 @@ import msgspec
 import numpy as np
 
 from pooling_pipeline.call_stats import CallStats
-from pooling_pipeline.core.config import load_model_spec
 from pooling_pipeline.core.messages import PoolingParams
+from pooling_pipeline.core.model_layout import load_model_spec
 from pooling_pipeline.core.options import PositiveInt, Seconds, checked
 from pooling_pipeline.core.sim_device import resolve_sim_device
 from pooling_pipeline.cpu_plan import engine_devices, plan_cpu

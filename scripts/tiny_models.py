@@ -25,7 +25,7 @@ def build_bert(target: str | Path, model_cls=None, *, hidden_size: int = 32, num
     import torch
     from transformers import BertConfig, BertModel
 
-    from pooling_pipeline.core.config import default_model_path
+    from pooling_pipeline.core.model_layout import default_model_path
 
     torch.manual_seed(0)
     config = BertConfig(vocab_size=30522, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,

@@ -15,7 +15,7 @@ import torch  # noqa: E402
 from helpers import running
 
 from pooling_pipeline import Pipeline  # noqa: E402
-from pooling_pipeline.core.config import default_model_path  # noqa: E402
+from pooling_pipeline.core.model_layout import default_model_path  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -240,7 +240,7 @@ TOKENIZERS: dict[str, Callable] = {
 
 
 def _bundled_dir() -> Path:
-    from pooling_pipeline.core.config import default_model_path
+    from pooling_pipeline.core.model_layout import default_model_path
 
     return Path(default_model_path())
 

@@ -10,12 +10,12 @@ import threading
 import pytest
 
 from pooling_pipeline.jobs.job_errors import InputError, UsageError
-from pooling_pipeline.jobs.records import InputReader, expand_inputs
+from pooling_pipeline.jobs.records import RecordReader, expand_inputs
 
 
 def read(paths, input_format="auto", **kw):
     shard = kw.pop("shard", (0, 1))
-    return list(InputReader(expand_inputs([str(p) for p in paths], input_format), **kw).records(shard))
+    return list(RecordReader(expand_inputs([str(p) for p in paths], input_format), **kw).records(shard))
 
 
 def test_lone_cr_is_text_crlf_ends_a_line_and_a_bom_is_skipped(tmp_path):
@@ -63,7 +63,7 @@ def test_a_fifo_is_streamed(tmp_path):
     try:
         sources = expand_inputs([str(fifo)])
         assert sources[0].stream and sources[0].format == "jsonl"
-        reader = InputReader(sources)
+        reader = RecordReader(sources)
         reader.probe()  # reads the first lines; they must not be lost
         records = list(reader.records())
     finally:
@@ -103,23 +103,23 @@ def test_ids_come_from_the_first_record_once(tmp_path):
     with_ids.write_text('{"id": "x", "text": "t"}\n')
     without = tmp_path / "b.jsonl"
     without.write_text('{"text": "u"}\n')
-    reader = InputReader(expand_inputs([str(without), str(with_ids)]))
+    reader = RecordReader(expand_inputs([str(without), str(with_ids)]))
     assert [r.id for r in reader.records()] == [f"{without}:1", f"{with_ids}:1"]  # the first record decides
     assert reader.id_field is None
-    reader = InputReader(expand_inputs([str(with_ids), str(without)]))
+    reader = RecordReader(expand_inputs([str(with_ids), str(without)]))
     with pytest.raises(InputError, match="--id-field 'id' matches nothing"):
         reader.probe()
     text = tmp_path / "c.txt"
     text.write_text("line\n")
     with pytest.raises(UsageError, match="read as text"):
-        InputReader(expand_inputs([str(text)]), id_field="url").probe()
+        RecordReader(expand_inputs([str(text)]), id_field="url").probe()
 
 
 def test_text_field_matching_nothing_is_found_by_the_probe(tmp_path):
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps({"id": str(i), "body": "b"}) + "\n" for i in range(5)))
     with pytest.raises(InputError, match="--text-field 'text' matches nothing in its first 5 records"):
-        InputReader(expand_inputs([str(path)])).probe()
+        RecordReader(expand_inputs([str(path)])).probe()
 
 
 def test_shards_keep_file_line_and_id(tmp_path):

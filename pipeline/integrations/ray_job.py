@@ -21,8 +21,9 @@ import ray
 from ray.data import Datasink
 from ray.data.block import BlockAccessor
 
-from pooling_pipeline.jobs.launcher import print_summary
+from pooling_pipeline.jobs.records import format_for
 from pooling_pipeline.jobs.results_store import LAYOUT, MANIFEST, Quantizer, write_chunk, write_errors_file, write_manifest
+from pooling_pipeline.jobs.summary import print_ray_summary
 
 DATA_COLUMN, TOKENS_COLUMN, ERROR_COLUMN = "data", "num_tokens", "error"
 
@@ -101,8 +102,8 @@ def plan_actors(args: argparse.Namespace) -> dict:
 def read_dataset(files: list[str], text_field: str, id_field: str):
     if any(f == "-" for f in files):
         raise ValueError("--ray reads files (JSONL or Parquet), not standard input")
-    parquet = [f for f in files if f.endswith(".parquet")]
-    jsonl = [f for f in files if f.endswith((".jsonl", ".ndjson", ".json"))]
+    parquet = [f for f in files if format_for(f) == "parquet"]
+    jsonl = [f for f in files if format_for(f) == "jsonl"]
     other = [f for f in files if f not in parquet and f not in jsonl]
     if other:
         raise ValueError(f"--ray reads JSONL and Parquet inputs; cannot read {other[:3]}")
@@ -174,13 +175,5 @@ def run_ray(args: argparse.Namespace, job: dict, files: list[str]) -> int:
     manifest["stats"] = {"wall_s": wall, "records": manifest["rows"], "errors": manifest["errors"], "tokens": tokens}
     manifest["complete"] = True
     write_manifest(out, manifest)
-    rate = manifest["records_done"] / max(wall, 1e-9)
-    print_summary([
-        ("records", f"{manifest['records_done']} ({manifest['errors']} failed)"),
-        ("Ray actors", f"{plan['actors']} x ({plan['num_cpus']} CPU" + (", 1 GPU)" if plan["num_gpus"] else ")")),
-        ("wall time", f"{wall:.1f} s"),
-        ("throughput", f"{rate:.1f} records/s, {tokens / max(wall, 1e-9):,.0f} tokens/s"),
-        ("errors", f"{manifest['errors']}" + (" (see errors.jsonl)" if manifest["errors"] else "")),
-        ("output", f"{out}/"),
-    ], manifest["rows"])
+    print_ray_summary(manifest, plan, wall, tokens, out)
     return 0

@@ -41,7 +41,7 @@ def file_fingerprint(path: str) -> dict:
 
 def input_fingerprints(sources) -> list[dict]:
     """One entry per input; a stream (stdin, a FIFO) cannot be read ahead: its bytes are hashed as
-    they are read instead (records.InputReader), and the manifest keeps that hash per chunk."""
+    they are read instead (records.RecordReader), and the manifest keeps that hash per chunk."""
     return [{"path": s.path, "stream": True} if s.stream else file_fingerprint(s.path) for s in sources]
 
 
@@ -61,10 +61,3 @@ def changed_input(then: list[dict], now: list[dict]) -> str | None:
                 return f"input {name} changed since the job began ({what} differs)"
     return None
 
-
-def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-EXIT_OK = 0
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2  # what argparse itself uses
 EXIT_INPUT = 3

@@ -35,9 +35,10 @@ import numpy as np
 from pooling_pipeline.call_stats import format_stats
 from pooling_pipeline.core.options import ERRORS_MODES, LONG_INPUTS
 from pooling_pipeline.jobs.job_errors import EXIT_INPUT, EXIT_RUNTIME, EXIT_USAGE, InputError, UsageError
-from pooling_pipeline.jobs.output_dir import META_DIR, OutputLock, check_output
-from pooling_pipeline.jobs.records import INPUT_FORMATS, InputReader, expand_inputs
+from pooling_pipeline.jobs.output_dir import OutputLock, check_output
+from pooling_pipeline.jobs.records import INPUT_FORMATS, RecordReader, expand_inputs
 from pooling_pipeline.jobs.results_store import CALIBRATION_ROWS, ERRORS, FORMATS, PRECISIONS, VECTOR_COLUMNS, ResultWriter
+from pooling_pipeline.jobs.summary import print_local_summary
 
 SAMPLE = Path(__file__).resolve().parent / "data" / "sample.jsonl"
 # One result per record (pair scoring needs two texts per record): a vector, per-token rows, or
@@ -221,7 +222,7 @@ def run(args: argparse.Namespace, interrupt: Interrupt | None = None) -> int:
     out = check_output(args.output, args.input)
     lock = OutputLock(out)
     try:
-        reader = InputReader(sources, args.text_field, args.id_field, args.keep_fields)
+        reader = RecordReader(sources, args.text_field, args.id_field, args.keep_fields)
         if args.ray:  # Ray Data reads the inputs itself, and needs an id field
             from pooling_pipeline.integrations.ray_job import run_ray
 
@@ -245,7 +246,7 @@ def run(args: argparse.Namespace, interrupt: Interrupt | None = None) -> int:
 def describe_job(args: argparse.Namespace, sources: list, id_field: str | None) -> dict:
     """What identifies a job: a resume must match it, and load_results reads shards of one job only."""
     from pooling_pipeline import __version__
-    from pooling_pipeline.core.config import load_model_spec
+    from pooling_pipeline.core.model_layout import load_model_spec
     from pooling_pipeline.jobs.fingerprint import model_hash
 
     spec = load_model_spec(args.model, trust_remote_code=args.trust_remote_code, revision=args.revision)
@@ -306,7 +307,7 @@ class Interrupt:
 class Job:
     """One run of a local job: records in, results out in input order, completed work always kept."""
 
-    def __init__(self, args: argparse.Namespace, reader: InputReader, writer: ResultWriter, interrupt: Interrupt) -> None:
+    def __init__(self, args: argparse.Namespace, reader: RecordReader, writer: ResultWriter, interrupt: Interrupt) -> None:
         self.args = args
         self.interrupt = interrupt
         self.reader = reader
@@ -449,7 +450,7 @@ class Job:
             print(f"pipeline-run: stopped at --limit {args.limit}; {kept}; the job is not complete: run again with "
                   "--resume and without --limit to finish it")
         if stats is not None:
-            _print_summary(writer, stats, args.output)
+            print_local_summary(writer.manifest, stats, args.output, format_stats(stats))
         return 0
 
 
@@ -459,39 +460,6 @@ def _stats(pipe, start: float) -> dict:
             "engine_busy_fraction": s["engine_busy_fraction"], "padding_fraction": s["padding_fraction"],
             "padding_efficiency": s["padding_efficiency"], "batches": s["batches"],
             "errors": s["errors"], "cpu_plan": s["cpu_plan"], "stages": s["stages"], "queue_depths": s["queue_depths"]}
-
-
-def _print_summary(writer: ResultWriter, stats: dict, out_dir: str) -> None:
-    m = writer.manifest
-    wall = stats["wall_s"]
-    rss = stats["peak_rss_mb"]
-    done = stats["records_this_run"]
-    print_summary([
-        ("records (this run)", f"{done}"),
-        ("records in output", f"{m['rows']} ({m['errors']} failed)"),
-        ("tokens", f"{stats['tokens']:,}"),
-        ("wall time", f"{wall:.1f} s (+ {stats['startup_s']:.1f} s start-up)"),
-        ("throughput", f"{done / max(wall, 1e-9):.1f} records/s, "
-                       f"{stats['tokens'] / max(wall, 1e-9):,.0f} tokens/s"),
-        ("engine busy", f"{stats['engine_busy_fraction']:.0%}"),
-        ("padding efficiency", f"{1 - stats['padding_fraction']:.0%}"),
-        ("peak RSS", f"frontend {rss['frontend'] or 0:.0f} MB, "
-                     + (f"engine {rss['engine'] or 0:.0f} MB" if len(rss.get("engines") or [0]) <= 1 else
-                        "engines " + ", ".join(f"{e or 0:.0f} MB" for e in rss["engines"]))
-                     + ", workers " + ", ".join(f"{w:.0f} MB" for w in rss["workers"] if w is not None)),
-        ("errors", f"{m['errors']}" + (f" (see {ERRORS})" if m["errors"] else "")),
-        ("output", f"{out_dir}/ (metadata in {META_DIR}/)"),
-    ], stats["records"], format_stats(stats))
-
-
-def print_summary(rows: list[tuple[str, str]], records: int, details: list[str] = ()) -> None:
-    """The end-of-run report, the same for a local and a Ray job: aligned rows, then details."""
-    width = max(len(k) for k, _ in rows)
-    for key, value in rows:
-        print(f"{key:<{width}}  {value}")
-    for line in details:
-        print(line)
-    print(f"embedded {records} records")
 
 
 if __name__ == "__main__":

@@ -1,20 +1,11 @@
 """Input records for pipeline-run, streamed: JSONL, plain text, Parquet; files, directories, globs,
 FIFOs (`<(cmd)`) and stdin.
 
-Every record gets its index in the whole input (inputs in the order given, a directory's files
-sorted), so shards (index % N == I) and resumes (skip the first K of this shard) are deterministic.
-
-Text is read as people write files: lines end at "\\n" only (a lone "\\r" inside a line is text,
-"\\r\\n" ends a line), a UTF-8 byte order mark at the start of a file is skipped, and each line is
-decoded on its own, so an invalid byte is the error of that line, not of the whole file.
-
-A record that cannot be embedded (invalid UTF-8, invalid JSON, a text that is missing, null or not a
-string, a missing id) is yielded with its `error` set and its file and line: the launcher stops on it,
-or, under --errors return, writes it to errors.jsonl and goes on.
-
-Ids: `--id-field NAME` makes every record carry a NAME field. Without it the first record of the
-whole input decides once: an `id` field there means every record needs one; none means every id
-is `file:line`. Either way a record never silently falls back to another kind of id.
+One reader class per format behind the small `FormatReader` interface; `FORMATS` is the one table
+of which suffix is which format (the Ray job reads it too). `RecordReader` strings a job's inputs
+together and numbers every record in the whole input (inputs in the order given, a directory's
+files sorted), so shards (index % N == I) and resumes (skip the first K of this shard) are
+deterministic. A record that cannot be embedded is yielded with its `error` set, in its place.
 """
 
 from __future__ import annotations
@@ -25,15 +16,13 @@ import json
 import os
 import stat
 import sys
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from pooling_pipeline.jobs.job_errors import InputError, UsageError
 
-INPUT_FORMATS = ("auto", "jsonl", "text", "parquet")
-SUFFIX_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".txt": "text", ".text": "text",
-                  ".parquet": "parquet"}
 DEFAULT_ID_FIELD = "id"
 # Before the model starts, the first records of each JSONL input are read to check that --text-field
 # (and --id-field) match something. Bounded both ways: a few records, at most ~1 MiB per input.
@@ -45,7 +34,7 @@ BOM = b"\xef\xbb\xbf"
 @dataclass(frozen=True)
 class Source:
     path: str     # as given; "-" is stdin
-    format: str   # "jsonl" | "text" | "parquet"
+    format: str   # a FORMATS name: "jsonl" | "text" | "parquet"
     stream: bool  # stdin, a FIFO, /dev/fd/N: read once, in order; cannot be fingerprinted ahead
 
     @property
@@ -54,7 +43,7 @@ class Source:
 
     @property
     def unit(self) -> str:
-        return "row" if self.format == "parquet" else "line"
+        return FORMATS[self.format].unit
 
 
 @dataclass(frozen=True)
@@ -74,6 +63,271 @@ class Record:
         """'file line N (id X)': how every message names a record, also under --shard."""
         named = self.id is not None and self.id != f"{self.file}:{self.line}"  # a file:line id says no more
         return f"{self.file} {self.unit} {self.line}" + (f" (id {self.id!r})" if named else "")
+
+
+@dataclass
+class Fields:
+    """The fields a job reads from each record: the text, the id, and the ones it keeps.
+
+    Ids: `--id-field NAME` makes every record carry a NAME field. Without it the first record of the
+    whole input decides once: an `id` field there means every record needs one; none means every id
+    is `file:line`. Either way a record never silently falls back to another kind of id. A record
+    whose text is missing, null or not a string, or whose id is missing, gets an error instead."""
+
+    text: str = "text"
+    id: str | None = None  # decided by the probe of the first input unless given (explicit)
+    keep: tuple[str, ...] = ()
+    explicit_id: bool = False
+
+    def decide_id(self, first_record: Container[str]) -> None:
+        """Without --id-field, the names in the job's first record decide, once for the whole job (and
+        the manifest records it)."""
+        if not self.explicit_id:
+            self.id = DEFAULT_ID_FIELD if DEFAULT_ID_FIELD in first_record else None
+
+    def wanted(self) -> list[tuple[str, str]]:
+        """(option, field name) pairs the probe checks the inputs for."""
+        wanted = [("--text-field", self.text)] + [("--keep-fields", f) for f in self.keep]
+        if self.id is not None:
+            wanted.append(("--id-field", self.id))
+        return wanted
+
+    def of(self, record: dict):
+        """(id, text, kept fields, error) of one JSON object or Parquet row."""
+        fields = {k: record.get(k) for k in self.keep} if self.keep else None
+        rid = None
+        if self.id is not None:
+            rid = record.get(self.id)
+            if rid is None:
+                return None, None, fields, f"no field {self.id!r} (this job's ids come from {self.id!r})"
+            if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+                return None, None, fields, f"field {self.id!r} must be a string or an integer, got {type(rid).__name__}"
+            rid = str(rid)
+        if self.text not in record:
+            return rid, None, fields, f"no field {self.text!r}"
+        text = record[self.text]
+        if not isinstance(text, str):
+            return rid, None, fields, f"field {self.text!r} must be a string, got {type(text).__name__}"
+        return rid, text, fields, None
+
+
+# -- one reader per format ------------------------------------------------------------------------
+
+class FormatReader:
+    """The records of one input in one format. `probe` checks the first ones before the model starts;
+    `units` yields (line or row number, raw unit) and `parse` turns a unit into
+    (id, text, kept fields, error)."""
+
+    name: ClassVar[str]
+    suffixes: ClassVar[tuple[str, ...]]  # what `--input-format auto` reads as this format
+    unit: ClassVar[str] = "line"
+    has_fields: ClassVar[bool] = True  # False: no --id-field or --keep-fields
+    cannot_stream: ClassVar[str] = ""  # why a stream (stdin, a FIFO) cannot be read in this format
+
+    def __init__(self, source: Source, fields: Fields) -> None:
+        self.source = source
+        self.fields = fields
+
+    def probe(self, first: bool) -> None:
+        """Checks the fields against the first records; `first`: the job's first input, which decides the ids."""
+
+    def units(self, digest) -> Iterator[tuple[int, object]]:
+        raise NotImplementedError
+
+    def parse(self, raw):
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Closes what the reader left open (a stream)."""
+
+
+class _LineReader(FormatReader):
+    """Text and JSONL, read as people write files: lines end at "\\n" only (a lone "\\r" inside a
+    line is text, "\\r\\n" ends a line), a UTF-8 byte order mark at the start of a file is skipped,
+    and each line is decoded on its own, so an invalid byte is the error of that line, not of the
+    whole file."""
+
+    skips_blank_lines: ClassVar[bool] = False
+
+    def __init__(self, source: Source, fields: Fields) -> None:
+        super().__init__(source, fields)
+        self._stream = None  # stdin or an opened FIFO: read once
+        # Lines a probe read from a stream: a stream cannot be read twice, so they are replayed.
+        self._replay: list[bytes] = []
+
+    def units(self, digest) -> Iterator[tuple[int, bytes]]:
+        """(line number, line without its end) for each record line; a stream's bytes go into `digest`."""
+        source = self.source
+        if source.stream:
+            lines = _chain(self._replay, self._open_stream())
+            self._replay = []
+        else:
+            lines = _open(source.path)
+        try:
+            for line_no, raw in enumerate(lines, start=1):
+                if digest is not None and source.stream:
+                    digest.update(raw)
+                if line_no == 1 and raw.startswith(BOM):
+                    raw = raw[len(BOM):]
+                raw = raw[:-1] if raw.endswith(b"\n") else raw
+                raw = raw[:-1] if raw.endswith(b"\r") else raw  # "\r\n" ends a line; a lone "\r" is text
+                if self.skips_blank_lines and not raw.strip():
+                    continue
+                yield line_no, raw
+        finally:
+            if not source.stream:
+                lines.close()
+
+    def parse(self, raw: bytes):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            error = f"not valid UTF-8 (byte {e.start + 1} of the line is {raw[e.start:e.start + 1]!r})"
+            return self._id_despite(raw), None, None, error
+        return self._parse_line(line)
+
+    def _parse_line(self, line: str):
+        raise NotImplementedError
+
+    def _id_despite(self, raw: bytes) -> str | None:
+        """The id of a line that is not valid UTF-8, when it can be read anyway (it names the record in
+        its error)."""
+        return None
+
+    def _first_lines(self) -> list[tuple[int, bytes]]:
+        """Up to PROBE_RECORDS non-blank lines (PROBE_BYTES at most) of a file, the first one of a stream."""
+        out: list[tuple[int, bytes]] = []
+        if self.source.stream:
+            # Only the first record of a stream: waiting for more could wait for as long as the
+            # producer takes (a slow `<(cmd)`, a terminal).
+            kept: list[bytes] = []
+            for raw in self._open_stream():
+                kept.append(raw)
+                if raw.strip():
+                    out.append((len(kept), raw))
+                    break
+            self._replay = kept
+            return out
+        read = 0
+        with _open(self.source.path) as f:
+            for line_no, raw in enumerate(f, start=1):
+                read += len(raw)
+                if raw.strip():
+                    out.append((line_no, raw))
+                if len(out) >= PROBE_RECORDS or read >= PROBE_BYTES:
+                    break
+        return out
+
+    def _open_stream(self):
+        if self._stream is None:
+            self._stream = sys.stdin.buffer if self.source.path == "-" else _open(self.source.path)
+        return self._stream
+
+    def close(self) -> None:
+        if self._stream is not None and self._stream is not sys.stdin.buffer:
+            self._stream.close()
+
+
+class TextReader(_LineReader):
+    """Plain text: every line is a record's text; ids are file:line."""
+
+    name = "text"
+    suffixes = (".txt", ".text")
+    has_fields = False
+
+    def probe(self, first: bool) -> None:
+        if first:
+            self.fields.decide_id(())  # text first: every id is file:line
+
+    def _parse_line(self, line: str):
+        return None, line, None, None
+
+
+class JsonlReader(_LineReader):
+    """JSON Lines: one object per line; a blank line is no record."""
+
+    name = "jsonl"
+    suffixes = (".jsonl", ".ndjson", ".json")
+    skips_blank_lines = True
+
+    def probe(self, first: bool) -> None:
+        objects = []
+        for line_no, raw in self._first_lines():
+            try:
+                value = json.loads(raw[len(BOM):] if line_no == 1 and raw.startswith(BOM) else raw)
+            except ValueError:  # a bad line is that record's error later, not the probe's
+                continue
+            if isinstance(value, dict):
+                objects.append(value)
+        if not objects:
+            return
+        if first:
+            self.fields.decide_id(objects[0])
+        seen = sorted({k for o in objects for k in o})
+        for option, name in self.fields.wanted():
+            if not any(name in o for o in objects):
+                raise InputError(f"{self.source.name}: {option} {name!r} matches nothing in its first {len(objects)} "
+                                 f"records (fields there: {seen})")
+
+    def _parse_line(self, line: str):
+        try:
+            value = json.loads(line)
+        except ValueError as e:
+            return None, None, None, f"not valid JSON ({e})"
+        if not isinstance(value, dict):
+            return None, None, None, f"a JSON object is expected, got {type(value).__name__}"
+        return self.fields.of(value)
+
+    def _id_despite(self, raw: bytes) -> str | None:
+        if self.fields.id is None:
+            return None
+        try:
+            rid = json.loads(raw.decode("utf-8", "replace")).get(self.fields.id)
+        except (ValueError, AttributeError):
+            return None
+        return str(rid) if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
+
+
+class ParquetReader(FormatReader):
+    """Parquet: one record per row, read in batches of the columns the job needs."""
+
+    name = "parquet"
+    suffixes = (".parquet",)
+    unit = "row"
+    cannot_stream = "Parquet is read from a file, not a stream (it is read from its end first)"
+
+    def probe(self, first: bool) -> None:
+        names = _parquet_file(self.source.path).schema_arrow.names
+        if first:
+            self.fields.decide_id(names)
+        for option, name in self.fields.wanted():
+            if name not in names:
+                raise InputError(f"{self.source.name}: {option} {name!r} matches no column (columns: {names})")
+
+    def units(self, digest) -> Iterator[tuple[int, dict]]:
+        pf = _parquet_file(self.source.path)
+        names = pf.schema_arrow.names
+        f = self.fields
+        columns = list(dict.fromkeys([f.text] + ([f.id] if f.id in names else []) + list(f.keep)))
+        row = 0
+        for batch in pf.iter_batches(batch_size=4096, columns=columns):  # streamed, never loaded whole
+            values = {c: batch.column(c).to_pylist() for c in columns}
+            for k in range(batch.num_rows):
+                row += 1
+                yield row, {c: values[c][k] for c in columns}
+
+    def parse(self, raw: dict):
+        return self.fields.of(raw)
+
+
+FORMATS: dict[str, type[FormatReader]] = {r.name: r for r in (JsonlReader, TextReader, ParquetReader)}
+SUFFIX_FORMATS = {suffix: r.name for r in FORMATS.values() for suffix in r.suffixes}
+INPUT_FORMATS = ("auto", *FORMATS)
+
+
+def format_for(path: str) -> str | None:
+    """The format a file's suffix names (what `--input-format auto` reads it as), None for another suffix."""
+    return SUFFIX_FORMATS.get(Path(path).suffix)
 
 
 # -- which files ----------------------------------------------------------------------------------
@@ -113,7 +367,7 @@ def _directory_files(path: str) -> list[str]:
     found = []
     for p in Path(path).rglob("*"):
         parts = p.relative_to(path).parts
-        if p.is_file() and p.suffix in SUFFIX_FORMATS and not any(s.startswith((".", "_")) for s in parts):
+        if p.is_file() and format_for(str(p)) is not None and not any(s.startswith((".", "_")) for s in parts):
             found.append(str(p))
     return sorted(found)
 
@@ -125,115 +379,43 @@ def _source(path: str, input_format: str, stream: bool | None = None) -> Source:
     fmt = input_format
     if fmt == "auto":
         # stdin is text unless declared JSONL: a text line that happens to start with "{" stays text.
-        fmt = "text" if path == "-" else SUFFIX_FORMATS.get(Path(path).suffix, "text")
-    if fmt == "parquet" and stream:
-        raise UsageError(f"{path}: Parquet is read from a file, not a stream (it is read from its end first)")
+        fmt = "text" if path == "-" else format_for(path) or "text"
+    if stream and FORMATS[fmt].cannot_stream:
+        raise UsageError(f"{path}: {FORMATS[fmt].cannot_stream}")
     return Source(path, fmt, stream)
 
 
-# -- reading --------------------------------------------------------------------------------------
+# -- the job's records ----------------------------------------------------------------------------
 
-class InputReader:
-    """The records of a list of sources. `probe()` checks them before the model starts and decides
-    where ids come from; `records()` streams one shard's records."""
+class RecordReader:
+    """The records of a list of sources, one FormatReader each. `probe()` checks them before the
+    model starts and decides where ids come from; `records()` streams one shard's records."""
 
     def __init__(self, sources: list[Source], text_field: str = "text", id_field: str | None = None,
                  keep_fields: tuple[str, ...] = ()) -> None:
         self.sources = sources
-        self.text_field = text_field
-        self.explicit_id = id_field is not None
-        self.id_field = id_field  # decided by probe() when not given
-        self.keep_fields = keep_fields
-        # Lines a probe read from a stream: a stream cannot be read twice, so they are replayed.
-        self._replay: dict[int, list[bytes]] = {}
-        self._streams: dict[int, object] = {}
+        self.fields = Fields(text=text_field, id=id_field, keep=keep_fields, explicit_id=id_field is not None)
+        self.readers = [FORMATS[s.format](s, self.fields) for s in sources]
         self.probed = False
 
-    # - before the model starts -
+    @property
+    def id_field(self) -> str | None:
+        """The field ids come from (None: file:line), decided by probe() when not given."""
+        return self.fields.id
 
     def probe(self) -> None:
         """Checks what can be checked from the first records of each input, before any work:
         --text-field, --id-field and --keep-fields must match something. Decides the id field."""
-        for i, source in enumerate(self.sources):
-            if source.format == "parquet":
-                self._probe_parquet(i, source)
-            elif source.format == "jsonl":
-                self._probe_jsonl(i, source)
-            elif i == 0 and not self.explicit_id:
-                self.id_field = None  # text first: every id is file:line
-        text = [s.name for s in self.sources if s.format == "text"]
-        if text and (self.id_field is not None or self.keep_fields):
-            why = ("--keep-fields needs fields" if self.keep_fields else
-                   f"the ids come from field {self.id_field!r}" + ("" if self.explicit_id else " (the first record has one)"))
-            raise UsageError(f"{why}, but {text[0]} is read as text (one record per line, ids file:line); "
+        for i, reader in enumerate(self.readers):
+            reader.probe(first=i == 0)
+        fieldless = [r.source.name for r in self.readers if not r.has_fields]
+        if fieldless and (self.fields.id is not None or self.fields.keep):
+            why = ("--keep-fields needs fields" if self.fields.keep else
+                   f"the ids come from field {self.fields.id!r}"
+                   + ("" if self.fields.explicit_id else " (the first record has one)"))
+            raise UsageError(f"{why}, but {fieldless[0]} is read as text (one record per line, ids file:line); "
                              "give JSONL or Parquet inputs, or --input-format")
         self.probed = True
-
-    def _probe_parquet(self, i: int, source: Source) -> None:
-        names = _parquet_file(source.path).schema_arrow.names
-        if i == 0 and not self.explicit_id:
-            self.id_field = DEFAULT_ID_FIELD if DEFAULT_ID_FIELD in names else None
-        wanted = [("--text-field", self.text_field)] + [("--keep-fields", f) for f in self.keep_fields]
-        if self.id_field is not None:
-            wanted.append(("--id-field", self.id_field))
-        for option, name in wanted:
-            if name not in names:
-                raise InputError(f"{source.name}: {option} {name!r} matches no column (columns: {names})")
-
-    def _probe_jsonl(self, i: int, source: Source) -> None:
-        objects = []
-        for line_no, raw in self._probe_lines(i, source):
-            try:
-                value = json.loads(raw[len(BOM):] if line_no == 1 and raw.startswith(BOM) else raw)
-            except ValueError:  # a bad line is that record's error later, not the probe's
-                continue
-            if isinstance(value, dict):
-                objects.append(value)
-        if not objects:
-            return
-        if i == 0 and not self.explicit_id:
-            # The first record decides, once, for the whole job (and the manifest records it).
-            self.id_field = DEFAULT_ID_FIELD if DEFAULT_ID_FIELD in objects[0] else None
-        wanted = [("--text-field", self.text_field)] + [("--keep-fields", f) for f in self.keep_fields]
-        if self.id_field is not None:
-            wanted.append(("--id-field", self.id_field))
-        seen = sorted({k for o in objects for k in o})
-        for option, name in wanted:
-            if not any(name in o for o in objects):
-                raise InputError(f"{source.name}: {option} {name!r} matches nothing in its first {len(objects)} "
-                                 f"records (fields there: {seen})")
-
-    def _probe_lines(self, i: int, source: Source) -> list[tuple[int, bytes]]:
-        """Up to PROBE_RECORDS non-blank lines (PROBE_BYTES at most) of one file, the first one of a stream."""
-        out: list[tuple[int, bytes]] = []
-        read = 0
-        if source.stream:
-            # Only the first record of a stream: waiting for more could wait for as long as the
-            # producer takes (a slow `<(cmd)`, a terminal).
-            lines = self._stream(i, source)
-            kept: list[bytes] = []
-            for raw in lines:
-                kept.append(raw)
-                if raw.strip():
-                    out.append((len(kept), raw))
-                    break
-            self._replay[i] = kept
-            return out
-        with _open(source.path) as f:
-            for line_no, raw in enumerate(f, start=1):
-                read += len(raw)
-                if raw.strip():
-                    out.append((line_no, raw))
-                if len(out) >= PROBE_RECORDS or read >= PROBE_BYTES:
-                    break
-        return out
-
-    def _stream(self, i: int, source: Source):
-        if i not in self._streams:
-            self._streams[i] = sys.stdin.buffer if source.path == "-" else _open(source.path)
-        return self._streams[i]
-
-    # - the records -
 
     def records(self, shard: tuple[int, int] = (0, 1), skip: int = 0,
                 resume_stream_sha256: str | None = None) -> Iterator[Record]:
@@ -248,9 +430,8 @@ class InputReader:
         shard_i, shard_n = shard
         index = mine = 0
         digest = hashlib.sha256() if any(s.stream for s in self.sources) else None
-        for i, source in enumerate(self.sources):
-            units = self._parquet_rows(source) if source.format == "parquet" else self._lines(i, source, digest)
-            for line_no, raw in units:
+        for reader in self.readers:
+            for line_no, raw in reader.units(digest):
                 ours = index % shard_n == shard_i
                 index += 1
                 if not ours:
@@ -261,13 +442,12 @@ class InputReader:
                 if mine == skip:
                     self._check_resumed_stream(digest, resume_stream_sha256, skip)
                     continue
-                yield self._record(source, index - 1, line_no, raw, digest)
+                yield self._record(reader, index - 1, line_no, raw, digest)
         if mine < skip:
             raise InputError(f"--resume: the inputs now hold {mine} records of this shard, but the job had already "
                              f"done {skip}: an input changed since the job began")
-        for stream in self._streams.values():
-            if stream is not sys.stdin.buffer:
-                stream.close()
+        for reader in self.readers:
+            reader.close()
 
     @staticmethod
     def _check_resumed_stream(digest, expected: str | None, skip: int) -> None:
@@ -275,95 +455,13 @@ class InputReader:
             raise InputError(f"--resume: the input stream differs from the one the job began with (its first {skip} "
                              "records hash differently); start a new job in another --output")
 
-    def _record(self, source: Source, index: int, line_no: int, raw, digest) -> Record:
-        if source.format == "parquet":
-            rid, text, fields, error = _fields(raw, self.text_field, self.id_field, self.keep_fields)
-        else:
-            rid, text, fields, error = self._parse_line(source, line_no, raw)
-        if rid is None and self.id_field is None:
+    def _record(self, reader: FormatReader, index: int, line_no: int, raw, digest) -> Record:
+        source = reader.source
+        rid, text, fields, error = reader.parse(raw)
+        if rid is None and self.fields.id is None:
             rid = f"{source.name}:{line_no}"
         return Record(index, source.name, line_no, rid, text if error is None else None, error, fields, source.unit,
                       digest.hexdigest() if digest is not None else None)
-
-    def _parse_line(self, source: Source, line_no: int, raw: bytes):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            error = f"not valid UTF-8 (byte {e.start + 1} of the line is {raw[e.start:e.start + 1]!r})"
-            return self._id_despite(source, raw), None, None, error
-        if source.format == "text":
-            return None, line, None, None
-        try:
-            value = json.loads(line)
-        except ValueError as e:
-            return None, None, None, f"not valid JSON ({e})"
-        if not isinstance(value, dict):
-            return None, None, None, f"a JSON object is expected, got {type(value).__name__}"
-        return _fields(value, self.text_field, self.id_field, self.keep_fields)
-
-    def _id_despite(self, source: Source, raw: bytes) -> str | None:
-        """The id of a JSONL line that is not valid UTF-8, when it can be read anyway: it names the
-        record in the error (the record stays an error)."""
-        if source.format != "jsonl" or self.id_field is None:
-            return None
-        try:
-            rid = json.loads(raw.decode("utf-8", "replace")).get(self.id_field)
-        except (ValueError, AttributeError):
-            return None
-        return str(rid) if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
-
-    def _lines(self, i: int, source: Source, digest) -> Iterator[tuple[int, bytes]]:
-        """(line number, line without its end) for each record line of one text or JSONL input."""
-        if source.stream:
-            stream = self._stream(i, source)
-            lines = _chain(self._replay.pop(i, []), stream)
-        else:
-            stream = lines = _open(source.path)
-        try:
-            for line_no, raw in enumerate(lines, start=1):
-                if digest is not None and source.stream:
-                    digest.update(raw)
-                if line_no == 1 and raw.startswith(BOM):
-                    raw = raw[len(BOM):]
-                raw = raw[:-1] if raw.endswith(b"\n") else raw
-                raw = raw[:-1] if raw.endswith(b"\r") else raw  # "\r\n" ends a line; a lone "\r" is text
-                if source.format == "jsonl" and not raw.strip():
-                    continue  # a blank JSONL line is no record
-                yield line_no, raw
-        finally:
-            if not source.stream:
-                stream.close()
-
-    def _parquet_rows(self, source: Source) -> Iterator[tuple[int, tuple]]:
-        pf = _parquet_file(source.path)
-        names = pf.schema_arrow.names
-        columns = list(dict.fromkeys([self.text_field] + ([self.id_field] if self.id_field in names else [])
-                                     + list(self.keep_fields)))
-        row = 0
-        for batch in pf.iter_batches(batch_size=4096, columns=columns):  # streamed, never loaded whole
-            values = {c: batch.column(c).to_pylist() for c in columns}
-            for k in range(batch.num_rows):
-                row += 1
-                yield row, {c: values[c][k] for c in columns}
-
-
-def _fields(record: dict, text_field: str, id_field: str | None, keep_fields: tuple[str, ...]):
-    """(id, text, kept fields, error) of one JSON object or Parquet row."""
-    fields = {k: record.get(k) for k in keep_fields} if keep_fields else None
-    rid = None
-    if id_field is not None:
-        rid = record.get(id_field)
-        if rid is None:
-            return None, None, fields, f"no field {id_field!r} (this job's ids come from {id_field!r})"
-        if isinstance(rid, bool) or not isinstance(rid, (str, int)):
-            return None, None, fields, f"field {id_field!r} must be a string or an integer, got {type(rid).__name__}"
-        rid = str(rid)
-    if text_field not in record:
-        return rid, None, fields, f"no field {text_field!r}"
-    text = record[text_field]
-    if not isinstance(text, str):
-        return rid, None, fields, f"field {text_field!r} must be a string, got {type(text).__name__}"
-    return rid, text, fields, None
 
 
 def _chain(first: list[bytes], rest) -> Iterator[bytes]:
