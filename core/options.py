@@ -3,7 +3,8 @@
 Task names, error modes and long-input modes are `Literal` types used by the wire structs, the
 API, the launcher and the Ray integration alike. Option structs declare their constraints with
 msgspec (`Literal`, `Meta(ge=1)`), and `checked` builds one from plain values, turning msgspec's
-validation error into the `TypeError` / `ValueError` a user expects, naming the option.
+validation error into the `TypeError` / `ValueError` a user expects, naming the option. The
+options a user sets (`PipelineOptions`, `CallOptions`) are declared with these in pipeline/options.py.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def _readable(error: msgspec.ValidationError, struct_type: type, values: dict, w
 def describe(t: msgspec.inspect.Type) -> str:
     """A type as a person would say it: "a positive int or None", "one of 'raise', 'return'"."""
     mi = msgspec.inspect
+    if isinstance(t, mi.Metadata):  # a described option: the type it wraps
+        return describe(t.type)
     if isinstance(t, mi.UnionType):
         return " or ".join(describe(x) for x in t.types)
     if isinstance(t, mi.LiteralType):

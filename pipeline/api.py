@@ -4,6 +4,12 @@ Calls may come from several threads at once (each gets its own results, in its o
 in-flight bound holds for the group; a failure or abort of one call touches no other), and from
 asyncio code through the `a...` methods (`aembed`, `aclassify`, `aencode`, `ascore`, `arank`,
 and the async streams `aembed_stream` / `aencode_stream`), which never block the event loop.
+
+The options of the constructor and of the calls are declared once, in `options.py`; each method
+here names only its own arguments (`prompts`, `task`, ...) and says what its call sends (a
+`_Plan`: prompts, checked `CallOptions`, how outputs become results). `_call` turns that into the
+public method -- signature, docstring and binding from the declaration -- and `_async_twin` into
+its asyncio twin, so the sync and async methods cannot drift apart.
 """
 
 from __future__ import annotations
@@ -13,58 +19,100 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
-from typing import Annotated, Literal
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
 
 from pooling_pipeline.call_stats import CallStats
-from pooling_pipeline.core.messages import PoolingParams
 from pooling_pipeline.core.model_layout import load_model_spec
-from pooling_pipeline.core.options import PositiveInt, Seconds, checked
+from pooling_pipeline.core.options import checked
 from pooling_pipeline.core.sim_device import resolve_sim_device
 from pooling_pipeline.cpu_plan import engine_devices, plan_cpu
 from pooling_pipeline.errors import EngineDeadError, PipelineError
 from pooling_pipeline.frontend import Call, Dispatcher, new_call_prefix
-from pooling_pipeline.inputs import CallOptions, Tokenization, build_requests, check_priority
-from pooling_pipeline.outputs import ClassificationOutput, EmbeddingOutput, RankedDocument, ScoringOutput
+from pooling_pipeline.inputs import Tokenization, build_requests, check_priority
+from pooling_pipeline.options import (
+    CALL_OPTIONS,
+    DTYPE_ALIASES,
+    PIPELINE_POSITIONAL,
+    CallOptions,
+    OptionsSignature,
+    PipelineOptions,
+    takes_options,
+)
+from pooling_pipeline.outputs import RankedDocument, ScoringOutput
 from pooling_pipeline.process_group import ProcessGroup
 from pooling_pipeline.similarity import similarity
 
 log = logging.getLogger("pipeline")
 
-DTYPE_ALIASES = {"auto": "auto", "float32": "float32", "float": "float32", "fp32": "float32",
-                 "float16": "float16", "half": "float16", "fp16": "float16",
-                 "bfloat16": "bfloat16", "bf16": "bfloat16"}
-Dtype = Literal["auto", "float32", "float", "fp32", "float16", "half", "fp16", "bfloat16", "bf16"]
-# "sim": the simulated accelerator (core/sim_device.py), a measurement instrument.
-Device = Annotated[str, msgspec.Meta(pattern=r"^(auto|cpu|sim|cuda(:\d+)?)$")]
 MAX_MESSAGE_ITEMS = 256
 # An async call checks a list this long in a thread (a whole list is checked before any work
 # starts; that must not hold the event loop).
 ASYNC_INLINE_CHECK_ITEMS = 1024
 
 
-class PipelineOptions(msgspec.Struct, frozen=True, kw_only=True):
-    """How the process group is shaped, checked once when a Pipeline is built."""
+class _Plan(NamedTuple):
+    """What one call sends and how its outputs (in input order) become what it returns."""
 
-    num_render_workers: PositiveInt | None = None  # None: planned from the cores
-    max_num_seqs: PositiveInt = 64  # most requests in one engine step
-    max_num_batched_tokens: PositiveInt | None = None  # padded tokens in one step; None: by device
-    max_inflight: PositiveInt | None = None  # requests issued and not yet handed back; None: 16 x max_num_seqs
-    #                                            per engine core
-    device: Device = "auto"
-    dtype: Dtype = "auto"
-    engine_window: PositiveInt | None = None  # requests admitted in each engine core; None: 8 x max_num_seqs
-    engine_threads: PositiveInt | None = None  # torch threads of each CPU engine core; None: planned
-    data_parallel_size: PositiveInt = 1  # engine cores on this machine, fed by the same render workers
-    io_processor: str | None = None
-    trust_remote_code: bool = False
-    startup_timeout_s: Seconds = 300.0
-    heartbeat_timeout_s: Seconds = 30.0
-    step_timeout_s: Seconds = 600.0
-    log_level: str = "WARNING"
+    prompts: Any
+    opts: CallOptions
+    finish: Callable[[list], list] | None = None
+
+
+def _call(options: str, returns: str | None = None, *, stream: bool = False, positional: int | None = None):
+    """The public method made of `plan(self, own arguments..., **options) -> _Plan`: it takes the
+    options of `CALL_OPTIONS[options]` (declared in options.py) and runs the plan as a list call
+    (checked whole before any work starts) or, with `stream`, as a lazy stream. `returns`: the
+    type of one result. A progress bar by default for a list call only."""
+    def make(plan: Callable[..., _Plan]) -> Callable:
+        return _method(plan, options, returns, stream, positional, asynchronous=False, doc=plan.__doc__)
+    return make
+
+
+def _async_twin(method: Callable, doc: str) -> Callable:
+    """The asyncio twin of a method made by `_call`: the same arguments and plan, awaited (a
+    list call) or an async iterator (a stream); no progress bar by default."""
+    plan, options, returns, stream, positional = method._plan
+    return _method(plan, options, returns, stream, positional, asynchronous=True, doc=doc)
+
+
+def _method(plan: Callable, options: str, returns: str | None, stream: bool, positional: int | None,
+            asynchronous: bool, doc: str | None) -> Callable:
+    owner, _, name = plan.__qualname__.rpartition(".")
+    name = "a" + name if asynchronous else name
+    shape = ("AsyncIterator" if asynchronous else "Iterator") if stream else "list"
+    sig = OptionsSignature(plan, CallOptions, CALL_OPTIONS[options], positional=positional,
+                           defaults=None if not (stream or asynchronous) else {"use_tqdm": False},
+                           returns=f"{shape}[{returns}]" if returns else shape, qualname=f"{owner}.{name}")
+    if stream and not asynchronous:
+        def method(*args, **kwargs):
+            own, values = sig.bind(args, kwargs)
+            call = plan(*own, **values)
+            return own[0]._stream(call.prompts, call.opts)
+    elif stream:
+        def method(*args, **kwargs):  # checked now; the async iterator does the rest
+            own, values = sig.bind(args, kwargs)
+            call = plan(*own, **values)
+            return own[0]._astream(call.prompts, call.opts)
+    elif not asynchronous:
+        def method(*args, **kwargs):
+            own, values = sig.bind(args, kwargs)
+            call = plan(*own, **values)
+            outs = list(own[0]._stream(call.prompts, call.opts, materialize=True))
+            return call.finish(outs) if call.finish else outs
+    else:
+        async def method(*args, **kwargs):
+            own, values = sig.bind(args, kwargs)
+            call = plan(*own, **values)
+            outs = [out async for out in own[0]._astream(call.prompts, call.opts, materialize=True)]
+            return call.finish(outs) if call.finish else outs
+    method.__module__ = plan.__module__
+    method.__wrapped__ = plan
+    method._plan = (plan, options, returns, stream, positional)
+    return sig.dress(method, doc, name)
 
 
 class Pipeline:
@@ -74,38 +122,31 @@ class Pipeline:
     Use it as a context manager, or call `close()`: either stops every process of the group.
     """
 
-    def __init__(self, model: str | None = None, num_render_workers: int | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int | None = None, max_inflight: int | None = None,
-                 device: str = "auto", dtype: str = "auto", *, engine_window: int | None = None,
-                 engine_threads: int | None = None,
-                 io_processor: str | None = None, trust_remote_code: bool = False, revision: str | None = None,
-                 sim_device=None, startup_timeout_s: float = 300.0, heartbeat_timeout_s: float = 30.0,
-                 step_timeout_s: float = 600.0, log_level: str = "WARNING", data_parallel_size: int = 1) -> None:
+    @takes_options(PipelineOptions, positional=PIPELINE_POSITIONAL)
+    def __init__(self, model: str | None = None, **options) -> None:
+        """`model`: None (the bundled all-MiniLM-L6-v2), a local model directory, or a hub id
+        "org/name" (with `revision`) resolved through the Hugging Face cache."""
         self._group: ProcessGroup | None = None
-        opts = checked(PipelineOptions, {
-            "num_render_workers": num_render_workers, "max_num_seqs": max_num_seqs,
-            "max_num_batched_tokens": max_num_batched_tokens, "max_inflight": max_inflight, "device": device,
-            "dtype": dtype, "engine_window": engine_window, "engine_threads": engine_threads,
-            "io_processor": io_processor, "trust_remote_code": trust_remote_code,
-            "startup_timeout_s": startup_timeout_s, "heartbeat_timeout_s": heartbeat_timeout_s,
-            "step_timeout_s": step_timeout_s, "log_level": log_level, "data_parallel_size": data_parallel_size})
-        if sim_device is not None and device != "sim":
+        opts = checked(PipelineOptions, options)
+        device, max_num_seqs, engines = opts.device, opts.max_num_seqs, opts.data_parallel_size
+        if opts.sim_device is not None and device != "sim":
             raise ValueError("sim_device applies to device='sim' (the simulated accelerator)")
-        sim = resolve_sim_device(sim_device) if device == "sim" else None
-        self.data_parallel_size = engines = opts.data_parallel_size
+        sim = resolve_sim_device(opts.sim_device) if device == "sim" else None
+        self.data_parallel_size = engines
         devices = engine_devices(device, engines)  # engine core k: cuda:k, or the CPU, or its own sim device
-        self.model_spec = spec = load_model_spec(model, trust_remote_code=trust_remote_code, revision=revision)
+        self.model_spec = spec = load_model_spec(model, trust_remote_code=opts.trust_remote_code,
+                                                 revision=opts.revision)
         self.max_num_seqs = max_num_seqs
-        if max_num_batched_tokens is not None and max_num_batched_tokens < spec.max_model_len:
-            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} is below the model's "
+        if opts.max_num_batched_tokens is not None and opts.max_num_batched_tokens < spec.max_model_len:
+            raise ValueError(f"max_num_batched_tokens={opts.max_num_batched_tokens} is below the model's "
                              f"max length {spec.max_model_len}: a long request could never be scheduled")
         # The engine's window is what it sorts by length to form batches: a wider one gives
         # tighter batches (on the 2-core CPU, 8 x max_num_seqs brings padding from 12% to 5% on
         # short sentences). The frontend keeps twice that in flight so the workers stay ahead
         # of the engine while finished results wait in the reorder buffer (inside the bound too);
         # with several engine cores, twice all their windows.
-        self.max_inflight = max_inflight or 16 * max_num_seqs * engines
-        self.engine_window = engine_window or max(1, self.max_inflight // (2 * engines))
+        self.max_inflight = opts.max_inflight or 16 * max_num_seqs * engines
+        self.engine_window = opts.engine_window or max(1, self.max_inflight // (2 * engines))
         # Requests per message to a worker (and from it to the engine): per-message costs (a
         # socket round, a decode, a thread's wake-up and its GIL hand-offs) are paid once per this
         # many. 64 measured 12% faster than 16 with a tokenizer-bound load; with a fast device
@@ -113,22 +154,23 @@ class Pipeline:
         # from ~1.8 to ~0.9 us a request.
         self.batch_items = max(1, min(MAX_MESSAGE_ITEMS, max_num_seqs, self.engine_window))
         self._plugin = None
-        if io_processor is not None:
+        if opts.io_processor is not None:
             from pooling_pipeline.workers.render import load_plugin
 
-            self._plugin = load_plugin(io_processor)  # in the caller too, for post_process (errors early)
-        self.cpu_plan = plan_cpu(num_render_workers, devices[0] if engines > 1 else device,
-                                 engine_threads=engine_threads, data_parallel_size=engines)
+            self._plugin = load_plugin(opts.io_processor)  # in the caller too, for post_process (errors early)
+        self.cpu_plan = plan_cpu(opts.num_render_workers, devices[0] if engines > 1 else device,
+                                 engine_threads=opts.engine_threads, data_parallel_size=engines)
         log.debug("CPU plan: %s", self.cpu_plan)
         self._local = threading.local()  # per thread: its running call and its last call's stats
         self._last_stats = CallStats()  # the last call of any thread
         self._group = ProcessGroup(
             spec, num_workers=self.cpu_plan.render_workers, engine_threads=self.cpu_plan.engine_threads,
-            device=device, dtype=DTYPE_ALIASES[dtype], max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, window=self.engine_window,
-            max_message_items=self.batch_items, io_processor=io_processor, log_level=log_level,
-            heartbeat_timeout_s=opts.heartbeat_timeout_s, step_timeout_s=opts.step_timeout_s,
-            data_parallel_size=engines, engine_devices=devices, **({"sim": sim} if sim is not None else {}))
+            device=device, dtype=DTYPE_ALIASES[opts.dtype], max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=opts.max_num_batched_tokens, window=self.engine_window,
+            max_message_items=self.batch_items, io_processor=opts.io_processor, log_level=opts.log_level,
+            startup_timeout_s=opts.startup_timeout_s, heartbeat_timeout_s=opts.heartbeat_timeout_s,
+            step_timeout_s=opts.step_timeout_s, data_parallel_size=engines, engine_devices=devices,
+            **({"sim": sim} if sim is not None else {}))
         try:
             self._dispatcher = Dispatcher(self._group, max_inflight=self.max_inflight, batch_items=self.batch_items)
         except BaseException:
@@ -138,7 +180,7 @@ class Pipeline:
         # that created it only: a forked child's exit leaves its parent's group alone).
         self._finalizer = weakref.finalize(self, Dispatcher.close, self._dispatcher)
         try:
-            self._group.wait_ready(opts.startup_timeout_s)
+            self._group.wait_ready()
             self._dispatcher.start()
         except BaseException:
             self.close()
@@ -173,83 +215,39 @@ class Pipeline:
                                 f"child (pid {os.getpid()}): create a new Pipeline in the child")
         return group
 
-    # ---- calls -----------------------------------------------------------------------------
+    # ---- calls: each says what it sends; `_call` makes the method, `_async_twin` its twin ------
 
-    def embed(self, prompts, pooling_params: ParamsArg = None, truncate_prompt_tokens: int | None = None,
-              use_tqdm: bool = True, priority: PriorityArg = None, chat_template: str | None = None,
-              long_inputs: str = "truncate", chunk_overlap: int = 0, truncation_side: str | None = None,
-              errors: str = "raise", prompt_name: PromptArg = None, prompt: PromptArg = None) -> list[EmbeddingOutput]:
-        """Embeds a prompt or a list of prompts; returns a list in input order.
+    @_call("embed", "EmbeddingOutput")
+    def embed(self, prompts, **options) -> _Plan:
+        """Embeds a prompt or a list of prompts; returns a list in input order. With
+        long_inputs="chunk", `.num_chunks` says how many chunks (of the model's length, sharing
+        `chunk_overlap` tokens with their neighbours) a document was embedded in."""
+        return _Plan(prompts, self._options("embed", **options))
 
-        long_inputs: "truncate" (keep the first -- or with truncation_side="left" the last --
-        tokens), "error" (a ValueError naming the request and its token count) or "chunk" (embed
-        every chunk of the whole document, `chunk_overlap` tokens shared between neighbours, and
-        pool them into one normalized, token-weighted mean; `.num_chunks` says how many).
-
-        errors: "raise" (the first bad request raises, naming it; everything else in flight is
-        aborted) or "return" (a bad request's output has `.error` and no data; the others go on).
-        """
-        opts = self._options("embed", pooling_params=pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
-                             use_tqdm=use_tqdm, priority=priority, chat_template=chat_template,
-                             long_inputs=long_inputs, chunk_overlap=chunk_overlap, truncation_side=truncation_side,
-                             errors=errors, prompt_name=prompt_name, prompt=prompt)
-        return list(self._stream(prompts, opts, materialize=True))
-
-    def embed_stream(self, prompts: Iterable, pooling_params: ParamsArg = None,
-                     truncate_prompt_tokens: int | None = None, use_tqdm: bool = False,
-                     priority: PriorityArg = None, chat_template: str | None = None, long_inputs: str = "truncate",
-                     chunk_overlap: int = 0, truncation_side: str | None = None,
-                     errors: str = "raise", prompt_name: PromptArg = None,
-                     prompt: PromptArg = None) -> Iterator[EmbeddingOutput]:
+    @_call("embed", "EmbeddingOutput", stream=True)
+    def embed_stream(self, prompts, **options) -> _Plan:
         """Embeds any iterable (a generator of unknown length too), yielding in input order as
         results complete. Holds at most `max_inflight` requests at a time."""
-        opts = self._options("embed", pooling_params=pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
-                             use_tqdm=use_tqdm, priority=priority, chat_template=chat_template,
-                             long_inputs=long_inputs, chunk_overlap=chunk_overlap, truncation_side=truncation_side,
-                             errors=errors, prompt_name=prompt_name, prompt=prompt)
-        return self._stream(prompts, opts)
+        return _Plan(prompts, self._options("embed", **options))
 
-    def classify(self, prompts, pooling_params: ParamsArg = None, truncate_prompt_tokens: int | None = None,
-                 use_tqdm: bool = True, priority: PriorityArg = None, chat_template: str | None = None,
-                 long_inputs: str = "truncate", truncation_side: str | None = None,
-                 errors: str = "raise", prompt_name: PromptArg = None,
-                 prompt: PromptArg = None) -> list[ClassificationOutput]:
+    @_call("classify", "ClassificationOutput")
+    def classify(self, prompts, **options) -> _Plan:
         """Class probabilities (softmax, or sigmoid for single-label / multi-label heads) per prompt."""
-        opts = self._options("classify", pooling_params=pooling_params,
-                             truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm, priority=priority,
-                             chat_template=chat_template, long_inputs=long_inputs, truncation_side=truncation_side,
-                             errors=errors, prompt_name=prompt_name, prompt=prompt)
-        return list(self._stream(prompts, opts, materialize=True))
+        return _Plan(prompts, self._options("classify", **options))
 
-    def encode(self, prompts, task: str | None = None, pooling_params: ParamsArg = None,
-               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True, priority: PriorityArg = None,
-               chat_template: str | None = None, long_inputs: str = "truncate", chunk_overlap: int = 0,
-               truncation_side: str | None = None, errors: str = "raise", prompt_name: PromptArg = None,
-               prompt: PromptArg = None) -> list:
+    @_call("encode")
+    def encode(self, prompts, task: str | None = None, **options) -> _Plan:
         """Any task of the model: "embed", "classify", "token_embed", "token_classify", or "plugin"
         (the io_processor's render/post_process around the forward pass). Defaults to the model's first task."""
-        opts = self._options(task, pooling_params=pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
-                             use_tqdm=use_tqdm, priority=priority, chat_template=chat_template,
-                             long_inputs=long_inputs, chunk_overlap=chunk_overlap, truncation_side=truncation_side,
-                             errors=errors, prompt_name=prompt_name, prompt=prompt)
-        return list(self._stream(prompts, opts, materialize=True))
+        return _Plan(prompts, self._options(task, **options))
 
-    def encode_stream(self, prompts: Iterable, task: str | None = None, pooling_params: ParamsArg = None,
-                      truncate_prompt_tokens: int | None = None, use_tqdm: bool = False,
-                      priority: PriorityArg = None, chat_template: str | None = None,
-                      long_inputs: str = "truncate", chunk_overlap: int = 0, truncation_side: str | None = None,
-                      errors: str = "raise", prompt_name: PromptArg = None, prompt: PromptArg = None) -> Iterator:
+    @_call("encode", stream=True)
+    def encode_stream(self, prompts, task: str | None = None, **options) -> _Plan:
         """`encode` as a stream over any iterable, in input order, with bounded memory."""
-        opts = self._options(task, pooling_params=pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
-                             use_tqdm=use_tqdm, priority=priority, chat_template=chat_template,
-                             long_inputs=long_inputs, chunk_overlap=chunk_overlap, truncation_side=truncation_side,
-                             errors=errors, prompt_name=prompt_name, prompt=prompt)
-        return self._stream(prompts, opts)
+        return _Plan(prompts, self._options(task, **options))
 
-    def score(self, data_1, data_2, pooling_params: ParamsArg = None, truncate_prompt_tokens: int | None = None,
-              use_tqdm: bool = True, priority: PriorityArg = None, max_tokens_per_query: int | None = None,
-              max_tokens_per_doc: int | None = None, errors: str = "raise", prompt_name: PromptArg = None,
-              prompt: PromptArg = None) -> list[ScoringOutput]:
+    @_call("score", "ScoringOutput")
+    def score(self, data_1, data_2, **options) -> _Plan:
         """Scores query/document pairs: 1:1, 1:N (the single query against each document) or N:N.
 
         The kind follows the model: a cross-encoder (sequence-classification head with one label)
@@ -257,103 +255,29 @@ class Pipeline:
         gives its similarity function (ST's similarity_fn_name, cosine by default) of the two
         embeddings (bi-encoder), or MaxSim over token embeddings for late-interaction models.
         """
-        prompts, opts, finish = self._score_plan(
-            data_1, data_2, pooling_params=pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
-            use_tqdm=use_tqdm, priority=priority, max_tokens_per_query=max_tokens_per_query,
-            max_tokens_per_doc=max_tokens_per_doc, errors=errors, prompt_name=prompt_name, prompt=prompt)
-        return finish(list(self._stream(prompts, opts, materialize=True)))
+        return self._score_plan(data_1, data_2, **options)
 
-    def rank(self, query: str, documents: Sequence[str], top_k: int | None = None, **score_options
-             ) -> list[RankedDocument]:
+    @_call("score", "RankedDocument", positional=0)
+    def rank(self, query: str, documents: Sequence[str], top_k: int | None = None, **options) -> _Plan:
         """The documents ordered by their score against the query, best first, as
         `(index, score)` pairs (ST's `CrossEncoder.rank`); `top_k` keeps the best k.
-        Other keyword arguments go to `score`."""
+        The options are `score`'s."""
         _check_rank(query, top_k)
-        return _ranked(self.score(query, list(documents), **score_options), top_k)
+        plan = self._score_plan(query, list(documents), **options)
+        return plan._replace(finish=lambda outs: _ranked(plan.finish(outs), top_k))
 
     # ---- async variants: the same calls for asyncio code --------------------------------------
 
-    async def aembed(self, prompts, pooling_params: ParamsArg = None, truncate_prompt_tokens: int | None = None,
-                     use_tqdm: bool = False, priority: PriorityArg = None, chat_template: str | None = None,
-                     long_inputs: str = "truncate", chunk_overlap: int = 0, truncation_side: str | None = None,
-                     errors: str = "raise", prompt_name: PromptArg = None,
-                     prompt: PromptArg = None) -> list[EmbeddingOutput]:
-        """`embed` for asyncio code: awaits the results without blocking the event loop; other
-        calls (threads, coroutines) run at the same time. Cancelling the task aborts this call only."""
-        opts = self._options("embed", pooling_params=pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
-                             use_tqdm=use_tqdm, priority=priority, chat_template=chat_template,
-                             long_inputs=long_inputs, chunk_overlap=chunk_overlap, truncation_side=truncation_side,
-                             errors=errors, prompt_name=prompt_name, prompt=prompt)
-        return [out async for out in self._astream(prompts, opts, materialize=True)]
-
-    def aembed_stream(self, prompts: Iterable, pooling_params: ParamsArg = None,
-                      truncate_prompt_tokens: int | None = None, use_tqdm: bool = False,
-                      priority: PriorityArg = None, chat_template: str | None = None, long_inputs: str = "truncate",
-                      chunk_overlap: int = 0, truncation_side: str | None = None,
-                      errors: str = "raise", prompt_name: PromptArg = None,
-                      prompt: PromptArg = None) -> AsyncIterator[EmbeddingOutput]:
-        """`embed_stream` as an async iterator (`async for out in pipe.aembed_stream(texts)`):
-        lazy, in input order, bounded; leaving the loop early aborts what is still in flight."""
-        opts = self._options("embed", pooling_params=pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
-                             use_tqdm=use_tqdm, priority=priority, chat_template=chat_template,
-                             long_inputs=long_inputs, chunk_overlap=chunk_overlap, truncation_side=truncation_side,
-                             errors=errors, prompt_name=prompt_name, prompt=prompt)
-        return self._astream(prompts, opts)
-
-    async def aclassify(self, prompts, pooling_params: ParamsArg = None, truncate_prompt_tokens: int | None = None,
-                        use_tqdm: bool = False, priority: PriorityArg = None, chat_template: str | None = None,
-                        long_inputs: str = "truncate", truncation_side: str | None = None,
-                        errors: str = "raise", prompt_name: PromptArg = None,
-                        prompt: PromptArg = None) -> list[ClassificationOutput]:
-        """`classify` for asyncio code."""
-        opts = self._options("classify", pooling_params=pooling_params,
-                             truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm, priority=priority,
-                             chat_template=chat_template, long_inputs=long_inputs, truncation_side=truncation_side,
-                             errors=errors, prompt_name=prompt_name, prompt=prompt)
-        return [out async for out in self._astream(prompts, opts, materialize=True)]
-
-    async def aencode(self, prompts, task: str | None = None, pooling_params: ParamsArg = None,
-                      truncate_prompt_tokens: int | None = None, use_tqdm: bool = False, priority: PriorityArg = None,
-                      chat_template: str | None = None, long_inputs: str = "truncate", chunk_overlap: int = 0,
-                      truncation_side: str | None = None, errors: str = "raise", prompt_name: PromptArg = None,
-                      prompt: PromptArg = None) -> list:
-        """`encode` for asyncio code."""
-        opts = self._options(task, pooling_params=pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
-                             use_tqdm=use_tqdm, priority=priority, chat_template=chat_template,
-                             long_inputs=long_inputs, chunk_overlap=chunk_overlap, truncation_side=truncation_side,
-                             errors=errors, prompt_name=prompt_name, prompt=prompt)
-        return [out async for out in self._astream(prompts, opts, materialize=True)]
-
-    def aencode_stream(self, prompts: Iterable, task: str | None = None, pooling_params: ParamsArg = None,
-                       truncate_prompt_tokens: int | None = None, use_tqdm: bool = False,
-                       priority: PriorityArg = None, chat_template: str | None = None,
-                       long_inputs: str = "truncate", chunk_overlap: int = 0, truncation_side: str | None = None,
-                       errors: str = "raise", prompt_name: PromptArg = None,
-                       prompt: PromptArg = None) -> AsyncIterator:
-        """`encode_stream` as an async iterator."""
-        opts = self._options(task, pooling_params=pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
-                             use_tqdm=use_tqdm, priority=priority, chat_template=chat_template,
-                             long_inputs=long_inputs, chunk_overlap=chunk_overlap, truncation_side=truncation_side,
-                             errors=errors, prompt_name=prompt_name, prompt=prompt)
-        return self._astream(prompts, opts)
-
-    async def ascore(self, data_1, data_2, pooling_params: ParamsArg = None,
-                     truncate_prompt_tokens: int | None = None, use_tqdm: bool = False, priority: PriorityArg = None,
-                     max_tokens_per_query: int | None = None, max_tokens_per_doc: int | None = None,
-                     errors: str = "raise", prompt_name: PromptArg = None,
-                     prompt: PromptArg = None) -> list[ScoringOutput]:
-        """`score` for asyncio code."""
-        prompts, opts, finish = self._score_plan(
-            data_1, data_2, pooling_params=pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
-            use_tqdm=use_tqdm, priority=priority, max_tokens_per_query=max_tokens_per_query,
-            max_tokens_per_doc=max_tokens_per_doc, errors=errors, prompt_name=prompt_name, prompt=prompt)
-        return finish([out async for out in self._astream(prompts, opts, materialize=True)])
-
-    async def arank(self, query: str, documents: Sequence[str], top_k: int | None = None, **score_options
-                    ) -> list[RankedDocument]:
-        """`rank` for asyncio code."""
-        _check_rank(query, top_k)
-        return _ranked(await self.ascore(query, list(documents), **score_options), top_k)
+    aembed = _async_twin(embed, """`embed` for asyncio code: awaits the results without blocking the event loop; other
+        calls (threads, coroutines) run at the same time. Cancelling the task aborts this call only.""")
+    aembed_stream = _async_twin(embed_stream, """`embed_stream` as an async iterator (`async for out in
+        pipe.aembed_stream(texts)`): lazy, in input order, bounded; leaving the loop early aborts what is
+        still in flight.""")
+    aclassify = _async_twin(classify, "`classify` for asyncio code.")
+    aencode = _async_twin(encode, "`encode` for asyncio code.")
+    aencode_stream = _async_twin(encode_stream, "`encode_stream` as an async iterator.")
+    ascore = _async_twin(score, "`score` for asyncio code.")
+    arank = _async_twin(rank, "`rank` for asyncio code.")
 
     def stats(self) -> dict:
         """Counters of this thread's last call (or the one it runs; from a thread that ran none,
@@ -394,7 +318,7 @@ class Pipeline:
                              + (" and score() pairs" if "score" in self.model_spec.tasks else ""))
         return checked(CallOptions, {"task": task, "plugin": plugin, "pairs": pairs, **values})
 
-    def _score_plan(self, data_1, data_2, **values) -> tuple[list, CallOptions, Callable[[list], list[ScoringOutput]]]:
+    def _score_plan(self, data_1, data_2, **values) -> _Plan:
         """What `score` sends (prompts, options) and how its outputs become scores."""
         kind = self.model_spec.score_kind
         if kind is None:
@@ -415,7 +339,7 @@ class Pipeline:
                 return [ScoringOutput(out.request_id, out.index,
                                       float(out.data[0]) if out.error is None else float("nan"),
                                       out.num_prompt_tokens, out.error) for out in outs]
-            return pairs, opts, cross
+            return _Plan(pairs, opts, cross)
         if isinstance(values["pooling_params"], (list, tuple)):
             raise ValueError("per-pair pooling_params apply to cross-encoders only; give one PoolingParams")
         if values.pop("max_tokens_per_query") is not None or values.pop("max_tokens_per_doc") is not None:
@@ -440,7 +364,7 @@ class Pipeline:
                 results.append(ScoringOutput(f"{q.request_id}|{d.request_id}", i, value,
                                              q.num_prompt_tokens + d.num_prompt_tokens, error))
             return results
-        return list(queries) + list(docs), opts, pairwise
+        return _Plan(list(queries) + list(docs), opts, pairwise)
 
     def _requests(self, prompts, opts: CallOptions, materialize: bool):
         """The call's id and its requests, lazily (with how many when known). `materialize`:
@@ -541,11 +465,6 @@ def _check_rank(query, top_k) -> None:
 def _ranked(scores: list[ScoringOutput], top_k: int | None) -> list[RankedDocument]:
     ranked = sorted((RankedDocument(s.index, s.score) for s in scores), key=lambda r: -r.score)
     return ranked[:top_k] if top_k is not None else ranked
-
-
-ParamsArg = PoolingParams | Sequence[PoolingParams] | None
-PromptArg = str | Sequence[str | None] | None
-PriorityArg = int | Sequence[int] | None
 
 
 def _score_side(data, name: str) -> list:

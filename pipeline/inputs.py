@@ -10,23 +10,16 @@ import collections
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 import numpy as np
 
 from pooling_pipeline.core.config import ModelSpec
 from pooling_pipeline.core.messages import PoolingParams, RenderBatch, RenderOptions, RenderParams
-from pooling_pipeline.core.options import (
-    ErrorsMode,
-    LongInputs,
-    NonNegativeInt,
-    PositiveInt,
-    Task,
-    TruncationSide,
-    checked,
-)
+from pooling_pipeline.core.options import checked
 from pooling_pipeline.core.schema import ids_out_of_range
+from pooling_pipeline.options import CallOptions  # (declared there, with every option's default)
 
 # Priorities travel as msgpack ints and are compared in the engine: keep them in int64.
 PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
@@ -38,32 +31,6 @@ class FailedRequest:
 
     index: int
     error: str
-
-
-class CallOptions(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything one call was asked for: built and checked once (`checked`), carried to the Call."""
-
-    task: Task  # what the engine runs
-    plugin: bool = False  # prompts are raw items for the io_processor plugin
-    pairs: bool = False  # prompts are (query, document) pairs for a cross-encoder
-    pooling_params: Any = None  # one PoolingParams, a list with one per prompt, or None
-    priority: Any = None  # one int, a list with one per prompt, or None (lower runs first)
-    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
-    use_tqdm: bool = True
-    chat_template: str | None = None
-    long_inputs: LongInputs = "truncate"
-    chunk_overlap: NonNegativeInt = 0  # chunk mode: tokens shared by consecutive chunks
-    truncation_side: TruncationSide | None = None  # None: the tokenizer's own
-    errors: ErrorsMode = "raise"
-    max_tokens_per_query: PositiveInt | None = None  # cross-encoder pairs: content tokens per side
-    max_tokens_per_doc: PositiveInt | None = None
-    prompt: Any = None  # text put in front of each text (one str, or one per prompt); wins over prompt_name
-    prompt_name: Any = None  # a name in the model's `prompts` (one, or one per prompt)
-
-    def __post_init__(self) -> None:
-        if self.long_inputs == "chunk" and self.task != "embed":
-            raise ValueError(f"long_inputs='chunk' pools chunks into one embedding: it applies to 'embed', "
-                             f"not {self.task!r}")
 
 
 @dataclass(frozen=True)

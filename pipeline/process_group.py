@@ -143,11 +143,13 @@ class Child:
 class ProcessGroup:
     def __init__(self, spec: ModelSpec, *, num_workers: int, engine_threads: int, device: str, dtype: str,
                  max_num_seqs: int, max_num_batched_tokens: int | None, window: int, max_message_items: int,
-                 io_processor: str | None = None, log_level: str = "WARNING",
-                 heartbeat_timeout_s: float = 30.0, step_timeout_s: float = 600.0, sim=None,
-                 data_parallel_size: int = 1, engine_devices: list[str] | None = None) -> None:
-        """`engine_devices`: the device of each of the `data_parallel_size` engine cores (default:
-        `device` for each); `engine_threads`: torch threads of each engine core."""
+                 io_processor: str | None, log_level: str, startup_timeout_s: float, heartbeat_timeout_s: float,
+                 step_timeout_s: float, data_parallel_size: int, sim=None,
+                 engine_devices: list[str] | None = None) -> None:
+        """Every value comes from the Pipeline (its defaults are PipelineOptions'). `engine_devices`:
+        the device of each of the `data_parallel_size` engine cores (default: `device` for each);
+        `engine_threads`: torch threads of each engine core; `sim`: the simulated device, for
+        device="sim"."""
         engine_devices = list(engine_devices) if engine_devices is not None else [device] * data_parallel_size
         if len(engine_devices) != data_parallel_size:
             raise ValueError(f"{len(engine_devices)} engine devices for data_parallel_size={data_parallel_size}")
@@ -203,7 +205,7 @@ class ProcessGroup:
         self.last_seen: dict[tuple[str, int], float] = {}
         self.busy_s: dict[tuple[str, int], float] = {}
         self.ready: set[tuple[str, int]] = set()  # heartbeats are expected only once a child is ready
-        self.startup_timeout_s = 300.0
+        self.startup_timeout_s = startup_timeout_s  # a child (a restarted worker too) may take this long to be ready
         self.engines: list[Child] = []
         self.controls: list[zmq.Socket] = []
         try:
@@ -336,9 +338,10 @@ class ProcessGroup:
 
     # ---- start-up --------------------------------------------------------------------
 
-    def wait_ready(self, timeout_s: float) -> None:
-        """Waits for a Ready from every child; raises with the child's own log if one fails."""
-        self.startup_timeout_s = timeout_s
+    def wait_ready(self) -> None:
+        """Waits (up to startup_timeout_s) for a Ready from every child; raises with the child's
+        own log if one fails."""
+        timeout_s = self.startup_timeout_s
         pending = {("engine", k) for k in range(self.num_engines)} | {("worker", i) for i in range(len(self.workers))}
         deadline = time.monotonic() + timeout_s
         while pending:

@@ -25,11 +25,16 @@ from typing import Any
 
 import numpy as np
 
-from pooling_pipeline.core.options import ERRORS_MODES
+from pooling_pipeline.core.options import checked
+from pooling_pipeline.options import CALL_OPTIONS, CallOptions, PipelineOptions, defaults
 
 # The column a task's output goes to, unless the caller names another.
 OUTPUT_COLUMNS = {"embed": "embedding", "classify": "probs", "score": "score",
                   "token_embed": "token_embeddings", "token_classify": "token_probs"}
+# The Pipeline method each task runs, and so the call options it takes (options.CALL_OPTIONS).
+TASK_CALLS = {"embed": "embed", "classify": "classify", "score": "score", "token_embed": "encode",
+              "token_classify": "encode"}
+_PIPELINE, _CALL = defaults(PipelineOptions), defaults(CallOptions)
 ERROR_COLUMN = "error"
 
 
@@ -59,14 +64,17 @@ class PoolingBatches:
     tasks, floats for score. `errors="return"` keeps going past a bad row: the `error` column says
     why (empty for rows that worked) and its output is NaN (token tasks: no rows), so the column
     keeps one type across batches, as Ray Data needs.
-    Other keyword arguments go to the task's call (e.g. truncate_prompt_tokens, dimensions,
-    long_inputs; None means the default); `pipeline_kwargs` to the `Pipeline` constructor;
+    Other keyword arguments are options of the task's call (`Pipeline.embed`, `classify`, `score`,
+    or `encode` for token tasks: truncate_prompt_tokens, long_inputs, prompt_name, ...; None means
+    the default), checked here: one the call does not take is a TypeError naming it. Defaults and
+    checks are the declared ones (options.py). `pipeline_kwargs` go to the `Pipeline` constructor;
     `tokens_column` adds each row's token count.
     """
 
     def __init__(self, task: str = "embed", *, model: str | None = None, text_column: str = "text",
-                 pair_column: str | None = None, output_column: str | None = None, errors: str = "raise",
-                 device: str = "auto", dtype: str = "auto", num_render_workers: int | None = None,
+                 pair_column: str | None = None, output_column: str | None = None, errors: str = _CALL["errors"],
+                 device: str = _PIPELINE["device"], dtype: str = _PIPELINE["dtype"],
+                 num_render_workers: int | None = _PIPELINE["num_render_workers"],
                  pipeline_kwargs: dict | None = None, tokens_column: str | None = None,
                  **call_kwargs: Any) -> None:
         from pooling_pipeline.api import Pipeline
@@ -76,15 +84,20 @@ class PoolingBatches:
             raise ValueError(f"task must be one of {tuple(OUTPUT_COLUMNS)}, got {task!r}")
         if task == "score" and pair_column is None:
             raise ValueError("task 'score' needs pair_column (the documents; text_column holds the queries)")
-        if errors not in ERRORS_MODES:
-            raise ValueError(f"errors must be one of {ERRORS_MODES}, got {errors!r}")
+        takes = [name for name in CALL_OPTIONS[TASK_CALLS[task]] if name not in ("use_tqdm", "errors")]
+        unknown = sorted(set(call_kwargs) - set(takes))
+        if unknown:
+            raise TypeError(f"PoolingBatches() got an unexpected keyword argument {unknown[0]!r}: task {task!r} "
+                            f"takes {takes}")
+        call_kwargs = {k: v for k, v in call_kwargs.items() if v is not None}
+        checked(CallOptions, {"task": task, "errors": errors, **call_kwargs})  # what the call would refuse
         self.task = task
         self.text_column = text_column
         self.pair_column = pair_column
         self.output_column = output_column or OUTPUT_COLUMNS[task]
         self.errors = errors
         self.tokens_column = tokens_column
-        self.call_kwargs = {k: v for k, v in call_kwargs.items() if v is not None}
+        self.call_kwargs = call_kwargs
         cpus, gpus = actor_resources()
         if device == "auto":
             device = "cuda" if gpus > 0 else "cpu"

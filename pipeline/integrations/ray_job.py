@@ -120,6 +120,23 @@ def read_dataset(files: list[str], text_field: str, id_field: str):
     return ds.select_columns([id_field, text_field])
 
 
+def batches_kwargs(args: argparse.Namespace) -> dict:
+    """What each actor's PoolingBatches is built with: the job's columns, and the Pipeline and call
+    options the launcher's flags set (the same ones a local run uses; PoolingBatches takes some
+    Pipeline options as its own arguments, the rest in pipeline_kwargs)."""
+    import inspect
+
+    from pooling_pipeline.integrations.ray_data import PoolingBatches
+    from pooling_pipeline.jobs.launcher import call_options, pipeline_options
+
+    pipeline = pipeline_options(args)
+    own = inspect.signature(PoolingBatches).parameters
+    return {"task": args.task, "model": args.model, "text_column": args.text_field, "output_column": DATA_COLUMN,
+            "errors": args.errors, "tokens_column": TOKENS_COLUMN,
+            **{name: pipeline.pop(name) for name in list(pipeline) if name in own},
+            "pipeline_kwargs": pipeline, **call_options(args)}
+
+
 def run_ray(args: argparse.Namespace, job: dict, files: list[str]) -> int:
     from pooling_pipeline.integrations.ray_data import PoolingBatches, default_ray_init_kwargs
     from pooling_pipeline.jobs.results_store import load_manifest
@@ -152,12 +169,7 @@ def run_ray(args: argparse.Namespace, job: dict, files: list[str]) -> int:
             ds = ds.limit(args.limit)
         ds = ds.map_batches(
             PoolingBatches,
-            fn_constructor_kwargs={"task": args.task, "model": args.model, "text_column": args.text_field,
-                                   "output_column": DATA_COLUMN, "errors": args.errors, "device": args.device,
-                                   "dtype": args.dtype, "tokens_column": TOKENS_COLUMN,
-                                   "truncate_prompt_tokens": args.truncate,
-                                   "long_inputs": args.long_inputs,
-                                   "pipeline_kwargs": {"max_num_seqs": args.max_num_seqs}},
+            fn_constructor_kwargs=batches_kwargs(args),
             batch_size=args.ray_batch_size, num_cpus=plan["num_cpus"], num_gpus=plan["num_gpus"] or None,
             compute=ray.data.ActorPoolStrategy(size=plan["actors"]), batch_format="numpy")
         sink = ResultsDatasink(args.output, job, args.id_field)

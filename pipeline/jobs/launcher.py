@@ -33,12 +33,12 @@ import msgspec
 import numpy as np
 
 from pooling_pipeline.call_stats import format_stats
-from pooling_pipeline.core.options import ERRORS_MODES, LONG_INPUTS
 from pooling_pipeline.jobs.job_errors import EXIT_INPUT, EXIT_RUNTIME, EXIT_USAGE, InputError, UsageError
 from pooling_pipeline.jobs.output_dir import OutputLock, check_output
 from pooling_pipeline.jobs.records import INPUT_FORMATS, RecordReader, expand_inputs
 from pooling_pipeline.jobs.results_store import CALIBRATION_ROWS, ERRORS, FORMATS, PRECISIONS, VECTOR_COLUMNS, ResultWriter
 from pooling_pipeline.jobs.summary import print_local_summary
+from pooling_pipeline.options import CallOptions, PipelineOptions, declared
 
 SAMPLE = Path(__file__).resolve().parent / "data" / "sample.jsonl"
 # One result per record (pair scoring needs two texts per record): a vector, per-token rows, or
@@ -76,6 +76,49 @@ def field_list(value: str) -> tuple[str, ...]:
     return fields
 
 
+# The flags that set a Pipeline or a call option (argparse dest -> option): each one's default,
+# type (choices, a positive int, a switch) and help come from the option's declaration
+# (options.py); `build_parser` gives only what the command line says differently.
+PIPELINE_FLAGS = {"workers": "num_render_workers", "max_num_seqs": "max_num_seqs",
+                  "data_parallel_size": "data_parallel_size", "device": "device", "dtype": "dtype",
+                  "trust_remote_code": "trust_remote_code", "revision": "revision"}
+CALL_FLAGS = {"truncate": "truncate_prompt_tokens", "long_inputs": "long_inputs", "prompt_name": "prompt_name",
+              "prompt": "prompt"}  # --errors is the launcher's own: the API always gets errors="return"
+
+
+def pipeline_options(args: argparse.Namespace) -> dict:
+    """The Pipeline's options as the flags set them (for Pipeline(...) and the Ray actors)."""
+    return {name: getattr(args, dest) for dest, name in PIPELINE_FLAGS.items()}
+
+
+def call_options(args: argparse.Namespace) -> dict:
+    """The call's options as the flags set them."""
+    return {name: getattr(args, dest) for dest, name in CALL_FLAGS.items()}
+
+
+def declared_flag(group, flag: str, struct_type: type, name: str, **given) -> None:
+    """Adds `flag` for the declared option `name`; `given` (metavar, a narrower type, its own
+    help) wins over what the declaration says."""
+    mi = msgspec.inspect
+    option = declared(struct_type)[name]
+    t = option.type
+    if isinstance(t, mi.UnionType):  # X | None: the flag's absence is the None
+        t = next(x for x in t.types if not isinstance(x, mi.NoneType))
+    kwargs: dict = {"default": option.default}
+    if option.choices:
+        kwargs["choices"] = option.choices
+    elif isinstance(t, mi.BoolType):
+        kwargs["action"] = "store_true"
+    elif isinstance(t, mi.IntType):
+        kwargs["type"] = positive_int if t.ge == 1 else int
+    elif isinstance(t, mi.FloatType):
+        kwargs["type"] = float
+    text = given.pop("help", option.description.replace("%", "%%"))
+    if option.default not in (None, False) and "default" not in text:
+        text += " (default: %(default)s)"
+    group.add_argument(flag, help=text, **(kwargs | given))
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pipeline-run", description=__doc__,
                                  formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, width=100))
@@ -90,13 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="output directory: data-NNNNN.* chunks, and __job__/ with the manifest and errors" + d)
     ap.add_argument("--model", default=None,
                     help="local model directory or hub id 'org/name' (default: bundled all-MiniLM-L6-v2)")
-    ap.add_argument("--revision", default=None, help="hub revision of --model (a branch, tag or commit)" + d)
-    ap.add_argument("--trust-remote-code", action="store_true",
-                    help="allow a model's own code (auto_map, custom activations); opt-in, as in the API")
-    ap.add_argument("--prompt-name", default=None, metavar="NAME",
-                    help="a prompt of the model's config_sentence_transformers.json, put in front of each text "
-                         "(default: the model's default_prompt_name)")
-    ap.add_argument("--prompt", default=None, metavar="TEXT", help="a prompt text, instead of --prompt-name")
+    declared_flag(ap, "--revision", PipelineOptions, "revision", metavar="REV")
+    declared_flag(ap, "--trust-remote-code", PipelineOptions, "trust_remote_code")
+    declared_flag(ap, "--prompt-name", CallOptions, "prompt_name", metavar="NAME")
+    declared_flag(ap, "--prompt", CallOptions, "prompt", metavar="TEXT")
     ap.add_argument("--task", default="embed", choices=JOB_TASKS, help="what to compute per record" + d)
     ap.add_argument("--text-field", default="text", metavar="NAME",
                     help="JSONL field or Parquet column holding the text" + d)
@@ -105,16 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "first record has one, then required of every record; otherwise ids are file:line)")
     ap.add_argument("--keep-fields", type=field_list, default=(), metavar="A,B",
                     help="input fields copied into the output as columns (--format parquet; default: none)")
-    ap.add_argument("--workers", type=positive_int, default=None,
-                    help="render worker processes (default: planned from the cores)")
-    ap.add_argument("--max-num-seqs", type=positive_int, default=64, help="sequences per engine step" + d)
-    ap.add_argument("--data-parallel-size", type=positive_int, default=1, metavar="N",
-                    help="engine cores on this machine, fed by the same render workers: one GPU each (cuda:0 .. "
-                         "cuda:N-1), or a share of the CPU threads; across machines use --ray" + d)
-    ap.add_argument("--truncate", type=positive_int, default=None, metavar="N",
-                    help="keep at most N tokens per record (default: the model's max_seq_length)")
-    ap.add_argument("--long-inputs", default="truncate", choices=LONG_INPUTS,
-                    help="a text longer than kept: cut it, embed it in chunks and average, or fail it" + d)
+    declared_flag(ap, "--workers", PipelineOptions, "num_render_workers")
+    declared_flag(ap, "--max-num-seqs", PipelineOptions, "max_num_seqs")
+    declared_flag(ap, "--data-parallel-size", PipelineOptions, "data_parallel_size", metavar="N")
+    declared_flag(ap, "--truncate", CallOptions, "truncate_prompt_tokens", type=positive_int, metavar="N",
+                  help="keep at most N tokens per record (default: the model's max_seq_length)")
+    declared_flag(ap, "--long-inputs", CallOptions, "long_inputs")
     ap.add_argument("--precision", default="float32", choices=PRECISIONS,
                     help="stored precision; int8 is calibrated on the first --int8-calibration-rows rows, "
                          "binary is packed sign bits" + d)
@@ -127,14 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--resume", action="store_true",
                     help="continue the job in --output (or start it when there is none); refused when the inputs, "
                          "model or options differ from the job's")
-    ap.add_argument("--errors", default="raise", choices=ERRORS_MODES,
-                    help="raise: the first bad record stops the job, naming its file and line; return: failed "
-                         f"records go to {ERRORS} and the job goes on" + d)
+    declared_flag(ap, "--errors", CallOptions, "errors",
+                  help="raise: the first bad record stops the job, naming its file and line; return: failed "
+                       f"records go to {ERRORS} and the job goes on" + d)
     ap.add_argument("--limit", type=positive_int, default=None, metavar="N",
                     help="stop when N records of this shard are done, counting earlier runs; the job stays "
                          "unfinished and --resume without --limit completes it (default: no limit)")
-    ap.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N" + d)
-    ap.add_argument("--dtype", default="auto", help="model dtype: auto, float32, float16, bfloat16" + d)
+    declared_flag(ap, "--device", PipelineOptions, "device")
+    declared_flag(ap, "--dtype", PipelineOptions, "dtype")
     ap.add_argument("--chunk-rows", type=positive_int, default=65536, metavar="N", help="records per output chunk" + d)
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     ray = ap.add_argument_group("Ray (pip install -e \".[ray]\"; see the README)")
@@ -371,9 +407,7 @@ class Job:
 
         args = self.args
         launched = time.perf_counter()
-        with Pipeline(model=args.model, revision=args.revision, trust_remote_code=args.trust_remote_code,
-                      num_render_workers=args.workers, max_num_seqs=args.max_num_seqs, device=args.device,
-                      dtype=args.dtype, data_parallel_size=args.data_parallel_size) as pipe:
+        with Pipeline(model=args.model, **pipeline_options(args)) as pipe:
             start = time.perf_counter()  # throughput is measured from here; start-up is reported apart
             if not args.quiet:
                 from tqdm.auto import tqdm
@@ -382,9 +416,7 @@ class Job:
                 # default moving average swings with the batches, which come in bursts).
                 self.progress = tqdm(desc="pipeline-run", unit="records", dynamic_ncols=True, smoothing=0)
             interrupt.soft = True  # from here a first signal lets the loop keep what is complete
-            stream = pipe.encode_stream(self._texts(records, remaining, interrupt), args.task,
-                                        truncate_prompt_tokens=args.truncate, long_inputs=args.long_inputs,
-                                        prompt_name=args.prompt_name, prompt=args.prompt,
+            stream = pipe.encode_stream(self._texts(records, remaining, interrupt), args.task, **call_options(args),
                                         errors="return")  # --errors raise is applied here, naming the record
             try:
                 for out in stream:

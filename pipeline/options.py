@@ -1,0 +1,283 @@
+"""What a user can set, declared once: `PipelineOptions` (the process group's shape, given to
+`Pipeline(...)`) and `CallOptions` (one call's, given to `embed`, `score`, ...).
+
+Each option is one field: its type (checked by msgspec through `core.options.checked`, which
+names the option in its error), its default and a one-line description (`Meta(description=...)`).
+What takes options reads them from here rather than restating them: the API methods' and the
+constructor's signatures, docstrings and argument binding (`OptionsSignature`, `takes_options`),
+the async twins, `pipeline-run`'s flags and the Ray callable. Which call takes which options is
+declared here too (`CALL_OPTIONS`), so a new option is one field and, where it applies, nothing
+else. This module imports nothing heavy: the launcher reads it to build its flags.
+"""
+
+import functools
+import inspect
+import operator
+import textwrap
+import types
+import typing
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, Literal, NamedTuple
+
+import msgspec
+
+from pooling_pipeline.core.options import (
+    ErrorsMode,
+    LongInputs,
+    NonNegativeInt,
+    PositiveInt,
+    Seconds,
+    Task,
+    TruncationSide,
+)
+
+Meta = msgspec.Meta
+
+
+def described(text: str, shown: str | None = None) -> msgspec.Meta:
+    """An option's one-line description; `shown`: its type as a signature shows it, for an
+    option whose declared type is `Any` (checked by the code that reads it, with its own errors)."""
+    return Meta(description=text, extra={"shown": shown} if shown else None)
+
+
+DTYPE_ALIASES = {"auto": "auto", "float32": "float32", "float": "float32", "fp32": "float32",
+                 "float16": "float16", "half": "float16", "fp16": "float16",
+                 "bfloat16": "bfloat16", "bf16": "bfloat16"}
+Dtype = Literal["auto", "float32", "float", "fp32", "float16", "half", "fp16", "bfloat16", "bf16"]
+# "sim": the simulated accelerator (core/sim_device.py), a measurement instrument.
+Device = Annotated[str, Meta(pattern=r"^(auto|cpu|sim|cuda(:\d+)?)$")]
+
+
+class PipelineOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """How the process group is shaped, checked once when a Pipeline is built. The first six are
+    also `Pipeline`'s positional parameters (after `model`), in this order."""
+
+    num_render_workers: Annotated[PositiveInt | None, described(
+        "render worker processes (default: planned from the cores)")] = None
+    max_num_seqs: Annotated[PositiveInt, described("sequences per engine step")] = 64
+    max_num_batched_tokens: Annotated[PositiveInt | None, described(
+        "padded tokens in one engine step, at least the model's max length (default: by device, "
+        "2048 on CPU, 16384 on GPU)")] = None
+    max_inflight: Annotated[PositiveInt | None, described(
+        "requests issued and not yet handed back, all calls together (default: 16 x max_num_seqs "
+        "per engine core)")] = None
+    device: Annotated[Device, described("auto, cpu, cuda, cuda:N, or sim (the simulated accelerator)")] = "auto"
+    dtype: Annotated[Dtype, described("model dtype (float, fp32, half, fp16 and bf16 are aliases)")] = "auto"
+    data_parallel_size: Annotated[PositiveInt, described(
+        "engine cores on this machine, fed by the same render workers: one GPU each (cuda:0 .. "
+        "cuda:N-1), or a share of the CPU threads; across machines use Ray")] = 1
+    engine_window: Annotated[PositiveInt | None, described(
+        "requests admitted in each engine core (default: 8 x max_num_seqs)")] = None
+    engine_threads: Annotated[PositiveInt | None, described(
+        "torch threads of each CPU engine core (default: planned from the cores)")] = None
+    io_processor: Annotated[str | None, described(
+        "a plugin 'package.module:ClassName' for task 'plugin' (its render runs in the workers, its "
+        "post_process in the caller)")] = None
+    trust_remote_code: Annotated[bool, described(
+        "allow a model's own code (auto_map, custom activations); opt-in")] = False
+    revision: Annotated[str | None, described("hub revision of a hub model id (a branch, tag or commit)")] = None
+    sim_device: Annotated[Any, described(
+        "device='sim' only: the simulated device, a preset name or (a, b) seconds (default: the "
+        "minilm-h100 preset)", shown="str | tuple[float, float] | SimDevice | None")] = None
+    startup_timeout_s: Annotated[Seconds, described("seconds the children may take to load and start")] = 300.0
+    heartbeat_timeout_s: Annotated[Seconds, described(
+        "seconds without a heartbeat after which a child is taken for stopped or wedged")] = 30.0
+    step_timeout_s: Annotated[Seconds, described(
+        "seconds one piece of work (a batch, an engine step) may take before its process is taken "
+        "for wedged")] = 600.0
+    log_level: Annotated[str, described("the children's log level")] = "WARNING"
+
+
+# How many of PipelineOptions' fields `Pipeline(...)` also takes by position (after `model`).
+PIPELINE_POSITIONAL = 6
+
+
+class CallOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything one call was asked for: built and checked once (`checked`), carried to the Call.
+    `task`, `plugin` and `pairs` come from the method called; the rest are the caller's."""
+
+    task: Task  # what the engine runs
+    plugin: bool = False  # prompts are raw items for the io_processor plugin
+    pairs: bool = False  # prompts are (query, document) pairs for a cross-encoder
+    pooling_params: Annotated[Any, described(
+        "one PoolingParams for every prompt, a list with one per prompt, or None (the defaults)",
+        shown="PoolingParams | Sequence[PoolingParams] | None")] = None
+    truncate_prompt_tokens: Annotated[Annotated[int, Meta(ge=-1)] | None, described(
+        "tokens kept of each prompt, special tokens included; -1: the model's maximum (default: "
+        "the PoolingParams' own, else the model's max_seq_length)")] = None
+    use_tqdm: Annotated[bool, described("show a progress bar")] = True
+    priority: Annotated[Any, described(
+        "lower runs first among waiting requests: one int, a list with one per prompt, or None (0); "
+        "results stay in input order", shown="int | Sequence[int] | None")] = None
+    chat_template: Annotated[str | None, described(
+        "the chat template conversations are rendered with (default: the tokenizer's)")] = None
+    long_inputs: Annotated[LongInputs, described(
+        "a text longer than the tokens kept: 'truncate' cuts it, 'error' fails it (naming it and its token "
+        "count), 'chunk' embeds it in chunks pooled into one normalized, token-weighted mean (embed only)")] = "truncate"
+    chunk_overlap: Annotated[NonNegativeInt, described(
+        "long_inputs='chunk': tokens shared by neighbouring chunks")] = 0
+    truncation_side: Annotated[TruncationSide | None, described(
+        "'right' keeps the first tokens, 'left' the last (default: the tokenizer's side)")] = None
+    max_tokens_per_query: Annotated[PositiveInt | None, described(
+        "cross-encoder pairs: content tokens kept of the query (before the pair's own truncation)")] = None
+    max_tokens_per_doc: Annotated[PositiveInt | None, described(
+        "cross-encoder pairs: content tokens kept of the document")] = None
+    errors: Annotated[ErrorsMode, described(
+        "'raise': the first bad request raises, naming it, and the rest of the call is aborted; "
+        "'return': its output has `.error` and no data, and the others go on")] = "raise"
+    prompt_name: Annotated[Any, described(
+        "a prompt of the model's config_sentence_transformers.json, put in front of each text "
+        "(default: the model's default_prompt_name)", shown="str | Sequence[str | None] | None")] = None
+    prompt: Annotated[Any, described(
+        "a prompt text put in front of each text, instead of prompt_name (it wins over it; '' for none)",
+        shown="str | Sequence[str | None] | None")] = None
+
+    def __post_init__(self) -> None:
+        if self.long_inputs == "chunk" and self.task != "embed":
+            raise ValueError(f"long_inputs='chunk' pools chunks into one embedding: it applies to 'embed', "
+                             f"not {self.task!r}")
+
+
+# The caller's options (`task`, `plugin` and `pairs` are the API's), and which call takes which,
+# in the order the methods list them. classify: chunks are pooled into embeddings only; score: a
+# pair is truncated by max_tokens_per_query / max_tokens_per_doc and the model's length, never
+# rendered with a chat template.
+_CALLER = tuple(name for name in CallOptions.__struct_fields__ if name not in ("task", "plugin", "pairs"))
+_TEXT = tuple(name for name in _CALLER if not name.startswith("max_tokens_per_"))
+CALL_OPTIONS: dict[str, tuple[str, ...]] = {
+    "embed": _TEXT,
+    "encode": _TEXT,
+    "classify": tuple(name for name in _TEXT if name != "chunk_overlap"),
+    "score": tuple(name for name in _CALLER
+                   if name not in ("chat_template", "long_inputs", "chunk_overlap", "truncation_side")),
+}
+
+
+# ---- reading the declarations -------------------------------------------------------------------
+
+class Option(NamedTuple):
+    """One declared option, as signatures, docstrings and command-line flags need it."""
+
+    name: str
+    default: Any
+    description: str
+    shown: str  # its type as a signature shows it: "int | None", "Literal['raise', 'return']"
+    type: msgspec.inspect.Type  # the declared type, constraints included (e.g. IntType(ge=1))
+    choices: tuple | None  # a Literal's values, in declared order (None if not a Literal)
+
+
+@functools.cache
+def declared(struct_type: type) -> dict[str, Option]:
+    """Every field of an options struct, in declaration order."""
+    hints = typing.get_type_hints(struct_type, include_extras=True)
+    out = {}
+    for field in msgspec.inspect.type_info(struct_type).fields:
+        t, description, shown = field.type, "", None
+        if isinstance(t, msgspec.inspect.Metadata):
+            description = (t.extra_json_schema or {}).get("description", "")
+            shown = (t.extra or {}).get("shown")
+            t = t.type
+        hint = _bare(hints[field.name])
+        literal = next((a for a in (hint, *typing.get_args(hint)) if typing.get_origin(a) is Literal), None)
+        default = field.default if field.default is not msgspec.NODEFAULT else inspect.Parameter.empty
+        out[field.name] = Option(field.name, default, description, shown or spelled(hint), t,
+                                 typing.get_args(literal) if literal is not None else None)
+    return out
+
+
+def defaults(struct_type: type) -> dict[str, Any]:
+    """The declared default of each field that has one."""
+    return {o.name: o.default for o in declared(struct_type).values() if o.default is not inspect.Parameter.empty}
+
+
+def _bare(hint: Any) -> Any:
+    """A type without its Annotated metadata (a union's members too)."""
+    if typing.get_origin(hint) is Annotated:
+        return _bare(hint.__origin__)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return functools.reduce(operator.or_, map(_bare, typing.get_args(hint)))
+    return hint
+
+
+def spelled(hint: Any) -> str:
+    """A type as an annotation reads: "int | None", "Literal['left', 'right']"."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " | ".join(map(spelled, typing.get_args(hint)))
+    if typing.get_origin(hint) is Literal:
+        return f"Literal[{', '.join(map(repr, typing.get_args(hint)))}]"
+    if hint is type(None):
+        return "None"
+    if hint is Any:
+        return "Any"
+    return getattr(hint, "__name__", str(hint))
+
+
+class OptionsSignature:
+    """A function's own parameters followed by declared options: the signature `inspect.signature`
+    and `help()` show, the docstring's list of the options, and the binding of a call's arguments
+    (an unknown keyword is the TypeError Python would raise, naming it; defaults filled in).
+
+    `positional`: how many of the options may also be given by position (default: all, as the
+    API has always taken them); `defaults`: defaults that differ from the declared ones here."""
+
+    def __init__(self, fn: Callable, struct_type: type, names: Sequence[str], *, positional: int | None = None,
+                 defaults: dict[str, Any] | None = None, returns: str | None = None, qualname: str | None = None) -> None:
+        fields = declared(struct_type)
+        own = [p for p in inspect.signature(fn).parameters.values() if p.kind is not p.VAR_KEYWORD]
+        positional = len(names) if positional is None else positional
+        self.defaults = {name: fields[name].default for name in names} | dict(defaults or {})
+        options = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD if i < positional
+                                     else inspect.Parameter.KEYWORD_ONLY,
+                                     default=self.defaults[name], annotation=fields[name].shown)
+                   for i, name in enumerate(names)]
+        self.signature = inspect.Signature(
+            own + options, return_annotation=returns if returns is not None else inspect.signature(fn).return_annotation)
+        self.own = [p.name for p in own]
+        self._own_defaults = [p.default for p in own]
+        self.names = tuple(names)
+        self._names = frozenset(names)
+        self.qualname = qualname or fn.__qualname__
+        self.options_doc = "\n".join(
+            f"    {name}={self.defaults[name]!r}\n" + textwrap.fill(fields[name].description, 96, initial_indent=" " * 8,
+                                                               subsequent_indent=" " * 8)
+            for name in names)
+
+    def bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict[str, Any]]:
+        """(the own arguments, in order; every option's value, defaults filled in)."""
+        # The usual call -- own arguments by position, options by keyword -- without inspect's binder
+        # (~17 us a call).
+        if len(args) <= len(self.own) and self._names.issuperset(kwargs):
+            rest = self._own_defaults[len(args):]
+            if inspect.Parameter.empty not in rest:
+                return (*args, *rest), self.defaults | kwargs
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{self.qualname}() {e}") from None
+        bound.apply_defaults()
+        values = bound.arguments
+        return tuple(values[name] for name in self.own), {name: values[name] for name in self.names}
+
+    def dress(self, wrapper: Callable, doc: str | None, name: str | None = None) -> Callable:
+        """Gives `wrapper` this signature, a docstring ending with the options, and its name."""
+        wrapper.__signature__ = self.signature
+        text = inspect.cleandoc(doc or "")
+        wrapper.__doc__ = f"{text}\n\nOptions:\n{self.options_doc}" if self.names else text
+        wrapper.__qualname__ = self.qualname
+        wrapper.__name__ = name or self.qualname.rpartition(".")[2]
+        return wrapper
+
+
+def takes_options(struct_type: type, names: Sequence[str] | None = None, *, positional: int | None = None) -> Callable:
+    """A function `fn(own..., **options)` that takes the declared options as parameters: its
+    signature shows them, an unknown one is a TypeError, and `fn` gets every one of them."""
+    def decorate(fn: Callable) -> Callable:
+        sig = OptionsSignature(fn, struct_type, names or tuple(declared(struct_type)), positional=positional)
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            own, options = sig.bind(args, kwargs)
+            return fn(*own, **options)
+
+        return sig.dress(wrapper, fn.__doc__)
+    return decorate
