@@ -47,7 +47,7 @@ import zmq
 
 from pooling_pipeline.call_stats import CallStats
 from pooling_pipeline.core import messages as m
-from pooling_pipeline.core.vectors import finish_embeddings
+from pooling_pipeline.core.vectors import ChunkSum
 from pooling_pipeline.errors import EngineDeadError, PipelineError, StepError
 from pooling_pipeline.inputs import Block, CallOptions, FailedRequest
 from pooling_pipeline.outputs import OUTPUT_TYPES, PoolingRequestOutput
@@ -70,36 +70,6 @@ FULL_BATCH_WAIT_MIN_MESSAGES = 4
 
 def new_call_prefix() -> str:
     return secrets.token_hex(8) + "-"
-
-
-class ChunkSum:
-    """Chunk mode: a document's chunk vectors pooled back into one (token-weighted mean)."""
-
-    def __init__(self, num_chunks: int) -> None:
-        self.num_chunks = num_chunks
-        self.seen: set[int] = set()
-        self.total: np.ndarray | None = None
-        self.tokens = 0
-
-    def add(self, chunk: int, vector: np.ndarray, num_tokens: int) -> bool:
-        """Adds a chunk; False for a duplicate (a re-sent request's chunk seen before)."""
-        if chunk in self.seen:
-            return False
-        self.seen.add(chunk)
-        weighted = vector.astype(np.float64) * num_tokens
-        self.total = weighted if self.total is None else self.total + weighted
-        self.tokens += num_tokens
-        return True
-
-    @property
-    def complete(self) -> bool:
-        return len(self.seen) == self.num_chunks
-
-    def finish(self, params: m.PoolingParams, default_normalize: bool) -> np.ndarray:
-        """The document's vector: the chunks' token-weighted mean, finished as the call asked."""
-        mean = (self.total / max(self.tokens, 1)).astype(np.float32)
-        normalize = params.normalize if params.normalize is not None else default_normalize
-        return finish_embeddings(mean, params.dimensions, normalize)
 
 
 class LostWorker:
@@ -878,7 +848,8 @@ class Call:
                 if not chunks.complete:
                     continue
                 params = self._options_of(index).params
-                data, num_tokens = chunks.finish(params, self.default_normalize), chunks.tokens
+                normalize = params.normalize if params.normalize is not None else self.default_normalize
+                data, num_tokens = chunks.finish(params.dimensions, normalize), chunks.tokens
                 del self.chunks[index]
             result = self.result_type(self.prefix, index, data, num_tokens, num_chunks)
             if sparse_ids is not None:
