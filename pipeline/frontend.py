@@ -208,8 +208,7 @@ class Dispatcher:
         group = self.group
         for index in group.check_alive():  # raises EngineDeadError
             lost_gen, error = group.worker_lost(index)
-            with self.lock:
-                self.outstanding[index] = 0
+            with self.lock:  # (each call settles what it had sent there when it handles the notice)
                 calls = list(self.calls.values())
             notice = LostWorker(index, lost_gen)
             for call in calls:
@@ -294,6 +293,9 @@ class Dispatcher:
         requests in flight; (worker, its generation, engine), or None when no worker can take it
         now (the call keeps it and is woken when one can)."""
         group = self.group
+        # The generations before the check: a worker lost after it is a generation this send
+        # belongs to, so its notice re-sends the block.
+        gens = list(group.worker_gen)
         with self.lock:
             up = [i for i in range(len(self.outstanding)) if group.worker_up(i)]
             if not up:
@@ -305,7 +307,7 @@ class Dispatcher:
             loads = self.engine_outstanding
             engine = 0 if len(loads) == 1 else min(range(len(loads)), key=loads.__getitem__)
             loads[engine] += n
-            gen = group.worker_gen[worker]
+            gen = gens[worker]
         try:
             group.send_work(worker, block.render_batch(call.prefix, chat_template, engine))
         except zmq.Again:  # gone since it was checked: the block stays with the call
@@ -884,10 +886,11 @@ class Call:
             self._fail(index, f"request {index}: the model failed on it: {msg.error}")
 
     def _on_lost_worker(self, notice: LostWorker) -> None:
-        """A worker lost its process: what this call had sent to it comes again from the others."""
+        """A worker lost its process: what this call had sent to it is settled and comes again
+        from the others."""
         self.stats.worker_restarts += 1
         lost = [number for number, t in self.tickets.items() if t.worker == notice.index and t.gen <= notice.gen]
-        chars, per_engine = 0, Counter()
+        chars, count, per_engine = 0, 0, Counter()
         for number in lost:
             ticket = self.tickets.pop(number)
             indices = np.asarray(ticket.block.indices, dtype=np.int64)
@@ -898,13 +901,14 @@ class Call:
                 continue
             self.out_index[slots[out]] = -1
             chars += int(self.size_of[slots[out]].sum())
+            count += len(positions)
             per_engine[ticket.engine] += len(positions)
             for index in indices[out].tolist():
                 self.chunks.pop(index, None)  # its chunks come again, whole
             self.backlog.append(ticket.block.select(positions))
         if lost:
             self.inflight_chars -= chars
-            self.dispatcher.settled({}, chars, per_engine)
+            self.dispatcher.settled({notice.index: count}, chars, per_engine)
 
     def _owns(self, index: int) -> bool:
         return index >= 0 and self.out_index[index & self.mask] == index
