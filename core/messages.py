@@ -166,6 +166,10 @@ class RenderBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True)
                                        pairs=pick(self.pairs), token_ids=token_ids, lengths=lengths,
                                        items=pick(self.items))
 
+    def position_of(self, index: int) -> int:
+        """Where the request of this index is in the batch."""
+        return int(np.flatnonzero(self.indices == index)[0])
+
     def options_of(self, position: int) -> RenderOptions:
         return self.options if self.items is None else self.items[position].options
 

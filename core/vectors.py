@@ -1,6 +1,8 @@
-"""The last touch on embedding vectors, shared by the engine core and the frontend (which pools a
-long document's chunk vectors itself): Matryoshka truncation, then L2 normalization. numpy only,
-so the frontend does not import torch for it."""
+"""The numpy side of pooling, shared by the engine core and the frontend: the last touch on
+embedding vectors (Matryoshka truncation, then L2 normalization) and, in chunk mode, a long
+document's chunk vectors pooled back into one. The frontend does that pooling itself (a document's
+chunks come back in different steps); numpy only, so it does not import torch for it (the
+model-side pooling is `pooling.py`)."""
 
 from __future__ import annotations
 
@@ -16,3 +18,32 @@ def finish_embeddings(vectors: np.ndarray, dimensions: int | None, normalize: bo
         norms = np.linalg.norm(vectors, axis=-1, keepdims=True)
         vectors = vectors / np.maximum(norms, np.float32(1e-12))
     return vectors
+
+
+class ChunkSum:
+    """Chunk mode: a document's chunk vectors pooled back into one (token-weighted mean)."""
+
+    def __init__(self, num_chunks: int) -> None:
+        self.num_chunks = num_chunks
+        self.seen: set[int] = set()
+        self.total: np.ndarray | None = None
+        self.tokens = 0
+
+    def add(self, chunk: int, vector: np.ndarray, num_tokens: int) -> bool:
+        """Adds a chunk; False for a duplicate (a re-sent request's chunk seen before)."""
+        if chunk in self.seen:
+            return False
+        self.seen.add(chunk)
+        weighted = vector.astype(np.float64) * num_tokens
+        self.total = weighted if self.total is None else self.total + weighted
+        self.tokens += num_tokens
+        return True
+
+    @property
+    def complete(self) -> bool:
+        return len(self.seen) == self.num_chunks
+
+    def finish(self, dimensions: int | None, normalize: bool) -> np.ndarray:
+        """The document's vector: the chunks' token-weighted mean, then `finish_embeddings`."""
+        mean = (self.total / max(self.tokens, 1)).astype(np.float32)
+        return finish_embeddings(mean, dimensions, normalize)

@@ -309,7 +309,7 @@ def test_an_answer_is_accepted_by_index_even_when_a_stale_one_shares_its_slot():
     """A call keeps what is out in a ring by index; a late duplicate (a request answered and
     handed back long ago, re-sent after its worker died) can land in the same slot as a request
     out now, in the same message. Only the live one counts, once; the stale one is dropped."""
-    from pooling_pipeline.frontend import _live_rows
+    from pooling_pipeline.frontend.reorder import _live_rows
 
     mask = 255
     out_index = np.full(mask + 1, -1, np.int64)
