@@ -18,6 +18,14 @@ if TYPE_CHECKING:
     from pooling_pipeline.frontend.call import Call
 
 
+def _give_back(loads: list[int], counts: dict[int, int], what: str) -> None:
+    """Takes `counts` (by index) back from `loads`; a load below 0 is a broken ledger."""
+    for k, count in counts.items():
+        loads[k] -= count
+        if loads[k] < 0:
+            raise _bug(f"{what} {k}'s requests in flight")
+
+
 def _bug(what: str) -> RuntimeError:
     return RuntimeError(f"the frontend's ledger: {what} went negative (this is a bug)")
 
@@ -134,17 +142,9 @@ class Ledger:
                 if self.chars < 0:
                     raise _bug("the text held in flight")
             if workers:
-                loads = self.worker_load
-                for worker, count in workers.items():
-                    loads[worker] -= count
-                    if loads[worker] < 0:
-                        raise _bug(f"render worker {worker}'s requests in flight")
+                _give_back(self.worker_load, workers, "render worker")
             if engines:
-                loads = self.engine_load
-                for engine, count in engines.items():
-                    loads[engine] -= count
-                    if loads[engine] < 0:
-                        raise _bug(f"engine core {engine}'s requests in flight")
+                _give_back(self.engine_load, engines, "engine core")
             waiters = None
             if (slots or chars or leaving) and self.waiters:
                 waiters, self.waiters = self.waiters, set()
