@@ -12,6 +12,8 @@ is gathered with a few fancy-indexing operations whatever the number of messages
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
+
 import numpy as np
 
 from pooling_pipeline.core.options import TASKS
@@ -182,10 +184,12 @@ def task_lookup(tasks) -> np.ndarray:
     return np.asarray([False, False] + [task in tasks for task in TASKS])
 
 
-def invalid_rows(requests: Requests, model, runs_task: np.ndarray) -> list[tuple[int, str]]:
+def invalid_rows(requests: Requests, model, runs_task: np.ndarray, sent: AbstractSet[str] | None = None
+                 ) -> list[tuple[int, str]]:
     """The rows an engine must refuse, each with the first rule it breaks; [] for a valid
     message, the usual case, found with a few array operations over the whole message.
-    `model` is the ModelSpec; `runs_task`, its `task_lookup`."""
+    `model` is the ModelSpec; `runs_task`, its `task_lookup`; `sent`, the request columns the
+    message carried (None: any): a column it did not carry holds its default, which is valid."""
     n = len(requests)
     if not n:
         return []
@@ -194,6 +198,13 @@ def invalid_rows(requests: Requests, model, runs_task: np.ndarray) -> list[tuple
                 for row in range(n)]
     lengths, task = requests.lengths, requests.task
     types, pool, dims = requests.token_type_start, requests.pool_start, requests.dimensions
+    ids = requests.token_ids
+    # The usual message passes a few whole-message checks; only one that fails is gone through rule by rule.
+    if (int(lengths.min()) >= 1 and int(lengths.max()) <= model.max_model_len
+            and not (ids.size and int(ids.view(np.uint32).max()) >= model.vocab_size)
+            and runs_task.take(task + 2).all() and int(dims.min()) >= -1 and not (dims == 0).any()
+            and sent is not None and not sent & {"token_type_start", "pool_start", "chunk", "num_chunks"}):
+        return []
     chunk, num_chunks = requests.chunk, requests.num_chunks
     # Rules in the order a row's reason is chosen: (broken, why) with `why(row)` the message.
     rules = [
@@ -207,7 +218,6 @@ def invalid_rows(requests: Requests, model, runs_task: np.ndarray) -> list[tuple
         ((lengths < 1) | (lengths > model.max_model_len),
          lambda row: f"engine input has {lengths[row]} tokens; the model takes 1 to {model.max_model_len}"),
     ]
-    ids = requests.token_ids
     if ids.size and int(ids.view(np.uint32).max()) >= model.vocab_size:  # read as unsigned, a negative id is huge
         rows = np.flatnonzero(lengths > 0)
         row_max = np.zeros(n, np.uint32)

@@ -451,7 +451,7 @@ class InputThread:
         if len(set(requests.keys())) != len(requests):  # (a message is one call's)
             self.dropped_input(ValueError("an input message names one request twice"))
             return
-        rejected = invalid_rows(requests, self.cfg.model, self.runs_task)
+        rejected = invalid_rows(requests, self.cfg.model, self.runs_task, msg.columns.keys())
         if rejected:  # a well-formed message with bad contents: those requests are refused, the rest kept
             self.engine.log.error("rejected %d malformed engine inputs", len(rejected))
             indices = requests.indices
