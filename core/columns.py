@@ -203,9 +203,9 @@ def invalid_rows(requests: Requests, model, runs_task: np.ndarray, sent: Abstrac
     if (int(lengths.min()) >= 1 and int(lengths.max()) <= model.max_model_len
             and not (ids.size and int(ids.view(np.uint32).max()) >= model.vocab_size)
             and runs_task.take(task + 2).all() and int(dims.min()) >= -1 and not (dims == 0).any()
-            and sent is not None and not sent & {"token_type_start", "pool_start", "chunk", "num_chunks"}):
+            and sent is not None and not sent & {"token_type_start", "pool_start", "chunk", "num_chunks", "route"}):
         return []
-    chunk, num_chunks = requests.chunk, requests.num_chunks
+    chunk, num_chunks, route = requests.chunk, requests.num_chunks, requests.route
     # Rules in the order a row's reason is chosen: (broken, why) with `why(row)` the message.
     rules = [
         (~runs_task.take(task + 2),
@@ -215,6 +215,8 @@ def invalid_rows(requests: Requests, model, runs_task: np.ndarray, sent: Abstrac
         ((dims == 0) | (dims < -1), lambda row: f"dimensions {dims[row]} is not a positive count"),
         ((chunk != -1) & ((chunk < 0) | (chunk >= num_chunks)),
          lambda row: f"chunk {chunk[row]} of {num_chunks[row]} is not a chunk of its document"),
+        ((route < -1) | (route >= len(model.routes)),
+         lambda row: f"route {route[row]} is not one of the model's {len(model.routes)} routes"),
         ((lengths < 1) | (lengths > model.max_model_len),
          lambda row: f"engine input has {lengths[row]} tokens; the model takes 1 to {model.max_model_len}"),
     ]

@@ -81,6 +81,10 @@ class ModelSpec(msgspec.Struct, kw_only=True):
     matryoshka_dimensions: list[int] | None = None
     tasks: list[Task] = []
     trust_remote_code: bool = False
+    # ST's Router (and query/document models): the routes a request may take, by name; a request's
+    # route travels as its index here (the `route` request column), -1 when the call names none.
+    routes: list[str] = []
+    default_route: str | None = None  # the route of a request that names none (None: the model has one path)
 
     @property
     def score_kind(self) -> str | None:

@@ -73,6 +73,7 @@ class RenderOptions(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     text_prefix: str | None = None
     max_query_tokens: int | None = None  # pairs: content tokens kept of each side before pairing
     max_doc_tokens: int | None = None
+    route: int = -1  # the model's route (index in ModelSpec.routes); -1: none named
 
 
 class RenderParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -30,6 +30,7 @@ REQUEST_COLUMNS: tuple[Column, ...] = (
     Column("priority", 0, "lower runs first among waiting requests"),
     Column("chunk", -1, "chunk mode: the chunk's number in its document; -1: a whole request"),
     Column("num_chunks", 0, "chunk mode: how many chunks its document has"),
+    Column("route", -1, "the model's route the row takes (its index in ModelSpec.routes); -1: none named"),
 )
 DEFAULTS: dict[str, int] = {c.name: c.default for c in REQUEST_COLUMNS}
 

@@ -61,9 +61,10 @@ def build_requests(prompts: object, opts: CallOptions, spec: ModelSpec, tokeniza
                          "pooling_params", lambda p, where: check_params(p, where, opts.task, spec), count)
     priorities = per_request(0 if opts.priority is None else opts.priority, "priority", check_priority, count)
     prefixes = _prompt_prefixes(opts, spec, count)
+    routes = per_request(opts.route, "route", lambda name, where: check_route(name, where, spec), count)
     side = opts.truncation_side or tokenization.truncation_side
     return RequestSource(iter(items), opts, spec, call, tokenization.num_special_tokens, side == "left",
-                         params, priorities, prefixes, refused or {}), count
+                         params, priorities, prefixes, routes, refused or {}), count
 
 
 TEXT, PAIR, IDS, ITEM = range(4)  # a request's input form: text, (query, document) pair, token ids, RenderParams
@@ -82,16 +83,18 @@ class RequestSource:
 
     def __init__(self, prompts: Iterator, opts: CallOptions, spec: ModelSpec, call: str, num_special_tokens: int,
                  truncate_left: bool, params: tuple[Iterator, int | None], priorities: tuple[Iterator, int | None],
-                 prefixes: tuple[Iterator, int | None], refused: dict[int, str]) -> None:
+                 prefixes: tuple[Iterator, int | None], routes: tuple[Iterator, int | None],
+                 refused: dict[int, str]) -> None:
         self.prompts = prompts
         self.opts, self.spec, self.call = opts, spec, call
         self.num_special_tokens, self.truncate_left = num_special_tokens, truncate_left
         self.params_it, params_count = params
         self.priority_it, priority_count = priorities
         self.prefix_it, prefix_count = prefixes
+        self.route_it, route_count = routes
         self.refused = refused
         self.counts = [(c, name) for c, name in ((params_count, "pooling_params"), (priority_count, "priority"),
-                                                  (prefix_count, "prompt")) if c is not None]
+                                                  (prefix_count, "prompt"), (route_count, "route")) if c is not None]
         self.index = 0  # of the next prompt
         self.exhausted = False
         self.shared = self._shared_options()  # None: options per request
@@ -103,20 +106,23 @@ class RequestSource:
         if self.counts or self.refused:
             return None
         params, priority, text_prefix = next(self.params_it), next(self.priority_it), next(self.prefix_it)
+        route = next(self.route_it)
         if text_prefix is not None and opts.long_inputs == "chunk":
             return None  # refused request by request (below)
         try:
             max_tokens = resolve_max_tokens(self.spec, opts, self.num_special_tokens, params, 0)
         except ValueError:
             return None  # every request is refused, each naming itself (below)
-        return self._options(params, priority, text_prefix, max_tokens)
+        return self._options(params, priority, text_prefix, max_tokens, route)
 
-    def _options(self, params: PoolingParams, priority: int, text_prefix: str | None, max_tokens: int) -> RenderOptions:
+    def _options(self, params: PoolingParams, priority: int, text_prefix: str | None, max_tokens: int,
+                 route: str | None) -> RenderOptions:
         opts = self.opts
         return RenderOptions(task=opts.task, max_tokens=max_tokens, params=params, priority=priority,
                              truncate_left=self.truncate_left, long_inputs=opts.long_inputs,
                              chunk_overlap=opts.chunk_overlap, text_prefix=text_prefix,
-                             max_query_tokens=opts.max_tokens_per_query, max_doc_tokens=opts.max_tokens_per_doc)
+                             max_query_tokens=opts.max_tokens_per_query, max_doc_tokens=opts.max_tokens_per_doc,
+                             route=route_index(self.spec, route))
 
     def take(self, limit: int, max_chars: int) -> list[RenderBatch | FailedRequest]:
         """Up to `limit` requests, strictly in input order (the call keeps them in a ring by index):
@@ -204,8 +210,10 @@ class RequestSource:
         for count, name in self.counts:
             if index >= count:
                 raise ValueError(f"{name} has {count} entries but there are more prompts (prompt {index} has none)")
+        route = None
         if self.shared is None:
             params, priority, text_prefix = next(self.params_it), next(self.priority_it), next(self.prefix_it)
+            route = next(self.route_it)
         else:
             params, priority, text_prefix = self.shared.params, self.shared.priority, self.shared.text_prefix
         if index in self.refused:
@@ -229,7 +237,7 @@ class RequestSource:
             self._last_max_tokens = resolve_max_tokens(self.spec, opts, self.num_special_tokens, params, index)
             self._last_params = params
         options = self.shared or self._options(params, priority, text_prefix if "prompt" in fields else None,
-                                               self._last_max_tokens)
+                                               self._last_max_tokens, route)
         return ITEM, RenderParams(options, **fields)
 
     def _close(self, form: int, indices: list[int], payload: list) -> list[RenderBatch | FailedRequest]:
@@ -443,6 +451,28 @@ def check_priority(value: object, where: str) -> None:
         raise TypeError(f"{where} must be an int, got {value!r}")
     if not PRIORITY_MIN <= value <= PRIORITY_MAX:
         raise ValueError(f"{where} must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {value}")
+
+
+def check_route(name: object, where: str, spec: ModelSpec) -> None:
+    """A route the model declares (ST's Router keys), or None for its default."""
+    if where.startswith("route["):
+        where = f"request {where[len('route['):-1]}: {where}"
+    if name is None:
+        return
+    if not isinstance(name, str):
+        raise TypeError(f"{where} must be a str or None, got {type(name).__name__}")
+    if not spec.routes:
+        raise ValueError(f"{where}={name!r}: this model has no routes (it encodes every text the same way)")
+    if name not in spec.routes:
+        raise ValueError(f"{where}={name!r} is not among the model's routes {spec.routes}")
+
+
+def route_index(spec: ModelSpec, name: str | None) -> int:
+    """A checked route's index in the model's routes: the `route` the worker and engine see;
+    no name is the model's default route, -1 when it has none."""
+    if name is None:
+        name = spec.default_route
+    return -1 if name is None else spec.routes.index(name)
 
 
 def resolve_max_tokens(spec: ModelSpec, opts: CallOptions, num_special_tokens: int, p: PoolingParams,

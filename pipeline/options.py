@@ -131,6 +131,10 @@ class CallOptions(msgspec.Struct, frozen=True, kw_only=True):
     prompt: Annotated[Any, described(
         "a prompt text put in front of each text, instead of prompt_name (it wins over it; '' for none)",
         shown="str | Sequence[str | None] | None")] = None
+    route: Annotated[Any, described(
+        "which of the model's routes each text takes (ST's encode(task=...): 'query', 'document' or "
+        "another route its Router declares); one for every prompt, a list with one per prompt, or None "
+        "(the model's default route)", shown="str | Sequence[str | None] | None")] = None
 
     def __post_init__(self) -> None:
         if self.long_inputs == "chunk" and self.task != "embed":

@@ -57,6 +57,9 @@ BAD_OPTIONS = [
     (dict(truncate_prompt_tokens=513), ValueError, "truncate_prompt_tokens=513"),
     (dict(truncate_prompt_tokens=2.5), TypeError, "truncate_prompt_tokens must be an int"),
     (dict(pooling_params=PoolingParams(truncate_prompt_tokens=10_000)), ValueError, "request 0"),
+    (dict(route="query"), ValueError, "route='query': this model has no routes"),
+    (dict(route=[None, 3, None]), TypeError, "request 1: route[1] must be a str or None"),
+    (dict(route=[None, None]), ValueError, "route has 2 entries but there are 3 prompts"),
 ]
 
 

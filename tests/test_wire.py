@@ -273,7 +273,7 @@ def test_the_engine_refuses_each_bad_row_naming_it_and_keeps_the_rest():
 
     from pooling_pipeline.core.columns import invalid_rows, task_lookup
 
-    model = SimpleNamespace(max_model_len=8, vocab_size=100, tasks=["embed"])
+    model = SimpleNamespace(max_model_len=8, vocab_size=100, tasks=["embed"], routes=["query", "document"])
     runs = task_lookup(model.tasks)
     good = (0, np.arange(3, dtype=np.int32))
     msg = engine_message("c-", [good, (1, np.arange(5, dtype=np.int32), m.PoolingParams(), {"token_type_start": 2})])
@@ -284,12 +284,14 @@ def test_the_engine_refuses_each_bad_row_naming_it_and_keeps_the_rest():
             (3, np.arange(3, dtype=np.int32), m.PoolingParams(), {"token_type_start": 3}),
             (4, np.arange(3, dtype=np.int32), m.PoolingParams(), {"pool_start": -1}),
             (5, np.arange(3, dtype=np.int32), m.PoolingParams(), {"chunk": 2, "num_chunks": 2}),
-            (6, np.array([-1, 4], np.int32))]  # negative: read as unsigned, huge
+            (6, np.array([-1, 4], np.int32)),  # negative: read as unsigned, huge
+            (7, np.arange(3, dtype=np.int32), m.PoolingParams(), {"route": 2})]  # the model has two routes
     msg = engine_message("c-", rows)
     for sent in (msg.columns.keys(), None):
         refused = dict(invalid_rows(Requests.from_message(msg), model, runs, sent))
-        assert sorted(refused) == [1, 2, 3, 4, 5, 6]
+        assert sorted(refused) == [1, 2, 3, 4, 5, 6, 7]
         assert "9 tokens" in refused[1] and "outside [0, 100)" in refused[2] and "token_type_start 3" in refused[3]
         assert "pool_start -1" in refused[4] and "chunk 2 of 2" in refused[5] and "outside [0, 100)" in refused[6]
+        assert "route 2" in refused[7]
     other = engine_message("c-", [good], task="classify")  # a task the model does not run
     assert "task" in invalid_rows(Requests.from_message(other), model, runs, other.columns.keys())[0][1]

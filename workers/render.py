@@ -91,7 +91,7 @@ class Renderer:
             keep = opts.max_tokens
             if max(sizes, default=0) > keep:
                 ids = [a[-keep:] if opts.truncate_left else a[:keep] for a in ids]
-            rows.extend(indices, ids, param_of=kind, priority=opts.priority)
+            rows.extend(indices, ids, param_of=kind, priority=opts.priority, route=opts.route)
             return rows, failed
         texts = batch.texts
         if opts.text_prefix:  # as ST: the prompt, then the text (of a pair: the query)
@@ -106,7 +106,7 @@ class Renderer:
                     failed.append((index, f"{type(e).__name__}: {e}"))
                     continue
                 rows.add(index, ids, param_of=kind, token_type_start=-1 if start is None else start, pool_start=pool_start,
-                         priority=opts.priority)
+                         priority=opts.priority, route=opts.route)
             return rows, failed
         if opts.long_inputs == "chunk":
             for index, text in zip(indices, texts):
@@ -117,7 +117,8 @@ class Renderer:
                     continue
                 chunk_kind = rows.kind(opts.task, CHUNK_PARAMS)
                 for k, ids in enumerate(chunks):
-                    rows.add(index, ids, param_of=chunk_kind, priority=opts.priority, chunk=k, num_chunks=len(chunks))
+                    rows.add(index, ids, param_of=chunk_kind, priority=opts.priority, route=opts.route,
+                             chunk=k, num_chunks=len(chunks))
             return rows, failed
         # Short texts kept from the start go through the tokenizer in one batched call; the rest
         # one by one (the truncation planner: a long text costs what its kept prefix costs).
@@ -130,7 +131,7 @@ class Renderer:
             try:
                 if len(short) == len(texts):
                     rows.extend(indices, tokenizer.encode_many(texts, opts.max_tokens), param_of=kind, pool_start=pool_start,
-                                priority=opts.priority)
+                                priority=opts.priority, route=opts.route)
                     return rows, failed
                 encoded = dict(zip(short, tokenizer.encode_many([texts[i] for i in short], opts.max_tokens)))
             except Exception:
@@ -145,7 +146,7 @@ class Renderer:
                 except Exception as e:
                     failed.append((index, f"{type(e).__name__}: {e}"))
                     continue
-            rows.add(index, ids, param_of=kind, pool_start=pool_start, priority=opts.priority)
+            rows.add(index, ids, param_of=kind, pool_start=pool_start, priority=opts.priority, route=opts.route)
         return rows, failed
 
     def _render_item(self, rows: EngineInputPacker, index: int, item: RenderParams, chat_template: str | None,
@@ -163,7 +164,8 @@ class Renderer:
                 chunks = self._chunks(prompt, opts)
                 chunk_kind = rows.kind(opts.task, CHUNK_PARAMS)
                 for k, ids in enumerate(chunks):
-                    rows.add(index, ids, param_of=chunk_kind, priority=opts.priority, chunk=k, num_chunks=len(chunks))
+                    rows.add(index, ids, param_of=chunk_kind, priority=opts.priority, route=opts.route,
+                             chunk=k, num_chunks=len(chunks))
                 return
             ids, type_start = self._render_one(item, prompt, chat_template)
             pool_start = self._prompt_tokens(opts.text_prefix) if self.pools_without_prompt else 0
@@ -172,7 +174,7 @@ class Renderer:
             return
         rows.add(index, ids, param_of=rows.kind(opts.task, opts.params),
                  token_type_start=-1 if type_start is None else type_start, pool_start=pool_start,
-                 priority=opts.priority)
+                 priority=opts.priority, route=opts.route)
 
     def _render_one(self, item: RenderParams, prompt: str | None, chat_template: str | None):
         opts = item.options

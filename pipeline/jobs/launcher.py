@@ -83,7 +83,7 @@ PIPELINE_FLAGS = {"workers": "num_render_workers", "max_num_seqs": "max_num_seqs
                   "data_parallel_size": "data_parallel_size", "device": "device", "dtype": "dtype",
                   "trust_remote_code": "trust_remote_code", "revision": "revision"}
 CALL_FLAGS = {"truncate": "truncate_prompt_tokens", "long_inputs": "long_inputs", "prompt_name": "prompt_name",
-              "prompt": "prompt"}  # --errors is the launcher's own: the API always gets errors="return"
+              "prompt": "prompt", "route": "route"}  # --errors is the launcher's own: the API always gets errors="return"
 
 
 def pipeline_options(args: argparse.Namespace) -> dict:
@@ -137,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     declared_flag(ap, "--trust-remote-code", PipelineOptions, "trust_remote_code")
     declared_flag(ap, "--prompt-name", CallOptions, "prompt_name", metavar="NAME")
     declared_flag(ap, "--prompt", CallOptions, "prompt", metavar="TEXT")
+    declared_flag(ap, "--route", CallOptions, "route", metavar="NAME")
     ap.add_argument("--task", default="embed", choices=JOB_TASKS, help="what to compute per record" + d)
     ap.add_argument("--text-field", default="text", metavar="NAME",
                     help="JSONL field or Parquet column holding the text" + d)
