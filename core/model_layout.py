@@ -53,10 +53,11 @@ def load_model_spec(model: str | os.PathLike | None, trust_remote_code: bool = F
     path = st.transformer_dir
     config = _transformer_config(path)
     model_type = str(config.get("model_type", ""))
-    hidden_size, vocab_size = _widths(config, path)
+    _check_remote_code(config, model_type, path, trust_remote_code)
+    _check_text_model(config, model_type, path)
+    hidden_size, vocab_size = _widths(config, model_type, path)
     _check_encoder_only(config, model_type)
-    max_positions = _max_positions(config, model_type)
-    default_max_tokens = _default_max_tokens(st, path, max_positions)
+    max_model_len, default_max_tokens = _lengths(st, config, model_type, path)
     architectures = [str(a) for a in config.get("architectures") or []]
     head = _head(st.task, architectures)
     num_labels = _num_labels(config)
@@ -69,7 +70,7 @@ def load_model_spec(model: str | os.PathLike | None, trust_remote_code: bool = F
         hidden_size=hidden_size,
         embedding_size=_embedding_size(hidden_size, st),
         vocab_size=vocab_size,
-        max_model_len=max_positions,
+        max_model_len=max_model_len,
         default_max_tokens=default_max_tokens,
         pooling=st.pooling,
         head_modules=st.head_modules,
@@ -113,12 +114,83 @@ def _transformer_config(path: Path) -> dict:
     return _read_json(path / "config.json")
 
 
-def _widths(config: dict, path: Path) -> tuple[int, int]:
+# transformers' attribute_map of the common families whose config.json names a size otherwise
+# (the names below are the canonical ones), copied so that reading them needs no transformers
+# import (tests check them against transformers); any other family's map is read from transformers.
+CONFIG_ALIASES: dict[str, dict[str, str]] = {
+    "t5": {"hidden_size": "d_model"}, "mt5": {"hidden_size": "d_model"}, "umt5": {"hidden_size": "d_model"},
+    "distilbert": {"hidden_size": "dim"},
+    "gpt2": {"hidden_size": "n_embd", "max_position_embeddings": "n_positions"},
+    "gptj": {"hidden_size": "n_embd", "max_position_embeddings": "n_positions"},
+}
+# Sub-configs of multi-modal or composite models: their text model is not the folder's model.
+COMPOSITE_CONFIG_KEYS = ("text_config", "vision_config", "audio_config", "encoder", "decoder")
+
+
+def config_value(config: dict, model_type: str, name: str) -> object:
+    """A config.json value under its canonical transformers name (`hidden_size`,
+    `max_position_embeddings`, ...), or under the family's own name for it (GPT-2's `n_embd`), as
+    the family's config class reads it through its attribute_map."""
+    if name in config:
+        return config[name]
+    alias = _attribute_map(model_type).get(name)
+    return config.get(alias) if alias else None
+
+
+def _attribute_map(model_type: str) -> dict[str, str]:
+    if model_type in CONFIG_ALIASES:
+        return CONFIG_ALIASES[model_type]
+    if model_type not in _ATTRIBUTE_MAPS:
+        try:
+            from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+            _ATTRIBUTE_MAPS[model_type] = dict(CONFIG_MAPPING[model_type].attribute_map)
+        except (ImportError, KeyError):  # a family transformers does not know (remote code)
+            _ATTRIBUTE_MAPS[model_type] = {}
+    return _ATTRIBUTE_MAPS[model_type]
+
+
+_ATTRIBUTE_MAPS: dict[str, dict[str, str]] = {}
+
+
+def _check_remote_code(config: dict, model_type: str, path: Path, trust_remote_code: bool) -> None:
+    """A model whose family only its own code defines (config.json's auto_map, a model_type the
+    installed transformers does not know) cannot load without trust_remote_code: refused here, in
+    the caller, rather than by the engine after it started. (With a known model_type transformers
+    loads its own class and ignores auto_map, as ST does.)"""
+    auto_map = config.get("auto_map")
+    if trust_remote_code or not auto_map:
+        return
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    except ImportError:
+        return
+    if model_type not in CONFIG_MAPPING_NAMES:
+        classes = ", ".join(f"{k}: {v}" for k, v in auto_map.items()) if isinstance(auto_map, dict) else str(auto_map)
+        raise ValueError(f"model {str(path)!r} needs its own code ({classes}; model_type {model_type!r} is not a "
+                         "family of the installed transformers): pass trust_remote_code=True "
+                         "(--trust-remote-code) if you trust that code")
+
+
+def _check_text_model(config: dict, model_type: str, path: Path) -> None:
+    """A composite (multi-modal) config has no text model of its own at the top: name it."""
+    parts = [key for key in COMPOSITE_CONFIG_KEYS if isinstance(config.get(key), dict)]
+    if parts and "hidden_size" not in config:
+        architectures = ", ".join(map(str, config.get("architectures") or [])) or "unknown architecture"
+        raise ValueError(f"{str(path)!r} holds {architectures} (model_type {model_type!r}), a composite model "
+                         f"with {', '.join(parts)}: only text encoders and decoders are supported (ST's CLIPModel "
+                         "and other multi-modal modules are not)")
+
+
+def _widths(config: dict, model_type: str, path: Path) -> tuple[int, int]:
     """(hidden size, vocabulary size), under the names the families give them."""
-    hidden_size = config.get("hidden_size") or config.get("d_model") or config.get("dim")
+    hidden_size = config_value(config, model_type, "hidden_size")
     vocab_size = config.get("vocab_size")
     if not isinstance(hidden_size, int) or not isinstance(vocab_size, int):
-        raise ValueError(f"config.json of {str(path)!r} lacks an integer hidden_size and vocab_size")
+        architectures = ", ".join(map(str, config.get("architectures") or [])) or "no architectures"
+        raise ValueError(f"config.json of {str(path)!r} ({architectures}, model_type {model_type!r}) lacks an integer "
+                         "hidden_size and vocab_size (under its family's names too): not a text model the "
+                         "pipeline supports")
     return hidden_size, vocab_size
 
 
@@ -128,22 +200,52 @@ def _check_encoder_only(config: dict, model_type: str) -> None:
                          f"{sorted(ENCODER_ONLY_CLASSES)} are supported")
 
 
-def _max_positions(config: dict, model_type: str) -> int:
-    max_positions = config.get("max_position_embeddings") or config.get("n_positions")
-    if not isinstance(max_positions, int) or max_positions <= 0:
-        # T5 and other relative-position models have no fixed table; ST keeps the tokenizer's length.
-        return 512
-    if model_type in OFFSET_POSITION_FAMILIES:
-        max_positions -= int(config.get("pad_token_id") or 1) + 1
-    return max_positions
+# When the caller gives no max length and nothing bounds it (no max_seq_length, no tokenizer
+# model_max_length, no position table): ST would keep the whole text; the pipeline keeps this many.
+UNBOUNDED_FALLBACK = 512
 
 
-def _default_max_tokens(st: STLayout, path: Path, max_positions: int) -> int:
-    """The truncation when the caller gives none: ST's max_seq_length, never more than the model takes."""
-    max_seq_length = st.max_seq_length
-    if max_seq_length is None:  # what ST 5/6 keep: the tokenizer's model_max_length
-        max_seq_length = _tokenizer_max_length(path)
-    return int(min(max_seq_length, max_positions)) if max_seq_length else max_positions
+def _lengths(st: STLayout, config: dict, model_type: str, path: Path) -> tuple[int, int]:
+    """(max_model_len, default_max_tokens): the most tokens the model takes, and what is kept of
+    a text when the caller says nothing -- ST's rule, exactly:
+
+    - an old layout's `max_seq_length` (sentence_bert_config.json) is the tokenizer's model_max_length
+      as it is, uncapped;
+    - else the tokenizer's `model_max_length`, capped at the config's max_position_embeddings
+      (under its family's name too) where it has one (and it is not -1).
+
+    Where that is more than an absolute position table holds (BERT-like, GPT-2), ST fails on a
+    longer text; the pipeline keeps what the table holds instead. Rotary, ALiBi and relative
+    positions (decoders, ModernBERT, T5, DeBERTa-v2) take what ST keeps."""
+    positions = config_value(config, model_type, "max_position_embeddings")
+    positions = positions if isinstance(positions, int) and positions > 0 else None
+    kept = st.max_seq_length
+    if kept is None:
+        kept = _tokenizer_max_length(path)
+        if positions is not None:
+            kept = positions if kept is None else min(kept, positions)
+    table = _position_table(config, model_type, positions)
+    if kept is None:
+        kept = table or UNBOUNDED_FALLBACK
+    if table is not None:
+        return table, min(kept, table)
+    return max(kept, positions or 0), kept
+
+
+def _position_table(config: dict, model_type: str, positions: int | None) -> int | None:
+    """How many positions an absolute position-embedding table gives texts (None: the model has
+    none -- rotary, ALiBi or relative positions -- so any length runs)."""
+    if positions is None:
+        return None
+    keys = " ".join(config)
+    # (BERT's relative_key distances and MPNet's relative bias sit on top of an absolute table.)
+    if ("rope" in keys or "rotary" in keys or "alibi" in keys
+            or config.get("position_embedding_type") in ("rotary", "alibi")
+            or config.get("position_biased_input") is False):  # DeBERTa-v2: relative positions only
+        return None
+    if model_type in OFFSET_POSITION_FAMILIES:  # the table reserves padding_idx + 1 slots
+        return positions - (int(config.get("pad_token_id") or 1) + 1)
+    return positions
 
 
 def _tokenizer_max_length(path: Path) -> int | None:

@@ -52,6 +52,15 @@ def _model_class(spec: ModelSpec):
             "token_classification": transformers.AutoModelForTokenClassification}[spec.head]
 
 
+def tokenizer_makes_token_types(spec: ModelSpec) -> bool:
+    """Whether the model's tokenizer, as transformers loads it (the render workers' too), makes
+    token_type_ids: they are among its model_input_names (its class's, or tokenizer_config.json's)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
+    return "token_type_ids" in tokenizer.model_input_names
+
+
 class ModelRunner:
     def __init__(self, spec: ModelSpec, device: str, dtype: str) -> None:
         from transformers import AutoConfig
@@ -68,8 +77,12 @@ class ModelRunner:
         # Dense / LayerNorm modules after pooling run in float32, as the pooled vector is.
         self.sentence_head = SentenceHead(spec.head_modules).to(self.device).eval() if spec.head_modules else None
         self.pad_token_id = int(getattr(config, "pad_token_id", 0) or 0)
-        # inspect.signature sees through the decorators transformers wraps forward() in.
-        self.uses_token_types = "token_type_ids" in inspect.signature(self.model.forward).parameters
+        # As ST: token type ids go to the model exactly when its tokenizer makes them and its
+        # forward takes them (GPT-Neo's forward takes them and adds their embedding to every
+        # position, but GPT-2 tokenizers make none). inspect.signature sees through the decorators
+        # transformers wraps forward() in.
+        self.uses_token_types = ("token_type_ids" in inspect.signature(self.model.forward).parameters
+                                 and tokenizer_makes_token_types(spec))
 
     def step_cost(self, max_tokens: int) -> tuple[float, float]:
         """Measures one step's fixed cost and its cost per padded token: (overhead_s, per_token_s).

@@ -83,7 +83,8 @@ def _training_texts() -> tuple[str, ...]:
 @functools.cache
 def _bpe_json(kind: str) -> str:
     """A byte-level BPE trained on docstrings. kind "qwen": NFC + the Qwen2 Split regex + ByteLevel
-    (no regex), as Qwen2/Qwen3's tokenizer.json; "roberta": ByteLevel with the GPT-2 regex."""
+    (no regex), as Qwen2/Qwen3's tokenizer.json; "roberta" and "gpt2": ByteLevel with the GPT-2 regex
+    (their special tokens differ)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -93,6 +94,9 @@ def _bpe_json(kind: str) -> str:
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    elif kind == "gpt2":
+        specials = ["<|endoftext|>"]
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
         specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -147,6 +151,21 @@ def qwen_tokenizer():
         special_tokens=[("<|endoftext|>", eot)])
     return _fast(tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", padding_side="left",
                  additional_special_tokens=["<|im_start|>"])
+
+
+def gpt2_tokenizer():
+    """GPT-2's shape (SGPT and other GPT-2 / GPT-Neo / GPT-J embedders): byte-level BPE with the
+    GPT-2 regex, no special tokens added around a text, `<|endoftext|>` as bos / eos / unk and as
+    the pad token (GPT-2 has none: ST users set it so), and the GPT2Tokenizer class, whose
+    model_input_names carry no token_type_ids."""
+    from tokenizers import Tokenizer
+    from transformers import GPT2Tokenizer
+
+    model = json.loads(_bpe_json("gpt2"))["model"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    tok = GPT2Tokenizer(vocab=model["vocab"], merges=merges, pad_token="<|endoftext|>", model_max_length=MAX_LEN)
+    assert isinstance(tok.backend_tokenizer, Tokenizer) and "token_type_ids" not in tok.model_input_names
+    return tok
 
 
 def roberta_tokenizer():
@@ -358,6 +377,23 @@ def hf_backbone(target: str | Path, family: str, name: str | None = None) -> str
                           feed_forward_proj="relu", initializer_factor=1.0, pad_token_id=0, eos_token_id=1,
                           decoder_start_token_id=0)
         return str(_save_hf(tf.T5Model(cfg), tok, path))
+    if family in ("gpt2", "gpt_neo", "gptj"):
+        # GPT-2 names its sizes n_embd / n_positions (GPT-J too): read through the config's attribute_map.
+        # GPT-Neo adds wte(token_type_ids) to every position when they are given, so sending zeros
+        # where the tokenizer makes none changes every vector. GPT-J: rotary positions.
+        tok = gpt2_tokenizer()
+        eot = tok.convert_tokens_to_ids("<|endoftext|>")
+        ids = dict(vocab_size=len(tok), bos_token_id=eot, eos_token_id=eot, pad_token_id=eot, initializer_range=INIT_RANGE)
+        if family == "gpt2":
+            model = tf.GPT2Model(tf.GPT2Config(n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=MAX_LEN, **ids))
+        elif family == "gpt_neo":
+            model = tf.GPTNeoModel(tf.GPTNeoConfig(hidden_size=HIDDEN, num_layers=2, num_heads=4,
+                                                   attention_types=[[["global", "local"], 1]], window_size=16,
+                                                   max_position_embeddings=MAX_LEN, **ids))
+        else:
+            model = tf.GPTJModel(tf.GPTJConfig(n_embd=HIDDEN, n_layer=2, n_head=4, rotary_dim=4, n_positions=MAX_LEN,
+                                               **ids))
+        return str(_save_hf(model, tok, path))
     if family in ("qwen3", "qwen2", "llama", "mistral"):
         tok = qwen_tokenizer()
         eot = tok.convert_tokens_to_ids("<|endoftext|>")
@@ -539,6 +575,20 @@ def build_bert_old_layout(target: str | Path, pooling_modes: tuple[str, ...] = (
         modules.append({"idx": idx, "name": str(idx), "path": f"{idx}_Normalize", "type": ST_TYPES_OLD["Normalize"]})
     (path / "modules.json").write_text(json.dumps(modules, indent=2))
     return str(path)
+
+
+def set_config(model_dir: str | Path, **values) -> None:
+    """Sets keys of the transformer's config.json (a model folder saved by ST or transformers)."""
+    _update_json(Path(model_dir) / "config.json", values)
+
+
+def set_tokenizer_config(model_dir: str | Path, **values) -> None:
+    """Sets keys of tokenizer_config.json (e.g. model_max_length)."""
+    _update_json(Path(model_dir) / "tokenizer_config.json", values)
+
+
+def _update_json(path: Path, values: dict) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **values}, indent=2))
 
 
 def to_old_layout(model_dir: str | Path, *, max_seq_length: int = MAX_LEN, do_lower_case: bool = False,

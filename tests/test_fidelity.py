@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -260,6 +261,86 @@ def test_sentence_t5(tmp_path, texts):
     assert ref.shape[1] == 16
 
 
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neo", "gptj"])
+def test_gpt_family_embedder(tmp_path, texts, family):
+    """SGPT style: a GPT-2 / GPT-Neo / GPT-J backbone with weighted-mean pooling. GPT-2 and GPT-J
+    name their sizes n_embd / n_positions (read through the config's attribute_map); their
+    tokenizer makes no token_type_ids, so none are sent -- GPT-Neo's forward takes them and would
+    add their embedding to every position. (The empty text has no tokens at all here -- no
+    special tokens are added -- and is refused by the pipeline, as every empty input is.)"""
+    texts = [t for t in texts if t]
+    path = zoo.build_st(tmp_path, family, pooling_mode="weightedmean")
+    st = st_model(path)
+    assert "token_type_ids" not in st.tokenizer("a text")
+    ref = st.encode(texts, batch_size=16)
+    if family == "gpt_neo":  # zeros as token types would change every vector
+        features = st.tokenize(texts[:4])
+        with_types = st.forward({**features, "token_type_ids": torch_zeros_like(features["input_ids"])})
+        assert_differs(with_types["sentence_embedding"].detach().numpy(), ref[:4], "token type ids (zeros)")
+    compare_embed(path, texts, family)
+
+
+def torch_zeros_like(tensor):
+    import torch
+
+    return torch.zeros_like(tensor)
+
+
+# ---- The kept length: ST's rule ----------------------------------------------------------------------
+
+def test_old_layout_max_seq_length_above_a_rotary_decoders_positions(tmp_path, texts):
+    """An old layout's max_seq_length (128) is kept as it is, even above max_position_embeddings
+    (32 here) of a rotary decoder, whose positions have no table to run out of: ST keeps 128."""
+    path = zoo.build_decoder_embedder(tmp_path, "qwen2")
+    zoo.set_config(path, max_position_embeddings=32)
+    zoo.to_old_layout(path, max_seq_length=128)
+    st = st_model(path)
+    assert st.max_seq_length == 128 and st[0].auto_model.config.max_position_embeddings == 32
+    ref = st.encode(texts, batch_size=16)
+    st.max_seq_length = 32
+    assert_differs(ref, st.encode(texts, batch_size=16), "128 vs 32 tokens")
+    with Pipeline(model=path, num_render_workers=1) as pipe:
+        outs = pipe.embed(texts, use_tqdm=False)
+        assert pipe.model_spec.default_max_tokens == 128
+    assert_close(np.stack([o.embedding for o in outs]), ref, "rotary decoder, max_seq_length 128 > 32 positions")
+    assert max(o.num_prompt_tokens for o in outs) == 128
+
+
+def test_t5_encoder_keeps_its_tokenizers_model_max_length(tmp_path, texts):
+    """T5 has no position table (relative attention) and no max_position_embeddings: ST keeps the
+    tokenizer's model_max_length, 1024 here, not 512."""
+    path = zoo.build_sentence_t5(tmp_path)
+    zoo.set_tokenizer_config(path, model_max_length=1024)
+    st = st_model(path)
+    assert st.max_seq_length == 1024
+    assert max(token_counts(st, texts)) > 512
+    ref = st.encode(texts, batch_size=16)
+    st.max_seq_length = 512
+    assert_differs(ref, st.encode(texts, batch_size=16), "1024 vs 512 tokens")
+    with Pipeline(model=path, num_render_workers=1) as pipe:
+        outs = pipe.embed(texts, use_tqdm=False)
+    assert_close(np.stack([o.embedding for o in outs]), ref, "T5, model_max_length 1024")
+    assert max(o.num_prompt_tokens for o in outs) > 512
+
+
+def test_max_seq_length_beyond_an_absolute_position_table_keeps_what_the_table_holds(tmp_path, texts):
+    """BERT's position table holds 512; an old layout saying max_seq_length 600 makes ST fail on a
+    longer text. The pipeline keeps 512 tokens (documented): equal to ST at 512."""
+    path = zoo.build_bert_old_layout(tmp_path, ("mean",), max_seq_length=600)
+    st = st_model(path)
+    assert st.max_seq_length == 600
+    long_text = max(texts, key=len)
+    assert token_counts(st, [long_text])[0] > 512
+    with pytest.raises((RuntimeError, IndexError)):  # ST runs out of position embeddings
+        st.encode([long_text])
+    st.max_seq_length = 512
+    ref = st.encode(texts, batch_size=16)
+    with Pipeline(model=path, num_render_workers=1) as pipe:
+        assert pipe.model_spec.default_max_tokens == pipe.model_spec.max_model_len == 512
+        outs = pipe.embed(texts, use_tqdm=False)
+    assert_close(np.stack([o.embedding for o in outs]), ref, "BERT, max_seq_length 600 > 512 positions")
+
+
 # ---- Decoder embedders ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "mistral"])
@@ -453,6 +534,39 @@ def test_model_by_hub_id_from_offline_cache(tmp_path, texts):
 
 
 # ---- What the pipeline cannot honour -------------------------------------------------------------------
+
+def test_model_needing_remote_code_is_a_value_error_in_the_caller(tmp_path, model_path):
+    """A family only the model's own code defines (auto_map, a model_type transformers does not
+    know) without trust_remote_code: the ValueError itself, raised before any process starts."""
+    import psutil
+
+    path = tmp_path / "custom-family"
+    shutil.copytree(model_path, path)
+    zoo.set_config(path, model_type="my-own-bert",
+                   auto_map={"AutoConfig": "configuration_mine.MyConfig", "AutoModel": "modeling_mine.MyModel"})
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(ValueError, match=r"trust_remote_code=True.*") as raised:
+        Pipeline(model=str(path), num_render_workers=1)
+    assert "my-own-bert" in str(raised.value) and "modeling_mine.MyModel" in str(raised.value)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
+def test_composite_clip_folder_is_refused_naming_its_architecture(tmp_path):
+    """A plain CLIP folder (text_config + vision_config, no hidden_size at the top): the error names
+    CLIPModel, not a missing hidden_size."""
+    from transformers import CLIPConfig, CLIPModel
+
+    path = tmp_path / "clip"
+    config = CLIPConfig(text_config={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                     "intermediate_size": 37, "vocab_size": 30522},
+                        vision_config={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                       "intermediate_size": 37, "image_size": 32, "patch_size": 8},
+                        projection_dim=16)
+    CLIPModel(config).save_pretrained(path)
+    zoo.copy_wordpiece(path)
+    with pytest.raises(ValueError, match=r"CLIPModel.*'clip'"):
+        Pipeline(model=str(path), num_render_workers=1)
+
 
 def test_unknown_module_type_refused_at_start(tmp_path):
     path = zoo.add_unknown_module(zoo.build_bert_pooling(tmp_path, "mean"), "my_pkg.WeirdModule")
