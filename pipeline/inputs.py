@@ -239,11 +239,12 @@ class RequestSource:
         sequence-classification head, encoded the way score() encodes its pairs (text/text_pair,
         longest-first truncation from the right). What that encoding cannot honour is refused."""
         opts, spec = self.opts, self.spec
-        if opts.task != "classify" or spec.head != "sequence_classification":
-            can = "classify()" if spec.head == "sequence_classification" else "nothing on this model (it has no " \
-                "sequence-classification head)"
-            raise ValueError(f"request {index}: a (text, text_pair) pair is classified by a sequence-classification "
-                             f"model's classify(), not by task {opts.task!r}; pairs go to {can}")
+        if spec.head != "sequence_classification":
+            raise ValueError(f"request {index}: a (text, text_pair) pair is classified by a cross-encoder (a "
+                             "sequence-classification model's classify()); this model has no such head")
+        if opts.task != "classify":
+            raise ValueError(f"request {index}: a (text, text_pair) pair is classified by classify(), not by "
+                             f"task {opts.task!r}")
         if self.truncate_left:
             raise ValueError(f"request {index}: a (text, text_pair) pair is truncated longest-first from the right "
                              "(as ST's CrossEncoder does); truncation_side='left' is not supported for pairs")
