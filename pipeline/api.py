@@ -232,7 +232,13 @@ class Pipeline:
 
     @_call("classify", "ClassificationOutput")
     def classify(self, prompts, **options) -> _Plan:
-        """Class probabilities (softmax, or sigmoid for single-label / multi-label heads) per prompt."""
+        """Class probabilities (softmax, or sigmoid for single-label / multi-label heads) per prompt.
+
+        A prompt may be a (text, text_pair) pair -- a tuple or list of two strs, or a dict
+        {"text": ..., "text_pair": ...} -- for a cross-encoder (an NLI model): the pair is encoded as
+        ST's CrossEncoder encodes it, and its probabilities equal
+        `CrossEncoder.predict(pairs, activation_fn=Identity(), apply_softmax=True)`
+        (use_activation=False: the raw logits, `predict(pairs, activation_fn=Identity())`)."""
         return _Plan(prompts, self._options("classify", **options))
 
     @_call("encode")
@@ -326,7 +332,8 @@ class Pipeline:
             if spec.head == "sequence_classification":
                 raise ValueError(f"this classifier has {spec.num_labels} labels: score() needs a one-label "
                                  "cross-encoder (ST's CrossEncoder.predict would give the raw logits of every "
-                                 "label); use classify() for its class probabilities")
+                                 "label); use classify() with (text, text_pair) pairs for each pair's class "
+                                 "probabilities (use_activation=False: the logits)")
             raise ValueError(f"this model cannot score; it can do {spec.tasks}")
         queries, docs = _score_side(data_1, "data_1"), _score_side(data_2, "data_2")
         if len(queries) != 1 and len(queries) != len(docs):

@@ -226,6 +226,8 @@ class RequestSource:
             fields = {"raw": _check_raw(prompt, index)}
         else:
             fields = parse_prompt(prompt, index, self.spec)
+            if "pair" in fields:
+                self._check_pair_request(index)
         if text_prefix is not None and opts.long_inputs == "chunk" and "prompt" in fields:
             raise ValueError(f"request {index}: a prompt with long_inputs='chunk' is not supported "
                              "(a long document's chunks would not all carry it)")
@@ -239,6 +241,24 @@ class RequestSource:
         options = self.shared or self._options(params, priority, text_prefix if "prompt" in fields else None,
                                                self._last_max_tokens, route)
         return ITEM, RenderParams(options, **fields)
+
+    def _check_pair_request(self, index: int) -> None:
+        """A (text, text_pair) prompt is classified as ST's CrossEncoder reads a pair: by a
+        sequence-classification head, encoded the way score() encodes its pairs (text/text_pair,
+        longest-first truncation from the right). What that encoding cannot honour is refused."""
+        opts, spec = self.opts, self.spec
+        if spec.head != "sequence_classification":
+            raise ValueError(f"request {index}: a (text, text_pair) pair is classified by a cross-encoder (a "
+                             "sequence-classification model's classify()); this model has no such head")
+        if opts.task != "classify":
+            raise ValueError(f"request {index}: a (text, text_pair) pair is classified by classify(), not by "
+                             f"task {opts.task!r}")
+        if self.truncate_left:
+            raise ValueError(f"request {index}: a (text, text_pair) pair is truncated longest-first from the right "
+                             "(as ST's CrossEncoder does); truncation_side='left' is not supported for pairs")
+        if opts.long_inputs != "truncate":
+            raise ValueError(f"request {index}: long_inputs={opts.long_inputs!r} is not supported for a "
+                             "(text, text_pair) pair: a pair is truncated longest-first to the model's length")
 
     def _close(self, form: int, indices: list[int], payload: list) -> list[RenderBatch | FailedRequest]:
         """The batch of these requests (and, for token ids, the requests refused by its check)."""
@@ -499,10 +519,14 @@ def parse_prompt(prompt: object, index: int, spec: ModelSpec) -> dict[str, Any]:
             if not isinstance(prompt["prompt"], str):
                 raise TypeError(f"request {index}: 'prompt' must be a str, got {type(prompt['prompt']).__name__}")
             return {"prompt": check_text(prompt["prompt"], index)}
+        if keys == {"text", "text_pair"}:  # transformers' text-classification pipeline's pair
+            return _check_pair((prompt["text"], prompt["text_pair"]), index)
         raise ValueError(f"request {index}: a dict prompt must have exactly one key, 'prompt_token_ids' "
-                         f"or 'prompt'; got {sorted(map(str, keys))}")
+                         f"or 'prompt' (or be a pair: 'text' and 'text_pair'); got {sorted(map(str, keys))}")
     if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(x, dict) for x in prompt):
         return {"conversation": _check_conversation(prompt, index)}
+    if isinstance(prompt, (list, tuple)) and any(isinstance(x, str) for x in prompt):
+        return _check_pair(prompt, index)  # texts in a list or tuple: a (text, text_pair) pair
     if isinstance(prompt, (list, tuple, np.ndarray)):
         return {"token_ids": _check_token_ids(prompt, index, spec.vocab_size)}
     if prompt is None:
@@ -530,6 +554,15 @@ def check_text(text: object, index: int, what: str = "text") -> str:
             raise ValueError(f"request {index}: {what} is not valid Unicode (lone surrogate "
                              f"{text[e.start]!r} at character {e.start})") from None
     return text
+
+
+def _check_pair(pair: Sequence, index: int) -> dict[str, str]:
+    """A (text, text_pair) pair -- a tuple or list of two strs, as ST's CrossEncoder.predict takes
+    them -- as the fields of its request."""
+    if len(pair) != 2:
+        raise ValueError(f"request {index}: a pair must be (text, text_pair), two strs; got {len(pair)} items")
+    text, text_pair = pair
+    return {"prompt": check_text(text, index, "a pair's text"), "pair": check_text(text_pair, index, "text_pair")}
 
 
 def _check_conversation(conversation: Sequence[dict], index: int) -> list[dict[str, str]]:

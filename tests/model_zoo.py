@@ -658,6 +658,17 @@ def _hf_seq_cls(target: Path, family: str, name: str, num_labels: int) -> str:
                                   pad_token_id=1, bos_token_id=0, eos_token_id=2, num_labels=num_labels,
                                   initializer_range=INIT_RANGE)
         return str(_save_hf(tf.XLMRobertaForSequenceClassification(cfg), tok, path))
+    if family == "deberta-v2":
+        # DeBERTa-v3 NLI cross-encoders' shape: the tokenizer gives token types, the model has no
+        # token-type embeddings (type_vocab_size 0), so they change nothing.
+        tok = deberta_tokenizer()
+        cfg = tf.DebertaV2Config(vocab_size=len(tok), hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+                                 intermediate_size=64, max_position_embeddings=512, type_vocab_size=0,
+                                 relative_attention=True, position_buckets=32, max_relative_positions=-1,
+                                 pos_att_type=["p2c", "c2p"], position_biased_input=False, norm_rel_ebd="layer_norm",
+                                 share_att_key=True, pad_token_id=0, num_labels=num_labels,
+                                 initializer_range=INIT_RANGE)
+        return str(_save_hf(tf.DebertaV2ForSequenceClassification(cfg), tok, path))
     raise ValueError(f"no sequence-classification builder for {family!r}")
 
 

@@ -466,3 +466,41 @@ def test_sparse_embed_and_prompts_are_written_as_the_api_computes_them(tmp_path)
     result = _run(["--input", str(path), "--output", str(tmp_path / "p2"), "--model", prompted,
                    "--prompt-name", "nope"], expect_rc=2)
     assert "'nope' is not among the model's prompts" in result.stderr
+
+
+def test_classify_pairs_job_writes_each_records_probabilities_in_order(tmp_path):
+    """--task classify --pair-field NAME: each record is the pair (text field, pair field) of an NLI
+    cross-encoder; its stored probs equal CrossEncoder.predict(pairs, apply_softmax=True), in input
+    order; a record without its second text is a bad record (--errors return lists it); --pair-field
+    needs --task classify (usage error, exit 2) and a field the records have (input error, exit 3)."""
+    import model_zoo
+    import torch
+    from sentence_transformers import CrossEncoder
+
+    nli = model_zoo.build_cross_encoder(tmp_path, 3)
+    premises, hypotheses = corpus.sentences(14, seed=93), corpus.sentences(14, seed=94)
+    hypotheses[3] = corpus.medium_texts(1, seed=95)[0]  # cut longest-first at the model's 128 tokens
+    rows = [{"id": f"r{i}", "premise": p, "hypothesis": h} for i, (p, h) in enumerate(zip(premises, hypotheses))]
+    rows.insert(5, {"id": "no-pair", "premise": "a premise without its hypothesis"})
+    path = tmp_path / "nli.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    _run(["--input", str(path), "--output", str(out), "--model", nli, "--task", "classify",
+          "--text-field", "premise", "--pair-field", "hypothesis", "--errors", "return", "--chunk-rows", "4"])
+    ce = CrossEncoder(nli, device="cpu")
+    want = ce.predict(list(zip(premises, hypotheses)), apply_softmax=True)
+    logits = ce.predict(list(zip(premises, hypotheses)), activation_fn=torch.nn.Identity())
+    unpaired = ce.predict([(p, "") for p in premises], activation_fn=torch.nn.Identity())
+    assert np.abs(logits - unpaired).max() > 1e-3  # the hypothesis matters
+    ids, data = load_results(out)
+    assert ids == [f"r{i}" for i in range(len(premises))]
+    assert data.shape == want.shape and np.abs(data - want).max() <= TOL
+    errors = [json.loads(line) for line in (out / "__job__" / "errors.jsonl").read_text().splitlines()]
+    assert [e["id"] for e in errors] == ["no-pair"] and "no field 'hypothesis'" in errors[0]["error"]
+    assert manifest_of(out)["params"]["pair_field"] == "hypothesis"
+    result = _run(["--input", str(path), "--output", str(tmp_path / "o2"), "--model", nli, "--text-field", "premise",
+                   "--pair-field", "hypothesis"], expect_rc=2)
+    assert "--pair-field" in result.stderr and "--task" in result.stderr
+    result = _run(["--input", str(path), "--output", str(tmp_path / "o3"), "--model", nli, "--task", "classify",
+                   "--text-field", "premise", "--pair-field", "nope"], expect_rc=3)
+    assert "--pair-field 'nope' matches nothing" in result.stderr

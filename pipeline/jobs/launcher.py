@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--task", default="embed", choices=JOB_TASKS, help="what to compute per record" + d)
     ap.add_argument("--text-field", default="text", metavar="NAME",
                     help="JSONL field or Parquet column holding the text" + d)
+    ap.add_argument("--pair-field", default=None, metavar="NAME",
+                    help="--task classify: field or column holding each record's second text; the record is then "
+                         "the pair (text, pair) of a cross-encoder such as an NLI model (default: single texts)")
     ap.add_argument("--id-field", default=None, metavar="NAME",
                     help="field holding each record's id; every record must have it (default: 'id' when the "
                          "first record has one, then required of every record; otherwise ids are file:line)")
@@ -248,6 +251,7 @@ def run(args: argparse.Namespace, interrupt: Interrupt | None = None) -> int:
     if args.ray and args.data_parallel_size != 1:
         raise UsageError("--data-parallel-size is for a run on one machine; with --ray each actor is one process "
                          "group on one GPU: use --ray-actors")
+    _check_pair_field(args)
     if args.keep_fields and args.format != "parquet":
         raise UsageError("--keep-fields needs --format parquet (the columns go into the Parquet chunks)")
     clash = set(args.keep_fields) & {"id", "index", VECTOR_COLUMNS[args.task]}
@@ -259,7 +263,7 @@ def run(args: argparse.Namespace, interrupt: Interrupt | None = None) -> int:
     out = check_output(args.output, args.input)
     lock = OutputLock(out)
     try:
-        reader = RecordReader(sources, args.text_field, args.id_field, args.keep_fields)
+        reader = RecordReader(sources, args.text_field, args.id_field, args.keep_fields, args.pair_field)
         if args.ray:  # Ray Data reads the inputs itself, and needs an id field
             from pooling_pipeline.integrations.ray_job import run_ray
 
@@ -280,6 +284,22 @@ def run(args: argparse.Namespace, interrupt: Interrupt | None = None) -> int:
         lock.release()
 
 
+def _check_pair_field(args: argparse.Namespace) -> None:
+    """--pair-field: pairs are classified (a cross-encoder's classify), on one machine."""
+    if args.pair_field is None:
+        return
+    if args.task != "classify":
+        raise UsageError(f"--pair-field gives each record a second text for pair classification: it needs --task "
+                         f"classify, not {args.task!r}")
+    if args.ray:
+        raise UsageError("--pair-field is not supported with --ray (its actors read one text column)")
+    if args.pair_field == args.text_field:
+        raise UsageError(f"--pair-field {args.pair_field!r} is the --text-field too: give the field of the second text")
+    if args.long_inputs != "truncate":
+        raise UsageError("--pair-field: a pair is truncated longest-first to the model's length; "
+                         f"--long-inputs {args.long_inputs} is not supported for pairs")
+
+
 def describe_job(args: argparse.Namespace, sources: list, id_field: str | None) -> dict:
     """What identifies a job: a resume must match it, and load_results reads shards of one job only."""
     from pooling_pipeline import __version__
@@ -289,6 +309,11 @@ def describe_job(args: argparse.Namespace, sources: list, id_field: str | None) 
     spec = load_model_spec(args.model, trust_remote_code=args.trust_remote_code, revision=args.revision)
     if args.prompt_name is not None and args.prompt_name not in spec.prompts:  # before the model loads
         raise UsageError(f"--prompt-name {args.prompt_name!r} is not among the model's prompts {sorted(spec.prompts)}")
+    if args.pair_field is not None and spec.head != "sequence_classification":
+        raise UsageError("--pair-field: pairs are classified by a sequence-classification model (a cross-encoder); "
+                         f"{spec.path!r} has no such head")
+    # A pair job says so; a single-text job's description stays what it was (its resumes still match).
+    pair = {"pair_field": args.pair_field} if args.pair_field is not None else {}
     return {
         "version": __version__,
         "task": args.task,
@@ -301,7 +326,7 @@ def describe_job(args: argparse.Namespace, sources: list, id_field: str | None) 
                    "id_field": id_field, "keep_fields": list(args.keep_fields), "chunk_rows": args.chunk_rows,
                    "int8_calibration_rows": args.int8_calibration_rows,
                    "pooling": msgspec.to_builtins(spec.pooling), "normalize": spec.normalize,
-                   "prompt_name": args.prompt_name, "prompt": args.prompt},
+                   "prompt_name": args.prompt_name, "prompt": args.prompt, **pair},
     }
 
 

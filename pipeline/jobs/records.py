@@ -52,7 +52,7 @@ class Record:
     file: str                     # the input's name ("stdin" for -)
     line: int                     # line (text, JSONL) or row (Parquet) in that input, from 1
     id: str | None                # None only when the record has no usable id (then `error` says so)
-    text: str | None              # None when `error` is set
+    text: str | tuple[str, str] | None  # None when `error` is set; (text, text_pair) with --pair-field
     error: str | None = None      # why this record cannot be embedded
     fields: dict | None = None    # --keep-fields values
     unit: str = "line"
@@ -67,7 +67,8 @@ class Record:
 
 @dataclass
 class Fields:
-    """The fields a job reads from each record: the text, the id, and the ones it keeps.
+    """The fields a job reads from each record: the text (and with --pair-field the pair's second
+    text: the record's text is then the pair), the id, and the ones it keeps.
 
     Ids: `--id-field NAME` makes every record carry a NAME field. Without it the first record of the
     whole input decides once: an `id` field there means every record needs one; none means every id
@@ -78,6 +79,7 @@ class Fields:
     id: str | None = None  # decided by the probe of the first input unless given (explicit)
     keep: tuple[str, ...] = ()
     explicit_id: bool = False
+    pair: str | None = None  # --pair-field: each record's second text (pair classification)
 
     def decide_id(self, first_record: Container[str]) -> None:
         """Without --id-field, the names in the job's first record decide, once for the whole job (and
@@ -88,6 +90,8 @@ class Fields:
     def wanted(self) -> list[tuple[str, str]]:
         """(option, field name) pairs the probe checks the inputs for."""
         wanted = [("--text-field", self.text)] + [("--keep-fields", f) for f in self.keep]
+        if self.pair is not None:
+            wanted.append(("--pair-field", self.pair))
         if self.id is not None:
             wanted.append(("--id-field", self.id))
         return wanted
@@ -108,7 +112,18 @@ class Fields:
         text = record[self.text]
         if not isinstance(text, str):
             return rid, None, fields, f"field {self.text!r} must be a string, got {type(text).__name__}"
+        if self.pair is not None:
+            return self._pair_of(record, rid, text, fields)
         return rid, text, fields, None
+
+    def _pair_of(self, record: dict, rid: str | None, text: str, fields: dict | None):
+        """(id, (text, text_pair), kept fields, error): the record's pair, its second text from --pair-field."""
+        if self.pair not in record:
+            return rid, None, fields, f"no field {self.pair!r} (--pair-field)"
+        second = record[self.pair]
+        if not isinstance(second, str):
+            return rid, None, fields, f"field {self.pair!r} must be a string, got {type(second).__name__}"
+        return rid, (text, second), fields, None
 
 
 # -- one reader per format ------------------------------------------------------------------------
@@ -308,7 +323,8 @@ class ParquetReader(FormatReader):
         pf = _parquet_file(self.source.path)
         names = pf.schema_arrow.names
         f = self.fields
-        columns = list(dict.fromkeys([f.text] + ([f.id] if f.id in names else []) + list(f.keep)))
+        columns = list(dict.fromkeys([f.text] + ([f.pair] if f.pair else []) + ([f.id] if f.id in names else [])
+                                     + list(f.keep)))
         row = 0
         for batch in pf.iter_batches(batch_size=4096, columns=columns):  # streamed, never loaded whole
             values = {c: batch.column(c).to_pylist() for c in columns}
@@ -392,9 +408,10 @@ class RecordReader:
     model starts and decides where ids come from; `records()` streams one shard's records."""
 
     def __init__(self, sources: list[Source], text_field: str = "text", id_field: str | None = None,
-                 keep_fields: tuple[str, ...] = ()) -> None:
+                 keep_fields: tuple[str, ...] = (), pair_field: str | None = None) -> None:
         self.sources = sources
-        self.fields = Fields(text=text_field, id=id_field, keep=keep_fields, explicit_id=id_field is not None)
+        self.fields = Fields(text=text_field, id=id_field, keep=keep_fields, explicit_id=id_field is not None,
+                             pair=pair_field)
         self.readers = [FORMATS[s.format](s, self.fields) for s in sources]
         self.probed = False
 
@@ -405,10 +422,13 @@ class RecordReader:
 
     def probe(self) -> None:
         """Checks what can be checked from the first records of each input, before any work:
-        --text-field, --id-field and --keep-fields must match something. Decides the id field."""
+        --text-field, --pair-field, --id-field and --keep-fields must match something. Decides the id field."""
         for i, reader in enumerate(self.readers):
             reader.probe(first=i == 0)
         fieldless = [r.source.name for r in self.readers if not r.has_fields]
+        if fieldless and self.fields.pair is not None:
+            raise UsageError(f"--pair-field needs fields, but {fieldless[0]} is read as text (one record per line); "
+                             "give JSONL or Parquet inputs, or --input-format")
         if fieldless and (self.fields.id is not None or self.fields.keep):
             why = ("--keep-fields needs fields" if self.fields.keep else
                    f"the ids come from field {self.fields.id!r}"
