@@ -181,3 +181,20 @@ def test_llm_reranker_refusals(tmp_path, broken, match):
         (root / "chat_template.jinja").unlink()
     with pytest.raises(ValueError, match=match):
         load_model_spec(root)
+
+
+def test_template_without_pair_roles_is_refused_per_request(tmp_path, pairs):
+    """A chat template that renders only system/user/assistant turns drops the pair: ST's predict
+    raises (its pair-role probe); the pipeline raises it too, naming the request, instead of scoring
+    the bare template."""
+    from sentence_transformers import CrossEncoder
+
+    root = Path(zoo.build_llm_reranker(tmp_path, "qwen3"))
+    (root / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m.role in ['system', 'user'] %}{{ m.content }}{% endif %}{% endfor %}"
+        "<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="query"):
+        CrossEncoder(str(root), device="cpu").predict([("a question", "a passage")])
+    with Pipeline(model=str(root), num_render_workers=1) as pipe:
+        with pytest.raises(ValueError, match="request 0: .*'query' and 'document' content does not reach"):
+            pipe.score(pairs[0][0], pairs[1][:3], use_tqdm=False)

@@ -15,6 +15,8 @@ from pooling_pipeline.workers.packer import EngineInputPacker
 from pooling_pipeline.workers.truncation import TruncatingTokenizer
 
 MAX_CACHED_PROMPTS = 1024  # prompts whose token count a worker remembers
+# ST's probe of a chat template's pair roles: a baseline pair, then one varying each role's content.
+PAIR_ROLE_PROBES = (("alpha", "bravo"), ("charlie", "bravo"), ("alpha", "foxtrot"))
 # Chunk mode: raw chunk vectors (the frontend pools them, then normalizes as the call asked).
 CHUNK_PARAMS = PoolingParams(normalize=False)
 
@@ -69,6 +71,7 @@ class Renderer:
         # that drops them) means the model sees zeros: then no boundary travels either.
         self.sends_token_types = "token_type_ids" in getattr(hf_tokenizer, "model_input_names", ["token_type_ids"])
         self.chat_suffixes: dict[str | None, list[int]] = {}  # LLM rerankers: the template's tail, by prompt
+        self.pair_roles_failure: str | None = None if spec.chat_pairs is None else self._probe_pair_roles()
 
     def render(self, batch: RenderBatch) -> tuple[EngineInputPacker, list[tuple[int, str]]]:
         """The batch's engine inputs in columns, and the requests that failed with why."""
@@ -222,6 +225,8 @@ class Renderer:
         if opts.max_query_tokens is not None or opts.max_doc_tokens is not None:
             raise ValueError("max_tokens_per_query / max_tokens_per_doc do not apply to a chat-template reranker "
                              "(ST truncates the rendered conversation as a whole); use truncate_prompt_tokens")
+        if self.pair_roles_failure is not None:  # ST refuses such a pair rather than score the template alone
+            raise ValueError(f"the model's chat template cannot carry a query/document pair: {self.pair_roles_failure}")
         left = opts.truncate_left or getattr(self.hf, "truncation_side", "right") == "left"
         ids = self.tokenizer.encode(self._render_pair(query, document, prompt), opts.max_tokens,
                                     add_special_tokens=False, left=left)
@@ -241,6 +246,16 @@ class Renderer:
 
         head = [message("system", prompt)] if prompt else []
         return head + [message("query", query), message("document", document)]
+
+    def _probe_pair_roles(self) -> str | None:
+        """ST's pair-role probe: why the template drops the "query" or "document" content (or raises),
+        decided by rendering probe pairs and comparing the renders; None when both reach the prompt."""
+        try:
+            base, *varied = (self._render_pair(query, document, None) for query, document in PAIR_ROLE_PROBES)
+        except Exception as e:
+            return f"it raised {type(e).__name__}: {e}"
+        dropped = [role for role, render in zip(("query", "document"), varied) if render == base]
+        return f"the {' and '.join(map(repr, dropped))} content does not reach the rendered prompt" if dropped else None
 
     def _render_pair(self, query: str, document: str, prompt: str | None) -> str:
         messages = self._pair_messages(query, document, prompt)
