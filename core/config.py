@@ -51,6 +51,25 @@ class SparseSpec(msgspec.Struct, kw_only=True):
     activation: Literal["relu", "log1p_relu"] = "relu"
 
 
+class LogitScoreSpec(msgspec.Struct, kw_only=True):
+    """ST's LogitScore on a causal LM: at the last real token, logit[true] - logit[false] (or
+    logit[true] alone when false_token_id is None); CrossEncoder's activation follows."""
+
+    true_token_id: int
+    false_token_id: int | None = None
+
+
+class ChatPairSpec(msgspec.Struct, kw_only=True):
+    """How ST 6 renders a (query, document) pair when the Transformer has a "message" modality:
+    messages with roles "query" and "document" (a prompt as a "system" message first), through
+    the tokenizer's chat template, tokenized without special tokens and cut at max_length, then
+    the template's suffix written back over the last tokens of a cut row (restore_suffix)."""
+
+    message_format: Literal["flat", "structured"]  # content as a string, or [{"type": "text", "text": ...}]
+    template_kwargs: dict[str, bool | int | float | str | None] = {}  # processing_kwargs["chat_template"]
+    restore_suffix: bool = True
+
+
 class ModelSpec(msgspec.Struct, kw_only=True):
     path: str  # the transformer's directory (config, weights, tokenizer)
     model_type: str
@@ -64,8 +83,9 @@ class ModelSpec(msgspec.Struct, kw_only=True):
     head_modules: list[HeadModule] = []  # Dense / LayerNorm / Normalize after pooling, in order
     normalize: bool  # a final Normalize module: embeddings are L2-normalized by default
     do_lower_case: bool  # ST lowercases the text itself when set
-    model_class: Literal["auto", "encoder_only", "masked_lm"] = "auto"
-    head: str = "none"  # "none" (hidden states) | "sequence_classification" | "token_classification"
+    model_class: Literal["auto", "encoder_only", "masked_lm", "causal_lm"] = "auto"
+    # "none" (hidden states) | "sequence_classification" | "token_classification" | "causal_lm" (LogitScore)
+    head: str = "none"
     num_labels: int = 0
     multi_label: bool = False  # problem_type multi_label_classification: sigmoid per label
     score_activation: str = "sigmoid"  # cross-encoder score: ST's configured (or default) activation
@@ -85,12 +105,14 @@ class ModelSpec(msgspec.Struct, kw_only=True):
     # route travels as its index here (the `route` request column), -1 when the call names none.
     routes: list[str] = []
     default_route: str | None = None  # the route of a request that names none (None: the model has one path)
+    logit_score: LogitScoreSpec | None = None  # LLM rerankers (head "causal_lm"): task "score" only
+    chat_pairs: ChatPairSpec | None = None  # pairs rendered through the chat template (else tokenizer pairs)
 
     @property
     def score_kind(self) -> str | None:
         if "score" not in self.tasks:
             return None
-        if self.head == "sequence_classification":
+        if self.head in ("sequence_classification", "causal_lm"):
             return "cross_encoder"
         return "late_interaction" if self.late_interaction else "bi_encoder"
 

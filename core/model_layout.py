@@ -26,7 +26,9 @@ from pooling_pipeline.core.config import (
     ENCODER_ONLY_CLASSES,
     POOLING_MODES,
     SIMILARITIES,
+    ChatPairSpec,
     HeadModule,
+    LogitScoreSpec,
     ModelSpec,
     PoolingSpec,
     SparseSpec,
@@ -60,9 +62,10 @@ def load_model_spec(model: str | os.PathLike | None, trust_remote_code: bool = F
     max_model_len, default_max_tokens = _lengths(st, config, model_type, path)
     architectures = [str(a) for a in config.get("architectures") or []]
     head = _head(st.task, architectures)
-    num_labels = _num_labels(config)
+    num_labels = 1 if head == "causal_lm" else _num_labels(config)  # ST: a LogitScore gives one score
     late_interaction = _late_interaction(config, architectures)
     _check_masked_lm_is_sparse(st, root)
+    _check_causal_reranker(st, config, root)
     return ModelSpec(
         path=str(path.resolve()),
         model_type=model_type,
@@ -92,6 +95,8 @@ def load_model_spec(model: str | os.PathLike | None, trust_remote_code: bool = F
         matryoshka_dimensions=_matryoshka_dimensions(config),
         tasks=_tasks(st, head, num_labels),
         trust_remote_code=trust_remote_code,
+        logit_score=st.logit_score,
+        chat_pairs=st.chat_pairs,
     )
 
 
@@ -256,7 +261,10 @@ def _tokenizer_max_length(path: Path) -> int | None:
 
 
 def _head(st_task: str, architectures: list[str]) -> str:
-    """What the transformer ends in: hidden states ("none") or a classification head."""
+    """What the transformer ends in: hidden states ("none"), a classification head, or a causal
+    LM's logits read by LogitScore ("causal_lm")."""
+    if st_task == "text-generation":
+        return "causal_lm"
     if st_task == "sequence-classification" or any(a.endswith("ForSequenceClassification") for a in architectures):
         return "sequence_classification"
     if any(a.endswith("ForTokenClassification") for a in architectures):
@@ -274,6 +282,8 @@ def _late_interaction(config: dict, architectures: list[str]) -> bool:
 
 
 def _tasks(st: STLayout, head: str, num_labels: int) -> list[str]:
+    if head == "causal_lm":  # an LLM reranker scores pairs; it has no embeddings or classes to give
+        return ["score"]
     if st.sparse is not None:
         return ["sparse_embed"]
     if head == "sequence_classification":
@@ -287,6 +297,8 @@ def _model_class(st: STLayout, head: str, model_type: str) -> str:
     """Which transformers class the engine loads (see ModelSpec.model_class)."""
     if st.sparse is not None:
         return "masked_lm"
+    if head == "causal_lm":
+        return "causal_lm"
     if head == "none" and model_type in ENCODER_ONLY_CLASSES:
         return "encoder_only"
     return "auto"
@@ -295,6 +307,30 @@ def _model_class(st: STLayout, head: str, model_type: str) -> str:
 def _check_masked_lm_is_sparse(st: STLayout, root: Path) -> None:
     if st.task == "fill-mask" and st.sparse is None:
         raise ValueError(f"{str(root)!r}: a masked-LM transformer without SpladePooling is not supported")
+
+
+# Causal-LM config keys that change the logits after lm_head (Gemma 2/3 softcapping, Cohere and
+# Granite scaling): the engine computes lm_head rows only, so such a family is refused.
+LOGIT_TRANSFORM_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def _check_causal_reranker(st: STLayout, config: dict, root: Path) -> None:
+    """A text-generation Transformer is an LLM reranker: exactly Transformer + LogitScore."""
+    if st.task != "text-generation" and st.logit_score is None:
+        return
+    if st.task != "text-generation":
+        raise ValueError(f"{root}/modules.json: a LogitScore module needs a Transformer with transformer_task "
+                         f"'text-generation' (found {st.task!r})")
+    if st.logit_score is None:
+        raise ValueError(f"{root}: a Transformer with transformer_task 'text-generation' is supported only as an "
+                         "LLM reranker followed by a LogitScore module (modules.json has none)")
+    if st.pooling_module or st.head_modules or st.normalize or st.sparse is not None:
+        raise ValueError(f"{root}/modules.json: modules besides Transformer + LogitScore on a causal LM are not "
+                         "supported")
+    for key in LOGIT_TRANSFORM_KEYS:
+        if config.get(key) not in (None, 1, 1.0):
+            raise ValueError(f"{root}: config.json {key}={config[key]!r} transforms the causal LM's logits, which "
+                             "LogitScore reads; this family is not supported as an LLM reranker")
 
 
 def _matryoshka_dimensions(config: dict) -> list[int] | None:
@@ -419,6 +455,8 @@ class STLayout:
     truncate_dim: int | None = None
     max_active_dims: int | None = None
     score_activation: str | None = None  # CrossEncoder's saved activation_fn (ST 6)
+    logit_score: LogitScoreSpec | None = None  # an LLM reranker's LogitScore module
+    chat_pairs: ChatPairSpec | None = None  # a text-generation Transformer with a "message" modality
 
 
 @dataclass(frozen=True)
@@ -542,6 +580,10 @@ def _read_later_module(layout: STLayout, module: _Module, modules_path: Path, tr
                                               in_features=int(_read_json(where / "config.json")["dimension"])))
     elif kind == "Normalize":
         layout.head_modules.append(HeadModule(kind="normalize"))
+    elif kind == "LogitScore":
+        if layout.logit_score is not None:
+            raise ValueError(f"{modules_path}: more than one LogitScore module")
+        layout.logit_score = _logit_score(_read_json(where / "config.json"), where)
     elif kind not in _IGNORED_TYPES:
         raise ValueError(f"{modules_path}: module type {module.saved_type!r} is not supported (supported: "
                          "Transformer, MLMTransformer, Pooling, SpladePooling, Dense, LayerNorm, Normalize, "
@@ -570,13 +612,17 @@ def _read_transformer_config(layout: STLayout, where: Path) -> None:
         layout.max_seq_length = cfg["max_seq_length"]
     layout.do_lower_case = bool(cfg.get("do_lower_case", False))
     layout.task = _transformer_task(cfg, where) or layout.task
+    if layout.task == "text-generation":  # an LLM reranker: its own modalities and chat-template kwargs
+        _read_causal_lm_config(layout, cfg, where)
+        return
     _check_text_modality(cfg, where)
     _check_no_extra_arguments(cfg, where)
 
 
 def _transformer_task(cfg: dict, where: Path) -> str | None:
     task = cfg.get("transformer_task")
-    if task is not None and task not in ("feature-extraction", "sequence-classification", "fill-mask"):
+    if task is not None and task not in ("feature-extraction", "sequence-classification", "fill-mask",
+                                         "text-generation"):
         raise ValueError(f"{where}/sentence_bert_config.json: transformer_task {task!r} is not supported")
     return task
 
@@ -605,6 +651,76 @@ def _check_no_extra_arguments(cfg: dict, where: Path) -> None:
         raise ValueError(f"{where}/sentence_bert_config.json: model_args / tokenizer_args / config_args "
                          f"{ {k: cfg[k] for k in ('model_args', 'tokenizer_args', 'config_args') if cfg.get(k)} } "
                          "are not supported")
+
+
+# processing_kwargs["chat_template"] keys that size or pad the tokenization, not the template's text.
+_SIZE_KWARGS = {"padding", "truncation", "max_length", "return_tensors"}
+
+
+def _read_causal_lm_config(layout: STLayout, cfg: dict, where: Path) -> None:
+    """A text-generation Transformer (LLM reranker): its logits at the last position feed LogitScore.
+    With a "message" modality, ST renders each pair through the chat template (`ChatPairSpec`);
+    with "text" only, the pair is tokenized as a tokenizer text pair, like any cross-encoder."""
+    name = f"{where}/sentence_bert_config.json"
+    _check_no_extra_arguments({k: v for k, v in cfg.items() if k != "processing_kwargs"}, where)
+    modalities = cfg.get("modality_config") or {"text": {"method": "forward", "method_output_name": "logits"}}
+    if set(modalities) - {"text", "message"}:
+        raise ValueError(f"{name}: modalities {sorted(set(modalities) - {'text', 'message'})} are not supported "
+                         "for a text-generation Transformer (text and message only)")
+    for key, params in modalities.items():
+        if not isinstance(params, dict) or params.get("method", "forward") != "forward" \
+                or params.get("method_output_name", "logits") != "logits":
+            raise ValueError(f"{name}: {key} modality {params} is not supported (forward -> logits only)")
+    if cfg.get("module_output_name", "causal_logits") != "causal_logits":
+        raise ValueError(f"{name}: module_output_name {cfg['module_output_name']!r} is not supported "
+                         "(causal_logits only)")
+    template_kwargs, restore_suffix = _chat_template_kwargs(cfg.get("processing_kwargs") or {}, name)
+    if "message" in modalities:
+        message_format = modalities["message"].get("format", "auto")
+        if message_format not in ("flat", "structured"):
+            raise ValueError(f"{name}: message format {message_format!r} is not supported (flat or structured; "
+                             "ST 6 saves the one it inferred)")
+        _check_chat_template(where)
+        layout.chat_pairs = ChatPairSpec(message_format=message_format, template_kwargs=template_kwargs,
+                                         restore_suffix=restore_suffix)
+
+
+def _chat_template_kwargs(processing: dict, name: str) -> tuple[dict, bool]:
+    """processing_kwargs of an LLM reranker: only `chat_template` (the template's variables, and
+    ST's restore_suffix flag) is honoured; anything that changes tokenization is refused."""
+    if not isinstance(processing, dict) or set(processing) - {"chat_template"}:
+        raise ValueError(f"{name}: processing_kwargs {processing} are not supported (only chat_template)")
+    kwargs = dict(processing.get("chat_template") or {})
+    restore_suffix = kwargs.pop("restore_suffix", True)
+    if not isinstance(restore_suffix, bool) or _SIZE_KWARGS & set(kwargs) \
+            or not all(v is None or isinstance(v, (bool, int, float, str)) for v in kwargs.values()):
+        raise ValueError(f"{name}: processing_kwargs chat_template {processing.get('chat_template')} is not "
+                         "supported (template variables of plain values and restore_suffix only)")
+    return kwargs, restore_suffix
+
+
+def _check_chat_template(where: Path) -> None:
+    """The tokenizer's one chat template: chat_template.jinja or a string in tokenizer_config.json."""
+    if (where / "chat_template.jinja").is_file():
+        return
+    template = _read_optional_json(where / "tokenizer_config.json").get("chat_template")
+    if not isinstance(template, str) or not template:
+        raise ValueError(f"{where}: the Transformer has a message modality but the tokenizer has no single chat "
+                         "template (chat_template.jinja or a string chat_template in tokenizer_config.json)")
+
+
+def _logit_score(cfg: dict, where: Path) -> LogitScoreSpec:
+    unknown = set(cfg) - {"true_token_id", "false_token_id", "module_input_name"}
+    if unknown:
+        raise ValueError(f"{where}/config.json: LogitScore keys {sorted(unknown)} are not supported")
+    if cfg.get("module_input_name", "causal_logits") != "causal_logits":
+        raise ValueError(f"{where}/config.json: LogitScore on {cfg['module_input_name']!r} is not supported "
+                         "(causal_logits only)")
+    true_id, false_id = cfg.get("true_token_id"), cfg.get("false_token_id")
+    if not isinstance(true_id, int) or not (false_id is None or isinstance(false_id, int)):
+        raise ValueError(f"{where}/config.json: LogitScore needs an integer true_token_id (and false_token_id "
+                         f"or null), got {true_id!r} / {false_id!r}")
+    return LogitScoreSpec(true_token_id=true_id, false_token_id=false_id)
 
 
 def _pooling(cfg: dict, where: Path) -> PoolingSpec:

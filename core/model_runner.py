@@ -45,6 +45,8 @@ def _model_class(spec: ModelSpec):
 
     if spec.model_class == "masked_lm":
         return transformers.AutoModelForMaskedLM
+    if spec.model_class == "causal_lm":  # an LLM reranker (ST's transformer_task "text-generation")
+        return transformers.AutoModelForCausalLM
     if spec.model_class == "encoder_only":  # T5 style: the encoder alone embeds
         return getattr(transformers, ENCODER_ONLY_CLASSES[spec.model_type])
     return {"none": transformers.AutoModel,
@@ -83,6 +85,7 @@ class ModelRunner:
         # transformers wraps forward() in.
         self.uses_token_types = ("token_type_ids" in inspect.signature(self.model.forward).parameters
                                  and tokenizer_makes_token_types(spec))
+        self.logit_rows = self._logit_score_rows() if spec.logit_score is not None else None
 
     def step_cost(self, max_tokens: int) -> tuple[float, float]:
         """Measures one step's fixed cost and its cost per padded token: (overhead_s, per_token_s).
@@ -140,8 +143,10 @@ class ModelRunner:
         kwargs = {"input_ids": input_ids, "attention_mask": mask}
         if types is not None:
             kwargs["token_type_ids"] = self._to_device(types)
-        output = self.model(**kwargs)
-        if self.spec.sparse is not None:
+        output = self.model(**kwargs) if self.logit_rows is None else None
+        if self.logit_rows is not None:  # an LLM reranker: LogitScore at each row's last real token
+            tensors, finish = self._from_logits(self._logit_scores(kwargs, lengths), lengths_np, batch)
+        elif self.spec.sparse is not None:
             tensors, finish = self._sparse(output.logits, mask)
         elif self.spec.head == "none":
             tensors, finish = self._from_hidden(output.last_hidden_state, mask, lengths, lengths_np, batch)
@@ -248,6 +253,47 @@ class ModelRunner:
                     for a, b in zip(bounds[:-1], bounds[1:])]
 
         return tensors, finish
+
+    def _logit_score_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The lm_head rows (and biases) of LogitScore's tokens: the true token's, then the false
+        token's. Checked once against the model's own forward, so a family whose logits are more
+        than lm_head(hidden) (softcapping, scaling) is refused rather than scored differently."""
+        score = self.spec.logit_score
+        head = self.model.get_output_embeddings()
+        if not isinstance(head, torch.nn.Linear):
+            raise ValueError(f"model {self.spec.path!r}: its output layer is {type(head).__name__}, not a Linear "
+                             "lm_head; LogitScore cannot be computed from its rows")
+        ids = [score.true_token_id] + ([] if score.false_token_id is None else [score.false_token_id])
+        if max(ids) >= head.out_features or min(ids) < 0:
+            raise ValueError(f"model {self.spec.path!r}: LogitScore token ids {ids} are outside its vocabulary "
+                             f"of {head.out_features}")
+        index = torch.tensor(ids, device=head.weight.device)
+        rows = (head.weight.detach().index_select(0, index),
+                None if head.bias is None else head.bias.detach().index_select(0, index))
+        self._check_logit_rows(rows, ids)
+        return rows
+
+    @torch.inference_mode()
+    def _check_logit_rows(self, rows: tuple[torch.Tensor, torch.Tensor | None], ids: list[int]) -> None:
+        probe = torch.arange(1, 9, device=self.device)[None, :] % self.spec.vocab_size
+        mask = torch.ones_like(probe)
+        full = self.model(input_ids=probe, attention_mask=mask).logits[0, -1, ids].float()
+        hidden = self.model.base_model(input_ids=probe, attention_mask=mask).last_hidden_state[:, -1]
+        mine = torch.nn.functional.linear(hidden, rows[0], rows[1])[0].float()
+        tolerance = 1e-4 if self.dtype == torch.float32 else 5e-2
+        if not torch.allclose(full, mine, rtol=tolerance, atol=tolerance):
+            raise ValueError(f"model {self.spec.path!r}: its logits are not lm_head(last hidden state) "
+                             f"({full.tolist()} vs {mine.tolist()}); this family is not supported as an LLM reranker")
+
+    def _logit_scores(self, kwargs: dict, lengths: torch.Tensor) -> torch.Tensor:
+        """ST's LogitScore without [batch, seq, vocab] logits: the base model's hidden state at each
+        row's last real token (rows are right-padded; ST left-pads, the same token) times the lm_head
+        rows of the true / false tokens, in the model's dtype as lm_head computes them. -> [B, 1]."""
+        hidden = self.model.base_model(**kwargs).last_hidden_state
+        last = hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1]
+        logits = torch.nn.functional.linear(last, *self.logit_rows)
+        scores = logits[:, 0] if logits.shape[1] == 1 else logits[:, 0] - logits[:, 1]
+        return scores.float().unsqueeze(1)
 
     def _from_logits(self, logits: torch.Tensor, lengths: np.ndarray, batch: Requests):
         logits = logits.float()

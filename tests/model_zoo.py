@@ -22,6 +22,7 @@ from pathlib import Path
 
 SEED = 0
 MAX_LEN = 128  # every zoo model truncates here, so the tests' long texts are cut
+LLM_RERANKER_MAX_LEN = 256
 HIDDEN = 32
 WORDPIECE_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 # Initialised with a wider spread than transformers' 0.02 so the outputs depend strongly on the input:
@@ -694,6 +695,80 @@ def build_causal_reranker(target: str | Path, name: str = "ce-qwen3-causal") -> 
     path = _fresh(target, name)
     CrossEncoder(modules=[Transformer(str(hf_dir), transformer_task="text-generation"),
                           LogitScore(true_token_id=yes, false_token_id=no)], device="cpu").save(str(path))
+    shutil.rmtree(hf_dir)
+    return str(path)
+
+
+# LLM rerankers' chat templates: the pair arrives as a "query" and a "document" message (ST 6's
+# pair_to_messages), a prompt as a "system" message. Qwen3-Reranker's layout reads flat contents
+# (strings); mxbai-rerank-v2's reads structured ones ([{"type": "text", "text": ...}]).
+QWEN3_RERANKER_TEMPLATE = (
+    '{%- set ns = namespace(q="", d="", s="Given a web search query, retrieve relevant passages that answer the query") -%}'
+    '{%- for m in messages -%}'
+    '{%- if m.role == "query" %}{% set ns.q = m.content %}'
+    '{%- elif m.role == "document" %}{% set ns.d = m.content %}'
+    '{%- elif m.role == "system" %}{% set ns.s = m.content %}{% endif -%}'
+    '{%- endfor -%}'
+    '<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct '
+    'provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
+    '<Instruct>: {{ ns.s }}\n<Query>: {{ ns.q }}\n<Document>: {{ ns.d }}<|im_end|>\n'
+    '{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n</think>\n\n{% endif %}')
+MXBAI_RERANKER_TEMPLATE = (
+    '{%- set ns = namespace(q="", d="", s="You are Qwen, created by Alibaba Cloud. You are a helpful assistant.") -%}'
+    '{%- for m in messages -%}'
+    '{%- if m.role == "query" %}{% set ns.q = m.content[0].text %}'
+    '{%- elif m.role == "document" %}{% set ns.d = m.content[0].text %}'
+    '{%- elif m.role == "system" %}{% set ns.s = m.content[0].text %}{% endif -%}'
+    '{%- endfor -%}'
+    '<|im_start|>system\n{{ ns.s }}<|im_end|>\n<|im_start|>user\nquery: {{ ns.q }}\ndocument: {{ ns.d }}\n'
+    'You are a search relevance expert who evaluates how well documents match search queries. '
+    'Answer 0 for not relevant, 1 for relevant.\nRelevance:<|im_end|>\n'
+    '{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}')
+
+
+def build_llm_reranker(target: str | Path, style: str = "qwen3", *, single_token: bool = False,
+                       prompts: dict[str, str] | None = None, default_prompt_name: str | None = None,
+                       name: str | None = None) -> str:
+    """An LLM reranker saved by ST 6's CrossEncoder: a causal LM (Transformer, transformer_task
+    "text-generation") + LogitScore, Sigmoid activation, the pair rendered through a chat template
+    ("message" modality, add_generation_prompt from processing_kwargs).
+
+    style "qwen3": Qwen3-Reranker's shape -- Qwen3ForCausalLM, flat messages, "yes" / "no" logits;
+    "mxbai": mxbai-rerank-v2's -- Qwen2ForCausalLM, structured messages, "1" / "0" logits.
+    single_token: LogitScore reads the true token's logit alone (false_token_id None, as zerank-2).
+    """
+    import transformers as tf
+    from sentence_transformers import CrossEncoder
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.cross_encoder.modules import LogitScore
+
+    target = Path(target)
+    name = name or f"ce-{style}-llm{'-single' if single_token else ''}"
+    hf_dir = _fresh(target, f"_hf-{name}")
+    tok = qwen_tokenizer()
+    tok.chat_template = QWEN3_RERANKER_TEMPLATE if style == "qwen3" else MXBAI_RERANKER_TEMPLATE
+    # The template's own text is ~70 tokens of this tiny BPE: room for query and document, and the
+    # tests' long documents still overflow (truncated, the template's suffix restored by ST).
+    tok.model_max_length = LLM_RERANKER_MAX_LEN
+    eot = tok.convert_tokens_to_ids("<|endoftext|>")
+    _seed()
+    common = dict(vocab_size=len(tok), hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=64, max_position_embeddings=512, pad_token_id=eot,
+                  eos_token_id=eot, tie_word_embeddings=False, initializer_range=INIT_RANGE)
+    if style == "qwen3":
+        model, words = tf.Qwen3ForCausalLM(tf.Qwen3Config(head_dim=8, **common)), ("yes", "no")
+    elif style == "mxbai":
+        model, words = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common)), ("1", "0")
+    else:
+        raise ValueError(f"unknown LLM reranker style {style!r}")
+    _save_hf(model, tok, hf_dir)
+    true_id, false_id = (tok(word, add_special_tokens=False)["input_ids"][0] for word in words)
+    path = _fresh(target, name)
+    transformer = Transformer(str(hf_dir), transformer_task="text-generation",
+                              processing_kwargs={"chat_template": {"add_generation_prompt": True}})
+    score = LogitScore(true_token_id=true_id, false_token_id=None if single_token else false_id)
+    CrossEncoder(modules=[transformer, score], device="cpu", prompts=prompts,
+                 default_prompt_name=default_prompt_name).save(str(path))
     shutil.rmtree(hf_dir)
     return str(path)
 

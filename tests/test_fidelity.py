@@ -286,6 +286,18 @@ def torch_zeros_like(tensor):
     return torch.zeros_like(tensor)
 
 
+def test_copied_config_aliases_are_transformers_own():
+    """The families whose size names the layout reader knows without importing transformers: each
+    alias is the one the family's config class declares in its attribute_map."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from pooling_pipeline.core.model_layout import CONFIG_ALIASES
+
+    for model_type, aliases in CONFIG_ALIASES.items():
+        declared = CONFIG_MAPPING[model_type].attribute_map
+        assert {name: declared.get(name) for name in aliases} == aliases, model_type
+
+
 # ---- The kept length: ST's rule ----------------------------------------------------------------------
 
 def test_old_layout_max_seq_length_above_a_rotary_decoders_positions(tmp_path, texts):

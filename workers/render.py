@@ -15,6 +15,8 @@ from pooling_pipeline.workers.packer import EngineInputPacker
 from pooling_pipeline.workers.truncation import TruncatingTokenizer
 
 MAX_CACHED_PROMPTS = 1024  # prompts whose token count a worker remembers
+# ST's probe of a chat template's pair roles: a baseline pair, then one varying each role's content.
+PAIR_ROLE_PROBES = (("alpha", "bravo"), ("charlie", "bravo"), ("alpha", "foxtrot"))
 # Chunk mode: raw chunk vectors (the frontend pools them, then normalizes as the call asked).
 CHUNK_PARAMS = PoolingParams(normalize=False)
 
@@ -68,6 +70,8 @@ class Renderer:
         # A tokenizer that does not hand token_type_ids to its model (RoBERTa style, or a config
         # that drops them) means the model sees zeros: then no boundary travels either.
         self.sends_token_types = "token_type_ids" in getattr(hf_tokenizer, "model_input_names", ["token_type_ids"])
+        self.chat_suffixes: dict[str | None, list[int]] = {}  # LLM rerankers: the template's tail, by prompt
+        self.pair_roles_failure: str | None = None if spec.chat_pairs is None else self._probe_pair_roles()
 
     def render(self, batch: RenderBatch) -> tuple[EngineInputPacker, list[tuple[int, str]]]:
         """The batch's engine inputs in columns, and the requests that failed with why."""
@@ -92,6 +96,15 @@ class Renderer:
             if max(sizes, default=0) > keep:
                 ids = [a[-keep:] if opts.truncate_left else a[:keep] for a in ids]
             rows.extend(indices, ids, param_of=kind, priority=opts.priority, route=opts.route)
+            return rows, failed
+        if batch.pairs is not None and self.spec.chat_pairs is not None:  # an LLM reranker's chat template
+            for index, query, document in zip(indices, batch.texts, batch.pairs):
+                try:
+                    ids = self._chat_pair_ids(query, document, opts.text_prefix, opts)
+                except Exception as e:  # any failure becomes this request's error, never a crash
+                    failed.append((index, f"{type(e).__name__}: {e}"))
+                    continue
+                rows.add(index, ids, param_of=kind, priority=opts.priority)
             return rows, failed
         texts = batch.texts
         if opts.text_prefix:  # as ST: the prompt, then the text (of a pair: the query)
@@ -194,6 +207,8 @@ class Renderer:
             return self.tokenizer.encode(text, opts.max_tokens, add_special_tokens=False), None
         if prompt is None:
             raise ValueError("request has no input")
+        if item.pair is not None and self.spec.chat_pairs is not None:
+            return self._chat_pair_ids(item.prompt, item.pair, opts.text_prefix, opts), None
         if item.pair is not None:
             ids, type_ids = self.tokenizer.encode_pair(prompt, item.pair, opts.max_tokens,
                                                      opts.max_query_tokens, opts.max_doc_tokens)
@@ -201,6 +216,76 @@ class Renderer:
         if opts.long_inputs == "error":
             self._refuse_if_too_long(prompt, opts.max_tokens)
         return self.tokenizer.encode(prompt, opts.max_tokens, left=opts.truncate_left), None
+
+    # ---- LLM rerankers: a pair through the chat template, as ST 6's Transformer renders it ----------
+
+    def _chat_pair_ids(self, query: str, document: str, prompt: str | None, opts: RenderOptions) -> list[int]:
+        """ST's "message" path for a (query, document) pair: the messages through the chat template,
+        tokenized without special tokens (the template owns them), cut at max_tokens on the
+        tokenizer's truncation side; a row that reached max_tokens gets the template's suffix back
+        over its last tokens (ST's restore_suffix), so the model still reads the answer position."""
+        if opts.max_query_tokens is not None or opts.max_doc_tokens is not None:
+            raise ValueError("max_tokens_per_query / max_tokens_per_doc do not apply to a chat-template reranker "
+                             "(ST truncates the rendered conversation as a whole); use truncate_prompt_tokens")
+        if self.pair_roles_failure is not None:  # ST refuses such a pair rather than score the template alone
+            raise ValueError(f"the model's chat template cannot carry a query/document pair: {self.pair_roles_failure}")
+        left = opts.truncate_left or getattr(self.hf, "truncation_side", "right") == "left"
+        ids = self.tokenizer.encode(self._render_pair(query, document, prompt), opts.max_tokens,
+                                    add_special_tokens=False, left=left)
+        if self.spec.chat_pairs.restore_suffix and len(ids) >= opts.max_tokens:
+            suffix = self._chat_suffix(prompt)
+            keep = min(len(suffix), len(ids))
+            if keep:
+                ids = list(ids[: len(ids) - keep]) + suffix[len(suffix) - keep:]
+        return ids
+
+    def _pair_messages(self, query: str, document: str, prompt: str | None) -> list[dict]:
+        """ST's pair_to_messages (roles "query", "document"), a prompt first as a "system" message."""
+        structured = self.spec.chat_pairs.message_format == "structured"
+
+        def message(role: str, text: str) -> dict:
+            return {"role": role, "content": [{"type": "text", "text": text}] if structured else text}
+
+        head = [message("system", prompt)] if prompt else []
+        return head + [message("query", query), message("document", document)]
+
+    def _probe_pair_roles(self) -> str | None:
+        """ST's pair-role probe: why the template drops the "query" or "document" content (or raises),
+        decided by rendering probe pairs and comparing the renders; None when both reach the prompt."""
+        try:
+            base, *varied = (self._render_pair(query, document, None) for query, document in PAIR_ROLE_PROBES)
+        except Exception as e:
+            return f"it raised {type(e).__name__}: {e}"
+        dropped = [role for role, render in zip(("query", "document"), varied) if render == base]
+        return f"the {' and '.join(map(repr, dropped))} content does not reach the rendered prompt" if dropped else None
+
+    def _render_pair(self, query: str, document: str, prompt: str | None) -> str:
+        messages = self._pair_messages(query, document, prompt)
+        return self.hf.apply_chat_template(messages, tokenize=False, **self.spec.chat_pairs.template_kwargs)
+
+    def _chat_suffix(self, prompt: str | None) -> list[int]:
+        """The template's fixed tail, found as ST finds it: the pair rendered with fillers "0" and
+        "1 2 3 4" (the system prompt kept), the longest common token suffix of the two renders;
+        none when the renders never diverge. Cached per prompt."""
+        if prompt not in self.chat_suffixes:
+            if len(self.chat_suffixes) >= MAX_CACHED_PROMPTS:
+                self.chat_suffixes.clear()
+            suffix: list[int] = []
+            try:
+                first, second = (self.tokenizer.tokenizer.encode(self._render_pair(filler, filler, prompt),
+                                                                 add_special_tokens=False).ids
+                                 for filler in ("0", "1 2 3 4"))
+                count = 0
+                for a, b in zip(reversed(first), reversed(second)):
+                    if a != b:
+                        break
+                    count += 1
+                if 0 < count < min(len(first), len(second)):
+                    suffix = first[len(first) - count:]
+            except Exception:  # ST: a suffix that cannot be derived is none, never a failed request
+                suffix = []
+            self.chat_suffixes[prompt] = suffix
+        return self.chat_suffixes[prompt]
 
     def _prompt_tokens(self, prompt: str | None) -> int:
         """ST's prompt_length: the prompt tokenized alone, special tokens included, less a
