@@ -369,7 +369,7 @@ def hf_backbone(target: str | Path, family: str, name: str | None = None) -> str
                                  pos_att_type=["p2c", "c2p"], position_biased_input=False, norm_rel_ebd="layer_norm",
                                  share_att_key=True, pad_token_id=0, **common)
         return str(_save_hf(tf.DebertaV2Model(cfg), tok, path))
-    if family == "t5":
+    if family in ("t5", "mt5", "umt5"):
         tok = t5_tokenizer()
         # Saved whole (encoder and decoder), as sentence-t5 / GTR checkpoints derive from t5 ones; ST loads
         # only T5EncoderModel from it.
@@ -377,6 +377,10 @@ def hf_backbone(target: str | Path, family: str, name: str | None = None) -> str
                           num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=32,
                           feed_forward_proj="relu", initializer_factor=1.0, pad_token_id=0, eos_token_id=1,
                           decoder_start_token_id=0)
+        if family != "t5":  # mT5 / UMT5 (UMT5: a relative bias in every layer): the same config keys
+            cfg_cls, model_cls = (tf.MT5Config, tf.MT5Model) if family == "mt5" else (tf.UMT5Config, tf.UMT5Model)
+            cfg = cfg_cls(**{k: v for k, v in cfg.to_dict().items() if k in cfg_cls().to_dict()})
+            return str(_save_hf(model_cls(cfg), tok, path))
         return str(_save_hf(tf.T5Model(cfg), tok, path))
     if family in ("gpt2", "gpt_neo", "gptj"):
         # GPT-2 names its sizes n_embd / n_positions (GPT-J too): read through the config's attribute_map.
@@ -505,11 +509,11 @@ def build_encoder(target: str | Path, family: str, **kwargs) -> str:
     return build_st(target, family, **kwargs)
 
 
-def build_sentence_t5(target: str | Path) -> str:
-    """sentence-t5 / GTR style: T5 encoder (a whole T5 checkpoint: ST loads T5EncoderModel), mean
-    Pooling, Dense 32 -> 16 without bias, Identity activation, Normalize."""
-    return build_st(target, "t5", name="st-sentence-t5", dense={"out_features": 16, "bias": False, "activation": "identity"},
-                    normalize=True)
+def build_sentence_t5(target: str | Path, family: str = "t5") -> str:
+    """sentence-t5 / GTR style: T5 encoder (a whole T5 checkpoint: ST loads T5EncoderModel; mT5 /
+    UMT5 alike), mean Pooling, Dense 32 -> 16 without bias, Identity activation, Normalize."""
+    return build_st(target, family, name=f"st-sentence-{family}",
+                    dense={"out_features": 16, "bias": False, "activation": "identity"}, normalize=True)
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

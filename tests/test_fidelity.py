@@ -251,12 +251,14 @@ def test_encoder_family(tmp_path, texts, family):
     compare_embed(path, texts, family, calls=[{}, {"prompt": "query: "}])
 
 
-def test_sentence_t5(tmp_path, texts):
-    """sentence-t5 / GTR: ST loads T5EncoderModel (not the encoder-decoder), mean pooling, Dense
-    without bias and Identity activation, Normalize; `</s>` appended by the tokenizer."""
-    path = zoo.build_sentence_t5(tmp_path)
+@pytest.mark.parametrize("family", ["t5", "mt5", "umt5"])
+def test_sentence_t5(tmp_path, texts, family):
+    """sentence-t5 / GTR (and mT5 / UMT5 encoders): ST loads the encoder alone (not the
+    encoder-decoder), mean pooling, Dense without bias and Identity activation, Normalize; `</s>`
+    appended by the tokenizer."""
+    path = zoo.build_sentence_t5(tmp_path, family)
     st = st_model(path)
-    assert type(st[0].auto_model).__name__ == "T5EncoderModel"
+    assert type(st[0].auto_model).__name__ == {"t5": "T5", "mt5": "MT5", "umt5": "UMT5"}[family] + "EncoderModel"
     (ref,) = compare_embed(path, texts, "sentence-t5")
     assert ref.shape[1] == 16
 
