@@ -320,8 +320,10 @@ class Pipeline:
             task = getattr(self._plugin, "task", "embed")
         if not isinstance(task, str) or task not in self.model_spec.tasks or (task == "score") != pairs:
             can = [t for t in self.model_spec.tasks if t != "score"] + (["plugin"] if self._plugin else [])
-            raise ValueError(f"unknown or unsupported task {task!r}: this model can do {can}"
-                             + (" and score() pairs" if "score" in self.model_spec.tasks else ""))
+            scores = " and score() / rank() pairs" if "score" in self.model_spec.tasks else ""
+            if not can:  # an LLM reranker: pairs only
+                raise ValueError(f"task {task!r} is not supported: this model only scores pairs (score() / rank())")
+            raise ValueError(f"unknown or unsupported task {task!r}: this model can do {can}{scores}")
         return checked(CallOptions, {"task": task, "plugin": plugin, "pairs": pairs, **values})
 
     def _score_plan(self, data_1, data_2, **values) -> _Plan:
