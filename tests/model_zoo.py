@@ -487,6 +487,17 @@ def build_bert_spaced_added_token(target: str | Path) -> str:
     return _save_st(target, "st-bert-spaced-token", str(hf_dir), [Pooling(HIDDEN, pooling_mode="mean"), Normalize()])
 
 
+def save_prompts_as_st5(model_dir: str | Path, prompts: dict[str, str] | None) -> str:
+    """Rewrites config_sentence_transformers.json's prompts as ST 2.x-5.x saved them: only the model's
+    own prompts (ST 6 also saves its empty "query" / "document" placeholders); {} when None. The
+    published e5 / bge models on the hub carry prompts of this form."""
+    cfg_path = Path(model_dir) / "config_sentence_transformers.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["prompts"] = dict(prompts or {})
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return str(model_dir)
+
+
 def build_bert_dense(target: str | Path, **dense) -> str:
     """BERT + mean Pooling + Dense (default 32 -> 16, bias, Tanh): the vector is 16 wide, not 32."""
     dense = {"out_features": 16, "bias": True, "activation": "tanh", **dense}
