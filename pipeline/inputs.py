@@ -23,6 +23,10 @@ from pooling_pipeline.options import CallOptions  # (declared there, with every 
 
 # Priorities travel as msgpack ints and are compared in the engine: keep them in int64.
 PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
+# ST 6's SentenceTransformer, SparseEncoder and MultiVectorEncoder start every model from these empty
+# prompts (their `_default_prompts`) and fill them from config_sentence_transformers.json, so
+# "query" and "document" name a prompt (empty unless saved) on every such model; CrossEncoder has none.
+PLACEHOLDER_PROMPTS = {"query": "", "document": ""}
 
 
 @dataclass(frozen=True)
@@ -350,29 +354,40 @@ class PreparedSource:
         return out
 
 
+def model_prompts(spec: ModelSpec) -> dict[str, str]:
+    """The model's prompts by name as ST 6 holds them (`SentenceTransformer(...).prompts`): the
+    placeholders first, then the saved prompts (a saved "query" / "document" fills its placeholder)."""
+    if "embed" in spec.tasks or "sparse_embed" in spec.tasks:
+        return {**PLACEHOLDER_PROMPTS, **spec.prompts}
+    return dict(spec.prompts)
+
+
 def _prompt_prefixes(opts: CallOptions, spec: ModelSpec, count: int | None) -> tuple[Iterator, int | None]:
     """Each request's prompt text, resolved as ST's encode does: an explicit `prompt` wins, else
-    `prompt_name` (looked up in the model's prompts), else the model's default_prompt_name."""
+    `prompt_name` (looked up in the model's prompts, ST's placeholders among them), else the model's
+    default_prompt_name."""
+    prompts = model_prompts(spec)
+
     def check_prompt(value: object, where: str) -> None:
         if value is not None and not isinstance(value, str):
             raise TypeError(f"{where} must be a str or None, got {type(value).__name__}")
 
     def check_name(value: object, where: str) -> None:
         check_prompt(value, where)
-        if value is not None and value not in spec.prompts:
-            raise ValueError(f"{where}={value!r} is not among the model's prompts {sorted(spec.prompts)}")
+        if value is not None and value not in prompts:
+            raise ValueError(f"{where}={value!r} is not among the model's prompts {sorted(prompts)}")
 
     prompts_it, prompts_count = per_request(opts.prompt, "prompt", check_prompt, count)
     names_it, names_count = per_request(opts.prompt_name, "prompt_name", check_name, count)
-    default = spec.prompts.get(spec.default_prompt_name) if spec.default_prompt_name else None
+    default = prompts.get(spec.default_prompt_name) if spec.default_prompt_name else None
     if prompts_count is None and names_count is None:  # one for the whole call
         prompt, name = opts.prompt, opts.prompt_name
-        text = prompt if prompt is not None else spec.prompts[name] if name is not None else default
+        text = prompt if prompt is not None else prompts[name] if name is not None else default
         return itertools.repeat(text or None), None
 
     def resolve() -> Iterator[str | None]:
         for prompt, name in zip(prompts_it, names_it):
-            text = prompt if prompt is not None else spec.prompts[name] if name is not None else default
+            text = prompt if prompt is not None else prompts[name] if name is not None else default
             yield text or None
 
     counts = [c for c in (prompts_count, names_count) if c is not None]

@@ -251,6 +251,28 @@ def wordpiece_tokenizer():
     return AutoTokenizer.from_pretrained(_bundled_dir(), model_max_length=MAX_LEN)
 
 
+# An added token with a spacing diacritic: NFKD turns U+00A8 into a space and a combining mark, which
+# strip_accents drops, so the token's normalized form is "a b" and the library matches it in the
+# normalized text, where clean_text made tabs, newlines and carriage returns spaces ("a\tb" is one token).
+SPACED_ADDED_TOKEN = "a\u00a8b"
+
+
+def spaced_added_token_tokenizer():
+    """BERT's WordPiece vocabulary behind NFKD + BertNormalizer (clean_text, lowercase) with the
+    normalized added token SPACED_ADDED_TOKEN, as a PreTrainedTokenizerFast (transformers' BertTokenizer
+    would rebuild the normalizer from its own arguments and drop the NFKD)."""
+    from tokenizers import AddedToken, Tokenizer, normalizers
+
+    tok = Tokenizer.from_str(wordpiece_tokenizer().backend_tokenizer.to_str())
+    tok.no_padding()
+    tok.no_truncation()
+    tok.normalizer = normalizers.Sequence([normalizers.NFKD(), normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=True)])
+    tok.add_tokens([AddedToken(SPACED_ADDED_TOKEN, normalized=True)])
+    return _fast(tok, cls_token="[CLS]", sep_token="[SEP]", unk_token="[UNK]", pad_token="[PAD]",
+                 mask_token="[MASK]")
+
+
 # The tokenizers the long-input tests run on, by the family they stand for.
 TOKENIZERS: dict[str, Callable] = {
     "qwen-bpe": qwen_tokenizer, "roberta-bpe": roberta_tokenizer, "xlmr-unigram": xlmr_tokenizer,
@@ -489,6 +511,32 @@ def build_bert_prompts(target: str | Path, *, include_prompt: bool = True, pooli
     mode_tag = pooling_mode if isinstance(pooling_mode, str) else "+".join(pooling_mode)
     return build_st(target, "bert", name=name or f"st-bert-prompts-{mode_tag}-{tag}", pooling_mode=pooling_mode,
                     include_prompt=include_prompt, normalize=True, prompts=dict(E5_PROMPTS), default_prompt_name="query")
+
+
+def build_bert_spaced_added_token(target: str | Path) -> str:
+    """BERT + mean Pooling + Normalize over `spaced_added_token_tokenizer` (the embedding table one row
+    longer, for the added token), saved by ST."""
+    from sentence_transformers.base.modules import Normalize
+    from sentence_transformers.sentence_transformer.modules import Pooling
+    from transformers import BertModel
+
+    target = Path(target)
+    tok = spaced_added_token_tokenizer()
+    _seed()
+    hf_dir = _save_hf(BertModel(_bert_config(vocab_size=len(tok)), add_pooling_layer=False), tok,
+                      _fresh(target, "_hf-st-bert-spaced-token"))
+    return _save_st(target, "st-bert-spaced-token", str(hf_dir), [Pooling(HIDDEN, pooling_mode="mean"), Normalize()])
+
+
+def save_prompts_as_st5(model_dir: str | Path, prompts: dict[str, str] | None) -> str:
+    """Rewrites config_sentence_transformers.json's prompts as ST 2.x-5.x saved them: only the model's
+    own prompts (ST 6 also saves its empty "query" / "document" placeholders); {} when None. The
+    published e5 / bge models on the hub carry prompts of this form."""
+    cfg_path = Path(model_dir) / "config_sentence_transformers.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["prompts"] = dict(prompts or {})
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return str(model_dir)
 
 
 def build_bert_dense(target: str | Path, **dense) -> str:

@@ -1,6 +1,7 @@
 """The word cache gives exactly the `tokenizers` library's ids, for every BERT-shaped tokenizer it
 takes, and is never used for a tokenizer or a text it cannot vouch for."""
 
+import json
 import random
 
 import corpus
@@ -63,6 +64,7 @@ CACHED = {
     "do-lower-case": _do_lower_case_bert,
     "added-words": _bert_with_added_words,
     "bert-processing": _bert_processing,
+    "spaced-added-token": lambda: _backend(model_zoo.spaced_added_token_tokenizer()),
 }
 
 
@@ -150,3 +152,107 @@ def test_a_full_cache_is_emptied_and_refilled_with_the_same_ids(monkeypatch):
         _assert_same(tok, texts, 128)
         assert len(tok.word_cache._cache) <= 50
     assert tok.word_cache.word_misses > 100  # it was emptied and refilled, not grown
+
+
+# ---- added tokens matched in the normalized text (issue 24) -------------------------------------------
+
+NORMALIZERS = {
+    "nfkd-bert": lambda: normalizers.Sequence([normalizers.NFKD(), normalizers.BertNormalizer(lowercase=True)]),
+    "bert-uncased": lambda: normalizers.BertNormalizer(lowercase=True),
+    "bert-cased": lambda: normalizers.BertNormalizer(lowercase=False, strip_accents=False),
+    "nfkc-lowercase": lambda: normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()]),
+    "bert-no-clean-text": lambda: normalizers.Sequence([normalizers.NFKD(),
+                                                        normalizers.BertNormalizer(clean_text=False)]),
+}
+# Contents whose normalized forms hold a space (U+00A8 and U+00AF decompose to a space and a combining
+# mark), letters in both cases, punctuation, accents.
+ADDED_CONTENTS = ["a\u00a8b", "Q\u00afR", "x-y", "Hello", "caf\u00e9", "\u00a8"]
+ADDED_FLAVOURS = {
+    "normalized": dict(normalized=True),
+    "raw": dict(normalized=False),
+    "lstrip-rstrip": dict(normalized=True, lstrip=True, rstrip=True),
+    "single-word": dict(normalized=True, single_word=True),
+    "special": dict(normalized=True, special=True),
+}
+SPACED_PIECES = ["a", "b", "A", "B", "q", "R", "ab", "x", "y", "-", "hello", "HELLO", "cafe", "Q", "r"]
+SPACED_SEPARATORS = [" ", "\t", "\n", "\r", "\r\n", "  ", "", "\u00a8", "\u00af", ".", " \t"]
+
+
+def _spaced_texts(count: int, seed: int) -> list[str]:
+    """Short texts of the added tokens' letters around every kind of whitespace (and the diacritics)."""
+    rng = random.Random(seed)
+    return ["".join(rng.choice(SPACED_PIECES) + rng.choice(SPACED_SEPARATORS) for _ in range(rng.randint(1, 8)))
+            for _ in range(count)]
+
+
+def _with_added_tokens(normalizer: str, flavour: str) -> Tokenizer:
+    tok = _backend(model_zoo.wordpiece_tokenizer())
+    tok.normalizer = NORMALIZERS[normalizer]()
+    tokens = [AddedToken(content, **ADDED_FLAVOURS[flavour]) for content in ADDED_CONTENTS]
+    if ADDED_FLAVOURS[flavour].get("special"):
+        tok.add_special_tokens(tokens)
+    else:
+        tok.add_tokens(tokens)
+    return tok
+
+
+def test_an_added_token_normalized_to_a_space_is_matched_across_tabs_newlines_and_returns():
+    """NFKD + BertNormalizer: "a\u00a8b" is "a b" once normalized, and clean_text makes "a\\tb" "a b"
+    too, so the library gives one token for it; the cache (or the library behind it) must as well."""
+    tok = TruncatingTokenizer(_backend(model_zoo.spaced_added_token_tokenizer()))
+    library = _library_ids(tok, ["a\tb", "a\nb", "a\rb", "a b", "a\r\nb"], 64)
+    assert library[0] == library[3] and len(library[0]) == 3  # the reference: one added token between [CLS] [SEP]
+    assert len(library[4]) == 4  # two spaces: no match
+    texts = ["a\tb", "a\nb", "a\rb", "a b", "a\r\nb", "xa\tby", "A\tB", "a\t\tb"] + _spaced_texts(2000, seed=5)
+    for max_tokens in (3, 5, 64):
+        _assert_same(tok, texts, max_tokens)
+    assert tok.word_cache is not None and tok.word_cache.texts > 1000  # the shortcut itself was tested
+
+
+@pytest.mark.parametrize("flavour", sorted(ADDED_FLAVOURS))
+@pytest.mark.parametrize("normalizer", sorted(NORMALIZERS))
+def test_added_token_flavours_under_each_normalizer_give_the_library_ids(normalizer, flavour):
+    """normalized / raw / lstrip+rstrip / single_word / special added tokens whose normalized forms hold
+    spaces, under normalizers with and without clean_text: every text gives the library's ids."""
+    tok = TruncatingTokenizer(_with_added_tokens(normalizer, flavour))
+    texts = _spaced_texts(600, seed=len(normalizer) * 7 + len(flavour))
+    for max_tokens in (4, 64):
+        _assert_same(tok, texts, max_tokens)
+
+
+def _without_unk() -> Tokenizer:
+    """BERT's vocabulary with [UNK] taken out: the library raises on a word it cannot spell."""
+    desc = json.loads(_backend(model_zoo.wordpiece_tokenizer()).to_str())
+    del desc["model"]["vocab"]["[UNK]"]
+    desc["added_tokens"] = [t for t in desc["added_tokens"] if t["content"] != "[UNK]"]
+    return Tokenizer.from_str(json.dumps(desc))
+
+
+def test_a_vocabulary_without_unk_loads_and_gives_the_library_ids_or_its_error():
+    tok = TruncatingTokenizer(_without_unk())
+    assert tok.word_cache is not None  # its start-up probe did not need [UNK]
+    texts = corpus.sentences(300, seed=9) + ["plain\ttab\r\n", "", "Hello, World!"]
+    for max_tokens in (5, 64):
+        _assert_same(tok, texts, max_tokens)
+    assert tok.word_cache.texts > 0
+    too_long = "x" * 150  # longer than max_input_chars_per_word: [UNK], which this vocabulary lacks
+    with pytest.raises(Exception, match="Missing \\[UNK\\]") as library_error:
+        _library_ids(tok, [too_long], 64)
+    for texts in ([too_long], ["fine words", "a " + too_long]):
+        with pytest.raises(type(library_error.value), match="Missing \\[UNK\\]"):
+            tok.encode_many(texts, 64)
+
+
+def test_pipeline_with_a_spaced_added_token_matches_sentence_transformers(tmp_path):
+    """End to end: a tiny BERT saved by ST over the NFKD + BertNormalizer tokenizer with "a\u00a8b"."""
+    from sentence_transformers import SentenceTransformer
+    from test_fidelity import assert_close, assert_differs, embed
+
+    from pooling_pipeline import Pipeline
+
+    path = model_zoo.build_bert_spaced_added_token(tmp_path)
+    texts = ["x a\tb y", "x a\nb y", "x a\r\nb y", "a\tb", "A\rB and more", "plain words"] + _spaced_texts(60, 3)
+    ref = SentenceTransformer(path, device="cpu").encode(texts, batch_size=16)
+    assert_differs(ref[0], ref[2], "the added token (a\\tb vs a\\r\\nb)")
+    with Pipeline(model=path, num_render_workers=1) as pipe:
+        assert_close(embed(pipe, texts), ref, "spaced added token")

@@ -18,7 +18,14 @@ methods, and the library's result is known without asking it:
   the library's own code), remembered per word;
 - added tokens ([CLS], [MASK] or a vocabulary's additions) are matched in the text before all of
   this: a text in which any of them may occur (as written, lowercased or normalized) is left to the
-  library; so is any text with another character, and any tokenizer of another shape.
+  library; so is any text with another character, and any tokenizer of another shape. The library
+  looks for a normalized token's normalized form in the normalized text, where clean_text made tabs,
+  newlines and carriage returns spaces: a form with a space ("a\u00a8b" is "a b" after NFKD and
+  strip_accents) is searched with any whitespace character in its place (a superset of the library's
+  matches: lstrip / rstrip / single_word / special only narrow or widen a match already found, and
+  any match sends the text to the library);
+- a word the model cannot spell (no [UNK] in the vocabulary) makes the library raise: such a text is
+  left to the library too, which raises its own error.
 
 `WordCache.for_tokenizer` vouches for a tokenizer from its own description and then checks itself
 against the library on probe texts: anything it cannot match exactly is never used (the library's
@@ -65,7 +72,7 @@ class WordCache:
         self._words = re.compile(r"[A-Za-z0-9]+|[^A-Za-z0-9\s]").findall
         # Any occurrence of an added token, in any letter case, sends the text to the library (an
         # added token without letters or with only lowercase ones is matched the same way).
-        self._added = re.compile("|".join(map(re.escape, sorted(added, key=len, reverse=True))),
+        self._added = re.compile("|".join(map(_form_pattern, sorted(added, key=len, reverse=True))),
                                  re.IGNORECASE).search if added else None
         self._prefix, self._suffix = list(prefix), list(suffix)
         self._cache: dict[str, tuple[int, ...]] = {}
@@ -113,7 +120,11 @@ class WordCache:
             words = words_of(text.lower() if self._lowercase else text)
             parts = list(map(get, words))
             if None in parts:
-                parts = [ids if ids is not None else self._learn(word) for ids, word in zip(parts, words)]
+                try:
+                    parts = [ids if ids is not None else self._learn(word) for ids, word in zip(parts, words)]
+                except Exception:  # the model cannot spell a word (no [UNK]): the library raises its error
+                    out.append(None)
+                    continue
             ids = prefix.copy()
             ids.extend(chain(parts))
             if len(ids) > end:
@@ -133,13 +144,18 @@ class WordCache:
         return ids
 
     def _matches_library(self, tokenizer: Tokenizer) -> bool:
-        """Whether every probe the cache takes gives the library's ids, at several lengths."""
+        """Whether every probe the cache takes gives the library's ids, at several lengths, and the
+        cache leaves to the library every probe the library refuses (a vocabulary without [UNK])."""
         reference = Tokenizer.from_str(tokenizer.to_str())
         reference.no_padding()
         for max_tokens in (512, 8, len(self._prefix) + len(self._suffix) + 1):
             reference.enable_truncation(max_length=max_tokens)
-            expected = [enc.ids for enc in reference.encode_batch(list(_PROBES))]
-            for ids, want in zip(self.encode_many(list(_PROBES), max_tokens), expected):
+            for probe in _PROBES:
+                [ids] = self.encode_many([probe], max_tokens)
+                try:
+                    want = reference.encode(probe).ids
+                except Exception:  # the library refuses it: the cache must not answer
+                    want = None
                 if ids is not None and ids != want:
                     return False
         self._cache.clear()
@@ -161,6 +177,14 @@ def _added_token_forms(tokenizer: Tokenizer, added_tokens: list[dict]) -> list[s
         forms.add(content)
         if normalize is not None:
             normalized = normalize(content)
-            if normalized:
-                forms.add(normalized)
+            if not normalized:
+                return None  # an empty pattern: what the library matches with it is not worth guessing
+            forms.add(normalized)
     return sorted(forms)
+
+
+def _form_pattern(form: str) -> str:
+    """A regex for `form` in the raw text: each whitespace character of it may be any whitespace
+    character there (the normalizer's clean_text turns tab, newline and carriage return into the
+    space of a normalized form)."""
+    return "".join(r"\s" if ch.isspace() else re.escape(ch) for ch in form)

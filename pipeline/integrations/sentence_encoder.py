@@ -16,6 +16,14 @@ for a single string), a tensor with `convert_to_tensor=True`, a list of tensors 
 as ST does), `precision` ("float32", "int8", "uint8", "binary", "ubinary", the values of ST's
 `quantize_embeddings`), `prompt_name` / `prompt`. `batch_size` is accepted and ignored: the
 engine forms its own batches under its token budget.
+
+Prompts resolve as in ST 6.2: `prompts` is ST's dict, the empty "query" / "document" placeholders
+filled by the model's saved prompts (so an e5 model's encode_document takes the empty "document"
+before "passage: ", as ST's does); `encode` takes `prompt`, else `prompt_name`, else the model's
+default_prompt_name; encode_query / encode_document name "query" / the first of "document",
+"passage", "corpus" unless given a prompt or prompt name (an empty prompt then overrides the
+default, as in ST). MTEB's `prompt_type` (query / document, a str or its enum) selects what
+encode_query / encode_document would; its `task_name` selects nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import numpy as np
 
 from pooling_pipeline.api import Pipeline
 from pooling_pipeline.core.messages import PoolingParams
+from pooling_pipeline.inputs import model_prompts
 from pooling_pipeline.quantization import PRECISIONS, quantize_embeddings
 from pooling_pipeline.similarity import similarity
 
@@ -44,7 +53,7 @@ class SentenceEncoder:
         spec = self.pipeline.model_spec
         if "embed" not in spec.tasks:
             raise ValueError(f"SentenceEncoder needs an embedding model; this one can do {spec.tasks}")
-        self.prompts = dict(spec.prompts)
+        self.prompts = model_prompts(spec)  # ST's own dict: its placeholders filled by the saved prompts
         self.default_prompt_name = spec.default_prompt_name
         self.similarity_fn_name = spec.similarity
         self.max_seq_length = spec.default_max_tokens
@@ -75,7 +84,7 @@ class SentenceEncoder:
         if unknown:
             raise TypeError(f"encode() got unexpected keyword arguments {sorted(unknown)}")
         if prompt is None and prompt_name is None and kwargs.get("prompt_type") is not None:
-            prompt_name = self._prompt_for_type(kwargs["prompt_type"])
+            prompt_name = self._prompt_name_for_type(kwargs["prompt_type"])
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         if device is not None:
@@ -105,16 +114,18 @@ class SentenceEncoder:
 
     def encode_query(self, sentences: str | Sequence[str], prompt_name: str | None = None, prompt: str | None = None,
                      **kwargs: Any):
-        """encode with the model's "query" prompt unless another is given (ST's encode_query)."""
-        if prompt_name is None and prompt is None and "query" in self.prompts:
-            prompt_name = "query"
+        """encode with the model's "query" prompt unless another is given (ST's encode_query); the
+        placeholder makes it the empty prompt on a model without one, not the default prompt."""
+        if prompt_name is None and prompt is None:
+            prompt_name = self._prompt_name_for_type("query")
         return self.encode(sentences, prompt_name=prompt_name, prompt=prompt, **kwargs)
 
     def encode_document(self, sentences: str | Sequence[str], prompt_name: str | None = None,
                         prompt: str | None = None, **kwargs: Any):
-        """encode with the model's "document" (or "passage", "corpus") prompt unless another is given."""
+        """encode with the model's "document" (else "passage", "corpus") prompt unless another is
+        given (ST's encode_document): the "document" placeholder comes first, empty unless saved."""
         if prompt_name is None and prompt is None:
-            prompt_name = next((name for name in DOCUMENT_PROMPT_NAMES if name in self.prompts), None)
+            prompt_name = self._prompt_name_for_type("document")
         return self.encode(sentences, prompt_name=prompt_name, prompt=prompt, **kwargs)
 
     def similarity(self, embeddings1, embeddings2):
@@ -149,7 +160,9 @@ class SentenceEncoder:
             arrays = [torch.from_numpy(a) for a in arrays]
         return arrays[0] if single else arrays
 
-    def _prompt_for_type(self, prompt_type: Any) -> str | None:
+    def _prompt_name_for_type(self, prompt_type: Any) -> str | None:
+        """The prompt name ST's encode_query ("query") or encode_document (any other type: MTEB's
+        "document", or "passage" in MTEB 1) would take, or None (then the default prompt applies)."""
         kind = str(getattr(prompt_type, "value", prompt_type))
         if kind == "query":
             return "query" if "query" in self.prompts else None

@@ -304,11 +304,13 @@ def describe_job(args: argparse.Namespace, sources: list, id_field: str | None) 
     """What identifies a job: a resume must match it, and load_results reads shards of one job only."""
     from pooling_pipeline import __version__
     from pooling_pipeline.core.model_layout import load_model_spec
+    from pooling_pipeline.inputs import model_prompts
     from pooling_pipeline.jobs.fingerprint import model_hash
 
     spec = load_model_spec(args.model, trust_remote_code=args.trust_remote_code, revision=args.revision)
-    if args.prompt_name is not None and args.prompt_name not in spec.prompts:  # before the model loads
-        raise UsageError(f"--prompt-name {args.prompt_name!r} is not among the model's prompts {sorted(spec.prompts)}")
+    prompts = model_prompts(spec)  # ST's "query" / "document" placeholders among them
+    if args.prompt_name is not None and args.prompt_name not in prompts:  # before the model loads
+        raise UsageError(f"--prompt-name {args.prompt_name!r} is not among the model's prompts {sorted(prompts)}")
     if args.pair_field is not None and spec.head != "sequence_classification":
         raise UsageError("--pair-field: pairs are classified by a sequence-classification model (a cross-encoder); "
                          f"{spec.path!r} has no such head")
