@@ -246,7 +246,9 @@ class TruncatingTokenizer:
             # Fewer tokens than asked for, or as many as the cap: the exact (capped) length.
             known = len(enc.ids) < limit or (cap is not None and limit == cap)
             lengths.append(len(enc.ids) if known else None)
-        if lengths[0] is None and lengths[1] is None:  # both overflow: only their order matters
+        # A side overflows when its length is unknown (past the budget) or known past it (a cap
+        # above the budget gives a known length of budget + 1 or more).
+        if all(n is None or n > budget for n in lengths):  # both overflow: only their order matters
             first_longer = self._first_is_longer(sides, budget)
             lengths = [budget + 2, budget + 1] if first_longer else [budget + 1, budget + 1]
         else:  # an overflowing side is the longer one; any length past the budget acts the same
