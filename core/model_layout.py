@@ -664,9 +664,9 @@ def _route_spec(root: Path, name: str, chain: list[_Module], after: list[_Module
     _read_st_config(layout, root)
     try:
         _read_chain(layout, chain, modules_path, trust_remote_code)
+        return _spec_of_layout(root, layout, trust_remote_code)
     except ValueError as e:
         raise ValueError(f"route {name!r}: {e}") from None
-    return _spec_of_layout(root, layout, trust_remote_code)
 
 
 def _static_embedding_spec(where: Path) -> ModelSpec:
