@@ -107,6 +107,17 @@ class ModelSpec(msgspec.Struct, kw_only=True):
     default_route: str | None = None  # the route of a request that names none (None: the model has one path)
     logit_score: LogitScoreSpec | None = None  # LLM rerankers (head "causal_lm"): task "score" only
     chat_pairs: ChatPairSpec | None = None  # pairs rendered through the chat template (else tokenizer pairs)
+    # ST's Router resolution for text (route_mappings): a task's route, and the catch-all route of
+    # any task ((None, "text") or (None, None)); a task naming a route takes it, as ST does.
+    route_by_task: dict[str, str] = {}
+    route_any_task: str | None = None
+    # One spec per route, in `routes` order (each a chain the engine runs on its own); this spec is
+    # then the first transformer route's, with the widest max_model_len of them all.
+    route_specs: list[ModelSpec] = []
+    # What a route starts with: a transformer, or ST's SparseStaticEmbedding (a weight per token
+    # id of the text, tokenized without special tokens; `path` holds its tokenizer and weights).
+    input_module: Literal["transformer", "sparse_static_embedding"] = "transformer"
+    add_special_tokens: bool = True
 
     @property
     def score_kind(self) -> str | None:

@@ -64,16 +64,21 @@ def tokenizer_makes_token_types(spec: ModelSpec) -> bool:
 
 
 class ModelRunner:
-    def __init__(self, spec: ModelSpec, device: str, dtype: str) -> None:
+    routes: list | None = None  # a Router model: a runner per route, in ModelSpec.routes order
+
+    def __init__(self, spec: ModelSpec, device: str, dtype: str, shared_model=None) -> None:
         from transformers import AutoConfig
 
+        if spec.route_specs:
+            self._init_routes(spec, device, dtype)
+            return
         self.spec = spec
         self.device = resolve_device(device)
         config = AutoConfig.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
         self.dtype = resolve_dtype(dtype, self.device, getattr(config, "dtype", None))
         # No attention implementation is forced: transformers picks SDPA where the model supports
         # it and its own otherwise (MPNet has no SDPA), as sentence-transformers does.
-        self.model = _model_class(spec).from_pretrained(
+        self.model = shared_model if shared_model is not None else _model_class(spec).from_pretrained(
             spec.path, config=config, dtype=self.dtype, trust_remote_code=spec.trust_remote_code,
         ).to(self.device).eval()
         # Dense / LayerNorm modules after pooling run in float32, as the pooled vector is.
@@ -124,6 +129,8 @@ class ModelRunner:
         """Starts a step: collation, the forward pass and pooling are queued on the device, and
         their results' copies back to pinned host memory too. On CUDA this returns while the device
         works, so the engine can collate the next batch meanwhile; on a CPU it returns when done."""
+        if self.routes is not None:
+            return self._launch_routes(batch)
         started = time.perf_counter()
         on_cuda = self.device.type == "cuda"
         ids, real = batch.padded(self.pad_token_id)  # one masked assignment, no loop over requests
@@ -233,26 +240,57 @@ class ModelRunner:
         return mask * (positions >= starts[:, None]).to(mask.dtype)
 
     def _sparse(self, logits: torch.Tensor, mask: torch.Tensor):
-        weights = splade(logits, mask, self.spec.sparse)
-        k = self.spec.max_active_dims
-        if k is not None and k < weights.shape[1]:  # ST's max_active_dims: the k largest weights
-            top = torch.topk(weights, k, dim=1)
-            weights = torch.zeros_like(weights).scatter_(1, top.indices, top.values)
-        # Only the non-zero weights come back (a [batch, vocab] copy would be most of the step):
-        # their flat positions, sorted, so rows come out in order.
-        flat = torch.nonzero(weights.flatten() > 0).flatten()
-        tensors = [flat, weights.flatten()[flat].float()]
-        vocab = weights.shape[1]
-        rows = weights.shape[0]
+        return sparse_outputs(splade(logits, mask, self.spec.sparse), self.spec.max_active_dims)
 
-        def finish(arrays: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
-            positions, values = arrays
-            row_of = positions // vocab
-            bounds = np.searchsorted(row_of, np.arange(rows + 1))
-            return [((positions[a:b] % vocab).astype(np.int32), values[a:b].astype(np.float32))
-                    for a, b in zip(bounds[:-1], bounds[1:])]
+    def _init_routes(self, spec: ModelSpec, device: str, dtype: str) -> None:
+        """A Router model: one runner per route; routes on the same transformer directory share
+        its loaded weights (ST's saved Router refers to a shared module once), others each load theirs."""
+        self.spec = spec
+        self.device = resolve_device(device)
+        loaded: dict[str, torch.nn.Module] = {}
+        self.routes = []
+        for route in spec.route_specs:
+            if route.input_module == "sparse_static_embedding":
+                self.routes.append(StaticEmbeddingRoute(route, self.device, self._to_host))
+                continue
+            runner = ModelRunner(route, device, dtype, shared_model=loaded.get(route.path))
+            loaded.setdefault(route.path, runner.model)
+            self.routes.append(runner)
+        self.dtype = next(r.dtype for r in self.routes if isinstance(r, ModelRunner))
+        self.default_route = spec.routes.index(spec.default_route) if spec.default_route is not None else -1
 
-        return tensors, finish
+    def _launch_routes(self, batch: Requests) -> PendingStep:
+        """Each request runs its own route (a row's `route`; -1: the model's default route): the
+        batch's rows grouped by route, each group launched on its route, the results put back in
+        the batch's order."""
+        route = np.where(batch.route < 0, self.default_route, batch.route)
+        if (route < 0).any():
+            raise ValueError(f"request {int(batch.indices[np.argmax(route < 0)])} names no route and the model "
+                             f"has no default route (routes: {self.spec.routes})")
+        if (route == route[0]).all():  # the usual case: one route for the whole batch
+            return self.routes[int(route[0])].launch(batch)
+        started = time.perf_counter()
+        begin = end = None
+        if self.device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+        groups = [np.flatnonzero(route == r) for r in np.unique(route).tolist()]
+        steps = [self.routes[int(route[rows[0]])].launch(batch.select(rows)) for rows in groups]
+        if end is not None:
+            end.record()
+
+        def finish(arrays: list[np.ndarray]) -> list:
+            out: list = [None] * len(batch)
+            at = 0
+            for rows, step in zip(groups, steps):
+                part = step.finish(arrays[at:at + len(step.host)])
+                at += len(step.host)
+                for i, row in enumerate(rows.tolist()):
+                    out[row] = part[i]
+            return out
+
+        return PendingStep(sum(step.padded for step in steps), [t for step in steps for t in step.host], finish,
+                           started, begin, end)
 
     def _logit_score_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The lm_head rows (and biases) of LogitScore's tokens: the true token's, then the false
@@ -328,6 +366,63 @@ def option_groups(batch: Requests, normalize: np.ndarray) -> list[tuple[tuple[st
     unique, inverse = np.unique(combo, axis=0, return_inverse=True)
     inverse = inverse.reshape(-1)
     return [(key(row), np.flatnonzero(inverse == g)) for g, row in enumerate(unique)]
+
+
+def sparse_outputs(weights: torch.Tensor, max_active_dims: int | None):
+    """[B, V] weights -> the tensors to copy back and the finish giving (token ids, weights) per row."""
+    k = max_active_dims
+    if k is not None and k < weights.shape[1]:  # ST's max_active_dims: the k largest (by |weight|)
+        top = torch.topk(weights.abs(), k, dim=1)
+        weights = torch.zeros_like(weights).scatter_(1, top.indices, weights.gather(1, top.indices))
+    # Only the non-zero weights come back (a [batch, vocab] copy would be most of the step):
+    # their flat positions, sorted, so rows come out in order.
+    flat = torch.nonzero(weights.flatten() != 0).flatten()
+    tensors = [flat, weights.flatten()[flat].float()]
+    vocab = weights.shape[1]
+    rows = weights.shape[0]
+
+    def finish(arrays: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+        positions, values = arrays
+        row_of = positions // vocab
+        bounds = np.searchsorted(row_of, np.arange(rows + 1))
+        return [((positions[a:b] % vocab).astype(np.int32), values[a:b].astype(np.float32))
+                for a, b in zip(bounds[:-1], bounds[1:])]
+
+    return tensors, finish
+
+
+class StaticEmbeddingRoute:
+    """ST's SparseStaticEmbedding as a route: each token id present in the request (once or more)
+    gets its saved weight, every other id 0 -- no transformer runs."""
+
+    def __init__(self, spec: ModelSpec, device: torch.device, to_host) -> None:
+        from pooling_pipeline.core.pooling import _load_weights
+
+        self.spec = spec
+        self.device = device
+        self.weight = _load_weights(spec.path)["weight"].float().to(device)
+        self.to_host = to_host
+
+    @torch.inference_mode()
+    def launch(self, batch: Requests) -> PendingStep:
+        started = time.perf_counter()
+        begin = end = None
+        if self.device.type == "cuda":  # (the copies back are waited for through these events)
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+        ids = torch.from_numpy(batch.token_ids.astype(np.int64)).to(self.device)
+        rows = torch.from_numpy(np.repeat(np.arange(len(batch)), batch.lengths)).to(self.device)
+        # The tokens before a row's pool_start do not count (an empty text's placeholder token).
+        counted = torch.from_numpy(np.arange(len(ids)) - np.repeat(batch.starts, batch.lengths)
+                                   >= np.repeat(batch.pool_start, batch.lengths)).to(self.device)
+        presence = torch.zeros(len(batch), self.weight.shape[0], device=self.device)
+        presence[rows[counted], ids[counted]] = 1.0
+        tensors, finish = sparse_outputs(presence * self.weight, self.spec.max_active_dims)
+        host = [self.to_host(t) for t in tensors]
+        if end is not None:
+            end.record()
+        return PendingStep(int(batch.lengths.sum()), host, finish, started, begin, end)
+
 
 
 def probe_batch(num_rows: int, num_tokens: int, token: int, task: str) -> Requests:

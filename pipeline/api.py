@@ -356,6 +356,8 @@ class Pipeline:
                              "use truncate_prompt_tokens")
         if isinstance(values["priority"], (list, tuple)):
             values["priority"] = None
+        if values.get("route") is None:  # a Router model: queries take its query route, documents its document route
+            values["route"] = _score_routes(self.model_spec, len(queries), len(docs))
         opts = self._options("embed" if kind == "bi_encoder" else "token_embed", **values)
         similarity_fn = self.model_spec.similarity
 
@@ -474,6 +476,14 @@ def _check_rank(query, top_k) -> None:
 def _ranked(scores: list[ScoringOutput], top_k: int | None) -> list[RankedDocument]:
     ranked = sorted((RankedDocument(s.index, s.score) for s in scores), key=lambda r: -r.score)
     return ranked[:top_k] if top_k is not None else ranked
+
+
+def _score_routes(spec, num_queries: int, num_docs: int) -> list[str] | None:
+    """A Router model's routes for score(), as ST users compute it:
+    similarity(encode_query(data_1), encode_document(data_2)). None for a model without routes."""
+    if not spec.routes:
+        return None
+    return ["query"] * num_queries + ["document"] * num_docs
 
 
 def _score_side(data, name: str) -> list:

@@ -103,6 +103,7 @@ class RequestSource:
         self.exhausted = False
         self.shared = self._shared_options()  # None: options per request
         self._last_params, self._last_max_tokens = None, 0
+        self._last_route: str | None = None
 
     def _shared_options(self) -> RenderOptions | None:
         """The one RenderOptions of a call whose requests all share them, or None."""
@@ -114,7 +115,7 @@ class RequestSource:
         if text_prefix is not None and opts.long_inputs == "chunk":
             return None  # refused request by request (below)
         try:
-            max_tokens = resolve_max_tokens(self.spec, opts, self.num_special_tokens, params, 0)
+            max_tokens = resolve_max_tokens(route_spec(self.spec, route), opts, self.num_special_tokens, params, 0)
         except ValueError:
             return None  # every request is refused, each naming itself (below)
         return self._options(params, priority, text_prefix, max_tokens, route)
@@ -239,9 +240,10 @@ class RequestSource:
             if "pair" in fields:
                 return PAIR, (fields["prompt"], fields["pair"])
             return (TEXT, fields["prompt"]) if "prompt" in fields else (IDS, fields["token_ids"])
-        if params is not self._last_params:  # (usually the same params as the request before)
-            self._last_max_tokens = resolve_max_tokens(self.spec, opts, self.num_special_tokens, params, index)
-            self._last_params = params
+        if params is not self._last_params or route != self._last_route:  # (usually as the request before)
+            self._last_max_tokens = resolve_max_tokens(route_spec(self.spec, route), opts, self.num_special_tokens,
+                                                       params, index)
+            self._last_params, self._last_route = params, route
         options = self.shared or self._options(params, priority, text_prefix if "prompt" in fields else None,
                                                self._last_max_tokens, route)
         return ITEM, RenderParams(options, **fields)
@@ -489,25 +491,58 @@ def check_priority(value: object, where: str) -> None:
 
 
 def check_route(name: object, where: str, spec: ModelSpec) -> None:
-    """A route the model declares (ST's Router keys), or None for its default."""
+    """A task the model's Router resolves to one of its routes (ST's encode(task=...)), or None
+    for its default route (a Router without one refuses it, as ST does)."""
     if where.startswith("route["):
         where = f"request {where[len('route['):-1]}: {where}"
-    if name is None:
-        return
-    if not isinstance(name, str):
+    if name is not None and not isinstance(name, str):
         raise TypeError(f"{where} must be a str or None, got {type(name).__name__}")
-    if not spec.routes:
+    if name is not None and not spec.routes:
         raise ValueError(f"{where}={name!r}: this model has no routes (it encodes every text the same way)")
-    if name not in spec.routes:
-        raise ValueError(f"{where}={name!r} is not among the model's routes {spec.routes}")
+    try:
+        resolve_route(spec, name)
+    except ValueError as e:
+        raise ValueError(f"{where}={name!r}: {e}") from None
+
+
+def resolve_route(spec: ModelSpec, task: str | None) -> str | None:
+    """The route ST's Router takes for a text with this task (None: the model has no routes).
+    ST's order: route_mappings' (task, "text") / (task, None), then (None, "text") / (None, None),
+    a route named as the task, a route named "text", then -- with no task -- the default route."""
+    if not spec.routes:
+        return None
+    if task is not None and task in spec.route_by_task:
+        return spec.route_by_task[task]
+    if spec.route_any_task is not None:
+        return spec.route_any_task
+    if task is not None and task in spec.routes:
+        return task
+    if "text" in spec.routes:
+        return "text"
+    if task is not None:
+        raise ValueError(f"no route for task {task!r}; the model's routes: {_routes_text(spec)}")
+    if spec.default_route is None:
+        raise ValueError(f"no route was named and the model's Router has no default route; name one of "
+                         f"{_routes_text(spec)} (ST: encode_query / encode_document / encode(task=...))")
+    return spec.default_route
+
+
+def _routes_text(spec: ModelSpec) -> str:
+    return ", ".join(repr(name) for name in [*spec.routes, *sorted(set(spec.route_by_task) - set(spec.routes))])
 
 
 def route_index(spec: ModelSpec, name: str | None) -> int:
     """A checked route's index in the model's routes: the `route` the worker and engine see;
-    no name is the model's default route, -1 when it has none."""
-    if name is None:
-        name = spec.default_route
-    return -1 if name is None else spec.routes.index(name)
+    -1 when the model has none."""
+    route = resolve_route(spec, name)
+    return -1 if route is None else spec.routes.index(route)
+
+
+def route_spec(spec: ModelSpec, name: str | None) -> ModelSpec:
+    """The spec of the route a checked task takes (its truncation, its max length); the model's
+    own spec when it has no routes."""
+    route = resolve_route(spec, name) if spec.route_specs else None
+    return spec if route is None else spec.route_specs[spec.routes.index(route)]
 
 
 def resolve_max_tokens(spec: ModelSpec, opts: CallOptions, num_special_tokens: int, p: PoolingParams,

@@ -867,6 +867,71 @@ def build_splade(target: str | Path, pooling_strategy: str = "max", *, activatio
 
 
 # --------------------------------------------------------------------------------------------------
+# Router (asymmetric query / document models)
+# --------------------------------------------------------------------------------------------------
+
+def build_inference_free_splade(target: str | Path, *, name: str = "splade-inference-free",
+                                max_active_dims: int | None = None) -> str:
+    """opensearch-neural-sparse-encoding-doc-v3-distill's shape, saved by ST 6:
+    Router.for_query_document (default route "document") with a query route of one
+    SparseStaticEmbedding (a random non-negative weight per vocabulary id, a fifth of them 0, with the
+    document MLM's tokenizer) and a document route of MLMTransformer + SpladePooling(max, log1p_relu)."""
+    import torch
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.base.modules import Router
+    from sentence_transformers.sparse_encoder.modules import MLMTransformer, SparseStaticEmbedding, SpladePooling
+
+    target = Path(target)
+    path = _fresh(target, name)
+    hf_dir = hf_bert(target, name=f"_hf-{name}", head="mlm")
+    document = MLMTransformer(hf_dir)
+    _seed()
+    weight = torch.rand(len(document.tokenizer.get_vocab())) * 3
+    weight[torch.rand(weight.shape) < 0.2] = 0.0
+    query = SparseStaticEmbedding(document.tokenizer, weight=weight, frozen=True)
+    router = Router.for_query_document(query_modules=[query],
+                                       document_modules=[document, SpladePooling("max", activation_function="log1p_relu")])
+    SparseEncoder(modules=[router], device="cpu", similarity_fn_name="dot", max_active_dims=max_active_dims).save(str(path))
+    shutil.rmtree(hf_dir)
+    return str(path)
+
+
+def build_router_dense(target: str | Path, *, name: str = "router-dense", two_transformers: bool = False,
+                       sub_modules_names: tuple[str, str] = ("query", "document"), default_route: str | None = "document",
+                       allow_empty_key: bool = True, route_mappings: dict | None = None) -> str:
+    """An asymmetric dense SentenceTransformer saved by ST 6: Router({query route, document route})
+    then Normalize. Both routes share one BERT Transformer and its mean Pooling (ST saves the shared
+    module once) and end in their own Dense (32 -> 16, Tanh); `two_transformers` gives the query
+    route a BERT of its own (other weights, same tokenizer). `sub_modules_names`, `default_route`,
+    `allow_empty_key` and `route_mappings` are the Router's."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Dense, Normalize, Router, Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+
+    target = Path(target)
+    path = _fresh(target, name)
+    hf_dir = hf_bert(target, name=f"_hf-{name}")
+    document_transformer = Transformer(hf_dir)
+    query_transformer = document_transformer
+    if two_transformers:
+        query_transformer = Transformer(hf_dir)
+        torch.manual_seed(SEED + 1)
+        with torch.no_grad():
+            for param in query_transformer.auto_model.parameters():
+                param.add_(0.1 * torch.randn_like(param))
+    _seed()
+    pooling = Pooling(HIDDEN, pooling_mode="mean")
+    query_name, document_name = sub_modules_names
+    router = Router({query_name: [query_transformer, pooling, Dense(HIDDEN, 16, activation_function=torch.nn.Tanh())],
+                     document_name: [document_transformer, pooling, Dense(HIDDEN, 16, activation_function=torch.nn.Tanh())]},
+                    default_route=default_route, allow_empty_key=allow_empty_key, route_mappings=route_mappings)
+    SentenceTransformer(modules=[router, Normalize()], device="cpu").save(str(path))
+    shutil.rmtree(hf_dir)
+    return str(path)
+
+
+# --------------------------------------------------------------------------------------------------
 # Hub ids
 # --------------------------------------------------------------------------------------------------
 

@@ -47,10 +47,10 @@ def main(argv: list[str]) -> int:
     to_front = socket(ctx, zmq.PUSH, cfg.output_endpoint, bind=False)
     encoder = Encoder(key)
     try:
-        from pooling_pipeline.workers.render import Renderer, load_hf_tokenizer, load_plugin
+        from pooling_pipeline.workers.render import build_renderer, load_plugin
 
         plugin = load_plugin(cfg.io_processor) if cfg.io_processor else None
-        renderer = Renderer(cfg.model, load_hf_tokenizer(cfg.model), plugin)
+        renderer = build_renderer(cfg.model, plugin)
     except Exception as e:
         log.exception("cannot load the tokenizer")
         to_front.send_multipart(encoder.encode(m.Ready("worker", cfg.index, os.getpid(), error=f"{type(e).__name__}: {e}")))

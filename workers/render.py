@@ -61,6 +61,8 @@ class Renderer:
         backend = Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())
         if spec.do_lower_case:
             lowercase_first(backend)
+        if not spec.add_special_tokens:  # ST's SparseStaticEmbedding tokenizes without special tokens
+            backend.post_processor = None
         self.tokenizer = TruncatingTokenizer(backend)
         self.plugin = plugin
         # ST leaves the prompt's tokens out of pooling when its Pooling has include_prompt=false.
@@ -339,6 +341,58 @@ class Renderer:
         if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
             raise TypeError("rendered input must be a flat list of integer token ids")
         return arr.astype(np.int64)
+
+
+def build_renderer(spec: ModelSpec, plugin=None):
+    """The worker's renderer: one Renderer, or for a Router model one per route (each with its
+    route's own tokenizer and special-token rule)."""
+    if not spec.route_specs:
+        return Renderer(spec, load_hf_tokenizer(spec), plugin)
+    return RoutedRenderer(spec, [Renderer(route, load_hf_tokenizer(route), plugin) for route in spec.route_specs])
+
+
+class RoutedRenderer:
+    """Renders each request with its route's Renderer (its `route` option; -1: the default
+    route). Its `tokenizer` and `hf` are the default route's (what the worker reports)."""
+
+    def __init__(self, spec: ModelSpec, renderers: list[Renderer]) -> None:
+        self.spec = spec
+        self.renderers = renderers
+        self.default = spec.routes.index(spec.default_route) if spec.default_route is not None else 0
+        self.tokenizer = renderers[self.default].tokenizer
+        self.hf = renderers[self.default].hf
+
+    def _renderer(self, route: int) -> Renderer:
+        return self.renderers[self.default if route < 0 else route]
+
+    def render(self, batch: RenderBatch) -> tuple[EngineInputPacker, list[tuple[int, str]]]:
+        if batch.items is None:  # one route for the whole batch
+            renderer = self._renderer(batch.options.route)
+            rows, failed = renderer.render(batch)
+            if not renderer.spec.add_special_tokens:
+                mark_empty_rows(rows, range(len(rows)))
+            return rows, failed
+        rows = EngineInputPacker()
+        failed: list[tuple[int, str]] = []
+        for index, item in zip(batch.indices.tolist(), batch.items):
+            renderer, first = self._renderer(item.options.route), len(rows)
+            renderer._render_item(rows, index, item, batch.chat_template, failed)
+            if not renderer.spec.add_special_tokens:
+                mark_empty_rows(rows, range(first, len(rows)))
+        return rows, failed
+
+
+def mark_empty_rows(rows: EngineInputPacker, where: range) -> None:
+    """A text with no tokens on a route that adds no special tokens (ST's SparseStaticEmbedding
+    gives it an all-zero vector): it travels as one placeholder token with pool_start 1, so the
+    engine counts none of its tokens (an engine input is never empty)."""
+    empty = [i for i in where if len(rows.ids[i]) == 0]
+    if not empty:
+        return
+    column = rows.columns.setdefault("pool_start", [0] * len(rows))
+    for i in empty:
+        rows.ids[i] = [0]
+        column[i] = 1
 
 
 def lowercase_first(tokenizer: Tokenizer) -> None:

@@ -80,7 +80,7 @@ class SentenceEncoder:
                output_value: str | None = "sentence_embedding", precision: str = "float32",
                convert_to_numpy: bool = True, convert_to_tensor: bool = False, device: str | None = None,
                normalize_embeddings: bool = False, truncate_dim: int | None = None, **kwargs: Any):
-        unknown = set(kwargs) - set(IGNORED_KEYWORDS)
+        unknown = set(kwargs) - set(IGNORED_KEYWORDS) - {"task"}  # task: ST's Router route (see _route)
         if unknown:
             raise TypeError(f"encode() got unexpected keyword arguments {sorted(unknown)}")
         if prompt is None and prompt_name is None and kwargs.get("prompt_type") is not None:
@@ -100,7 +100,8 @@ class SentenceEncoder:
         if output_value == "token_embeddings":
             return self._token_embeddings(texts, prompt_name, prompt, show_progress_bar, single, convert_to_tensor,
                                           convert_to_numpy)
-        outs = self.pipeline.embed(texts, use_tqdm=bool(show_progress_bar), prompt_name=prompt_name, prompt=prompt)
+        outs = self.pipeline.embed(texts, use_tqdm=bool(show_progress_bar), prompt_name=prompt_name, prompt=prompt,
+                                   route=self._route(kwargs.get("task")))
         width = self.pipeline.model_spec.embedding_size
         vectors = np.stack([o.embedding for o in outs]) if outs else np.zeros((0, width), np.float32)
         # As ST: the model's own truncate_dim is already applied; then the caller's cut, then the norm.
@@ -118,6 +119,7 @@ class SentenceEncoder:
         placeholder makes it the empty prompt on a model without one, not the default prompt."""
         if prompt_name is None and prompt is None:
             prompt_name = self._prompt_name_for_type("query")
+        kwargs.setdefault("task", "query")
         return self.encode(sentences, prompt_name=prompt_name, prompt=prompt, **kwargs)
 
     def encode_document(self, sentences: str | Sequence[str], prompt_name: str | None = None,
@@ -126,6 +128,7 @@ class SentenceEncoder:
         given (ST's encode_document): the "document" placeholder comes first, empty unless saved."""
         if prompt_name is None and prompt is None:
             prompt_name = self._prompt_name_for_type("document")
+        kwargs.setdefault("task", "document")
         return self.encode(sentences, prompt_name=prompt_name, prompt=prompt, **kwargs)
 
     def similarity(self, embeddings1, embeddings2):
@@ -147,6 +150,10 @@ class SentenceEncoder:
                                          dtype=np.float32))
 
     # ---- internals ------------------------------------------------------------------------
+
+    def _route(self, task: str | None) -> str | None:
+        """ST's encode(task=...): a Router model's route; a model without routes ignores it, as ST does."""
+        return task if self.pipeline.model_spec.routes else None
 
     def _token_embeddings(self, texts, prompt_name, prompt, show_progress_bar, single, convert_to_tensor,
                           convert_to_numpy):
