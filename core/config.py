@@ -51,6 +51,36 @@ class SparseSpec(msgspec.Struct, kw_only=True):
     activation: Literal["relu", "log1p_relu"] = "relu"
 
 
+class QueryExpansion(msgspec.Struct, kw_only=True):
+    """ST's query_expansion (ColBERT): queries padded up to `length` tokens with `token` (the
+    tokenizer's mask token when None); "fixed" also truncates them to it, "min" keeps longer ones.
+    attend=False: the encoder does not attend to those tokens, yet their vectors are returned."""
+
+    strategy: Literal["fixed", "min"] = "fixed"
+    attend: bool = False
+    token: str | None = None
+    length: int = 32
+
+
+class MultiVectorSpec(msgspec.Struct, kw_only=True):
+    """A late-interaction (ColBERT) model, as ST's MultiVectorEncoder runs it: one vector per kept
+    token, through token-level Dense / Normalize modules; routes "query" and "document" (and none,
+    ST's encode() without a task) choose the prompt, the length and which tokens are kept."""
+
+    token_modules: list[HeadModule] = []  # Dense (and a Normalize that is not last) on every token
+    query_length: int | None = None  # the query route's truncation (without expansion, or "min")
+    document_length: int | None = None  # the document route's truncation
+    query_expansion: QueryExpansion | None = None
+    # MultiVectorMask: without one, every attended token is returned (no skiplist, no expansion).
+    mask_module: bool = True
+    skiplist_words: list[str] = []  # tokens dropped from the output (their ids, as the tokenizer has them)
+    # The routes the skiplist applies to ("document" covers requests without a route too, as in ST).
+    skiplist_tasks: list[str] = msgspec.field(default_factory=lambda: ["document"])
+    keep_only_token_ids: list[int] | None = None  # non-query routes keep only these ids
+    legacy_prefixes: list[str] = []  # PyLate/Stanford markers ST registers as special tokens
+    length_normalize: bool = False  # similarity "meanmaxsim": MaxSim divided by the query's vectors
+
+
 class ModelSpec(msgspec.Struct, kw_only=True):
     path: str  # the transformer's directory (config, weights, tokenizer)
     model_type: str
@@ -85,6 +115,7 @@ class ModelSpec(msgspec.Struct, kw_only=True):
     # route travels as its index here (the `route` request column), -1 when the call names none.
     routes: list[str] = []
     default_route: str | None = None  # the route of a request that names none (None: the model has one path)
+    multi_vector: MultiVectorSpec | None = None  # ST's MultiVectorEncoder (ColBERT, PyLate layouts)
 
     @property
     def score_kind(self) -> str | None:
