@@ -480,6 +480,9 @@ def _score_side(data, name: str) -> list:
     return list(data)
 
 
+EMPTY_DOCUMENT_SCORE = -1e9  # ST's maxsim for a document with no vector
+
+
 def _route_queries_and_documents(values: dict, num_queries: int, num_docs: int) -> dict:
     """A multi-vector model scores its queries on the query route and its documents on the
     document route (ST's encode_query / encode_document, then similarity)."""
@@ -491,7 +494,8 @@ def _route_queries_and_documents(values: dict, num_queries: int, num_docs: int) 
 def _max_sim(query: np.ndarray, doc: np.ndarray, length_normalize: bool = False) -> float:
     """Late interaction (ST's maxsim): for each query token the best-matching document token,
     summed; divided by the query's token count for meanmaxsim (`length_normalize`)."""
-    if not len(query) or not len(doc):
-        return 0.0  # ST: a side without vectors scores 0
-    total = float((query @ doc.T).max(axis=1).sum())
-    return total / len(query) if length_normalize else total
+    if not len(doc):
+        total = EMPTY_DOCUMENT_SCORE  # ST: a document without vectors (all skiplisted) ranks last
+    else:
+        total = float((query @ doc.T).max(axis=1).sum()) if len(query) else 0.0
+    return total / max(len(query), 1) if length_normalize else total

@@ -601,12 +601,13 @@ def _colbert_backbone(target: Path, family: str, name: str) -> str:
 def build_colbert(target: str | Path, family: str = "bert", *, name: str | None = None,
                   query_expansion: dict | None = None, query_length: int | None = None,
                   document_length: int | None = 48, skiplist_words: list[str] | None = None,
-                  skiplist_tasks: list[str] | None = None, mask: bool = True, normalize: bool = True,
+                  skiplist_tasks: list[str] | None = None, keep_only_token_ids: list[int] | None = None,
+                  mask: bool = True, normalize: bool = True,
                   prompts: dict[str, str] | None = None, similarity_fn_name: str | None = None) -> str:
     """A MultiVectorEncoder saved by ST 6 itself: Transformer (query_expansion, default fixed at 16
-    tokens, attend False; query_length; document_length), a token-level Dense (hidden -> 16, no
-    bias, Identity), a MultiVectorMask (the punctuation skiplist by default) and a token-level
-    Normalize; prompts [Q] / [D] (added tokens of the tokenizer)."""
+    tokens, attend False, `{}` for none; query_length; document_length), a token-level Dense
+    (hidden -> 16, no bias, Identity), a MultiVectorMask (the punctuation skiplist by default;
+    `mask=False`: none) and a token-level Normalize; prompts [Q] / [D] (added tokens of the tokenizer)."""
     import string
 
     import torch
@@ -624,7 +625,8 @@ def build_colbert(target: str | Path, family: str = "bert", *, name: str | None 
                             module_input_name="token_embeddings")]
     if mask:
         words = list(string.punctuation) if skiplist_words is None else skiplist_words
-        modules.append(MultiVectorMask(skiplist_words=words, skiplist_tasks=skiplist_tasks))
+        modules.append(MultiVectorMask(skiplist_words=words, skiplist_tasks=skiplist_tasks,
+                                       keep_only_token_ids=keep_only_token_ids))
     if normalize:
         modules.append(Normalize(module_input_name="token_embeddings"))
     prompts = dict(zip(("query", "document"), COLBERT_PREFIXES)) if prompts is None else prompts

@@ -140,9 +140,11 @@ VARIANTS = {
     "no-mask": dict(mask=False),
     "no-normalize": dict(normalize=False),
     "meanmaxsim": dict(similarity_fn_name="meanmaxsim"),
+    # Documents keep only "the", "a" and "." (BERT ids): one without them has no vector (scores -1e9).
+    "keep-only": dict(keep_only_token_ids=[1996, 1037, 1012]),
 }
 BASELINE = {"attend": "query", "min": "query", "no-expansion": "query", "skiplist-queries": "query",
-            "no-mask": "document", "no-normalize": "document", "meanmaxsim": None}
+            "no-mask": "document", "no-normalize": "document", "meanmaxsim": None, "keep-only": "document"}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -155,15 +157,18 @@ def test_layout_variants_equal_sentence_transformers(variant, tmp_path, queries,
     if changed is not None:  # the variant really changes that route's reference
         texts = queries if changed == "query" else documents
         assert_differs_each(refs[changed], st_vectors(base, texts, changed), f"variant {variant}")
-    pairs = st.similarity(st.encode_query(queries[:3]), st.encode_document(documents[:5]))
+    scored = documents[:5] + PUNCTUATION_HEAVY[2:]
+    pairs = st.similarity(st.encode_query(queries[:3]), st.encode_document(scored))
     if variant == "meanmaxsim":
         assert_differs_each([pairs.numpy()], [base.similarity(base.encode_query(queries[:3]),
-                                                              base.encode_document(documents[:5])).numpy()], variant)
+                                                              base.encode_document(scored)).numpy()], variant)
+    if variant == "keep-only":
+        assert len(refs["document"][-4]) == 0 and float(pairs[0, -1]) == -1e9, "a document without vectors"
     with Pipeline(model=path, num_render_workers=1) as pipe:
         for route, texts in (("query", queries), ("document", documents)):
             assert_close_each(token_vectors(pipe, texts, route), refs[route], f"{variant}, route {route}")
         for q in range(3):
-            got = [s.score for s in pipe.score(queries[q], documents[:5], use_tqdm=False)]
+            got = [s.score for s in pipe.score(queries[q], scored, use_tqdm=False)]
             assert_scores_close(got, pairs[q], f"{variant}: MaxSim of query {q}")
 
 
