@@ -228,7 +228,7 @@ class ModelRunner:
             vectors = self.token_head(vectors)
         keep = kept_tokens(self.spec, self.skip_ids, ids, real, batch)
         normalize = np.where(batch.normalize < 0, int(self.spec.normalize), batch.normalize)
-        dimensions = batch.dimensions
+        dimensions = batch.dimensions.copy()  # (the batch's table may be reused before finish runs)
 
         def finish(arrays: list[np.ndarray]) -> list[np.ndarray]:
             values = arrays[0]
