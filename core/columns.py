@@ -203,9 +203,11 @@ def invalid_rows(requests: Requests, model, runs_task: np.ndarray, sent: Abstrac
     if (int(lengths.min()) >= 1 and int(lengths.max()) <= model.max_model_len
             and not (ids.size and int(ids.view(np.uint32).max()) >= model.vocab_size)
             and runs_task.take(task + 2).all() and int(dims.min()) >= -1 and not (dims == 0).any()
-            and sent is not None and not sent & {"token_type_start", "pool_start", "chunk", "num_chunks", "route"}):
+            and sent is not None and not sent & {"token_type_start", "pool_start", "chunk", "num_chunks", "route",
+                                                 "expansion_start"}):
         return []
     chunk, num_chunks, route = requests.chunk, requests.num_chunks, requests.route
+    expansion_start = requests.expansion_start
     # Rules in the order a row's reason is chosen: (broken, why) with `why(row)` the message.
     rules = [
         (~runs_task.take(task + 2),
@@ -217,6 +219,8 @@ def invalid_rows(requests: Requests, model, runs_task: np.ndarray, sent: Abstrac
          lambda row: f"chunk {chunk[row]} of {num_chunks[row]} is not a chunk of its document"),
         ((route < -1) | (route >= len(model.routes)),
          lambda row: f"route {route[row]} is not one of the model's {len(model.routes)} routes"),
+        ((expansion_start != -1) & ((expansion_start < 1) | (expansion_start > lengths)),
+         lambda row: f"expansion_start {expansion_start[row]} is not a token of the row's {lengths[row]}"),
         ((lengths < 1) | (lengths > model.max_model_len),
          lambda row: f"engine input has {lengths[row]} tokens; the model takes 1 to {model.max_model_len}"),
     ]

@@ -68,6 +68,34 @@ class ChatPairSpec(msgspec.Struct, kw_only=True):
     message_format: Literal["flat", "structured"]  # content as a string, or [{"type": "text", "text": ...}]
     template_kwargs: dict[str, bool | int | float | str | None] = {}  # processing_kwargs["chat_template"]
     restore_suffix: bool = True
+class QueryExpansion(msgspec.Struct, kw_only=True):
+    """ST's query_expansion (ColBERT): queries padded up to `length` tokens with `token` (the
+    tokenizer's mask token when None); "fixed" also truncates them to it, "min" keeps longer ones.
+    attend=False: the encoder does not attend to those tokens, yet their vectors are returned."""
+
+    strategy: Literal["fixed", "min"] = "fixed"
+    attend: bool = False
+    token: str | None = None
+    length: int = 32
+
+
+class MultiVectorSpec(msgspec.Struct, kw_only=True):
+    """A late-interaction (ColBERT) model, as ST's MultiVectorEncoder runs it: one vector per kept
+    token, through token-level Dense / Normalize modules; routes "query" and "document" (and none,
+    ST's encode() without a task) choose the prompt, the length and which tokens are kept."""
+
+    token_modules: list[HeadModule] = []  # Dense (and a Normalize that is not last) on every token
+    query_length: int | None = None  # the query route's truncation (without expansion, or "min")
+    document_length: int | None = None  # the document route's truncation
+    query_expansion: QueryExpansion | None = None
+    # MultiVectorMask: without one, every attended token is returned (no skiplist, no expansion).
+    mask_module: bool = True
+    skiplist_words: list[str] = []  # tokens dropped from the output (their ids, as the tokenizer has them)
+    # The routes the skiplist applies to ("document" covers requests without a route too, as in ST).
+    skiplist_tasks: list[str] = msgspec.field(default_factory=lambda: ["document"])
+    keep_only_token_ids: list[int] | None = None  # non-query routes keep only these ids
+    legacy_prefixes: list[str] = []  # PyLate/Stanford markers ST registers as special tokens
+    length_normalize: bool = False  # similarity "meanmaxsim": MaxSim divided by the query's vectors
 
 
 class ModelSpec(msgspec.Struct, kw_only=True):
@@ -118,6 +146,7 @@ class ModelSpec(msgspec.Struct, kw_only=True):
     # id of the text, tokenized without special tokens; `path` holds its tokenizer and weights).
     input_module: Literal["transformer", "sparse_static_embedding"] = "transformer"
     add_special_tokens: bool = True
+    multi_vector: MultiVectorSpec | None = None  # ST's MultiVectorEncoder (ColBERT, PyLate layouts)
 
     @property
     def score_kind(self) -> str | None:

@@ -83,6 +83,9 @@ class ModelRunner:
         ).to(self.device).eval()
         # Dense / LayerNorm modules after pooling run in float32, as the pooled vector is.
         self.sentence_head = SentenceHead(spec.head_modules).to(self.device).eval() if spec.head_modules else None
+        self.token_head = self.skip_ids = None
+        if spec.multi_vector is not None:
+            self.token_head, self.skip_ids = multi_vector_parts(spec, self.device)
         self.pad_token_id = int(getattr(config, "pad_token_id", 0) or 0)
         # As ST: token type ids go to the model exactly when its tokenizer makes them and its
         # forward takes them (GPT-Neo's forward takes them and adds their embedding to every
@@ -147,6 +150,8 @@ class ModelRunner:
         input_ids = self._to_device(ids)
         lengths = self._to_device(lengths_np)
         mask = (torch.arange(max_len, device=self.device)[None, :] < lengths[:, None]).long()
+        if self.spec.multi_vector is not None:
+            mask = self._attended(mask, batch)
         kwargs = {"input_ids": input_ids, "attention_mask": mask}
         if types is not None:
             kwargs["token_type_ids"] = self._to_device(types)
@@ -155,6 +160,8 @@ class ModelRunner:
             tensors, finish = self._from_logits(self._logit_scores(kwargs, lengths), lengths_np, batch)
         elif self.spec.sparse is not None:
             tensors, finish = self._sparse(output.logits, mask)
+        elif self.spec.multi_vector is not None:
+            tensors, finish = self._token_vectors(output.last_hidden_state, ids, real, batch)
         elif self.spec.head == "none":
             tensors, finish = self._from_hidden(output.last_hidden_state, mask, lengths, lengths_np, batch)
         else:
@@ -226,6 +233,35 @@ class ModelRunner:
             return out
 
         return tensors, finish
+
+    # ---- multi-vector (ColBERT) models, as ST's MultiVectorEncoder ------------------------------
+
+    def _attended(self, mask: torch.Tensor, batch: Requests) -> torch.Tensor:
+        """The encoder's attention mask: a query's expansion tokens are left out (attend=False)."""
+        starts = batch.expansion_start
+        if not (starts >= 0).any():
+            return mask
+        ends = np.where(starts >= 0, starts, batch.lengths)
+        ends_t = self._to_device(np.ascontiguousarray(ends))
+        return (torch.arange(mask.shape[1], device=self.device)[None, :] < ends_t[:, None]).long()
+
+    def _token_vectors(self, hidden: torch.Tensor, ids: np.ndarray, real: np.ndarray, batch: Requests):
+        """Every token through the token-level Dense (Normalize) modules; each request gets the
+        vectors of the tokens ST's MultiVectorMask keeps (see `kept_tokens`), normalized as asked."""
+        vectors = hidden.float()
+        if self.token_head is not None:
+            vectors = self.token_head(vectors)
+        keep = kept_tokens(self.spec, self.skip_ids, ids, real, batch)
+        normalize = np.where(batch.normalize < 0, int(self.spec.normalize), batch.normalize)
+        dimensions = batch.dimensions.copy()  # (the batch's table may be reused before finish runs)
+
+        def finish(arrays: list[np.ndarray]) -> list[np.ndarray]:
+            values = arrays[0]
+            return [finish_embeddings(values[row][keep[row]], None if dimensions[row] < 0 else int(dimensions[row]),
+                                      bool(normalize[row]))
+                    for row in range(len(batch))]
+
+        return [vectors], finish
 
     def _pooling_mask(self, mask: torch.Tensor, batch: Requests, rows: np.ndarray | None = None) -> torch.Tensor:
         """The tokens each request pools: its real tokens, less its prompt's when the model's
@@ -350,6 +386,48 @@ class ModelRunner:
             return [out[row, : int(lengths[row])] for row in range(len(batch))]
 
         return tensors, finish
+
+
+def multi_vector_parts(spec: ModelSpec, device: torch.device) -> tuple[SentenceHead | None, np.ndarray | None]:
+    """A multi-vector model's token-level modules, and its skiplist as token ids (ST's
+    MultiVectorMask.resolve_with_tokenizer: a word that is not one token of the vocabulary -- it
+    maps to the unknown token -- is dropped, unless it is the unknown token itself)."""
+    from transformers import AutoTokenizer
+
+    mv = spec.multi_vector
+    head = SentenceHead(mv.token_modules).to(device).eval() if mv.token_modules else None
+    if not mv.mask_module or not mv.skiplist_words:
+        return head, None
+    tokenizer = AutoTokenizer.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
+    unk_id, unk = getattr(tokenizer, "unk_token_id", None), getattr(tokenizer, "unk_token", None)
+    ids = [tokenizer.convert_tokens_to_ids(w) for w in mv.skiplist_words]
+    ids = [i for w, i in zip(mv.skiplist_words, ids) if unk_id is None or i != unk_id or w == unk]
+    return head, (np.asarray(ids, dtype=np.int64) if ids else None)
+
+
+def kept_tokens(spec: ModelSpec, skip_ids: np.ndarray | None, ids: np.ndarray, real: np.ndarray,
+                batch: Requests) -> np.ndarray:
+    """[n, longest] bool: the tokens whose vectors a request returns, as ST's MultiVectorMask keeps
+    them -- its tokens (a query's expansion tokens included); less the skiplist's on the routes it
+    applies to (no route counts as "document"); on non-query routes, only keep_only_token_ids.
+    Without a MultiVectorMask, only the tokens the encoder attended to."""
+    mv = spec.multi_vector
+    keep = real.copy()
+    starts = batch.expansion_start
+    if not mv.mask_module:
+        if (starts >= 0).any():
+            ends = np.where(starts >= 0, starts, batch.lengths)
+            keep &= np.arange(keep.shape[1])[None, :] < ends[:, None]
+        return keep
+    names = np.asarray([*spec.routes, "document"], dtype=object)  # route -1: no task, counts as a document
+    route_of = names[batch.route]
+    if skip_ids is not None:
+        skipped = np.isin(route_of, mv.skiplist_tasks)
+        if skipped.any():
+            keep &= ~(np.isin(ids, skip_ids) & skipped[:, None])
+    if mv.keep_only_token_ids:
+        keep &= np.isin(ids, mv.keep_only_token_ids) | (route_of == "query")[:, None]
+    return keep
 
 
 def option_groups(batch: Requests, normalize: np.ndarray) -> list[tuple[tuple[str, int | None, bool], np.ndarray]]:

@@ -31,6 +31,8 @@ REQUEST_COLUMNS: tuple[Column, ...] = (
     Column("chunk", -1, "chunk mode: the chunk's number in its document; -1: a whole request"),
     Column("num_chunks", 0, "chunk mode: how many chunks its document has"),
     Column("route", -1, "the model's route the row takes (its index in ModelSpec.routes); -1: none named"),
+    Column("expansion_start", -1, "query expansion (ColBERT): the first of the row's appended expansion tokens, "
+           "which the encoder does not attend to (ST's attend=False); -1: none"),
 )
 DEFAULTS: dict[str, int] = {c.name: c.default for c in REQUEST_COLUMNS}
 

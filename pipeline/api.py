@@ -356,10 +356,13 @@ class Pipeline:
                              "use truncate_prompt_tokens")
         if isinstance(values["priority"], (list, tuple)):
             values["priority"] = None
-        if values.get("route") is None:  # a Router model: queries take its query route, documents its document route
+        if self.model_spec.multi_vector is not None:
+            values = _route_queries_and_documents(values, len(queries), len(docs))
+        elif values.get("route") is None:  # a Router model: queries take its query route, documents its document route
             values["route"] = _score_routes(self.model_spec, len(queries), len(docs))
         opts = self._options("embed" if kind == "bi_encoder" else "token_embed", **values)
         similarity_fn = self.model_spec.similarity
+        length_normalize = self.model_spec.multi_vector is not None and self.model_spec.multi_vector.length_normalize
 
         def pairwise(outs: list) -> list[ScoringOutput]:
             q_outs, d_outs = outs[: len(queries)], outs[len(queries):]
@@ -371,7 +374,7 @@ class Pipeline:
                     value = float("nan")
                 else:
                     value = similarity(similarity_fn, q.data, d.data) if kind == "bi_encoder" \
-                        else _max_sim(q.data, d.data)
+                        else _max_sim(q.data, d.data, length_normalize)
                 results.append(ScoringOutput(f"{q.request_id}|{d.request_id}", i, value,
                                              q.num_prompt_tokens + d.num_prompt_tokens, error))
             return results
@@ -496,6 +499,22 @@ def _score_side(data, name: str) -> list:
     return list(data)
 
 
-def _max_sim(query: np.ndarray, doc: np.ndarray) -> float:
-    """Late interaction: for each query token the best-matching document token, summed."""
-    return float((query @ doc.T).max(axis=1).sum())
+EMPTY_DOCUMENT_SCORE = -1e9  # ST's maxsim for a document with no vector
+
+
+def _route_queries_and_documents(values: dict, num_queries: int, num_docs: int) -> dict:
+    """A multi-vector model scores its queries on the query route and its documents on the
+    document route (ST's encode_query / encode_document, then similarity)."""
+    if values.get("route") is not None:
+        raise ValueError("score() of a multi-vector model routes queries and documents itself; give no route")
+    return {**values, "route": ["query"] * num_queries + ["document"] * num_docs}
+
+
+def _max_sim(query: np.ndarray, doc: np.ndarray, length_normalize: bool = False) -> float:
+    """Late interaction (ST's maxsim): for each query token the best-matching document token,
+    summed; divided by the query's token count for meanmaxsim (`length_normalize`)."""
+    if not len(doc):
+        total = EMPTY_DOCUMENT_SCORE  # ST: a document without vectors (all skiplisted) ranks last
+    else:
+        total = float((query @ doc.T).max(axis=1).sum()) if len(query) else 0.0
+    return total / max(len(query), 1) if length_normalize else total

@@ -382,18 +382,29 @@ def _prompt_prefixes(opts: CallOptions, spec: ModelSpec, count: int | None) -> t
     prompts_it, prompts_count = per_request(opts.prompt, "prompt", check_prompt, count)
     names_it, names_count = per_request(opts.prompt_name, "prompt_name", check_name, count)
     default = prompts.get(spec.default_prompt_name) if spec.default_prompt_name else None
+    # A multi-vector model's route picks the prompt of a request that names none (the render
+    # worker does, as ST's encode_query / encode_document): None there means "none named", '' none.
+    route_decides = spec.multi_vector is not None
+    if route_decides:
+        default = None
     if prompts_count is None and names_count is None:  # one for the whole call
         prompt, name = opts.prompt, opts.prompt_name
         text = prompt if prompt is not None else prompts[name] if name is not None else default
-        return itertools.repeat(text or None), None
+        return itertools.repeat(_prompt_text(text, route_decides)), None
 
     def resolve() -> Iterator[str | None]:
         for prompt, name in zip(prompts_it, names_it):
             text = prompt if prompt is not None else prompts[name] if name is not None else default
-            yield text or None
+            yield _prompt_text(text, route_decides)
 
     counts = [c for c in (prompts_count, names_count) if c is not None]
     return resolve(), (counts[0] if counts else None)
+
+
+def _prompt_text(text: str | None, route_decides: bool) -> str | None:
+    """The prompt a request sends: None for no prompt -- unless the model's route decides, where
+    None is "none named" and a named empty prompt stays '' (no prompt, not the route's)."""
+    return text if route_decides else text or None
 
 
 def is_conversation(prompt: object) -> bool:

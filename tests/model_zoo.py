@@ -678,6 +678,111 @@ def to_old_layout(model_dir: str | Path, *, max_seq_length: int = MAX_LEN, do_lo
 
 
 # --------------------------------------------------------------------------------------------------
+# Multi-vector (ColBERT) models: ST 6's MultiVectorEncoder layout and PyLate v3's
+# --------------------------------------------------------------------------------------------------
+
+COLBERT_PREFIXES = ("[Q] ", "[D] ")
+COLBERT_DIM = 16
+
+
+def _colbert_backbone(target: Path, family: str, name: str) -> str:
+    """A backbone with PyLate's [Q] / [D] prefixes added to its tokenizer (`add_tokens`, as PyLate
+    does) and its embeddings resized for them."""
+    from transformers import AutoModel, AutoTokenizer
+
+    hf_dir = hf_backbone(target, family, name=f"_hf-{name}")
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    tokenizer.add_tokens(list(COLBERT_PREFIXES))
+    tokenizer.save_pretrained(hf_dir)
+    _seed()
+    model = AutoModel.from_pretrained(hf_dir)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    model.eval().save_pretrained(hf_dir)
+    return hf_dir
+
+
+def build_colbert(target: str | Path, family: str = "bert", *, name: str | None = None,
+                  query_expansion: dict | None = None, query_length: int | None = None,
+                  document_length: int | None = 48, skiplist_words: list[str] | None = None,
+                  skiplist_tasks: list[str] | None = None, keep_only_token_ids: list[int] | None = None,
+                  mask: bool = True, normalize: bool = True,
+                  prompts: dict[str, str] | None = None, similarity_fn_name: str | None = None) -> str:
+    """A MultiVectorEncoder saved by ST 6 itself: Transformer (query_expansion, default fixed at 16
+    tokens, attend False, `{}` for none; query_length; document_length), a token-level Dense
+    (hidden -> 16, no bias, Identity), a MultiVectorMask (the punctuation skiplist by default;
+    `mask=False`: none) and a token-level Normalize; prompts [Q] / [D] (added tokens of the tokenizer)."""
+    import string
+
+    import torch
+    from sentence_transformers import MultiVectorEncoder
+    from sentence_transformers.base.modules import Dense, Normalize, Transformer
+    from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
+
+    target = Path(target)
+    name = name or f"colbert-{family}"
+    hf_dir = _colbert_backbone(target, family, name)
+    expansion = {"strategy": "fixed", "length": 16} if query_expansion is None else query_expansion or None
+    first = Transformer(hf_dir, query_expansion=expansion, query_length=query_length, document_length=document_length)
+    _seed()
+    modules = [first, Dense(HIDDEN, COLBERT_DIM, bias=False, activation_function=torch.nn.Identity(),
+                            module_input_name="token_embeddings")]
+    if mask:
+        words = list(string.punctuation) if skiplist_words is None else skiplist_words
+        modules.append(MultiVectorMask(skiplist_words=words, skiplist_tasks=skiplist_tasks,
+                                       keep_only_token_ids=keep_only_token_ids))
+    if normalize:
+        modules.append(Normalize(module_input_name="token_embeddings"))
+    prompts = dict(zip(("query", "document"), COLBERT_PREFIXES)) if prompts is None else prompts
+    path = _fresh(target, name)
+    MultiVectorEncoder(modules=modules, prompts=prompts, similarity_fn_name=similarity_fn_name, device="cpu").save(str(path))
+    shutil.rmtree(hf_dir)
+    return str(path)
+
+
+def build_pylate_colbert(target: str | Path, family: str = "bert", *, name: str | None = None,
+                         query_length: int = 16, document_length: int = 48, attend_to_expansion_tokens: bool = False,
+                         skiplist_words: list[str] | None = None, max_seq_length: int = 100) -> str:
+    """A ColBERT model laid out as PyLate v3 saves it (pylate cannot be installed next to ST 6):
+    the transformer's files at the root, modules.json [Transformer, pylate Dense], the Dense's
+    config and `linear.weight`, and in config_sentence_transformers.json model_type "ColBERT" with
+    query_prefix / document_prefix (added tokens), query_length, document_length,
+    attend_to_expansion_tokens, do_query_expansion and skiplist_words (punctuation by default)."""
+    import string
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModel, AutoTokenizer
+
+    target = Path(target)
+    name = name or f"pylate-{family}"
+    hf_dir = _colbert_backbone(target, family, name)
+    path = _fresh(target, name)
+    AutoModel.from_pretrained(hf_dir).eval().save_pretrained(path)
+    AutoTokenizer.from_pretrained(hf_dir).save_pretrained(path)
+    shutil.rmtree(hf_dir)
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length, "do_lower_case": False}))
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Dense", "type": "pylate.models.Dense.Dense"}], indent=2))
+    dense = path / "1_Dense"
+    dense.mkdir()
+    (dense / "config.json").write_text(json.dumps({"in_features": HIDDEN, "out_features": COLBERT_DIM, "bias": False,
+                                                   "activation_function": "torch.nn.modules.linear.Identity",
+                                                   "use_residual": False}, indent=2))
+    _seed()
+    save_file({"linear.weight": torch.randn(COLBERT_DIM, HIDDEN) * 0.3}, str(dense / "model.safetensors"))
+    query_prefix, document_prefix = COLBERT_PREFIXES
+    (path / "config_sentence_transformers.json").write_text(json.dumps({
+        "__version__": {"sentence_transformers": "4.0.2", "transformers": "4.48.2", "pytorch": "2.5.1"},
+        "prompts": {}, "default_prompt_name": None, "similarity_fn_name": "MaxSim",
+        "query_prefix": query_prefix, "document_prefix": document_prefix, "query_length": query_length,
+        "document_length": document_length, "attend_to_expansion_tokens": attend_to_expansion_tokens,
+        "skiplist_words": list(string.punctuation) if skiplist_words is None else skiplist_words,
+        "do_query_expansion": True, "model_type": "ColBERT"}, indent=2))
+    return str(path)
+
+
+# --------------------------------------------------------------------------------------------------
 # Rerankers
 # --------------------------------------------------------------------------------------------------
 

@@ -32,7 +32,31 @@ def load_hf_tokenizer(spec: ModelSpec):
     hf = AutoTokenizer.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
     if getattr(hf, "backend_tokenizer", None) is None:
         raise ValueError(f"model {spec.path!r} has no fast tokenizer")
+    if spec.multi_vector is not None and spec.multi_vector.legacy_prefixes:
+        register_prefix_tokens(hf, spec.multi_vector.legacy_prefixes)
     return hf
+
+
+def register_prefix_tokens(hf, prefixes: list[str]) -> None:
+    """PyLate's [Q] / [D] (or [unused0]) markers as ST's MultiVectorEncoder registers them: a
+    prefix the tokenizer knows (whole, or its first word) but splits becomes a non-normalized
+    special token, so the prepended text tokenizes to that one token, as the model was trained."""
+    from transformers import AddedToken
+
+    added = set(getattr(hf, "added_tokens_encoder", None) or {})
+    vocab = hf.get_vocab()
+    to_register = []
+    for value in prefixes:
+        if not value or not value.split():
+            continue
+        for prefix in (value, value.split(None, 1)[0]):
+            if prefix not in added and prefix not in vocab:
+                continue
+            if hf.tokenize(prefix) != [prefix]:
+                to_register.append(AddedToken(prefix, normalized=False, special=True))
+            break
+    if to_register:
+        hf.add_special_tokens({"additional_special_tokens": to_register})
 
 
 def load_tokenizer(spec: ModelSpec) -> Tokenizer:
@@ -74,12 +98,16 @@ class Renderer:
         self.sends_token_types = "token_type_ids" in getattr(hf_tokenizer, "model_input_names", ["token_type_ids"])
         self.chat_suffixes: dict[str | None, list[int]] = {}  # LLM rerankers: the template's tail, by prompt
         self.pair_roles_failure: str | None = None if spec.chat_pairs is None else self._probe_pair_roles()
+        self.expansion_id = expansion_token_id(spec, hf_tokenizer)
 
     def render(self, batch: RenderBatch) -> tuple[EngineInputPacker, list[tuple[int, str]]]:
         """The batch's engine inputs in columns, and the requests that failed with why."""
         rows = EngineInputPacker()
         failed: list[tuple[int, str]] = []
         indices = batch.indices.tolist()
+        if self.spec.multi_vector is not None:
+            self._render_multi_vector(rows, batch, indices, failed)
+            return rows, failed
         if batch.items is not None:
             for index, item in zip(indices, batch.items):
                 self._render_item(rows, index, item, batch.chat_template, failed)
@@ -163,6 +191,75 @@ class Renderer:
                     continue
             rows.add(index, ids, param_of=kind, pool_start=pool_start, priority=opts.priority, route=opts.route)
         return rows, failed
+
+    # ---- multi-vector (ColBERT) models: ST's MultiVectorEncoder.preprocess per route ----------
+
+    def _render_multi_vector(self, rows: EngineInputPacker, batch: RenderBatch, indices: list[int],
+                             failed: list[tuple[int, str]]) -> None:
+        """Each request's ids for its route (its prompt, its length, query expansion), one by one."""
+        if batch.items is not None:
+            inputs = [(item.options, item.prompt, item.token_ids, item) for item in batch.items]
+        elif batch.token_ids is not None:
+            ids = split_packed(batch.token_ids, packed_lengths(batch.token_ids, batch.lengths, len(indices)))
+            inputs = [(batch.options, None, a, None) for a in ids]
+        else:
+            inputs = [(batch.options, text, None, None) for text in batch.texts]
+        for index, (opts, text, token_ids, item) in zip(indices, inputs):
+            try:
+                if batch.pairs is not None or (item is not None and (item.pair is not None or item.raw is not None
+                                                                     or item.conversation is not None)):
+                    raise ValueError("a multi-vector model encodes single texts or token ids (no pairs, "
+                                     "conversations or plugin input)")
+                ids, expansion_start = self._multi_vector_ids(opts, text, token_ids)
+            except Exception as e:  # any failure becomes this request's error, never a crash
+                failed.append((index, f"{type(e).__name__}: {e}"))
+                continue
+            rows.add(index, ids, param_of=rows.kind(opts.task, opts.params), priority=opts.priority,
+                     route=opts.route, expansion_start=expansion_start)
+
+    def _multi_vector_ids(self, opts: RenderOptions, text: str | None, token_ids) -> tuple[list[int], int]:
+        """(ids, expansion_start): the route's prompt and the text, truncated to the route's length;
+        a query padded with the expansion token to the expansion length."""
+        mv = self.spec.multi_vector
+        route = self.spec.routes[opts.route] if opts.route >= 0 else None
+        expansion = mv.query_expansion if route == "query" else None
+        max_tokens = self._route_max_tokens(route, opts.max_tokens)
+        if text is not None:
+            prompt = opts.text_prefix if opts.text_prefix is not None else self._route_prompt(route)
+            text = (prompt or "") + text
+            if opts.long_inputs == "error" and (expansion is None or expansion.strategy != "fixed"):
+                self._refuse_if_too_long(text, max_tokens)
+            ids = list(self.tokenizer.encode(text, max_tokens, left=opts.truncate_left))
+        elif token_ids is not None:  # used verbatim (special tokens included), cut to the route's length
+            ids = np.asarray(token_ids).tolist()
+            ids = ids[-max_tokens:] if opts.truncate_left else ids[:max_tokens]
+        else:
+            raise ValueError("request has no input")
+        if expansion is None or len(ids) >= expansion.length or not ids:
+            return ids, -1
+        real = len(ids)
+        return ids + [self.expansion_id] * (expansion.length - real), -1 if expansion.attend else real
+
+    def _route_max_tokens(self, route: str | None, call_max_tokens: int) -> int:
+        """ST's per-task max length: the query expansion length ("fixed"; "min": at least it, up to
+        query_length), query_length, document_length; the call's truncation where the model gives none."""
+        mv = self.spec.multi_vector
+        expansion = mv.query_expansion if route == "query" else None
+        length = mv.query_length if route == "query" else mv.document_length if route == "document" else None
+        if expansion is not None:
+            if expansion.strategy == "fixed":
+                return expansion.length
+            return max(length, expansion.length) if length is not None else call_max_tokens
+        return length if length is not None else call_max_tokens
+
+    def _route_prompt(self, route: str | None) -> str | None:
+        """The prompt of a request that names none: ST's encode_query / encode_document take the
+        model's "query" / "document" prompt (none when it has none); encode() without a task, the
+        default prompt."""
+        if route is not None:
+            return self.spec.prompts.get(route)
+        name = self.spec.default_prompt_name
+        return self.spec.prompts.get(name) if name else None
 
     def _render_item(self, rows: EngineInputPacker, index: int, item: RenderParams, chat_template: str | None,
                      failed: list[tuple[int, str]]) -> None:
@@ -393,6 +490,20 @@ def mark_empty_rows(rows: EngineInputPacker, where: range) -> None:
     for i in empty:
         rows.ids[i] = [0]
         column[i] = 1
+
+
+def expansion_token_id(spec: ModelSpec, hf) -> int | None:
+    """The id ST's query expansion pads queries with: its configured token, else the mask token,
+    else EOS (PyLate's chain); with none, the pad id stays (as in ST, which swaps nothing)."""
+    expansion = spec.multi_vector.query_expansion if spec.multi_vector is not None else None
+    if expansion is None:
+        return None
+    if expansion.token is not None:
+        return int(hf.convert_tokens_to_ids(expansion.token))
+    for candidate in (hf.mask_token_id, hf.eos_token_id, hf.pad_token_id):
+        if candidate is not None:
+            return int(candidate)
+    raise ValueError(f"model {spec.path!r}: query expansion needs a mask, EOS or pad token")
 
 
 def lowercase_first(tokenizer: Tokenizer) -> None:
