@@ -522,7 +522,8 @@ def _prompts(st_config: dict, root: Path) -> tuple[dict[str, str], str | None]:
     if not isinstance(prompts, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()):
         raise ValueError(f"{root}/config_sentence_transformers.json: prompts must map names to strings")
     default = st_config.get("default_prompt_name")
-    if default is not None and default not in prompts:
+    # ("query" / "document": ST's empty placeholder prompts, which its embedders always have.)
+    if default is not None and default not in prompts and default not in ("query", "document"):
         raise ValueError(f"{root}/config_sentence_transformers.json: default_prompt_name {default!r} is not "
                          f"among the prompts {sorted(prompts)}")
     return dict(prompts), default
