@@ -522,6 +522,10 @@ def resolve_route(spec: ModelSpec, task: str | None) -> str | None:
     a route named as the task, a route named "text", then -- with no task -- the default route."""
     if not spec.routes:
         return None
+    if not spec.route_specs:  # query / document routes of one chain (ColBERT): none named is ST's no task
+        if task is not None and task not in spec.routes:
+            raise ValueError(f"no route for task {task!r}; the model's routes: {_routes_text(spec)}")
+        return task
     if task is not None and task in spec.route_by_task:
         return spec.route_by_task[task]
     if spec.route_any_task is not None:
