@@ -10,22 +10,19 @@ the engine runs. A module, pooling mode or config key that would change the outp
 implemented is a ValueError naming it: never a silently different vector.
 
 `load_model_spec` reads top-down: the ST layout first (which folder holds the transformer, what
-runs after it), then the transformer's config.json; each helper below it decides one thing.
+runs after it), then the transformer's config.json; each helper below it decides one thing. Two
+layouts have modules of their own: a Router's routes (`layout_router`) and a multi-vector (ColBERT)
+model's (`layout_multi_vector`); `layout_files` reads the files all of them share.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import string
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import msgspec
-
 from pooling_pipeline.core.config import (
-    DENSE_ACTIVATIONS,
     ENCODER_ONLY_CLASSES,
     POOLING_MODES,
     SIMILARITIES,
@@ -35,8 +32,23 @@ from pooling_pipeline.core.config import (
     ModelSpec,
     MultiVectorSpec,
     PoolingSpec,
-    QueryExpansion,
     SparseSpec,
+)
+from pooling_pipeline.core.layout_files import (
+    IGNORED_TYPES,
+    Module,
+    dense_module,
+    read_json,
+    read_modules,
+    read_optional_json,
+)
+from pooling_pipeline.core.layout_multi_vector import (
+    compose_legacy_prefixes,
+    finish_multi_vector,
+    multi_vector_config,
+    read_multi_vector_lengths,
+    read_multi_vector_module,
+    with_multi_vector,
 )
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer.model", "spiece.model",
@@ -55,13 +67,15 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
 def load_model_spec(model: str | os.PathLike | None, trust_remote_code: bool = False,
                     revision: str | None = None) -> ModelSpec:
     """Reads config.json and the sentence-transformers files of a model directory (or hub id)."""
+    from pooling_pipeline.core.layout_router import load_router_spec, router_module  # (it reads chains with this module)
+
     root = _model_dir(model, revision)
     if router_module(root) is not None:  # ST's Router: a spec per route (see load_router_spec)
         return load_router_spec(root, trust_remote_code)
-    return _spec_of_layout(root, _read_st_layout(root, trust_remote_code), trust_remote_code)
+    return spec_of_layout(root, _read_st_layout(root, trust_remote_code), trust_remote_code)
 
 
-def _spec_of_layout(root: Path, st: STLayout, trust_remote_code: bool) -> ModelSpec:
+def spec_of_layout(root: Path, st: STLayout, trust_remote_code: bool) -> ModelSpec:
     """The spec of one chain of modules: a Transformer and what runs after it."""
     path = st.transformer_dir
     config = _transformer_config(path)
@@ -109,7 +123,7 @@ def _spec_of_layout(root: Path, st: STLayout, trust_remote_code: bool) -> ModelS
         logit_score=st.logit_score,
         chat_pairs=st.chat_pairs,
     )
-    return _with_multi_vector(spec, st, path)
+    return with_multi_vector(spec, st, path)
 
 
 # ---- the transformer's config.json ------------------------------------------------------------
@@ -128,7 +142,7 @@ def _transformer_config(path: Path) -> dict:
         raise ValueError(f"model directory {str(path)!r} has no config.json")
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"model directory {str(path)!r} has no tokenizer (expected one of {', '.join(TOKENIZER_FILES)})")
-    return _read_json(path / "config.json")
+    return read_json(path / "config.json")
 
 
 # transformers' attribute_map of the common families whose config.json names a size otherwise
@@ -238,7 +252,7 @@ def _lengths(st: STLayout, config: dict, model_type: str, path: Path) -> tuple[i
     positions = positions if isinstance(positions, int) and positions > 0 else None
     kept = st.max_seq_length
     if kept is None:
-        kept = _tokenizer_max_length(path)
+        kept = tokenizer_max_length(path)
         if positions is not None:
             kept = positions if kept is None else min(kept, positions)
     table = _position_table(config, model_type, positions)
@@ -265,8 +279,8 @@ def _position_table(config: dict, model_type: str, positions: int | None) -> int
     return positions
 
 
-def _tokenizer_max_length(path: Path) -> int | None:
-    value = _read_optional_json(path / "tokenizer_config.json").get("model_max_length")
+def tokenizer_max_length(path: Path) -> int | None:
+    value = read_optional_json(path / "tokenizer_config.json").get("model_max_length")
     if isinstance(value, (int, float)) and 0 < value < 1e9:  # the library writes ~1e30 for "no limit"
         return int(value)
     return None
@@ -469,29 +483,22 @@ class STLayout:
     score_activation: str | None = None  # CrossEncoder's saved activation_fn (ST 6)
     logit_score: LogitScoreSpec | None = None  # an LLM reranker's LogitScore module
     chat_pairs: ChatPairSpec | None = None  # a text-generation Transformer with a "message" modality
-    multi_vector: MultiVectorSpec | None = None  # a MultiVectorEncoder (ColBERT): see _multi_vector_config
+    multi_vector: MultiVectorSpec | None = None  # a MultiVectorEncoder (ColBERT): see multi_vector_config
 
 
-@dataclass(frozen=True)
-class _Module:
-    """One entry of modules.json."""
 
-    saved_type: object  # the class path as saved (messages quote it)
-    kind: str           # its last part: ST moved the module classes between packages over time
-    where: Path         # the module's folder
 
 
 _TRANSFORMER_TYPES = {"Transformer", "MLMTransformer"}
-_IGNORED_TYPES = {"Dropout"}  # no effect at inference
 
 
 def _read_st_layout(root: Path, trust_remote_code: bool) -> STLayout:
     layout = STLayout(transformer_dir=root)
-    _read_st_config(layout, root)
+    read_st_config(layout, root)
     if (root / "modules.json").is_file():
         _read_modules(layout, root, trust_remote_code)
         if layout.multi_vector is not None:
-            _finish_multi_vector(layout, root)
+            finish_multi_vector(layout, root)
     elif layout.multi_vector is not None:
         raise ValueError(f"{root}: a multi-vector (ColBERT) model without modules.json is not supported "
                          "(ST would add a randomly initialised projection)")
@@ -502,18 +509,18 @@ def _read_st_layout(root: Path, trust_remote_code: bool) -> STLayout:
     return layout
 
 
-def _read_st_config(layout: STLayout, root: Path) -> None:
+def read_st_config(layout: STLayout, root: Path) -> None:
     """config_sentence_transformers.json: prompts, similarity, truncate_dim, max_active_dims and a
     cross-encoder's activation."""
-    st_config = _read_optional_json(root / "config_sentence_transformers.json")
-    layout.multi_vector = _multi_vector_config(st_config, root)
+    st_config = read_optional_json(root / "config_sentence_transformers.json")
+    layout.multi_vector = multi_vector_config(st_config, root)
     if layout.multi_vector is not None:
-        st_config = _compose_legacy_prefixes(st_config, layout.multi_vector)
+        st_config = compose_legacy_prefixes(st_config, layout.multi_vector)
     layout.prompts, layout.default_prompt_name = _prompts(st_config, root)
-    if layout.multi_vector is None:  # (MaxSim: see _multi_vector_config)
+    if layout.multi_vector is None:  # (MaxSim: see multi_vector_config)
         layout.similarity = _similarity(st_config, root)
-    layout.truncate_dim = _positive_int(st_config, "truncate_dim", root)
-    layout.max_active_dims = _positive_int(st_config, "max_active_dims", root)
+    layout.truncate_dim = positive_int(st_config, "truncate_dim", root)
+    layout.max_active_dims = positive_int(st_config, "max_active_dims", root)
     layout.score_activation = st_config.get("activation_fn")
 
 
@@ -536,7 +543,7 @@ def _similarity(st_config: dict, root: Path) -> str:
     return similarity
 
 
-def _positive_int(st_config: dict, key: str, root: Path) -> int | None:
+def positive_int(st_config: dict, key: str, root: Path) -> int | None:
     value = st_config.get(key)
     if value is not None and (not isinstance(value, int) or value < 1):
         raise ValueError(f"{root}/config_sentence_transformers.json: {key} must be a positive int, got {value!r}")
@@ -545,10 +552,10 @@ def _positive_int(st_config: dict, key: str, root: Path) -> int | None:
 
 def _read_modules(layout: STLayout, root: Path, trust_remote_code: bool) -> None:
     """modules.json in order: a Transformer first, then pooling and what runs after it."""
-    _read_chain(layout, _modules(root / "modules.json"), root / "modules.json", trust_remote_code)
+    read_chain(layout, read_modules(root / "modules.json"), root / "modules.json", trust_remote_code)
 
 
-def _read_chain(layout: STLayout, modules: list[_Module], modules_path: Path, trust_remote_code: bool) -> None:
+def read_chain(layout: STLayout, modules: list[Module], modules_path: Path, trust_remote_code: bool) -> None:
     """A chain of modules (modules.json's, or one Router route's) in order."""
     for position, module in enumerate(modules):
         if position == 0:
@@ -564,19 +571,10 @@ def _read_chain(layout: STLayout, modules: list[_Module], modules_path: Path, tr
         layout.normalize = True
 
 
-def _modules(modules_path: Path) -> list[_Module]:
-    try:
-        modules = json.loads(modules_path.read_text(encoding="utf-8"))
-    except ValueError as e:
-        raise ValueError(f"{modules_path} is not valid JSON: {e}") from None
-    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
-        raise ValueError(f"{modules_path} must be a list of module objects")
-    return [_Module(saved_type=m.get("type"), kind=str(m.get("type", "")).rsplit(".", 1)[-1],
-                    where=modules_path.parent / str(m.get("path", "")))
-            for m in sorted(modules, key=lambda m: m.get("idx", 0))]
 
 
-def _read_first_module(layout: STLayout, module: _Module, modules_path: Path) -> None:
+
+def _read_first_module(layout: STLayout, module: Module, modules_path: Path) -> None:
     if module.kind not in _TRANSFORMER_TYPES:
         raise ValueError(f"{modules_path}: the first module is {module.saved_type!r}; only a Transformer "
                          "first module is supported")
@@ -586,35 +584,35 @@ def _read_first_module(layout: STLayout, module: _Module, modules_path: Path) ->
     _read_transformer_config(layout, module.where)
 
 
-def _read_later_module(layout: STLayout, module: _Module, modules_path: Path, trust_remote_code: bool) -> None:
+def _read_later_module(layout: STLayout, module: Module, modules_path: Path, trust_remote_code: bool) -> None:
     """What one module after the Transformer adds to the layout."""
     kind, where = module.kind, module.where
     if kind in _TRANSFORMER_TYPES:
         raise ValueError(f"{modules_path}: the {kind} module must come first")
     if layout.multi_vector is not None:
-        _read_multi_vector_module(layout.multi_vector, module, modules_path, trust_remote_code)
+        read_multi_vector_module(layout.multi_vector, module, modules_path, trust_remote_code)
         return
     if kind == "Pooling":
         if layout.pooling_module:
             raise ValueError(f"{modules_path}: more than one Pooling module")
         layout.pooling_module = True
-        layout.pooling = _pooling(_read_json(where / "config.json"), where)
+        layout.pooling = _pooling(read_json(where / "config.json"), where)
     elif kind == "SpladePooling":
-        layout.sparse = _splade(_read_json(where / "config.json"), where)
+        layout.sparse = _splade(read_json(where / "config.json"), where)
     elif kind == "Dense":
         if not layout.pooling_module:
             raise ValueError(f"{where}: a Dense module before pooling (on token embeddings) is not supported")
-        layout.head_modules.append(_dense(_read_json(where / "config.json"), where, trust_remote_code))
+        layout.head_modules.append(dense_module(read_json(where / "config.json"), where, trust_remote_code))
     elif kind == "LayerNorm":
         layout.head_modules.append(HeadModule(kind="layer_norm", path=str(where.resolve()),
-                                              in_features=int(_read_json(where / "config.json")["dimension"])))
+                                              in_features=int(read_json(where / "config.json")["dimension"])))
     elif kind == "Normalize":
         layout.head_modules.append(HeadModule(kind="normalize"))
     elif kind == "LogitScore":
         if layout.logit_score is not None:
             raise ValueError(f"{modules_path}: more than one LogitScore module")
-        layout.logit_score = _logit_score(_read_json(where / "config.json"), where)
-    elif kind not in _IGNORED_TYPES:
+        layout.logit_score = _logit_score(read_json(where / "config.json"), where)
+    elif kind not in IGNORED_TYPES:
         raise ValueError(f"{modules_path}: module type {module.saved_type!r} is not supported (supported: "
                          "Transformer, MLMTransformer, Pooling, SpladePooling, Dense, LayerNorm, Normalize, "
                          "Dropout); it would change the output, so the model is refused")
@@ -634,7 +632,7 @@ ST_TRANSFORMER_CONFIGS = ("sentence_bert_config.json", "sentence_roberta_config.
 def _read_transformer_config(layout: STLayout, where: Path) -> None:
     """The Transformer module's sentence_bert_config.json: max_seq_length, do_lower_case and the
     task; a key that would change the output is refused."""
-    cfg = next((_read_json(where / name) for name in ST_TRANSFORMER_CONFIGS if (where / name).is_file()), {})
+    cfg = next((read_json(where / name) for name in ST_TRANSFORMER_CONFIGS if (where / name).is_file()), {})
     unknown = set(cfg) - _HARMLESS_TRANSFORMER_KEYS
     if unknown:
         raise ValueError(f"{where}/sentence_bert_config.json: keys {sorted(unknown)} are not supported")
@@ -647,7 +645,7 @@ def _read_transformer_config(layout: STLayout, where: Path) -> None:
         return
     _check_text_modality(cfg, where)
     if layout.multi_vector is not None:
-        cfg = _read_multi_vector_lengths(layout.multi_vector, cfg, where)
+        cfg = read_multi_vector_lengths(layout.multi_vector, cfg, where)
     _check_no_extra_arguments(cfg, where)
 
 
@@ -735,7 +733,7 @@ def _check_chat_template(where: Path) -> None:
     """The tokenizer's one chat template: chat_template.jinja or a string in tokenizer_config.json."""
     if (where / "chat_template.jinja").is_file():
         return
-    template = _read_optional_json(where / "tokenizer_config.json").get("chat_template")
+    template = read_optional_json(where / "tokenizer_config.json").get("chat_template")
     if not isinstance(template, str) or not template:
         raise ValueError(f"{where}: the Transformer has a message modality but the tokenizer has no single chat "
                          "template (chat_template.jinja or a string chat_template in tokenizer_config.json)")
@@ -772,31 +770,10 @@ def _pooling(cfg: dict, where: Path) -> PoolingSpec:
     return PoolingSpec(modes=modes, include_prompt=bool(cfg.get("include_prompt", True)))
 
 
-def _dense(cfg: dict, where: Path, trust_remote_code: bool) -> HeadModule:
-    unknown = set(cfg) - {"in_features", "out_features", "bias", "activation_function", "module_input_name",
-                          "module_output_name", "use_residual"}
-    if unknown:
-        raise ValueError(f"{where}/config.json: Dense keys {sorted(unknown)} are not supported")
-    for key in ("module_input_name", "module_output_name"):
-        if cfg.get(key, "sentence_embedding") != "sentence_embedding":
-            raise ValueError(f"{where}/config.json: a Dense module on {cfg[key]!r} is not supported "
-                             "(only on the sentence embedding)")
-    activation = _dense_activation(cfg, where, trust_remote_code)
-    return HeadModule(kind="dense", path=str(where.resolve()), in_features=int(cfg["in_features"]),
-                      out_features=int(cfg["out_features"]), bias=bool(cfg.get("bias", True)), activation=activation,
-                      use_residual=bool(cfg.get("use_residual", False)))
 
 
-def _dense_activation(cfg: dict, where: Path, trust_remote_code: bool) -> str:
-    """The torch.nn class name of a Dense module's activation."""
-    activation = str(cfg.get("activation_function") or "torch.nn.modules.activation.Tanh")
-    if not activation.startswith("torch.") and not trust_remote_code:
-        activation = "torch.nn.modules.activation.Tanh"  # what ST loads for an untrusted class path
-    name = activation.rsplit(".", 1)[-1]
-    if not activation.startswith("torch.") or name not in DENSE_ACTIVATIONS:
-        raise ValueError(f"{where}/config.json: Dense activation {activation!r} is not supported "
-                         f"(torch.nn {DENSE_ACTIVATIONS})")
-    return name
+
+
 
 
 def _splade(cfg: dict, where: Path) -> SparseSpec:
@@ -809,397 +786,3 @@ def _splade(cfg: dict, where: Path) -> SparseSpec:
     if pooling not in ("max", "sum") or activation not in ("relu", "log1p_relu"):
         raise ValueError(f"{where}/config.json: SpladePooling {pooling!r} / {activation!r} is not supported")
     return SparseSpec(pooling=pooling, activation=activation)
-
-
-# ---- ST's Router: a chain of modules per route ---------------------------------------------------
-
-_ROUTER_TYPES = {"Router", "Asym"}  # Asym: ST's older name of the same module
-_ROUTER_KEYS = {"default_route", "allow_empty_key", "route_mappings"}
-
-
-def router_module(root: Path) -> _Module | None:
-    """modules.json's Router (ST allows it only as the first, input module), or None."""
-    if not (root / "modules.json").is_file():
-        return None
-    modules = _modules(root / "modules.json")
-    for position, module in enumerate(modules):
-        if module.kind in _ROUTER_TYPES:
-            if position != 0:
-                raise ValueError(f"{root / 'modules.json'}: a {module.kind} module must come first")
-            return module
-    return None
-
-
-def load_router_spec(root: Path, trust_remote_code: bool) -> ModelSpec:
-    """A Router model: each route is the route's modules followed by the modules after the Router
-    in modules.json (as ST runs them), read as one chain into a ModelSpec of its own. The spec
-    returned is the first transformer route's, with the routes, their specs and ST's resolution."""
-    modules_path = root / "modules.json"
-    router, *after = _modules(modules_path)
-    config_path, config = _router_config(router.where)
-    chains = _router_chains(router, config, config_path, after)
-    route_specs = [_route_spec(root, name, chain, after, modules_path, trust_remote_code)
-                   for name, chain in chains.items()]
-    routes = list(chains)
-    default_route, by_task, any_task = _router_resolution(config, config_path, routes)
-    transformers = [spec for spec in route_specs if spec.input_module == "transformer"]
-    if not transformers:
-        raise ValueError(f"{config_path}: no route has a Transformer; a Router of static embeddings only is not "
-                         "supported")
-    _check_routes_agree(route_specs, routes, config_path)
-    import msgspec
-
-    return msgspec.structs.replace(
-        transformers[0], routes=routes, route_specs=route_specs, default_route=default_route,
-        route_by_task=by_task, route_any_task=any_task,
-        max_model_len=max(spec.max_model_len for spec in route_specs),
-        default_max_tokens=max(spec.default_max_tokens for spec in route_specs))
-
-
-def _router_config(where: Path) -> tuple[Path, dict]:
-    """router_config.json (or the legacy config.json ST falls back to)."""
-    for name in ("router_config.json", "config.json"):
-        if (where / name).is_file():
-            config = _read_json(where / name)
-            if not isinstance(config.get("types"), dict) or not isinstance(config.get("structure"), dict):
-                raise ValueError(f"{where / name}: a Router config needs 'types' and 'structure' objects")
-            return where / name, config
-    raise ValueError(f"{where}: the Router module has no router_config.json")
-
-
-def _router_chains(router: _Module, config: dict, config_path: Path, after: list[_Module]) -> dict[str, list[_Module]]:
-    """Each route's modules (the route's own, then those after the Router), by route name."""
-    types = config["types"]
-    chains: dict[str, list[_Module]] = {}
-    for name, module_ids in config["structure"].items():
-        if not isinstance(module_ids, list) or not module_ids:
-            raise ValueError(f"{config_path}: route {name!r} has no modules")
-        chain = []
-        for module_id in module_ids:
-            if module_id not in types or ".." in str(module_id) or str(module_id).startswith("/"):
-                raise ValueError(f"{config_path}: route {name!r} names module {module_id!r} that 'types' lacks")
-            chain.append(_Module(saved_type=types[module_id], kind=str(types[module_id]).rsplit(".", 1)[-1],
-                                 where=router.where / str(module_id)))
-        chains[str(name)] = chain + after
-    if not chains:
-        raise ValueError(f"{config_path}: the Router has no routes")
-    return chains
-
-
-def _route_spec(root: Path, name: str, chain: list[_Module], after: list[_Module], modules_path: Path,
-                trust_remote_code: bool) -> ModelSpec:
-    if chain[0].kind == "SparseStaticEmbedding":
-        if len(chain) > 1:
-            raise ValueError(f"{modules_path}: route {name!r}: modules after SparseStaticEmbedding "
-                             f"({chain[1].saved_type!r}) are not supported")
-        static = _static_embedding_spec(chain[0].where)
-        import msgspec
-
-        # (SparseEncoder's max_active_dims applies to every route's output)
-        return msgspec.structs.replace(static, max_active_dims=_positive_int(
-            _read_optional_json(root / "config_sentence_transformers.json"), "max_active_dims", root))
-    if chain[0].kind in _ROUTER_TYPES:
-        raise ValueError(f"{modules_path}: route {name!r}: a Router inside a Router is not supported")
-    layout = STLayout(transformer_dir=root)
-    _read_st_config(layout, root)
-    try:
-        _read_chain(layout, chain, modules_path, trust_remote_code)
-        return _spec_of_layout(root, layout, trust_remote_code)
-    except ValueError as e:
-        raise ValueError(f"route {name!r}: {e}") from None
-
-
-def _static_embedding_spec(where: Path) -> ModelSpec:
-    """ST's SparseStaticEmbedding: its tokenizer (in its folder) tokenizes the text without special
-    tokens, truncated at the tokenizer's model_max_length; each token id present gets its weight."""
-    cfg = _read_optional_json(where / "config.json")
-    if set(cfg) - {"frozen"}:
-        raise ValueError(f"{where}/config.json: SparseStaticEmbedding keys {sorted(set(cfg) - {'frozen'})} are not "
-                         "supported (an idf.json 'path' is not read: weights must be saved in the module's folder)")
-    if not any((where / name).is_file() for name in ("model.safetensors", "pytorch_model.bin")):
-        raise ValueError(f"{where}: SparseStaticEmbedding has no weights (model.safetensors or pytorch_model.bin)")
-    if not any((where / name).is_file() for name in TOKENIZER_FILES):
-        raise ValueError(f"{where}: SparseStaticEmbedding has no tokenizer")
-    max_length = _tokenizer_max_length(where)
-    if max_length is None:
-        raise ValueError(f"{where}: SparseStaticEmbedding's tokenizer has no model_max_length (ST would not "
-                         "truncate its texts at all); not supported")
-    vocab_size = _static_vocab_size(where)
-    return ModelSpec(path=str(where.resolve()), model_type="", architectures=[], hidden_size=vocab_size,
-                     embedding_size=vocab_size, vocab_size=vocab_size, max_model_len=max_length,
-                     default_max_tokens=max_length, pooling=PoolingSpec(modes=["max"]), normalize=False,
-                     do_lower_case=False, tasks=["sparse_embed"], input_module="sparse_static_embedding",
-                     add_special_tokens=False)
-
-
-def _static_vocab_size(where: Path) -> int:
-    """The length of the saved weight vector (ST's num_dimensions), read from the safetensors header."""
-    path = where / "model.safetensors"
-    if not path.is_file():
-        raise ValueError(f"{where}: SparseStaticEmbedding weights must be model.safetensors")
-    with open(path, "rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    shape = (header.get("weight") or {}).get("shape")
-    if not (isinstance(shape, list) and len(shape) == 1):
-        raise ValueError(f"{path}: SparseStaticEmbedding needs one 'weight' vector, got {shape}")
-    return int(shape[0])
-
-
-def _router_resolution(config: dict, config_path: Path, routes: list[str]
-                       ) -> tuple[str | None, dict[str, str], str | None]:
-    """ST's Router resolution for text inputs: (default route, route by task, any task's route).
-    ST's order: (task, "text"), (task, None), (None, "text"), (None, None), the task's own route,
-    a route named "text", then (no task) the default route; allow_empty_key with no default
-    makes the first route the default."""
-    import ast
-
-    params = config.get("parameters") or {}
-    if set(params) - _ROUTER_KEYS:
-        raise ValueError(f"{config_path}: Router parameters {sorted(set(params) - _ROUTER_KEYS)} are not supported")
-    default = params.get("default_route")
-    if default is None and params.get("allow_empty_key", True):
-        default = routes[0]
-    if default is not None and default not in routes:
-        raise ValueError(f"{config_path}: default_route {default!r} is not among the routes {routes}")
-    mappings = {}
-    for key, route in (params.get("route_mappings") or {}).items():
-        try:
-            task, modality = ast.literal_eval(key)
-        except (ValueError, SyntaxError, TypeError):
-            raise ValueError(f"{config_path}: route_mappings key {key!r} is not a (task, modality) pair") from None
-        if route not in routes:
-            raise ValueError(f"{config_path}: route_mappings maps {key} to {route!r}, not among the routes {routes}")
-        if modality in ("text", None):  # other modalities never apply to text
-            mappings[(task, modality)] = route
-    by_task = {}
-    for (task, _modality), route in sorted(mappings.items(), key=lambda kv: kv[0][1] is None):
-        if task is not None:
-            by_task.setdefault(task, route)  # (task, "text") before (task, None)
-    any_task = mappings.get((None, "text"), mappings.get((None, None)))
-    return default, by_task, any_task
-
-
-def _check_routes_agree(route_specs: list[ModelSpec], routes: list[str], config_path: Path) -> None:
-    """What one engine and one request format need of all routes: one task family, one vocabulary."""
-    tasks = {tuple(spec.tasks) for spec in route_specs}
-    if len(tasks) > 1:
-        raise ValueError(f"{config_path}: the routes {routes} compute different things "
-                         f"({[spec.tasks for spec in route_specs]}); a Router mixing sparse and dense routes "
-                         "is not supported")
-    vocab_sizes = {spec.vocab_size for spec in route_specs}
-    if len(vocab_sizes) > 1:
-        raise ValueError(f"{config_path}: the routes {routes} have different vocabularies "
-                         f"({[spec.vocab_size for spec in route_specs]}); not supported")
-    sizes = {spec.embedding_size for spec in route_specs}
-    if "sparse_embed" not in route_specs[0].tasks and len(sizes) > 1:
-        raise ValueError(f"{config_path}: the routes {routes} give embeddings of different sizes "
-                         f"({[spec.embedding_size for spec in route_specs]}); not supported")
-    if any(spec.head != "none" for spec in route_specs):
-        raise ValueError(f"{config_path}: routes ending in a classification head are not supported")
-
-
-# ---- multi-vector (ColBERT) models: ST's MultiVectorEncoder ----------------------------------
-
-# config_sentence_transformers.json model_type of the layouts ST's MultiVectorEncoder loads: its own
-# saves, and PyLate v3's (modules.json [Transformer, Dense]; masking and normalization implicit).
-MULTI_VECTOR_TYPES = ("MultiVectorEncoder", "ColBERT")
-_PYLATE_KNOBS = ("query_length", "document_length", "query_expansion")
-_PYLATE_MARKERS = (*_PYLATE_KNOBS, "do_query_expansion", "attend_to_expansion_tokens", "attend_to_mask_tokens",
-                   "query_prefix", "document_prefix", "skiplist_words")
-_MASK_KEYS = {"skiplist_words", "skiplist_tasks", "keep_only_token_ids"}
-
-
-def _multi_vector_config(st_config: dict, root: Path) -> MultiVectorSpec | None:
-    """A MultiVectorEncoder's top-level settings, as ST's `_parse_model_config` reads them: the
-    similarity (maxsim, or meanmaxsim), PyLate's legacy knobs (query_length, document_length,
-    do_query_expansion / attend_to_expansion_tokens, skiplist_words) and prefixes. Saved
-    Transformer settings (sentence_bert_config.json) override the knobs later."""
-    model_type = st_config.get("model_type")
-    if model_type not in MULTI_VECTOR_TYPES:
-        return None
-    mv = MultiVectorSpec(length_normalize=st_config.get("similarity_fn_name") == "meanmaxsim")
-    mv.legacy_prefixes = [st_config[key] or "" for key in ("query_prefix", "document_prefix") if key in st_config]
-    knobs = {key: st_config[key] for key in _PYLATE_KNOBS
-             if key in st_config and (st_config[key] is not None or key == "query_expansion")}
-    if "query_expansion" not in knobs and any(key in st_config for key in _PYLATE_MARKERS):
-        if st_config.get("do_query_expansion") is False:
-            knobs["query_expansion"] = None
-        else:  # PyLate's default: pad queries to query_length (32) with [MASK]
-            attend = st_config.get("attend_to_expansion_tokens", st_config.get("attend_to_mask_tokens"))
-            length = knobs.pop("query_length", None) or 32
-            knobs["query_expansion"] = {"strategy": "fixed", "attend": bool(attend), "length": length}
-    _set_lengths(mv, knobs, root / "config_sentence_transformers.json")
-    if model_type == "ColBERT":  # PyLate v3 masked punctuation unless told otherwise
-        words = st_config.get("skiplist_words")
-        mv.skiplist_words = list(string.punctuation) if words is None else _skiplist(words, root)
-    return mv
-
-
-def _compose_legacy_prefixes(st_config: dict, mv: MultiVectorSpec) -> dict:
-    """PyLate's query_prefix / document_prefix become the front of the query / document prompts (ST
-    puts a saved prompt's text after the prefix)."""
-    prompts = dict(st_config.get("prompts") or {})
-    for prefix_key, prompt_key in (("query_prefix", "query"), ("document_prefix", "document")):
-        if prefix_key in st_config:
-            prefix = st_config[prefix_key] or ""
-            prompts[prompt_key] = prefix + (prompts.get(prompt_key) or "").removeprefix(prefix)
-    return {**st_config, "prompts": prompts}
-
-
-def _set_lengths(mv: MultiVectorSpec, values: dict, where: Path) -> None:
-    """query_length / document_length / query_expansion, where `values` has them (checked as ST's
-    Transformer checks them)."""
-    for key in ("query_length", "document_length"):
-        if key in values:
-            value = values[key]
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{where}: {key} must be a positive int, got {value!r}")
-            setattr(mv, key, value)
-    if "query_expansion" in values:
-        mv.query_expansion = _query_expansion(values["query_expansion"], where)
-    if mv.query_expansion is not None and mv.query_length is not None and mv.query_length < mv.query_expansion.length:
-        raise ValueError(f"{where}: query_length={mv.query_length} is smaller than query_expansion length "
-                         f"{mv.query_expansion.length} (ST refuses it too)")
-
-
-def _query_expansion(value: object, where: Path) -> QueryExpansion | None:
-    if value is None:
-        return None
-    if not isinstance(value, dict) or set(value) - {"strategy", "attend", "token", "length"}:
-        raise ValueError(f"{where}: query_expansion {value!r} must be a dict of strategy, attend, token, length")
-    strategy, attend, token, length = (value.get("strategy"), value.get("attend", False), value.get("token"),
-                                       value.get("length"))
-    if (strategy not in ("fixed", "min") or not isinstance(attend, bool) or (token is not None and not isinstance(token, str))
-            or not isinstance(length, int) or isinstance(length, bool) or length < 1):
-        raise ValueError(f"{where}: query_expansion {value!r} is not valid (strategy 'fixed' or 'min', attend a "
-                         "bool, token a str or null, length a positive int)")
-    return QueryExpansion(strategy=strategy, attend=attend, token=token, length=length)
-
-
-def _skiplist(words: object, where: Path) -> list[str]:
-    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
-        raise ValueError(f"{where}: skiplist_words must be a list of strings, got {words!r}")
-    return list(words)
-
-
-def _read_multi_vector_lengths(mv: MultiVectorSpec, cfg: dict, where: Path) -> dict:
-    """The Transformer's own query_length / document_length / query_expansion (they win over
-    PyLate's top-level knobs, as in ST); the config without them, for the other checks."""
-    _set_lengths(mv, cfg, where / "sentence_bert_config.json")
-    return {key: value for key, value in cfg.items() if key not in _PYLATE_KNOBS}
-
-
-def _read_multi_vector_module(mv: MultiVectorSpec, module: _Module, modules_path: Path,
-                              trust_remote_code: bool) -> None:
-    """A module after the Transformer of a multi-vector model: token-level Dense / Normalize, the
-    MultiVectorMask; anything else (Pooling, token pooling, ...) is refused."""
-    kind, where = module.kind, module.where
-    if kind == "Dense":
-        cfg = _read_json(where / "config.json")
-        for key in ("module_input_name", "module_output_name"):
-            if cfg.get(key, "token_embeddings") != "token_embeddings":
-                raise ValueError(f"{where}/config.json: a Dense module on {cfg[key]!r} in a multi-vector model is "
-                                 "not supported (only on the token embeddings)")
-        cfg = {k: v for k, v in cfg.items() if k not in ("module_input_name", "module_output_name")}
-        mv.token_modules.append(_dense(cfg, where, trust_remote_code))
-    elif kind == "Normalize":
-        cfg = _read_optional_json(where / "config.json")
-        if cfg.get("module_input_name", "token_embeddings") != "token_embeddings":
-            raise ValueError(f"{where}: a Normalize on {cfg['module_input_name']!r} in a multi-vector model is "
-                             "not supported (only on the token embeddings)")
-        mv.token_modules.append(HeadModule(kind="normalize"))
-    elif kind == "MultiVectorMask":
-        _read_mask(mv, _read_optional_json(where / "config.json"), where)
-    elif kind not in _IGNORED_TYPES:
-        raise ValueError(f"{modules_path}: module type {module.saved_type!r} in a multi-vector model is not "
-                         "supported (supported: Transformer, Dense and Normalize on token embeddings, "
-                         "MultiVectorMask, Dropout); it would change the output, so the model is refused")
-
-
-def _read_mask(mv: MultiVectorSpec, cfg: dict, where: Path) -> None:
-    unknown = set(cfg) - _MASK_KEYS
-    if unknown:
-        raise ValueError(f"{where}/config.json: MultiVectorMask keys {sorted(unknown)} are not supported")
-    mv.mask_module = True
-    mv.skiplist_words = _skiplist(cfg.get("skiplist_words") or [], where)
-    tasks = cfg.get("skiplist_tasks")
-    tasks = ["document"] if tasks is None else [tasks] if isinstance(tasks, str) else tasks
-    if not isinstance(tasks, list) or not set(tasks) <= {"query", "document"}:
-        raise ValueError(f"{where}/config.json: skiplist_tasks {tasks!r} must name 'query' and/or 'document'")
-    mv.skiplist_tasks = list(tasks)
-    keep = cfg.get("keep_only_token_ids")
-    if keep is not None and (not isinstance(keep, list) or not all(isinstance(i, int) for i in keep)):
-        raise ValueError(f"{where}/config.json: keep_only_token_ids must be a list of ints, got {keep!r}")
-    mv.keep_only_token_ids = keep
-
-
-def _finish_multi_vector(layout: STLayout, root: Path) -> None:
-    """After modules.json: PyLate v3 saves list [Transformer, Dense] only (ST appends the
-    punctuation mask and a Normalize); a final token Normalize becomes the `normalize` default."""
-    mv = layout.multi_vector
-    if layout.pooling_module or layout.head_modules or layout.sparse is not None:
-        raise ValueError(f"{root}/modules.json: pooling or sentence-level modules in a multi-vector model")
-    pylate_v3 = _read_optional_json(root / "config_sentence_transformers.json").get("model_type") == "ColBERT"
-    if pylate_v3:
-        if _has_mask_module(root):
-            raise ValueError(f"{root}/modules.json: a PyLate save (model_type 'ColBERT') that lists a "
-                             "MultiVectorMask is not supported (ST would add a second one)")
-        mv.mask_module = True
-        mv.token_modules.append(HeadModule(kind="normalize"))
-    elif not _has_mask_module(root):
-        mv.mask_module, mv.skiplist_words = False, []
-    if mv.token_modules and mv.token_modules[-1].kind == "normalize":
-        mv.token_modules.pop()
-        layout.normalize = True
-
-
-def _has_mask_module(root: Path) -> bool:
-    return any(m.kind == "MultiVectorMask" for m in _modules(root / "modules.json"))
-
-
-def _with_multi_vector(spec: ModelSpec, st: STLayout, path: Path) -> ModelSpec:
-    """A MultiVectorEncoder's spec: token vectors only (task token_embed and MaxSim scores), the
-    query / document routes, and the checks of what the engine cannot do as ST does."""
-    if "HF_ColBERT" in spec.architectures:
-        raise ValueError(f"{path}: Stanford-NLP ColBERT checkpoints (architecture HF_ColBERT, the projection "
-                         "inline in the weights) are not supported; a PyLate or sentence-transformers save is")
-    mv = st.multi_vector
-    if mv is None:
-        return spec
-    if spec.head != "none" or spec.model_class != "auto":
-        raise ValueError(f"{path}: a multi-vector model must be a plain encoder (got head {spec.head!r})")
-    for name, length in (("query_length", mv.query_length), ("document_length", mv.document_length),
-                         ("query_expansion length", mv.query_expansion and mv.query_expansion.length)):
-        if length is not None and length > spec.max_model_len:
-            raise ValueError(f"{path}: {name}={length} is more than the model's {spec.max_model_len} positions")
-    tokenizer_config = _read_optional_json(path / "tokenizer_config.json")
-    if mv.query_expansion is not None and tokenizer_config.get("padding_side") == "left":
-        raise ValueError(f"{path}: query expansion with a left-padding tokenizer is not supported")
-    size = spec.hidden_size
-    for module in mv.token_modules:
-        if module.kind == "dense":
-            if module.in_features != size:
-                raise ValueError(f"Dense module in {module.path!r} takes {module.in_features} features but the "
-                                 f"module before it gives {size}")
-            size = module.out_features
-    return msgspec.structs.replace(
-        spec, multi_vector=mv, late_interaction=True, normalize=st.normalize, embedding_size=size,
-        tasks=["token_embed", "score"], routes=["query", "document"], default_route=None)
-
-
-# ---- JSON -------------------------------------------------------------------------------------
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"model file {path} cannot be read as JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"model file {path} is not a JSON object")
-    return data
-
-
-def _read_optional_json(path: Path) -> dict:
-    return _read_json(path) if path.is_file() else {}
