@@ -34,7 +34,21 @@ def test_encode_returns_what_sentence_transformers_returns(encoder, st_model):
     as_list = encoder.encode(TEXTS[:3], convert_to_numpy=False)
     assert isinstance(as_list, list) and all(isinstance(t, torch.Tensor) for t in as_list)
     assert encoder.get_sentence_embedding_dimension() == 384
-    assert encoder.encode([]).shape == (0, 384)
+
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"precision": "int8"}, {"precision": "binary"}, {"truncate_dim": 8},
+                                    {"convert_to_tensor": True}, {"convert_to_numpy": False},
+                                    {"output_value": "token_embeddings"}], ids=str)
+def test_encode_of_no_sentences_is_what_sentence_transformers_returns(encoder, st_model, kwargs):
+    """ST returns an empty 1-D array (float64) for [], whatever the precision: not (0, 384), and not
+    an error from quantizing nothing; an empty tensor or list for the other return types."""
+    ref, got = st_model.encode([], **kwargs), encoder.encode([], **kwargs)
+    assert type(got) is type(ref)
+    if isinstance(ref, list):
+        assert got == ref == []
+    else:
+        assert tuple(got.shape) == tuple(ref.shape) and got.dtype == ref.dtype
 
 
 @pytest.mark.parametrize("truncate_dim,normalize", [(64, False), (64, True), (None, True)])

@@ -97,6 +97,8 @@ class SentenceEncoder:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         single = isinstance(sentences, str)
         texts = [sentences] if single else sentences
+        if not single and isinstance(texts, Sequence) and len(texts) == 0:
+            return _empty(output_value, convert_to_tensor, convert_to_numpy)
         if output_value == "token_embeddings":
             return self._token_embeddings(texts, prompt_name, prompt, show_progress_bar, single, convert_to_tensor,
                                           convert_to_numpy)
@@ -179,6 +181,19 @@ class SentenceEncoder:
 def _matrix(embeddings) -> np.ndarray:
     array = embeddings.detach().cpu().numpy() if hasattr(embeddings, "detach") else np.asarray(embeddings)
     return array.reshape(1, -1) if array.ndim == 1 else array
+
+
+def _empty(output_value: str, convert_to_tensor: bool, convert_to_numpy: bool):
+    """What ST's encode returns for no sentences, whatever the precision or truncate_dim: an empty
+    1-D float64 array, an empty float32 tensor, or an empty list (token embeddings, or
+    convert_to_numpy=False)."""
+    if output_value == "token_embeddings" or (not convert_to_numpy and not convert_to_tensor):
+        return []
+    if convert_to_tensor:
+        import torch
+
+        return torch.zeros(0, dtype=torch.float32)
+    return np.array([])
 
 
 def _shaped(vectors: np.ndarray, single: bool, convert_to_tensor: bool, convert_to_numpy: bool):
