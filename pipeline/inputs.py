@@ -155,7 +155,9 @@ class RequestSource:
         chars = 0
         for prompt in itertools.islice(self.prompts, limit):
             prompts.append(prompt)
-            chars += len(prompt) if type(prompt) in _SIZED else 1
+            kind = type(prompt)
+            # (an ndarray's size: a 0-d array has no len(), and is refused by its own check later)
+            chars += prompt.size if kind is np.ndarray else len(prompt) if kind in _SIZED else 1
             if chars >= max_chars:
                 return prompts, False
         return prompts, len(prompts) < limit

@@ -25,6 +25,9 @@ BAD_PROMPTS = [
     ([{"tokens": [1, 2]}], ValueError, "request 0: a dict prompt must have exactly one key"),
     ([{"prompt": 5}], TypeError, "request 0: 'prompt' must be a str"),
     ([OK, "bad \ud800 surrogate"], ValueError, "request 1: text is not valid Unicode"),
+    ([np.array([101, 102]), np.array(5)], TypeError, "request 1: token ids must be a flat list of integers, got an "
+     "array of 0 dimensions"),
+    ([OK, np.array(5), OK], TypeError, "request 1: token ids must be a flat list of integers"),
     (b"bytes are not text", TypeError, "bytes"),
     (None, TypeError, "None"),
     (12, TypeError, "int"),
@@ -68,6 +71,13 @@ def test_bad_option_gets_a_clear_error(pipe, kwargs, exc, message):
     with pytest.raises(exc, match=_re(message)):
         pipe.embed([OK, OK, OK], use_tqdm=False, **kwargs)
     assert len(pipe.embed([OK], use_tqdm=False)) == 1
+
+
+def test_a_zero_dimensional_array_fails_its_request_only_with_errors_return(pipe):
+    """A 0-d array has no len(): it is named as its request's error, and the others are embedded."""
+    outs = pipe.embed([np.array([101, 102]), np.array(5), OK], use_tqdm=False, errors="return")
+    assert outs[0].error is None and outs[2].error is None
+    assert "request 1" in outs[1].error and "0 dimensions" in outs[1].error
 
 
 def test_bad_prompt_deep_in_a_stream_aborts_cleanly(pipe):
