@@ -544,7 +544,8 @@ def release_free_memory() -> None:
 
 
 def main(argv: list[str]) -> int:
-    cfg = msgspec.json.decode(argv[1], type=EngineConfig)
+    with open(argv[1], "rb") as f:  # the config file the group wrote (see ProcessGroup._spawn)
+        cfg = msgspec.json.decode(f.read(), type=EngineConfig)
     key = take_group_key()
     log = setup_logging(cfg.log_level, "engine")
     exit_with_parent(cfg.parent_pid, socket_dir_of(cfg.output_endpoint))

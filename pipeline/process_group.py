@@ -253,9 +253,15 @@ class ProcessGroup:
         env.setdefault("HF_HUB_OFFLINE", "1")  # models load from local paths only
         env[GROUP_KEY_ENV] = self.key.hex()
         log_path = self.dir / f"{role}{index}.log"
+        # The config goes in a file of the private directory, its path on the command line: a
+        # model's description (its prompts, say) can be larger than an argument may be.
+        config_path = self.dir / f"{role}{index}.json"
+        fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(msgspec.json.encode(cfg))
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(
-                [sys.executable, "-m", module, msgspec.json.encode(cfg).decode()],
+                [sys.executable, "-m", module, str(config_path)],
                 stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                 # The private directory as working directory: nothing in the caller's (a local
                 # `core/` or `pipeline.py`) can shadow a module the children import.

@@ -98,6 +98,24 @@ def test_engine_that_cannot_start_is_a_clear_error(tmp_path, model_path):
     # Nothing of that group is left (checked again by the session's orphan check).
 
 
+def test_a_model_description_larger_than_a_command_line_argument_starts(tmp_path, model_path, st_model):
+    """A 200 KB prompt in config_sentence_transformers.json: each child's config (the whole model
+    description) travels in a 0600 file of the group's private directory, not as one argument (Linux
+    refuses an argument over 128 KB: 'Argument list too long')."""
+    import shutil
+
+    path = tmp_path / "big-prompt"
+    shutil.copytree(model_path, path)
+    config = json.loads((path / "config_sentence_transformers.json").read_text())
+    config["prompts"] = {**config.get("prompts", {}), "huge": "word " * 40_000}
+    (path / "config_sentence_transformers.json").write_text(json.dumps(config))
+    with Pipeline(model=str(path), num_render_workers=1) as pipe:
+        configs = sorted(pipe._group.dir.glob("*.json"))
+        assert configs and all(stat.S_IMODE(c.stat().st_mode) == 0o600 for c in configs)
+        outs = pipe.embed(["a sentence"], use_tqdm=False)
+    assert np.abs(outs[0].embedding - st_model.encode(["a sentence"])[0]).max() <= 1e-5
+
+
 def test_engine_killed_mid_call_raises_within_seconds():
     pipe = Pipeline()
     try:

@@ -38,7 +38,8 @@ POLL_MS = 500
 
 
 def main(argv: list[str]) -> int:
-    cfg = msgspec.json.decode(argv[1], type=WorkerConfig)
+    with open(argv[1], "rb") as f:  # the config file the group wrote (see ProcessGroup._spawn)
+        cfg = msgspec.json.decode(f.read(), type=WorkerConfig)
     key = take_group_key()
     log = setup_logging(cfg.log_level, f"worker{cfg.index}")
     exit_with_parent(cfg.parent_pid, socket_dir_of(cfg.output_endpoint))
