@@ -356,10 +356,7 @@ class Pipeline:
                              "use truncate_prompt_tokens")
         if isinstance(values["priority"], (list, tuple)):
             values["priority"] = None
-        if self.model_spec.multi_vector is not None:
-            values = _route_queries_and_documents(values, len(queries), len(docs))
-        elif values.get("route") is None:  # a Router model: queries take its query route, documents its document route
-            values["route"] = _score_routes(self.model_spec, len(queries), len(docs))
+        values["route"] = _score_routes(self.model_spec, values.get("route"), len(queries), len(docs))
         opts = self._options("embed" if kind == "bi_encoder" else "token_embed", **values)
         similarity_fn = self.model_spec.similarity
         length_normalize = self.model_spec.multi_vector is not None and self.model_spec.multi_vector.length_normalize
@@ -481,11 +478,15 @@ def _ranked(scores: list[ScoringOutput], top_k: int | None) -> list[RankedDocume
     return ranked[:top_k] if top_k is not None else ranked
 
 
-def _score_routes(spec, num_queries: int, num_docs: int) -> list[str] | None:
-    """A Router model's routes for score(), as ST users compute it:
-    similarity(encode_query(data_1), encode_document(data_2)). None for a model without routes."""
-    if not spec.routes:
-        return None
+def _score_routes(spec, route, num_queries: int, num_docs: int):
+    """The routes of score()'s texts, as ST users compute it: similarity(encode_query(data_1),
+    encode_document(data_2)) on a model with routes (a Router's, a ColBERT model's); the caller's
+    `route` otherwise, or where a Router model is given one. A multi-vector model routes its queries
+    and documents itself."""
+    if spec.multi_vector is not None and route is not None:
+        raise ValueError("score() of a multi-vector model routes queries and documents itself; give no route")
+    if not spec.routes or route is not None:
+        return route
     return ["query"] * num_queries + ["document"] * num_docs
 
 
@@ -500,14 +501,6 @@ def _score_side(data, name: str) -> list:
 
 
 EMPTY_DOCUMENT_SCORE = -1e9  # ST's maxsim for a document with no vector
-
-
-def _route_queries_and_documents(values: dict, num_queries: int, num_docs: int) -> dict:
-    """A multi-vector model scores its queries on the query route and its documents on the
-    document route (ST's encode_query / encode_document, then similarity)."""
-    if values.get("route") is not None:
-        raise ValueError("score() of a multi-vector model routes queries and documents itself; give no route")
-    return {**values, "route": ["query"] * num_queries + ["document"] * num_docs}
 
 
 def _max_sim(query: np.ndarray, doc: np.ndarray, length_normalize: bool = False) -> float:
