@@ -167,7 +167,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_message_items: int  # most requests in one EngineInputBatch (to keep the window exact)
     torch_threads: int
     input_endpoint: str  # engine binds; render workers push inputs here
-    control_endpoint: str  # frontend binds; engine pulls Abort/Shutdown
+    control_endpoint: str  # frontend binds (a ROUTER); engine connects a DEALER for Abort/Shutdown
+    # The engine's address on the control socket: random, known to the frontend and this engine only,
+    # so Abort and Shutdown reach this engine and no other peer of the socket (see runtime.addressed_socket).
+    control_routing_id: bytes = b""
     output_endpoint: str  # frontend binds; engine pushes results
     parent_pid: int
     log_level: str = "WARNING"
@@ -178,7 +181,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 class WorkerConfig(msgspec.Struct, kw_only=True):
     index: int
     model: ModelSpec
-    work_endpoint: str  # frontend binds; this worker pulls RenderBatch
+    work_endpoint: str  # frontend binds (a ROUTER); this worker connects a DEALER for RenderBatch
+    routing_id: bytes = b""  # this process's address on the work socket (random, new per start)
     engine_endpoints: list[str]  # one per engine core (each binds its own); RenderBatch.engine picks one
     output_endpoint: str
     parent_pid: int

@@ -40,6 +40,7 @@ from pooling_pipeline.core.config import EngineConfig
 from pooling_pipeline.core.runtime import (
     BusyClock,
     DropLog,
+    addressed_socket,
     exit_with_parent,
     run_maybe_profiled,
     setup_logging,
@@ -202,7 +203,7 @@ class EngineCore:
 
     def serve(self, ctx: zmq.Context, to_front: zmq.Socket) -> None:
         inputs = socket(ctx, zmq.PULL, self.cfg.input_endpoint, bind=True)
-        control = socket(ctx, zmq.PULL, self.cfg.control_endpoint, bind=False)
+        control = addressed_socket(ctx, self.cfg.control_endpoint, self.cfg.control_routing_id)
         to_front.send_multipart(self.encoder.encode(m.Ready("engine", self.cfg.index, os.getpid(), info=self.ready_info())))
         start_heartbeat(ctx, self.cfg.output_endpoint, "engine", self.cfg.index, self.clock, self.key)
         # Each socket is used by one thread only: these two by the input thread, to_front by the output thread.

@@ -324,11 +324,17 @@ class Ready(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
 
 class Heartbeat(msgspec.Struct, tag=True, array_like=True):
     """Sent every second by a thread of each child: it is alive, and how long its loop has been
-    inside one piece of work (a wedged step shows here; a stopped process stops sending)."""
+    inside one piece of work (a wedged step shows here; a stopped process stops sending). A render
+    worker also counts the work messages it has received and finished: the frontend compares them
+    with what it sent, so a batch that never reached an idle worker is noticed (ProcessGroup)."""
 
     role: str
     index: int
     busy_s: float
+    pid: int = 0  # the sender's process (a late heartbeat of a replaced worker is not the new one's)
+    received: int = 0  # work messages taken from the work socket so far (render workers)
+    finished: int = 0  # of those, handled to the end (rendered and sent on)
+    sent_at: float = 0.0  # the sender's time.monotonic() (system-wide) when it made this heartbeat
 
 
 # What each socket accepts.

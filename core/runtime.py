@@ -126,6 +126,55 @@ def socket(ctx: zmq.Context, kind: int, endpoint: str, bind: bool) -> zmq.Socket
     return sock
 
 
+# The frontend's sending sockets are ROUTERs and each child connects a DEALER under a random
+# routing id that only the frontend and that child know (it travels in the child's 0600 config
+# file). A message goes to the one peer it is addressed to: a process that connects to the socket
+# by mistake receives nothing (with a PUSH socket it would take every other message, round-robin).
+def router_socket(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    """The frontend's bound sending socket: sends only to known peers (ROUTER_MANDATORY: an unknown
+    or gone peer is an error, never a silent drop) and reads nothing, so a peer that writes to it
+    is cut off (MAXMSGSIZE) rather than queued."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    # (not 0: the peer's routing id arrives in a frame of up to 255 bytes during the handshake)
+    sock.setsockopt(zmq.MAXMSGSIZE, 256)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.bind(endpoint)
+    return sock
+
+
+def addressed_socket(ctx: zmq.Context, endpoint: str, routing_id: bytes) -> zmq.Socket:
+    """A child's receiving end of a router_socket, under the routing id the frontend gave it."""
+    if not routing_id:
+        raise ValueError("a child's routing id is empty (this is a bug: the process group sets one per start)")
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    sock.connect(endpoint)
+    return sock
+
+
+def send_to(sock: zmq.Socket, routing_id: bytes, frames: list) -> None:
+    """Sends without blocking to one peer of a router_socket; zmq.Again when it cannot take the
+    message now: not connected (yet, or any more) or its queue is full."""
+    try:
+        sock.send_multipart([routing_id, *frames], zmq.NOBLOCK)
+    except zmq.ZMQError as e:
+        if e.errno == zmq.EHOSTUNREACH:
+            raise zmq.Again() from e
+        raise
+
+
+class WorkCount:
+    """A render worker's count of the work messages it took and finished, read by its heartbeat
+    thread (plain ints: each is written by the worker's loop only)."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self.finished = 0
+
+
 class BusyClock:
     """When the owning loop started its current piece of work (None when idle), on the process's
     RunClock: a step that was stopped with the whole group does not look wedged afterwards."""
@@ -150,10 +199,11 @@ class BusyClock:
         return 0.0 if since is None else max(0.0, self.run_clock.now() - since)
 
 
-def start_heartbeat(ctx: zmq.Context, endpoint: str, role: str, index: int, clock: BusyClock, key: bytes) -> None:
+def start_heartbeat(ctx: zmq.Context, endpoint: str, role: str, index: int, clock: BusyClock, key: bytes,
+                    work: WorkCount | None = None) -> None:
     """A daemon thread that sends Heartbeat every second on its own socket (sockets are not
     shared between threads) and ticks the process's RunClock. torch and the tokenizers release
-    the GIL, so it runs during work."""
+    the GIL, so it runs during work. `work`: a render worker's message counts, sent along."""
     from pooling_pipeline.core.messages import Heartbeat
     from pooling_pipeline.core.serial import Encoder
 
@@ -161,10 +211,16 @@ def start_heartbeat(ctx: zmq.Context, endpoint: str, role: str, index: int, cloc
         sock = socket(ctx, zmq.PUSH, endpoint, bind=False)
         sock.setsockopt(zmq.SNDHWM, 16)  # never queue more than a few if the frontend is not reading
         encoder = Encoder(key)
+        pid = os.getpid()
         while True:
             clock.run_clock.tick()
+            # finished before received: read the other way round, a message taken in between
+            # could look finished before it was counted as received.
+            finished = work.finished if work is not None else 0
+            received = work.received if work is not None else 0
+            beat = Heartbeat(role, index, clock.busy_s(), pid, received, finished, time.monotonic())
             try:
-                sock.send_multipart(encoder.encode(Heartbeat(role, index, clock.busy_s())), zmq.NOBLOCK)
+                sock.send_multipart(encoder.encode(beat), zmq.NOBLOCK)
             except zmq.Again:
                 pass
             except zmq.ZMQError:

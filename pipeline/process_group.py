@@ -4,6 +4,10 @@ Transport: ipc:// endpoints in a fresh private directory (mode 0700) per group, 
 (and by the children when the frontend's process dies without closing: SIGTERM, SIGKILL). The
 frontend binds its sockets; the children connect (and the engine binds its input socket).
 Every message carries the group's random key (`core.serial`); frames without it are dropped.
+What the frontend sends (work, control) is addressed to one child's random routing id
+(`runtime.router_socket`), so a process that connects to a socket receives nothing, and each
+worker's heartbeat counts the messages it took: a batch that never reached its worker is
+noticed (`_lost_work`) and re-sent with the rest of that worker's work.
 Children start as module entry points with `python -m`, never forked from the caller, so a
 process holding torch threads is never forked and no `__main__` guard is needed.
 
@@ -43,7 +47,15 @@ import zmq
 
 from pooling_pipeline.core import messages as m
 from pooling_pipeline.core.config import EngineConfig, ModelSpec, WorkerConfig
-from pooling_pipeline.core.runtime import GROUP_KEY_ENV, HEARTBEAT_INTERVAL_S, DropLog, RunClock, socket
+from pooling_pipeline.core.runtime import (
+    GROUP_KEY_ENV,
+    HEARTBEAT_INTERVAL_S,
+    DropLog,
+    RunClock,
+    router_socket,
+    send_to,
+    socket,
+)
 from pooling_pipeline.core.serial import KEY_BYTES, Decoder, Encoder
 from pooling_pipeline.errors import EngineDeadError, PipelineError, WorkerStartError
 
@@ -76,6 +88,15 @@ RESTART_WINDOW_S = 60.0
 FRONTEND_CLOCK_MAX_GAP_S = 0.5
 RESUME_GRACE_S = 2 * HEARTBEAT_INTERVAL_S + 0.5
 WORKER_POLL_INTERVAL_S = 0.02
+# A child's address on a frontend socket (runtime.router_socket): random, so no other peer can
+# claim it.
+ROUTING_ID_BYTES = 16
+# A batch sent to a worker that then reports, in two heartbeats made at least this long after
+# the send, that it is idle and took fewer messages than were sent to it, was lost on the way:
+# the worker is handled as wedged (killed, its batches re-sent). Delivery over ipc takes
+# microseconds; two heartbeats keep a worker that was stopped with the message in its queue (and
+# whose heartbeat thread woke first) from being taken for one that lost it.
+LOST_WORK_GRACE_S = 2.0
 
 
 def endpoint_names(num_workers: int, num_engines: int = 1) -> list[str]:
@@ -208,18 +229,26 @@ class ProcessGroup:
         self.startup_timeout_s = startup_timeout_s  # a child (a restarted worker too) may take this long to be ready
         self.engines: list[Child] = []
         self.controls: list[zmq.Socket] = []
+        self.control_ids = [secrets.token_bytes(ROUTING_ID_BYTES) for _ in range(data_parallel_size)]
+        # Each worker process's routing id (new per start) and what was sent to it: the number of
+        # messages, and (number, time.monotonic()) of those it has not yet said it received.
+        self.worker_ids = [b""] * num_workers
+        self.work_sent = [0] * num_workers
+        self.unreceived: list[deque[tuple[int, float]]] = [deque() for _ in range(num_workers)]
+        self.caught_up: list[tuple[int, float] | None] = [None] * num_workers  # (received, heartbeat time)
+        self.lost_work: list[str | None] = [None] * num_workers
         try:
             self.results = socket(self.ctx, zmq.PULL, self.endpoints["results"], bind=True)
             # One control socket per engine core: an Abort or Shutdown goes to the engine it is for.
-            self.controls = [socket(self.ctx, zmq.PUSH, self.endpoints[f"control_{k}"], bind=True)
-                             for k in range(data_parallel_size)]
+            self.controls = [router_socket(self.ctx, self.endpoints[f"control_{k}"]) for k in range(data_parallel_size)]
             self.control = self.controls[0]
-            self.work = [socket(self.ctx, zmq.PUSH, ep(f"work-{i}"), bind=True) for i in range(num_workers)]
+            self.work = [router_socket(self.ctx, ep(f"work-{i}")) for i in range(num_workers)]
             self.engine_cfgs = [EngineConfig(
                 model=spec, device=engine_devices[k], dtype=dtype, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, window=window, max_message_items=max_message_items,
                 torch_threads=engine_threads, input_endpoint=self.endpoints[f"engine_in_{k}"],
-                control_endpoint=self.endpoints[f"control_{k}"], output_endpoint=self.endpoints["results"],
+                control_endpoint=self.endpoints[f"control_{k}"], control_routing_id=self.control_ids[k],
+                output_endpoint=self.endpoints["results"],
                 parent_pid=os.getpid(), log_level=log_level, index=k, **({"sim": sim} if sim is not None else {}))
                 for k in range(data_parallel_size)]
             self.engine_cfg = self.engine_cfgs[0]
@@ -276,8 +305,15 @@ class ProcessGroup:
         return child
 
     def start_worker(self, index: int) -> Child:
+        with self.send_lock:  # a new process: a new address, nothing sent to it yet
+            self.worker_ids[index] = secrets.token_bytes(ROUTING_ID_BYTES)
+            self.work_sent[index] = 0
+            self.unreceived[index].clear()
+            self.caught_up[index] = None
+            self.lost_work[index] = None
         cfg = WorkerConfig(index=index, model=self.spec, work_endpoint=self.work[index].getsockopt_string(zmq.LAST_ENDPOINT),
-                           engine_endpoints=self.engine_inputs, output_endpoint=self.endpoints["results"],
+                           routing_id=self.worker_ids[index], engine_endpoints=self.engine_inputs,
+                           output_endpoint=self.endpoints["results"],
                            parent_pid=os.getpid(), io_processor=self.io_processor,
                            max_message_items=self.engine_cfg.max_message_items, log_level=self.log_level)
         child = self._spawn("worker", index, "pooling_pipeline.workers.main", cfg,
@@ -393,6 +429,11 @@ class ProcessGroup:
     def _note(self, msg) -> None:
         now = self.clock.now()
         if isinstance(msg, m.Heartbeat):
+            if msg.role == "worker":
+                worker = self.workers[msg.index] if 0 <= msg.index < len(self.workers) else None
+                if worker is None or msg.pid != worker.proc.pid:
+                    return  # a late heartbeat of a worker process that was replaced
+                self._note_work(msg)
             self.last_seen[(msg.role, msg.index)] = now
             self.busy_s[(msg.role, msg.index)] = msg.busy_s
         elif isinstance(msg, (m.OutputBatch, m.StepFailed)) and self.num_engines == 1:
@@ -404,11 +445,33 @@ class ProcessGroup:
 
     def send_work(self, worker: int, batch: m.RenderBatch) -> None:
         """A batch to a render worker, whose inputs it sends on to the engine core it names."""
-        # NOBLOCK: a worker that died (no peer on its socket) raises zmq.Again instead of blocking.
+        # A worker that is gone (or not connected yet) raises zmq.Again instead of blocking.
         with self.send_lock:
             if self.closed:
                 raise zmq.Again()
-            self.work[worker].send_multipart(self.encoder.encode(batch), zmq.NOBLOCK)
+            send_to(self.work[worker], self.worker_ids[worker], self.encoder.encode(batch))
+            self.work_sent[worker] += 1
+            self.unreceived[worker].append((self.work_sent[worker], time.monotonic()))
+
+    def _note_work(self, beat: m.Heartbeat) -> None:
+        """A worker's heartbeat: forgets the sends it has received, and records a loss when it is
+        idle (every message it took is finished) without a message sent LOST_WORK_GRACE_S before
+        both this heartbeat and an earlier one with the same count (module docstring)."""
+        i = beat.index
+        with self.send_lock:
+            unreceived = self.unreceived[i]
+            while unreceived and unreceived[0][0] <= beat.received:
+                unreceived.popleft()
+            if beat.finished != beat.received or not unreceived:
+                self.caught_up[i] = None
+                return
+            previous, self.caught_up[i] = self.caught_up[i], (beat.received, beat.sent_at)
+            if previous is None or previous[0] != beat.received:
+                return
+            previous_beat_at, sent_at = previous[1], unreceived[0][1]
+            if previous_beat_at - sent_at >= LOST_WORK_GRACE_S and beat.sent_at > previous_beat_at:
+                self.lost_work[i] = (f"never received {len(unreceived)} batch(es) sent to it (the first "
+                                     f"{beat.sent_at - sent_at:.1f} s ago) although it was idle")
 
     def abort(self, call: str, indices: list[int] | None = None, engine: int | None = None) -> None:
         """Drops these requests of a call (all of them when `indices` is None) in engine core
@@ -419,7 +482,7 @@ class ProcessGroup:
             frames = self.encoder.encode(m.Abort(call, indices))
             for k in range(self.num_engines) if engine is None else (engine,):
                 try:  # never block on an engine that is gone: its requests went with it
-                    self.controls[k].send_multipart(frames, zmq.NOBLOCK)
+                    send_to(self.controls[k], self.control_ids[k], frames)
                 except zmq.Again:
                     log.warning("could not send an abort for call %s: %s is not reachable", call, self.engines[k].name)
 
@@ -463,6 +526,8 @@ class ProcessGroup:
         busy = self.busy_s.get((role, index), 0.0)
         if busy > self.step_timeout_s:
             return f"has been stuck in one piece of work for {busy:.0f} s"
+        if role == "worker":
+            return self.lost_work[index]
         return None
 
     # ---- tear-down -----------------------------------------------------------------------
@@ -476,9 +541,10 @@ class ProcessGroup:
             return  # a forked child: the sockets, children and directory are its parent's
         # Every live child is asked on its own: one that cannot be reached must not keep the
         # others from their orderly exit (the rest are killed after the grace period).
-        asks = [(sock, self.workers[i]) for i, sock in enumerate(getattr(self, "work", []))]
+        asks = [(sock, self.worker_ids[i], self.workers[i]) for i, sock in enumerate(getattr(self, "work", []))]
         engines = getattr(self, "engines", [])
-        asks += [(sock, engines[k] if k < len(engines) else None) for k, sock in enumerate(getattr(self, "controls", []))]
+        asks += [(sock, self.control_ids[k], engines[k] if k < len(engines) else None)
+                 for k, sock in enumerate(getattr(self, "controls", []))]
         with self.send_lock:
             shutdown = self.encoder.encode(m.Shutdown())
             # A child's connection to a socket we bound may not be attached yet (a group closed
@@ -487,18 +553,18 @@ class ProcessGroup:
             retry_until = time.monotonic() + SHUTDOWN_SEND_RETRY_S
             while asks:
                 unreached = []
-                for sock, child in asks:
+                for sock, routing_id, child in asks:
                     if child is None or not child.alive():
                         continue
                     try:
-                        sock.send_multipart(shutdown, zmq.NOBLOCK)
+                        send_to(sock, routing_id, shutdown)
                     except zmq.Again:
-                        unreached.append((sock, child))
+                        unreached.append((sock, routing_id, child))
                     except zmq.ZMQError as e:
                         log.debug("could not ask %s to shut down: %s", child.name, e)
                 asks = unreached
                 if asks and time.monotonic() >= retry_until:
-                    log.debug("could not ask %s to shut down: no connection", ", ".join(c.name for _, c in asks))
+                    log.debug("could not ask %s to shut down: no connection", ", ".join(c.name for _, _, c in asks))
                     break
                 if asks:
                     time.sleep(0.01)

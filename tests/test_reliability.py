@@ -25,6 +25,7 @@ from pooling_pipeline import EngineDeadError, Pipeline, PipelineError, StepError
 from pooling_pipeline.core import messages as m
 from pooling_pipeline.core.columns import Requests
 from pooling_pipeline.core.engine import LAUNCH_AHEAD_ENV, pack_outputs
+from pooling_pipeline.core.runtime import send_to
 from pooling_pipeline.core.serial import Encoder
 
 TOL = 1e-5
@@ -151,8 +152,8 @@ def test_hostile_frames_on_every_socket_are_dropped(pipe, st_model):
             to_engine.send_multipart(frames)
             if not (len(frames) == 1 and frames[0] == valid_wrong_type[0][0]):
                 with group.send_lock:  # the group's own sockets, shared with the frontend's threads
-                    group.control.send_multipart(frames if i % 2 else [frames[0]])
-                    group.work[0].send_multipart(frames)
+                    send_to(group.control, group.control_ids[0], frames if i % 2 else [frames[0]])
+                    send_to(group.work[0], group.worker_ids[0], frames)
         time.sleep(1.5)
     finally:
         to_results.close(0)

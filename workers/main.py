@@ -1,10 +1,12 @@
-"""Render worker process: `python -m pooling_pipeline.workers.main '<WorkerConfig JSON>'`.
+"""Render worker process: `python -m pooling_pipeline.workers.main <config file>` (a WorkerConfig
+as JSON, written by the process group).
 
-Pulls RenderBatch from the frontend, renders it, pushes EngineInputBatch straight to the engine
-core the batch names (one PUSH socket per engine core: data parallel engines are fed by the same
-workers) and per-request failures back to the frontend. Started as its own module entry point (never
-forked from the caller), so it works from scripts without a main guard and from notebooks. Every
-message carries the group's key; one that does not is dropped.
+Takes RenderBatch from the frontend (addressed to this process: see runtime.addressed_socket),
+renders it, pushes EngineInputBatch straight to the engine core the batch names (one PUSH socket
+per engine core: data parallel engines are fed by the same workers) and per-request failures back
+to the frontend. Started as its own module entry point (never forked from the caller), so it works
+from scripts without a main guard and from notebooks. Every message carries the group's key; one
+that does not is dropped.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from pooling_pipeline.core.config import WorkerConfig
 from pooling_pipeline.core.runtime import (
     BusyClock,
     DropLog,
+    WorkCount,
+    addressed_socket,
     exit_with_parent,
     run_maybe_profiled,
     setup_logging,
@@ -58,7 +62,7 @@ def main(argv: list[str]) -> int:
         to_front.close(linger=2000)
         return 1
 
-    work = socket(ctx, zmq.PULL, cfg.work_endpoint, bind=False)
+    work = addressed_socket(ctx, cfg.work_endpoint, cfg.routing_id)
     to_engines = [socket(ctx, zmq.PUSH, endpoint, bind=False) for endpoint in cfg.engine_endpoints]
     rule = renderer.tokenizer.rule
     to_front.send_multipart(encoder.encode(m.Ready(
@@ -68,35 +72,38 @@ def main(argv: list[str]) -> int:
               "suffix_truncation": rule.suffix_exact,
               "truncation_side": str(getattr(renderer.hf, "truncation_side", "right"))},
     )))
-    clock = BusyClock()
-    start_heartbeat(ctx, cfg.output_endpoint, "worker", cfg.index, clock, key)
-    run_maybe_profiled(lambda: serve(cfg, renderer, work, to_engines, to_front, clock, log, key), f"worker{cfg.index}")
+    clock, count = BusyClock(), WorkCount()
+    start_heartbeat(ctx, cfg.output_endpoint, "worker", cfg.index, clock, key, count)
+    run_maybe_profiled(lambda: serve(cfg, renderer, work, to_engines, to_front, clock, count, log, key),
+                       f"worker{cfg.index}")
     log.info("shutting down")
     ctx.destroy(linger=0)
     return 0
 
 
 def serve(cfg: WorkerConfig, renderer, work: zmq.Socket, to_engines: list[zmq.Socket], to_front: zmq.Socket,
-          clock: BusyClock, log, key: bytes) -> None:
-    """The loop: RenderBatch in, EngineInputBatch (and RenderFailed) out, until Shutdown."""
+          clock: BusyClock, count: WorkCount, log, key: bytes) -> None:
+    """The loop: RenderBatch in, EngineInputBatch (and RenderFailed) out, until Shutdown. `count`
+    tells the frontend (in the heartbeat) how many messages arrived and were handled: what it
+    sent and this worker never took is work lost on the way."""
     decoder, encoder = Decoder(m.WorkerInbound, key=key), Encoder(key)
     dropped = DropLog(log, "a malformed or foreign message")
     render_s = 0.0  # time spent rendering, not yet reported (it rides on the next EngineInputBatch)
-    while True:
-        if not work.poll(POLL_MS):
-            continue
-        frames = work.recv_multipart(copy=False)
+
+    def handle(frames) -> bool:
+        """One message; False for Shutdown."""
+        nonlocal render_s
         try:
             msg = decoder.decode(frames)
             if isinstance(msg, m.Shutdown):
-                return
+                return False
             msg.check()
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
             dropped(e)
-            continue
+            return True
         if not 0 <= msg.engine < len(to_engines):  # well-formed, but names no engine core of the group
             dropped(ValueError(f"RenderBatch.engine={msg.engine} is outside [0, {len(to_engines)})"))
-            continue
+            return True
         to_engine = to_engines[msg.engine]
         with clock:
             rows, failed = renderer.render(msg)
@@ -110,7 +117,18 @@ def serve(cfg: WorkerConfig, renderer, work: zmq.Socket, to_engines: list[zmq.So
         if failed:
             to_front.send_multipart(encoder.encode(m.RenderFailed(
                 msg.call, [index for index, _ in failed], [error for _, error in failed])))
+        return True
 
+    while True:
+        if not work.poll(POLL_MS):
+            continue
+        frames = work.recv_multipart(copy=False)
+        count.received += 1
+        try:
+            if not handle(frames):
+                return
+        finally:
+            count.finished += 1
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv))

@@ -1,0 +1,85 @@
+"""Work and control messages reach only the group's own children: a process of the same user
+that connects to a frontend socket by mistake receives nothing and the calls are unaffected; a
+batch that never reaches its worker is noticed and re-sent (issue 25)."""
+
+import threading
+
+import corpus
+import numpy as np
+import zmq
+
+import pooling_pipeline.process_group as process_group
+from pooling_pipeline import Pipeline
+
+TOL = 1e-5
+CALL_TIMEOUT_S = 120
+
+
+def embed_with_timeout(pipe, texts, timeout_s=CALL_TIMEOUT_S):
+    """The call in a thread: a hang fails the test instead of blocking the suite."""
+    box = {}
+
+    def run():
+        try:
+            box["outs"] = pipe.embed(texts, use_tqdm=False)
+        except BaseException as e:  # noqa: BLE001 -- reported by the test
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert not t.is_alive(), f"the call did not finish in {timeout_s} s (a batch was lost)"
+    if "error" in box:
+        raise box["error"]
+    return box["outs"]
+
+
+def test_a_foreign_pull_socket_on_the_work_and_control_sockets_receives_nothing(st_model):
+    texts = corpus.sentences(400, seed=81)
+    with Pipeline(num_render_workers=2, max_inflight=64) as pipe:
+        group = pipe._group
+        ctx = zmq.Context()
+        # A PULL socket on each socket the frontend sends on: with PUSH sockets they took every
+        # other RenderBatch (and Abort/Shutdown), and the call waited for them forever.
+        thieves = []
+        for endpoint in [group.endpoints["control"], *(s.getsockopt_string(zmq.LAST_ENDPOINT) for s in group.work)]:
+            for kind in (zmq.PULL, zmq.DEALER):
+                sock = ctx.socket(kind)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(endpoint)
+                thieves.append(sock)
+        try:
+            outs = embed_with_timeout(pipe, texts)
+            got = np.stack([o.embedding for o in outs])
+            np.testing.assert_allclose(got, st_model.encode(texts), atol=TOL, rtol=0)
+            stolen = sum(1 for sock in thieves if sock.poll(200))
+            assert stolen == 0, f"{stolen} foreign sockets received a message"
+            assert pipe.stats()["group"]["worker_restarts"] == 0
+        finally:
+            for sock in thieves:
+                sock.close(0)
+            ctx.term()
+
+
+def test_a_batch_lost_on_the_way_to_an_idle_worker_is_sent_again(st_model, monkeypatch):
+    """The first batch a worker is sent vanishes on the way (recorded as sent, never delivered):
+    the worker's heartbeats show it idle without it, so it is handled as wedged, restarted, and
+    the call's results are exact."""
+    monkeypatch.setattr(process_group, "RESTART_BACKOFF_S", 0.0)
+    real_send = process_group.send_to
+    lost = []
+
+    def send_losing_the_first_batch(sock, routing_id, frames):
+        if not lost and any(sock is w for w in group.work):
+            lost.append(routing_id)
+            return  # "sent": the frontend counts it, the worker never gets it
+        real_send(sock, routing_id, frames)
+
+    monkeypatch.setattr(process_group, "send_to", send_losing_the_first_batch)
+    texts = corpus.sentences(60, seed=82)
+    with Pipeline(num_render_workers=1) as pipe:
+        group = pipe._group
+        outs = embed_with_timeout(pipe, texts, timeout_s=60)
+        assert lost, "the test lost no batch"
+        np.testing.assert_allclose(np.stack([o.embedding for o in outs]), st_model.encode(texts), atol=TOL, rtol=0)
+        assert pipe.stats()["group"]["worker_restarts"] == 1
