@@ -6,6 +6,7 @@ import fcntl
 import json
 import os
 import shutil
+from pathlib import Path
 
 import corpus
 import numpy as np
@@ -240,3 +241,105 @@ def test_resume_refuses_an_input_changed_since_the_job_began(tmp_path, records, 
     err = capsys.readouterr().err
     assert f"input {path} changed since the job began (size {size} then, {path.stat().st_size} now)" in err
     assert manifest_of(out)["records_done"] == 20  # nothing added to the old job
+
+
+# -- the model's fingerprint covers every file that shapes the output (issue 25) ------------------
+
+@pytest.fixture(scope="module")
+def dense_model(tmp_path_factory):
+    """A SentenceTransformer whose last module (2_Dense/) holds its own small weights."""
+    import model_zoo as zoo
+
+    return Path(zoo.build_bert_dense(tmp_path_factory.mktemp("dense")))
+
+
+def _flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("changed", ["2_Dense/model.safetensors", "2_Dense/config.json", "tokenizer.json"])
+def test_resume_refuses_a_model_changed_in_any_of_its_files(tmp_path, records, dense_model, changed, no_model,
+                                                            capsys):
+    """--limit, then a file in a module folder (or a tokenizer file) of the model changes, then
+    --resume: refused (exit 2) naming the file, never rows from two models in one job."""
+    from pooling_pipeline.jobs.launcher import main
+
+    model = tmp_path / "model"
+    shutil.copytree(dense_model, model)
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "out"
+    argv = ["--input", str(path), "--output", str(out), "--model", str(model), "--quiet", "--chunk-rows", "10"]
+    assert main([*argv, "--limit", "20"]) == 0
+    assert changed in manifest_of(out)["model_files"]
+    target = model / changed
+    if changed.endswith(".json"):  # the same meaning to json.loads' eye would still be a change
+        target.write_text(target.read_text().rstrip() + " \n")
+    else:
+        _flip_last_byte(target)
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"the model changed since the job began (changed: {changed})" in err and "another --output" in err
+    assert manifest_of(out)["records_done"] == 20  # nothing added to the old job
+
+
+def test_a_model_unchanged_but_for_its_readme_resumes(tmp_path, records, dense_model, no_model):
+    from pooling_pipeline.jobs.launcher import main
+
+    model = tmp_path / "model"
+    shutil.copytree(dense_model, model)
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "out"
+    argv = ["--input", str(path), "--output", str(out), "--model", str(model), "--quiet", "--chunk-rows", "10"]
+    assert main([*argv, "--limit", "20"]) == 0
+    (model / "README.md").write_text("# edited\n")
+    (model / ".git").mkdir()
+    (model / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    assert main([*argv, "--resume"]) == 0
+    assert manifest_of(out)["complete"] and manifest_of(out)["records_done"] == len(records)
+
+
+def test_a_manifest_of_the_older_model_fingerprint_is_refused_clearly(tmp_path, records, dense_model, no_model,
+                                                                       capsys):
+    from pooling_pipeline.jobs.launcher import main
+
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "out"
+    argv = ["--input", str(path), "--output", str(out), "--model", str(dense_model), "--quiet"]
+    assert main([*argv, "--limit", "20"]) == 0
+
+    def older(m):  # what the top-level-only fingerprint wrote: another hash, no per-file table
+        m.pop("model_files")
+        m["model_sha256"] = "0" * 64
+    _edit_manifest(out, older)
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "begun by an older pipeline-run whose model fingerprint covered only" in err and "Traceback" not in err
+
+
+def test_the_model_fingerprint_follows_symlinks_and_names_files_by_their_place(tmp_path, dense_model):
+    """A Hugging Face cache snapshot is links into blobs/: the content counts, under the link's name."""
+    from pooling_pipeline.jobs.fingerprint import model_files
+
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshot"
+    blobs.mkdir()
+    blob_of = {}
+    for i, f in enumerate(sorted(p for p in dense_model.rglob("*") if p.is_file())):
+        blob_of[f.relative_to(dense_model).as_posix()] = blob = blobs / f"blob{i}"
+        shutil.copy(f, blob)
+        link = snapshot / f.relative_to(dense_model)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(blob)
+    real = model_files(str(dense_model))
+    assert model_files(str(snapshot)) == real
+    assert {"2_Dense/model.safetensors", "1_Pooling/config.json", "tokenizer.json", "modules.json"} <= set(real)
+    assert "README.md" not in real
+    _flip_last_byte(blob_of["2_Dense/model.safetensors"])
+    linked = model_files(str(snapshot))
+    assert [n for n in real if real[n] != linked[n]] == ["2_Dense/model.safetensors"]

@@ -303,11 +303,15 @@ def _check_pair_field(args: argparse.Namespace) -> None:
 def describe_job(args: argparse.Namespace, sources: list, id_field: str | None) -> dict:
     """What identifies a job: a resume must match it, and load_results reads shards of one job only."""
     from pooling_pipeline import __version__
-    from pooling_pipeline.core.model_layout import load_model_spec
+    from pooling_pipeline.core.model_layout import load_model_spec, resolve_model_path
     from pooling_pipeline.inputs import model_prompts
-    from pooling_pipeline.jobs.fingerprint import model_hash
+    from pooling_pipeline.jobs.fingerprint import model_files, model_hash
 
-    spec = load_model_spec(args.model, trust_remote_code=args.trust_remote_code, revision=args.revision)
+    # The whole model directory is fingerprinted, not only the transformer's folder (spec.path):
+    # ST's modules after it (1_Pooling/, 2_Dense/, a Router's routes) shape the output too.
+    root = resolve_model_path(args.model, args.revision)  # a hub id is resolved (and fetched) once
+    spec = load_model_spec(root, trust_remote_code=args.trust_remote_code)
+    files = model_files(str(root))
     prompts = model_prompts(spec)  # ST's "query" / "document" placeholders among them
     if args.prompt_name is not None and args.prompt_name not in prompts:  # before the model loads
         raise UsageError(f"--prompt-name {args.prompt_name!r} is not among the model's prompts {sorted(prompts)}")
@@ -320,7 +324,8 @@ def describe_job(args: argparse.Namespace, sources: list, id_field: str | None) 
         "version": __version__,
         "task": args.task,
         "model": spec.path,
-        "model_sha256": model_hash(spec.path),
+        "model_sha256": model_hash(files),
+        "model_files": files,  # per file: a resume refused for a changed model names the file
         "inputs": [os.path.abspath(s.path) if s.path != "-" else "-" for s in sources],
         "shard": list(args.shard),
         "params": {"truncate": args.truncate, "long_inputs": args.long_inputs, "precision": args.precision,
