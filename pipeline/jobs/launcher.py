@@ -270,8 +270,10 @@ def run(args: argparse.Namespace, interrupt: Interrupt | None = None) -> int:
             args.id_field = args.id_field or "id"
             return run_ray(args, describe_job(args, sources, args.id_field), [s.path for s in sources])
         reader.probe()
+        fingerprints = input_fingerprints(sources)
         writer = ResultWriter(out, describe_job(args, sources, reader.id_field), resume=args.resume,
-                              fingerprints=input_fingerprints(sources), calibration_rows=args.int8_calibration_rows)
+                              fingerprints=fingerprints, calibration_rows=args.int8_calibration_rows)
+        _say_grown_inputs(writer.manifest.get("input_fingerprints", []), fingerprints)
         if writer.manifest["complete"]:
             print(f"pipeline-run: {out} is complete ({writer.records_done} records); nothing to do")
             return 0
@@ -282,6 +284,15 @@ def run(args: argparse.Namespace, interrupt: Interrupt | None = None) -> int:
         return Job(args, reader, writer, interrupt or Interrupt()).run()
     finally:
         lock.release()
+
+
+def _say_grown_inputs(then: list[dict], now: list[dict]) -> None:
+    """A resume on inputs appended to since the job began reads what they held then: it says so."""
+    for old, new in zip(then, now):
+        if not new.get("stream") and new["size"] > old["size"]:
+            print(f"pipeline-run: input {new['path']} has grown since the job began ({old['size']} bytes then, "
+                  f"{new['size']} now); the job reads its first {old['size']} bytes, as it began (a new job in "
+                  "another --output reads the rest)", file=sys.stderr)
 
 
 def _check_pair_field(args: argparse.Namespace) -> None:
@@ -390,8 +401,11 @@ class Job:
 
     def run(self) -> int:
         args, writer = self.args, self.writer
+        # The inputs as the job began (the fingerprinted sizes): what a file gains while it is read,
+        # or between runs, is not this job's.
         records = self.reader.records(args.shard, skip=writer.records_done,
-                                      resume_stream_sha256=writer.manifest.get("stream_sha256"))
+                                      resume_stream_sha256=writer.manifest.get("stream_sha256"),
+                                      snapshot=writer.manifest.get("input_fingerprints"))
         remaining = None if args.limit is None else args.limit - writer.records_done
         stats: dict | None = None
         failure: BaseException | None = None
