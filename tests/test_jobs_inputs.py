@@ -128,3 +128,33 @@ def test_shards_keep_file_line_and_id(tmp_path):
     records = read([path], shard=(1, 2))
     assert [r.id for r in records] == ["r1", "r3", "r5", "r7"]
     assert records[2].error and records[2].where == f"{path} line 6 (id 'r5')" and records[2].index == 5
+
+
+def test_a_parquet_input_of_another_size_than_its_fingerprint_is_refused(tmp_path):
+    """A Parquet file is read as one version: one rewritten since its fingerprint is refused, naming it."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from pooling_pipeline.jobs.fingerprint import input_fingerprints
+
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"id": ["a", "b"], "text": ["x", "y"]}), path)
+    sources = expand_inputs([str(path)])
+    snapshot = input_fingerprints(sources)
+    assert [r.id for r in RecordReader(sources).records(snapshot=snapshot)] == ["a", "b"]
+    pq.write_table(pa.table({"id": ["a", "b", "c"], "text": ["x", "y", "z"]}), path)
+    with pytest.raises(InputError, match=f"input {path} changed while the job read it"):
+        list(RecordReader(sources).records(snapshot=snapshot))
+
+
+def test_the_snapshot_ends_at_the_fingerprinted_size_and_keeps_a_crlf_line_whole(tmp_path):
+    from pooling_pipeline.jobs.fingerprint import input_fingerprints
+
+    path = tmp_path / "lines.txt"
+    path.write_bytes(b"one\r\ntwo")
+    sources = expand_inputs([str(path)])
+    snapshot = input_fingerprints(sources)
+    with path.open("ab") as f:
+        f.write(b"\r\nthree\n")  # "two" was whole: its line end came after the fingerprint
+    assert [r.text for r in RecordReader(sources).records(snapshot=snapshot)] == ["one", "two"]
+    assert [r.text for r in RecordReader(sources).records()] == ["one", "two", "three"]  # without one: all of it

@@ -6,6 +6,7 @@ import fcntl
 import json
 import os
 import shutil
+from pathlib import Path
 
 import corpus
 import numpy as np
@@ -240,3 +241,206 @@ def test_resume_refuses_an_input_changed_since_the_job_began(tmp_path, records, 
     err = capsys.readouterr().err
     assert f"input {path} changed since the job began (size {size} then, {path.stat().st_size} now)" in err
     assert manifest_of(out)["records_done"] == 20  # nothing added to the old job
+
+
+# -- the model's fingerprint covers every file that shapes the output (issue 25) ------------------
+
+@pytest.fixture(scope="module")
+def dense_model(tmp_path_factory):
+    """A SentenceTransformer whose last module (2_Dense/) holds its own small weights."""
+    import model_zoo as zoo
+
+    return Path(zoo.build_bert_dense(tmp_path_factory.mktemp("dense")))
+
+
+def _flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("changed", ["2_Dense/model.safetensors", "2_Dense/config.json", "tokenizer.json"])
+def test_resume_refuses_a_model_changed_in_any_of_its_files(tmp_path, records, dense_model, changed, no_model,
+                                                            capsys):
+    """--limit, then a file in a module folder (or a tokenizer file) of the model changes, then
+    --resume: refused (exit 2) naming the file, never rows from two models in one job."""
+    from pooling_pipeline.jobs.launcher import main
+
+    model = tmp_path / "model"
+    shutil.copytree(dense_model, model)
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "out"
+    argv = ["--input", str(path), "--output", str(out), "--model", str(model), "--quiet", "--chunk-rows", "10"]
+    assert main([*argv, "--limit", "20"]) == 0
+    assert changed in manifest_of(out)["model_files"]
+    target = model / changed
+    if changed.endswith(".json"):  # the same meaning to json.loads' eye would still be a change
+        target.write_text(target.read_text().rstrip() + " \n")
+    else:
+        _flip_last_byte(target)
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"the model changed since the job began (changed: {changed})" in err and "another --output" in err
+    assert manifest_of(out)["records_done"] == 20  # nothing added to the old job
+
+
+def test_a_model_unchanged_but_for_its_readme_resumes(tmp_path, records, dense_model, no_model):
+    from pooling_pipeline.jobs.launcher import main
+
+    model = tmp_path / "model"
+    shutil.copytree(dense_model, model)
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "out"
+    argv = ["--input", str(path), "--output", str(out), "--model", str(model), "--quiet", "--chunk-rows", "10"]
+    assert main([*argv, "--limit", "20"]) == 0
+    (model / "README.md").write_text("# edited\n")
+    (model / ".git").mkdir()
+    (model / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    assert main([*argv, "--resume"]) == 0
+    assert manifest_of(out)["complete"] and manifest_of(out)["records_done"] == len(records)
+
+
+def test_a_manifest_of_the_older_model_fingerprint_is_refused_clearly(tmp_path, records, dense_model, no_model,
+                                                                       capsys):
+    from pooling_pipeline.jobs.launcher import main
+
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "out"
+    argv = ["--input", str(path), "--output", str(out), "--model", str(dense_model), "--quiet"]
+    assert main([*argv, "--limit", "20"]) == 0
+
+    def older(m):  # what the top-level-only fingerprint wrote: another hash, no per-file table
+        m.pop("model_files")
+        m["model_sha256"] = "0" * 64
+    _edit_manifest(out, older)
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "begun by an older pipeline-run whose model fingerprint covered only" in err and "Traceback" not in err
+
+
+def test_the_model_fingerprint_follows_symlinks_and_names_files_by_their_place(tmp_path, dense_model):
+    """A Hugging Face cache snapshot is links into blobs/: the content counts, under the link's name."""
+    from pooling_pipeline.jobs.fingerprint import model_files
+
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshot"
+    blobs.mkdir()
+    blob_of = {}
+    for i, f in enumerate(sorted(p for p in dense_model.rglob("*") if p.is_file())):
+        blob_of[f.relative_to(dense_model).as_posix()] = blob = blobs / f"blob{i}"
+        shutil.copy(f, blob)
+        link = snapshot / f.relative_to(dense_model)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(blob)
+    real = model_files(str(dense_model))
+    assert model_files(str(snapshot)) == real
+    assert {"2_Dense/model.safetensors", "1_Pooling/config.json", "tokenizer.json", "modules.json"} <= set(real)
+    assert "README.md" not in real
+    _flip_last_byte(blob_of["2_Dense/model.safetensors"])
+    linked = model_files(str(snapshot))
+    assert [n for n in real if real[n] != linked[n]] == ["2_Dense/model.safetensors"]
+
+
+# -- an input that changes while the job reads it (issue 25) -------------------------------------
+
+def _lines(records) -> str:
+    return "".join(json.dumps(r) + "\n" for r in records)
+
+
+@pytest.fixture
+def after_fingerprint(monkeypatch):
+    """Runs `change(path)` right after the job fingerprints its inputs, before it reads them: the
+    deterministic form of a file written to while the job runs."""
+    from pooling_pipeline.jobs import fingerprint
+
+    real = fingerprint.input_fingerprints
+
+    def arm(path, change):
+        def fingerprint_then_change(sources):
+            prints = real(sources)
+            change(path)
+            return prints
+        monkeypatch.setattr(fingerprint, "input_fingerprints", fingerprint_then_change)
+    return arm
+
+
+def test_an_input_appended_to_while_read_gives_the_records_it_had(tmp_path, records, no_model, after_fingerprint,
+                                                                  capsys):
+    from pooling_pipeline.jobs.launcher import main
+
+    path = tmp_path / "docs.jsonl"
+    path.write_text(_lines(records))
+    extra = [{"id": f"late{i}", "text": f"appended {i}"} for i in range(25)]
+    after_fingerprint(path, lambda p: p.open("a").write(_lines(extra) + '{"id": "half", "te'))
+    out = tmp_path / "out"
+    argv = ["--input", str(path), "--output", str(out), "--quiet", "--chunk-rows", "7"]
+    assert main(argv) == 0
+    manifest = manifest_of(out)
+    assert manifest["complete"] and manifest["records_done"] == len(records) and manifest["errors"] == 0
+    ids, _ = load_results(out)
+    assert ids == [r["id"] for r in records]  # exactly the fingerprinted records: no appended one, no fragment
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 0  # the complete job stays complete, as load_results says
+    captured = capsys.readouterr()
+    assert "is complete" in captured.out and "has grown since the job began" in captured.err
+
+
+def test_a_resume_after_an_append_finishes_the_job_on_the_records_it_began_with(tmp_path, records, no_model, capsys):
+    from pooling_pipeline.jobs.launcher import main
+
+    path = tmp_path / "docs.jsonl"
+    path.write_text(_lines(records))
+    out = tmp_path / "out"
+    argv = ["--input", str(path), "--output", str(out), "--quiet", "--chunk-rows", "10"]
+    assert main([*argv, "--limit", "20"]) == 0
+    with path.open("a") as f:
+        f.write(_lines([{"id": "late", "text": "appended between runs"}]))
+    assert main([*argv, "--resume"]) == 0
+    assert load_results(out)[0] == [r["id"] for r in records]
+    assert "has grown since the job began" in capsys.readouterr().err
+
+
+def _finish_last_line_and_append(path):
+    with path.open("a") as f:
+        f.write('xt": "the rest of the line"}\n' + _lines([{"id": "later", "text": "more"}]))
+
+
+def _truncate_to_half(path):
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+def _rewrite_same_size(path):
+    data = path.read_bytes()
+    path.write_bytes(data.replace(b'"r1"', b'"R1"', 1))
+
+
+@pytest.mark.parametrize("change, message", [
+    (_finish_last_line_and_append, "was being written when the job began: its line that ends the"),
+    (_truncate_to_half, "shrank while it was read"),
+    (_rewrite_same_size, "changed while it was read"),
+])
+def test_an_input_cut_or_rewritten_while_read_is_refused(tmp_path, records, no_model, after_fingerprint, change,
+                                                         message, capsys):
+    """Never a record made of half a line, nor a job of two versions of a file: exit 3, naming it."""
+    from pooling_pipeline.jobs.launcher import main
+
+    path = tmp_path / "docs.jsonl"
+    text = _lines(records)
+    path.write_text(text + '{"id": "half", "te' if change is _finish_last_line_and_append else text)
+    after_fingerprint(path, change)
+    out = tmp_path / "out"
+    assert main(["--input", str(path), "--output", str(out), "--quiet", "--chunk-rows", "10"]) == 3
+    err = capsys.readouterr().err
+    assert f"input {path} {message}" in err and "Traceback" not in err
+    assert not manifest_of(out)["complete"]
+    with pytest.raises(ValueError, match="unfinished job"):
+        load_results(out)
+    ids, _ = load_results(out, allow_partial=True)
+    assert "half" not in ids and len(ids) <= len(records)
+    # Nor does a resume make it whole: the file is still not one the job can read as it began.
+    assert main(["--input", str(path), "--output", str(out), "--quiet", "--chunk-rows", "10", "--resume"]) == 3

@@ -199,3 +199,52 @@ def test_pipeline_run_ray_errors_return_and_clear_refusals(local_ray, tmp_path, 
         target = out if message == "already holds a job" else tmp_path / "refused"
         assert main(["--ray", *argv, "--output", str(target), "--quiet"]) == 2
         assert message in capsys.readouterr().err
+
+
+
+def test_pipeline_run_ray_survives_a_killed_actor(tmp_path, pipe):
+    """The README promises that Ray restarts a dead actor and retries its task: an actor killed
+    outright (SIGKILL, its process group with it) while it computes still gives a complete job,
+    every record once, with a clean run's vectors."""
+    subset = [{"id": f"k{i:04d}", "text": t} for i, t in enumerate(corpus.sentences(200, seed=86))]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in subset))
+    out = tmp_path / "out"
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "pooling_pipeline.jobs.launcher", "--ray", "--ray-num-cpus", "2",
+                             "--ray-batch-size", "50", "--input", str(src), "--output", str(out), "--quiet"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        engine = _wait_for_a_computing_engine(proc, deadline_s=300)
+        actor = engine.parent()
+        group = [p.pid for p in actor.children(recursive=True)]  # the engine and its render workers
+        actor.kill()  # SIGKILL: no cleanup in the actor; its engine and workers watch it and go
+        assert wait_gone([actor.pid, *group], 10.0) == []
+        assert not (out / "__job__" / "manifest.json").exists()  # killed mid-job, not after it
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, stderr[-3000:]
+    ids, vectors = load_results(out)
+    assert ids == [r["id"] for r in subset]  # every record once, in input order
+    want = np.stack([o.embedding for o in pipe.embed([r["text"] for r in subset], use_tqdm=False)])
+    assert np.abs(vectors - want).max() <= TOL
+    assert_no_group_left()
+
+
+def _wait_for_a_computing_engine(proc, deadline_s: float) -> psutil.Process:
+    """The engine core of `proc`'s job once it has done a second of work (its model is loaded and
+    batches are coming): the job is under way, its one block not yet written."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        for p in psutil.Process(proc.pid).children(recursive=True):  # the job's Ray instance is its own
+            try:
+                if "pooling_pipeline.core.engine" in p.cmdline() and sum(p.cpu_times()[:2]) > 1.0:
+                    return p
+            except psutil.NoSuchProcess:
+                continue
+        time.sleep(0.05)
+    raise AssertionError("no engine core of the job started computing in time")

@@ -5,7 +5,8 @@
 2    usage error: a bad option (argparse's own code), or an --output that cannot be used (a file,
      read-only, inside an input directory, in use by another run, holding another job).
 3    input error: an input missing or unreadable, a bad record (without --errors return), a
-     --text-field or --id-field that matches nothing, an input changed since the job began.
+     --text-field or --id-field that matches nothing, an input changed since the job began or while
+     it was read.
 130  interrupted by SIGINT (Ctrl-C), 143 by SIGTERM: completed work is kept, --resume continues.
 """
 

@@ -270,8 +270,10 @@ def run(args: argparse.Namespace, interrupt: Interrupt | None = None) -> int:
             args.id_field = args.id_field or "id"
             return run_ray(args, describe_job(args, sources, args.id_field), [s.path for s in sources])
         reader.probe()
+        fingerprints = input_fingerprints(sources)
         writer = ResultWriter(out, describe_job(args, sources, reader.id_field), resume=args.resume,
-                              fingerprints=input_fingerprints(sources), calibration_rows=args.int8_calibration_rows)
+                              fingerprints=fingerprints, calibration_rows=args.int8_calibration_rows)
+        _say_grown_inputs(writer.manifest.get("input_fingerprints", []), fingerprints)
         if writer.manifest["complete"]:
             print(f"pipeline-run: {out} is complete ({writer.records_done} records); nothing to do")
             return 0
@@ -282,6 +284,15 @@ def run(args: argparse.Namespace, interrupt: Interrupt | None = None) -> int:
         return Job(args, reader, writer, interrupt or Interrupt()).run()
     finally:
         lock.release()
+
+
+def _say_grown_inputs(then: list[dict], now: list[dict]) -> None:
+    """A resume on inputs appended to since the job began reads what they held then: it says so."""
+    for old, new in zip(then, now):
+        if not new.get("stream") and new["size"] > old["size"]:
+            print(f"pipeline-run: input {new['path']} has grown since the job began ({old['size']} bytes then, "
+                  f"{new['size']} now); the job reads its first {old['size']} bytes, as it began (a new job in "
+                  "another --output reads the rest)", file=sys.stderr)
 
 
 def _check_pair_field(args: argparse.Namespace) -> None:
@@ -303,11 +314,15 @@ def _check_pair_field(args: argparse.Namespace) -> None:
 def describe_job(args: argparse.Namespace, sources: list, id_field: str | None) -> dict:
     """What identifies a job: a resume must match it, and load_results reads shards of one job only."""
     from pooling_pipeline import __version__
-    from pooling_pipeline.core.model_layout import load_model_spec
+    from pooling_pipeline.core.model_layout import load_model_spec, resolve_model_path
     from pooling_pipeline.inputs import model_prompts
-    from pooling_pipeline.jobs.fingerprint import model_hash
+    from pooling_pipeline.jobs.fingerprint import model_files, model_hash
 
-    spec = load_model_spec(args.model, trust_remote_code=args.trust_remote_code, revision=args.revision)
+    # The whole model directory is fingerprinted, not only the transformer's folder (spec.path):
+    # ST's modules after it (1_Pooling/, 2_Dense/, a Router's routes) shape the output too.
+    root = resolve_model_path(args.model, args.revision)  # a hub id is resolved (and fetched) once
+    spec = load_model_spec(root, trust_remote_code=args.trust_remote_code)
+    files = model_files(str(root))
     prompts = model_prompts(spec)  # ST's "query" / "document" placeholders among them
     if args.prompt_name is not None and args.prompt_name not in prompts:  # before the model loads
         raise UsageError(f"--prompt-name {args.prompt_name!r} is not among the model's prompts {sorted(prompts)}")
@@ -320,7 +335,8 @@ def describe_job(args: argparse.Namespace, sources: list, id_field: str | None) 
         "version": __version__,
         "task": args.task,
         "model": spec.path,
-        "model_sha256": model_hash(spec.path),
+        "model_sha256": model_hash(files),
+        "model_files": files,  # per file: a resume refused for a changed model names the file
         "inputs": [os.path.abspath(s.path) if s.path != "-" else "-" for s in sources],
         "shard": list(args.shard),
         "params": {"truncate": args.truncate, "long_inputs": args.long_inputs, "precision": args.precision,
@@ -385,8 +401,11 @@ class Job:
 
     def run(self) -> int:
         args, writer = self.args, self.writer
+        # The inputs as the job began (the fingerprinted sizes): what a file gains while it is read,
+        # or between runs, is not this job's.
         records = self.reader.records(args.shard, skip=writer.records_done,
-                                      resume_stream_sha256=writer.manifest.get("stream_sha256"))
+                                      resume_stream_sha256=writer.manifest.get("stream_sha256"),
+                                      snapshot=writer.manifest.get("input_fingerprints"))
         remaining = None if args.limit is None else args.limit - writer.records_done
         stats: dict | None = None
         failure: BaseException | None = None

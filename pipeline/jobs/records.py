@@ -146,7 +146,9 @@ class FormatReader:
     def probe(self, first: bool) -> None:
         """Checks the fields against the first records; `first`: the job's first input, which decides the ids."""
 
-    def units(self, digest) -> Iterator[tuple[int, object]]:
+    def units(self, digest, snapshot: dict | None = None) -> Iterator[tuple[int, object]]:
+        """`snapshot`: the input's fingerprint when the job began (fingerprint.file_fingerprint); the
+        records are those of its first `snapshot["size"]` bytes, whatever was appended since."""
         raise NotImplementedError
 
     def parse(self, raw):
@@ -170,7 +172,7 @@ class _LineReader(FormatReader):
         # Lines a probe read from a stream: a stream cannot be read twice, so they are replayed.
         self._replay: list[bytes] = []
 
-    def units(self, digest) -> Iterator[tuple[int, bytes]]:
+    def units(self, digest, snapshot: dict | None = None) -> Iterator[tuple[int, bytes]]:
         """(line number, line without its end) for each record line; a stream's bytes go into `digest`."""
         source = self.source
         if source.stream:
@@ -179,7 +181,8 @@ class _LineReader(FormatReader):
         else:
             lines = _open(source.path)
         try:
-            for line_no, raw in enumerate(lines, start=1):
+            in_snapshot = lines if source.stream or snapshot is None else _snapshot_lines(lines, source, snapshot)
+            for line_no, raw in enumerate(in_snapshot, start=1):
                 if digest is not None and source.stream:
                     digest.update(raw)
                 if line_no == 1 and raw.startswith(BOM):
@@ -319,7 +322,9 @@ class ParquetReader(FormatReader):
             if name not in names:
                 raise InputError(f"{self.source.name}: {option} {name!r} matches no column (columns: {names})")
 
-    def units(self, digest) -> Iterator[tuple[int, dict]]:
+    def units(self, digest, snapshot: dict | None = None) -> Iterator[tuple[int, dict]]:
+        if snapshot is not None:
+            _check_size(self.source, snapshot)
         pf = _parquet_file(self.source.path)
         names = pf.schema_arrow.names
         f = self.fields
@@ -331,6 +336,8 @@ class ParquetReader(FormatReader):
             for k in range(batch.num_rows):
                 row += 1
                 yield row, {c: values[c][k] for c in columns}
+        if snapshot is not None:  # a file rewritten while it was read is not the one the job began with
+            _check_size(self.source, snapshot)
 
     def parse(self, raw: dict):
         return self.fields.of(raw)
@@ -438,20 +445,26 @@ class RecordReader:
         self.probed = True
 
     def records(self, shard: tuple[int, int] = (0, 1), skip: int = 0,
-                resume_stream_sha256: str | None = None) -> Iterator[Record]:
+                resume_stream_sha256: str | None = None, snapshot: list[dict] | None = None) -> Iterator[Record]:
         """The records of this shard, after the first `skip` of them (done by an earlier run).
 
         Records of other shards and skipped ones are not parsed. The bytes read from streams are
         hashed as they go: at the end of the skipped records that hash must equal the one the job
-        recorded, or the stream is not the one the job began with.
+        recorded, or the stream is not the one the job began with. `snapshot`, the inputs'
+        fingerprints when the job began (one per source): each file is read up to the size it had
+        then, so a file appended to while the job runs gives the same records on every run.
         """
         if not self.probed:
             self.probe()
         shard_i, shard_n = shard
         index = mine = 0
         digest = hashlib.sha256() if any(s.stream for s in self.sources) else None
-        for reader in self.readers:
-            for line_no, raw in reader.units(digest):
+        snapshots = snapshot if snapshot is not None else [None] * len(self.readers)
+        if len(snapshots) != len(self.readers):
+            raise RuntimeError(f"{len(snapshots)} input fingerprints for {len(self.readers)} inputs: this is a bug")
+        for reader, fingerprint in zip(self.readers, snapshots):
+            for line_no, raw in reader.units(digest, None if fingerprint is None or fingerprint.get("stream")
+                                             else fingerprint):
                 ours = index % shard_n == shard_i
                 index += 1
                 if not ours:
@@ -482,6 +495,58 @@ class RecordReader:
             rid = f"{source.name}:{line_no}"
         return Record(index, source.name, line_no, rid, text if error is None else None, error, fields, source.unit,
                       digest.hexdigest() if digest is not None else None)
+
+
+def _snapshot_lines(f, source: Source, snapshot: dict) -> Iterator[bytes]:
+    """The lines of the first snapshot["size"] bytes of an open file: what the job fingerprinted when
+    it began. A file that grows meanwhile (a log being appended to) is read to that size and no
+    further; one that shrank or was rewritten is refused, naming it. The snapshot's last line is a
+    record only when it is whole: it ends with "\n", or the file ends (or a "\n" follows) right there.
+    """
+    size, read = snapshot["size"], 0
+    for raw in f if size else ():
+        raw = raw[:size - read]  # what lies past `size` was appended after the job began
+        read += len(raw)
+        if not raw.endswith(b"\n"):  # the last line of the snapshot, or of a file that shrank
+            if read < size:
+                break
+            _check_line_ends_at(f, source, size)
+        yield raw
+        if read == size:
+            break
+    if read < size:  # before the fragment the file now ends with is taken for a record
+        raise InputError(f"input {source.name} shrank while it was read: it had {size} bytes when the job began, "
+                         f"{read} now; its records would not be the ones the job began with")
+    _check_unchanged(source, snapshot)
+
+
+def _check_line_ends_at(f, source: Source, size: int) -> None:
+    """The snapshot ends inside a line: a whole record only if nothing, or a "\n", follows in the file."""
+    f.seek(size)
+    after = f.read(2)
+    if not (after in (b"", b"\r") or after.startswith((b"\n", b"\r\n"))):
+        raise InputError(f"input {source.name} was being written when the job began: its line that ends the "
+                         f"{size} bytes the job fingerprinted goes on past them, and half a line is no record. Run "
+                         "the job once the file is complete, or on a copy of it")
+
+
+def _check_unchanged(source: Source, snapshot: dict) -> None:
+    """The bytes the job read are still the ones it fingerprinted (a sample of them: see fingerprint.py)."""
+    from pooling_pipeline.jobs.fingerprint import file_fingerprint
+
+    if file_fingerprint(source.path, snapshot["size"])["sample_sha256"] != snapshot["sample_sha256"]:
+        raise InputError(f"input {source.name} changed while it was read (its first {snapshot['size']} bytes differ "
+                         "from when the job began); its records are not one version of the file")
+
+
+def _check_size(source: Source, snapshot: dict) -> None:
+    try:
+        size = os.stat(source.path).st_size
+    except OSError as e:
+        raise InputError(f"input {source.name} cannot be read ({e.strerror})") from None
+    if size != snapshot["size"]:
+        raise InputError(f"input {source.name} changed while the job read it ({snapshot['size']} bytes when the job "
+                         f"began, {size} now); a Parquet file is read whole, as one version")
 
 
 def _chain(first: list[bytes], rest) -> Iterator[bytes]:

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from pooling_pipeline.core.options import TOKEN_TASKS
-from pooling_pipeline.jobs.fingerprint import changed_input
+from pooling_pipeline.jobs.fingerprint import changed_input, changed_model_files
 from pooling_pipeline.jobs.job_errors import InputError, UsageError
 from pooling_pipeline.jobs.output_dir import META_DIR
 
@@ -126,6 +126,7 @@ class ResultWriter:
                 raise UsageError(f"{self.dir} already holds results ({MANIFEST}): pass --resume to continue that job, "
                                  "or choose another --output")
             self.manifest = read_manifest(self.dir)
+            _check_same_model(self.dir, self.manifest, job)
             for key, value in job.items():
                 if self.manifest.get(key) != value:
                     raise UsageError(f"--resume: the existing job in {self.dir} has a different {key!r} "
@@ -211,6 +212,21 @@ class ResultWriter:
         if group[-1][5] is not None:  # the stream's hash up to here: a resume checks its input against it
             self.manifest["stream_sha256"] = group[-1][5]
         write_manifest(self.dir, self.manifest)
+
+
+def _check_same_model(directory: Path, manifest: dict, job: dict) -> None:
+    """A resume computes the rest of the job with the model it began with, or not at all: the model's
+    per-file table names what changed."""
+    if manifest.get("model_sha256") == job["model_sha256"]:
+        return
+    then = manifest.get("model_files")
+    if then is None:  # an older pipeline-run's manifest: its fingerprint covered top-level files only
+        raise UsageError(f"--resume: the job in {directory} was begun by an older pipeline-run whose model fingerprint "
+                         "covered only the model directory's top-level files, so whether the model changed since "
+                         "cannot be told; start a new job in another --output")
+    raise UsageError(f"--resume: the model changed since the job began ({changed_model_files(then, job['model_files'])});"
+                     f" the results in {directory} would mix two models. Start a new job in "
+                     "another --output")
 
 
 def _as_rows(data: np.ndarray) -> np.ndarray:
