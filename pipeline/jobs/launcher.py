@@ -271,7 +271,8 @@ def run(args: argparse.Namespace, interrupt: Interrupt | None = None) -> int:
             return run_ray(args, describe_job(args, sources, args.id_field), [s.path for s in sources])
         reader.probe()
         writer = ResultWriter(out, describe_job(args, sources, reader.id_field), resume=args.resume,
-                              fingerprints=input_fingerprints(sources), calibration_rows=args.int8_calibration_rows)
+                              fingerprints=input_fingerprints(sources), calibration_rows=args.int8_calibration_rows,
+                              field_types=reader.kept_types())
         if writer.manifest["complete"]:
             print(f"pipeline-run: {out} is complete ({writer.records_done} records); nothing to do")
             return 0
