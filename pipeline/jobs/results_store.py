@@ -303,15 +303,17 @@ def _apply_commit(manifest: dict, commit: dict) -> None:
     manifest["errors"] += chunk["records"] - chunk["rows"]
 
 
-def _read_commits(directory: Path, folded: int) -> tuple[list[dict], int]:
+def _read_log(directory: Path) -> bytes:
+    try:
+        return (directory / COMMITS).read_bytes()
+    except FileNotFoundError:
+        return b""
+
+
+def _read_commits(path: Path, data: bytes, folded: int) -> tuple[list[dict], int]:
     """The log's commits after the manifest's first `folded` chunks, and the bytes of the log's
     complete lines. The last line, when not whole (no newline, a checksum that does not match), is
     a commit a crash cut short: not a chunk. Any other bad line is a corrupted log."""
-    path = directory / COMMITS
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return [], 0
     commits: list[dict] = []
     pos = line_no = 0
     while pos < len(data):
@@ -456,6 +458,9 @@ def _read_state(directory: str | Path) -> tuple[dict, int, int, int]:
     """(manifest with the log applied, chunks in manifest.json, commits in the log, bytes of the log's
     complete lines)."""
     path = Path(directory) / MANIFEST
+    # The log first: a run folding it meanwhile then leaves a newer manifest, whose chunks the log's
+    # lines repeat (skipped by seq); the other order could miss the chunks just folded.
+    log = _read_log(Path(directory))
     if not path.exists():
         old = " (it holds manifest.json at the top: an older pipeline-run's layout)" if \
             (Path(directory) / "manifest.json").exists() else ""
@@ -473,7 +478,7 @@ def _read_state(directory: str | Path) -> tuple[dict, int, int, int]:
     if missing:
         raise ValueError(f"{path}: the manifest lacks {missing}; it is corrupted or not pipeline-run's")
     folded = len(manifest["chunks"])
-    commits, log_bytes = _read_commits(Path(directory), folded)
+    commits, log_bytes = _read_commits(Path(directory) / COMMITS, log, folded)
     for commit in commits:
         _apply_commit(manifest, commit)
     missing += [f"params.{k}" for k in ("precision", "format") if k not in (manifest.get("params") or {})]
