@@ -30,7 +30,15 @@ def run_launcher(args, expect_rc=0, **kw):
 
 
 def manifest_of(out):
+    """The manifest file as written (folded at the end of every run)."""
     return json.loads((out / "__job__" / "manifest.json").read_text())
+
+
+def committed(out):
+    """The manifest with the commit log applied: what a run has committed so far."""
+    from pooling_pipeline.jobs.results_store import read_manifest
+
+    return read_manifest(out)
 
 
 _run = run_launcher
@@ -147,7 +155,7 @@ def test_sigkill_then_resume_gives_identical_output(tmp_path, jsonl):
         wanted = rng.randint(1, 12)  # chunks committed before the kill
         while time.monotonic() < deadline and proc.poll() is None:
             try:
-                done = len(manifest_of(out)["chunks"])
+                done = len(committed(out)["chunks"])  # mostly in the commit log: the kill lands between its lines
             except (OSError, ValueError):
                 done = 0
             if done >= wanted:
@@ -399,7 +407,7 @@ def _feed_and_signal(tmp_path, sig, to_group):
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:
         try:
-            if manifest_of(out)["records_done"] >= 20:
+            if committed(out)["records_done"] >= 20:
                 break
         except (OSError, ValueError, KeyError):
             pass

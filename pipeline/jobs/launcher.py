@@ -272,7 +272,8 @@ def run(args: argparse.Namespace, interrupt: Interrupt | None = None) -> int:
         reader.probe()
         fingerprints = input_fingerprints(sources)
         writer = ResultWriter(out, describe_job(args, sources, reader.id_field), resume=args.resume,
-                              fingerprints=fingerprints, calibration_rows=args.int8_calibration_rows)
+                              fingerprints=fingerprints, calibration_rows=args.int8_calibration_rows,
+                              field_types=reader.kept_types())
         _say_grown_inputs(writer.manifest.get("input_fingerprints", []), fingerprints)
         if writer.manifest["complete"]:
             print(f"pipeline-run: {out} is complete ({writer.records_done} records); nothing to do")

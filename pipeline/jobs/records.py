@@ -444,6 +444,21 @@ class RecordReader:
                              "give JSONL or Parquet inputs, or --input-format")
         self.probed = True
 
+    def kept_types(self) -> dict:
+        """The Arrow types of the --keep-fields columns when every input is Parquet: the output keeps
+        them (kept_fields.py). The inputs must agree on each; {} when some input is not Parquet."""
+        if not self.fields.keep or any(r.source.format != "parquet" for r in self.readers):
+            return {}
+        types: dict = {}
+        for reader in self.readers:
+            schema = _parquet_file(reader.source.path).schema_arrow
+            for name in self.fields.keep:
+                kind, first = types.setdefault(name, (schema.field(name).type, reader.source.name))
+                if kind != schema.field(name).type:
+                    raise InputError(f"--keep-fields {name!r} is {kind} in {first} but {schema.field(name).type} in "
+                                     f"{reader.source.name}: an output column has one type")
+        return {name: kind for name, (kind, _) in types.items()}
+
     def records(self, shard: tuple[int, int] = (0, 1), skip: int = 0,
                 resume_stream_sha256: str | None = None, snapshot: list[dict] | None = None) -> Iterator[Record]:
         """The records of this shard, after the first `skip` of them (done by an earlier run).
