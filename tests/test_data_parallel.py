@@ -14,6 +14,7 @@ from helpers import running, stream_until_killed, wait_gone
 
 from pooling_pipeline import EngineDeadError, Pipeline, PipelineError
 from pooling_pipeline.core import messages as m
+from pooling_pipeline.core.runtime import send_to
 from pooling_pipeline.cpu_plan import engine_devices, plan_cpu
 
 TOL = 1e-5
@@ -102,7 +103,7 @@ def test_simulated_devices_give_exactly_the_vectors_of_one(texts):
         # A RenderBatch naming no engine core of the group is malformed: the worker drops and logs it.
         group = two._group
         with group.send_lock:
-            group.work[0].send_multipart(group.encoder.encode(m.RenderBatch(
+            send_to(group.work[0], group.worker_ids[0], group.encoder.encode(m.RenderBatch(
                 "stray-", np.array([0]), m.RenderOptions("embed", 16, m.PoolingParams()), texts=["lost"], engine=7)))
         outs = two.embed(texts[:20], use_tqdm=False)  # (sent after it on the same socket: handled after it)
         np.testing.assert_array_equal(_vectors(outs), reference[:20])
