@@ -96,7 +96,7 @@ def _method(plan: Callable, options: str, returns: str | None, stream: bool, pos
         def method(*args, **kwargs):  # checked now; the async iterator does the rest
             own, values = sig.bind(args, kwargs)
             call = plan(*own, **values)
-            return own[0]._astream(call.prompts, call.opts)
+            return own[0]._abortable_astream(call.prompts, call.opts)
     elif not asynchronous:
         def method(*args, **kwargs):
             own, values = sig.bind(args, kwargs)
@@ -107,7 +107,7 @@ def _method(plan: Callable, options: str, returns: str | None, stream: bool, pos
         async def method(*args, **kwargs):
             own, values = sig.bind(args, kwargs)
             call = plan(*own, **values)
-            outs = [out async for out in own[0]._astream(call.prompts, call.opts, materialize=True)]
+            outs = [out async for out in own[0]._abortable_astream(call.prompts, call.opts, materialize=True)]
             return call.finish(outs) if call.finish else outs
     method.__module__ = plan.__module__
     method.__wrapped__ = plan
@@ -292,7 +292,7 @@ class Pipeline:
         worker restarts, outputs of ended calls dropped, ...). With several engine cores,
         `engine_busy_fraction` is the mean over them, `per_engine` has each one's share of the
         call, `engine` is the first engine core's facts and `engine_cores` every one's."""
-        call = getattr(self._local, "call", None)
+        call = self._running_call()
         if call is not None and not call.finished:
             stats = call.stats.as_dict()
         else:
@@ -406,7 +406,8 @@ class Pipeline:
             progress = tqdm(total=total, desc="Processed prompts", unit="docs", dynamic_ncols=True)
         call = Call(self._dispatcher, prefix, source, opts, progress=progress,
                     default_normalize=self.model_spec.normalize, loop=loop, keep_all=materialize)
-        self._local.call = call
+        # A weak reference: a stream dropped unread must not stay alive (with its input) here.
+        self._local.call = weakref.ref(call)
         return call
 
     def _stream(self, prompts, opts: CallOptions, materialize: bool = False) -> Iterator:
@@ -427,8 +428,20 @@ class Pipeline:
         finally:
             self._ended(call)
 
-    async def _astream(self, prompts, opts: CallOptions, materialize: bool = False) -> AsyncIterator:
-        """`_stream` on the caller's event loop."""
+    def _abortable_astream(self, prompts, opts: CallOptions, materialize: bool = False) -> AsyncIterator:
+        """`_astream` whose call is aborted when the async generator is collected unclosed.
+        asyncio closes a collected async generator (`aclose()`) only through its event loop: one
+        whose loop was closed first (a `new_event_loop()` closed without `shutdown_asyncgens()`)
+        is never closed, and its call would hold its slots for the Pipeline's life. The abort
+        needs no event loop: it goes through the receiver thread."""
+        started: list[Call] = []  # the call, once the stream has started (no reference to the generator)
+        stream = self._astream(prompts, opts, materialize, started=started)
+        weakref.finalize(stream, _abandon, started)
+        return stream
+
+    async def _astream(self, prompts, opts: CallOptions, materialize: bool = False,
+                       started: list | None = None) -> AsyncIterator:
+        """`_stream` on the caller's event loop (`started` gets its Call once there is one)."""
         prefix, source, total = self._requests(prompts, opts, materialize)
         if materialize:  # checked whole before any work starts; a long list in a thread
             items = self._dispatcher.batch_items
@@ -437,6 +450,8 @@ class Pipeline:
             else:
                 source = await asyncio.to_thread(source.drain, items)
         call = self._call(prefix, source, opts, total, loop=asyncio.get_running_loop(), materialize=materialize)
+        if started is not None:
+            started.append(call)
         try:
             async for result in call.aoutputs():
                 yield self._post_process_one(result) if opts.plugin else result
@@ -449,8 +464,13 @@ class Pipeline:
     def _ended(self, call: Call) -> None:
         self._last_stats = call.stats
         self._local.last_stats = call.stats
-        if getattr(self._local, "call", None) is call:
-            self._local.call = None  # (it holds the caller's input iterator)
+        if self._running_call() is call:
+            self._local.call = None
+
+    def _running_call(self) -> Call | None:
+        """This thread's running (or last started) call, while it is alive."""
+        ref = getattr(self._local, "call", None)
+        return ref() if ref is not None else None
 
     def _post_process(self, outputs) -> Iterator:
         for out in outputs:
@@ -464,6 +484,14 @@ class Pipeline:
         except Exception as e:
             raise ValueError(f"request {out.index}: io_processor post_process failed: "
                              f"{type(e).__name__}: {e}") from e
+
+
+def _abandon(started: list) -> None:
+    """An async stream collected without being closed: its call (if it started) is aborted and
+    finished. (Nothing happens to a call that already ended.)"""
+    for call in started:
+        call.abort()
+        call.finish()
 
 
 def _check_rank(query, top_k) -> None:

@@ -58,13 +58,13 @@ from pooling_pipeline.core.runtime import (
 )
 from pooling_pipeline.core.serial import KEY_BYTES, Decoder, Encoder
 from pooling_pipeline.errors import EngineDeadError, PipelineError, WorkerStartError
+from pooling_pipeline.group_dir import DIR_PREFIX, make_group_dir
 
 log = logging.getLogger("pipeline")
 
 SHUTDOWN_SEND_RETRY_S = 1.0  # how long close() keeps asking a child whose connection is not attached yet
 SHUTDOWN_GRACE_S = 5.0  # a child exits in about a second; under load torch teardown takes longer
 LOG_TAIL_CHARS = 3000
-DIR_PREFIX = "pooling-pipeline-"
 # sun_path holds 108 bytes on Linux (104 on macOS), the terminating NUL included.
 IPC_PATH_MAX = 103 if sys.platform == "darwin" else 107
 # File descriptors the frontend's process opens for a group: the ZeroMQ context, one mailbox per
@@ -180,9 +180,8 @@ class ProcessGroup:
         self.closed = False
         self._close_lock = threading.Lock()
         self.children: list[Child] = []
-        self.dir = Path(tempfile.mkdtemp(prefix=DIR_PREFIX))  # mode 0700
+        self.dir = make_group_dir()  # mode 0700, naming its owner; dead groups' directories are removed first
         try:
-            os.chmod(self.dir, 0o700)
             self.ctx = zmq.Context(1)
         except BaseException:
             shutil.rmtree(self.dir, ignore_errors=True)

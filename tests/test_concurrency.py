@@ -320,3 +320,128 @@ def test_an_answer_is_accepted_by_index_even_when_a_stale_one_shares_its_slot():
     assert indices[rows].tolist() == [331, 332, 80]
     assert _live_rows(out_index, scratch, np.array([331, 332]), np.array([331, 332]) & mask) is None  # all live
     assert _live_rows(out_index, scratch, np.array([332, 331, 332]), np.array([332, 331, 332]) & mask).tolist() == [0, 1]
+
+
+# ---- calls abandoned with their event loop; calls started from inside another call's input ----
+
+
+def test_an_async_stream_left_open_when_its_loop_is_closed_is_aborted_when_collected(pipe):
+    """asyncio closes a collected async generator only through its event loop: a stream iterated
+    partly on a loop that was closed first (without shutdown_asyncgens) used to keep its slots and
+    stay 'running' for the Pipeline's life. An `aembed` left pending on a closed loop too."""
+    texts = corpus.sentences(60, seed=98)
+    expected = pipe.embed(texts, use_tqdm=False)
+    loop = asyncio.new_event_loop()
+    stream = pipe.aembed_stream(itertools.cycle(texts))
+
+    async def read_a_few(stream):
+        return [await anext(stream) for _ in range(3)]
+
+    first = loop.run_until_complete(read_a_few(stream))
+    pending = loop.create_task(pipe.aembed(texts * 20))  # started, then left waiting on the loop
+    loop.run_until_complete(asyncio.sleep(0.5))
+    assert pipe.stats()["group"]["calls_running"] == 2 and pipe.stats()["group"]["inflight"] > MAX_INFLIGHT // 2
+    loop.close()
+    del stream, read_a_few, pending
+    gc.collect()
+    _wait_idle(pipe)
+    _assert_same(first, expected[:3], "before the loop closed")
+    _assert_same(pipe.embed(texts, use_tqdm=False), expected, "after")
+
+
+def _finishes(pipe, fn, timeout_s: float = 240.0):
+    """fn()'s result; a call that deadlocks fails the test (the Pipeline is closed to end it)."""
+    got: dict[str, object] = {}
+
+    def run():
+        try:
+            got["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 (re-raised in the test's thread)
+            got["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        pipe.close()
+        raise AssertionError(f"deadlocked: still waiting after {timeout_s:.0f} s")
+    if "error" in got:
+        raise got["error"]
+    return got["result"]
+
+
+@pytest.fixture
+def own_pipe():
+    """A small window (32; 16 requests a message, 8 of reserve): an outer call holds it all after
+    two messages. Its own Pipeline: a deadlocked call would leave a shared one unusable."""
+    with Pipeline(max_inflight=32, max_num_seqs=16, num_render_workers=1) as p:
+        yield p
+
+
+def test_a_call_started_inside_a_streams_input_generator_completes(own_pipe):
+    """The outer stream is suspended while its generator runs the inner call on the same thread,
+    holding its slots (its results are handed out only when it is read on); the inner call gets
+    the ledger's reserve instead of waiting for them forever. Sync and async streams alike."""
+    pipe = own_pipe
+    texts = corpus.sentences(40, seed=99)
+    expected = pipe.embed(texts, use_tqdm=False)
+    inner: dict[str, list] = {"sync": [], "async": []}
+
+    def source(kind):
+        for i, text in enumerate(texts):
+            inner[kind].append(pipe.embed([texts[-1 - i], text], use_tqdm=False))
+            yield text
+
+    async def async_stream():
+        return [out async for out in pipe.aembed_stream(source("async"))]
+
+    for kind, run in (("sync", lambda: list(pipe.embed_stream(source("sync")))),
+                      ("async", lambda: asyncio.run(async_stream()))):
+        outs = _finishes(pipe, run)
+        _assert_same(outs, expected, f"{kind} outer")
+        for i, pair in enumerate(inner[kind]):
+            _assert_same(pair, [_reindexed(expected[-1 - i], 0), _reindexed(expected[i], 1)], f"{kind} inner {i}")
+        _wait_idle(pipe)
+
+
+def test_a_streams_input_waiting_for_a_call_in_another_thread_completes(own_pipe):
+    """The outer stream's generator waits for a call it hands to another thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pipe = own_pipe
+    texts = corpus.sentences(40, seed=100)
+    expected = pipe.embed(texts, use_tqdm=False)
+    inner = []
+    with ThreadPoolExecutor(1) as helper:
+        def source():
+            for text in texts:
+                inner.append(helper.submit(pipe.embed, [text], use_tqdm=False).result())
+                yield text
+
+        outs = _finishes(pipe, lambda: list(pipe.embed_stream(source())))
+    _assert_same(outs, expected, "outer")
+    _assert_same([pair[0] for pair in inner], [_reindexed(o, 0) for o in expected], "inner")
+    _wait_idle(pipe)
+
+
+def test_a_call_nested_two_deep_in_input_generators_on_one_thread_is_refused_at_once(own_pipe):
+    """Two suspended calls of the same thread may hold every slot: the third is a clear error, not a hang."""
+    from pooling_pipeline import PipelineError
+
+    pipe = own_pipe
+    texts = corpus.sentences(40, seed=101)
+
+    def innermost():
+        for text in texts:
+            pipe.embed([text], use_tqdm=False)
+            yield text
+
+    def middle():
+        for text in texts:
+            next(iter(pipe.embed_stream(innermost())))
+            yield text
+
+    with pytest.raises(PipelineError, match="would deadlock"):
+        _finishes(pipe, lambda: list(pipe.embed_stream(middle())))
+    _wait_idle(pipe)
+    assert len(pipe.embed(texts, use_tqdm=False)) == len(texts)

@@ -58,6 +58,20 @@ MAX_INFLIGHT_CHARS = 64 * 1024 * 1024
 FULL_BATCH_WAIT_MIN_MESSAGES = 4
 
 
+# Per thread: the ledgers of the calls whose input this thread is drawing now, innermost last. A
+# call started from inside one call's input gets the ledger's reserve; from inside the input of a
+# call that was itself started that way, the two suspended calls may hold every slot: it refuses.
+_drawing = threading.local()
+MAX_NESTED_CALLS = 1
+
+
+def _drawing_stack() -> list:
+    stack = getattr(_drawing, "ledgers", None)
+    if stack is None:
+        stack = _drawing.ledgers = []
+    return stack
+
+
 def new_call_prefix() -> str:
     """A call's id: random (unguessable: 64 bits); a request's external id is the call's id then its index."""
     return secrets.token_hex(8) + "-"
@@ -132,7 +146,7 @@ class Call:
             self.abort()
             raise
         finally:
-            self._finish()
+            self.finish()
 
     async def aoutputs(self) -> AsyncIterator[PoolingRequestOutput]:
         """Results in input order, on the caller's event loop (never blocking it to wait)."""
@@ -160,7 +174,7 @@ class Call:
             self.abort()
             raise
         finally:
-            self._finish()
+            self.finish()
 
     def pump(self) -> tuple[list[PoolingRequestOutput], bool]:
         """One turn: handles what the receiver routed here, sends what the bound allows, and
@@ -169,6 +183,7 @@ class Call:
         the call is complete. Raises the call's failure."""
         dispatcher = self.dispatcher
         if not self.registered:
+            self._check_nesting()
             dispatcher.register(self)
             self.registered = True
         failure = self.failure or dispatcher.failure
@@ -191,6 +206,16 @@ class Call:
             self.ended = True
             dispatcher.unregister(self)
         return out, done
+
+    def _check_nesting(self) -> None:
+        """Refuses, at once, a call that would wait forever: started on a thread that is drawing
+        the input of more than MAX_NESTED_CALLS calls of this group (nested input generators)."""
+        depth = _drawing_stack().count(self.ledger)
+        if depth > MAX_NESTED_CALLS:
+            raise PipelineError(
+                f"a call started from inside the input generators of {depth} nested calls of this Pipeline on the "
+                "same thread would deadlock: those calls are suspended while this thread draws their input, and "
+                "hold the slots it would wait for. Start it from another thread, or nest calls one level deep")
 
     def deliver(self, msg) -> None:
         """From the receiver thread: a message (or notice) for this call."""
@@ -243,7 +268,7 @@ class Call:
         self.inbox.clear()
         self.dispatcher.abort(self, sorted(self.engines_used), chars, per_worker, per_engine)
 
-    def _finish(self) -> None:
+    def finish(self) -> None:
         if not self.finished:
             self.finished = True
             self.stats.wall_s = time.perf_counter() - self.stats.start
@@ -275,7 +300,7 @@ class Call:
             if room <= 0:  # the text held for requests in flight is at its bound
                 ledger.wait(self)
                 break
-            pieces = source.take(self.granted, room)  # validation errors surface here, in the caller
+            pieces = self._draw(room)
             for piece in pieces:
                 failed = type(piece) is FailedRequest
                 if (piece.index if failed else piece.indices[0]) != self.issued:
@@ -300,6 +325,16 @@ class Call:
         inflight = self.issued - ring.next_index
         if inflight > self.stats.max_inflight_seen:
             self.stats.max_inflight_seen = inflight
+
+    def _draw(self, room: int) -> list:
+        """Up to `granted` requests from the caller's input (validation errors surface here, in
+        the caller), noting that this thread is inside it (its code may start another call)."""
+        stack = _drawing_stack()
+        stack.append(self.ledger)
+        try:
+            return self.source.take(self.granted, room)
+        finally:
+            stack.pop()
 
     def _can_wait_for_a_full_batch(self) -> bool:
         """Whether to send nothing this turn: fewer slots are free than one full message and

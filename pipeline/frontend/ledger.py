@@ -1,7 +1,11 @@
 """The credits the calls of one process group share, charged as calls send and settled in one place.
 
 A call is granted slots of the in-flight bound (`max_inflight`, shared fairly among the calls still
-drawing input) before it draws requests; each block it sends is charged to the least-loaded render
+drawing input) before it draws requests. A few slots (`reserve`: one message's worth, at most a
+quarter of the bound) go only to a call that holds none: a call holds its slots until its results
+are handed out, so one whose caller is busy elsewhere -- drawing its input from a generator that
+itself runs another call, or waits for one in another thread -- could otherwise hold them all while
+that other call waits for one. Each block a call sends is charged to the least-loaded render
 worker that is up, to the engine core with the fewest requests in flight, and its text to the text
 budget (the text is kept for re-sending). Every request charged is settled exactly once -- answered,
 failed, lost with its worker, dropped with its aborted call, or its send refused -- through
@@ -35,9 +39,10 @@ class Ledger:
     docstring). A call's own slot count is `call.held` (granted and not yet handed back), changed
     only here."""
 
-    def __init__(self, max_inflight: int, num_workers: int, num_engines: int) -> None:
+    def __init__(self, max_inflight: int, num_workers: int, num_engines: int, batch_items: int = 1) -> None:
         self.lock = threading.Lock()
         self.max_inflight = max_inflight
+        self.reserve = min(batch_items, max(1, max_inflight // 4))  # free slots kept for a call holding none
         self.free = max_inflight  # slots not held by any call
         self.chars = 0  # text held for requests sent and not yet settled, all calls
         self.worker_load = [0] * num_workers  # requests charged to each render worker, not yet settled
@@ -64,10 +69,12 @@ class Ledger:
 
     def grantable(self, call: Call) -> int:
         """How many more slots `call` could be granted now: its share (max_inflight / calls
-        drawing) less what it holds, within the free slots. (The caller holds the lock, or
-        reads a value that may be stale by the time it acts on it.)"""
+        drawing) less what it holds, within the free slots (less the reserve, unless it holds
+        none). (The caller holds the lock, or reads a value that may be stale by the time it
+        acts on it.)"""
         share = max(1, self.max_inflight // max(1, len(self.drawing)))
-        return min(self.free, share - call.held)
+        free = self.free if call.held == 0 else self.free - self.reserve
+        return min(free, share - call.held)
 
     def grant(self, call: Call, want: int) -> int:
         """Up to `want` slots for `call` (0: none now; the call is woken when some come back)."""

@@ -55,7 +55,7 @@ class Dispatcher:
         self.max_inflight = max_inflight
         self.batch_items = batch_items
         self.num_engines = group.num_engines
-        self.ledger = Ledger(max_inflight, len(group.workers), group.num_engines)
+        self.ledger = Ledger(max_inflight, len(group.workers), group.num_engines, batch_items)
         self.lock = threading.Lock()  # guards the registry
         self.calls: dict[str, Call] = {}  # prefix -> running call (under lock)
         self.routes: dict[str, Call] = {}  # a copy of `calls` for the receiver, replaced (never changed) under lock
@@ -254,7 +254,10 @@ class Dispatcher:
         if self.thread.is_alive() and self.thread is not threading.current_thread():
             self.thread.join(timeout=10)
         self.group.close()
-        for fd in (self._wake_r, self._wake_w):
+        # Forgotten before they are closed: an abort after close (a stream collected later)
+        # must not write into whatever file reuses the descriptor's number.
+        fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+        for fd in fds:
             try:
                 os.close(fd)
             except OSError:

@@ -1,0 +1,198 @@
+"""A Pipeline's whole life, many times over: opened and closed in a loop, dropped without close(),
+its caller exiting or SIGTERMed mid-call, a whole group SIGKILLed (its directory removed by the next
+group), and the stale-directory rule itself. Each test runs in its own short temporary directory
+(TMPDIR), so the group directories it counts are its own."""
+
+import gc
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import psutil
+import pytest
+from helpers import running, wait_gone
+
+from pooling_pipeline import Pipeline
+from pooling_pipeline.group_dir import DIR_PREFIX, OWNER_FILE, STALE_UNOWNED_AGE_S, process_start, remove_stale_dirs
+
+OPEN_CLOSE_ROUNDS = 10
+
+
+@pytest.fixture
+def tmpdir_base(monkeypatch):
+    """A short TMPDIR of this test's own (a socket path must stay under 108 bytes)."""
+    base = tempfile.mkdtemp(prefix="pl-", dir="/tmp")
+    monkeypatch.setattr(tempfile, "tempdir", base)
+    monkeypatch.setenv("TMPDIR", base)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)  # (a failed test leaves nothing behind; the test asserted)
+
+
+def _group_dirs(base: str) -> list[str]:
+    return sorted(n for n in os.listdir(base) if n.startswith(DIR_PREFIX))
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _live_children() -> list[int]:
+    return [p.pid for p in psutil.Process().children(recursive=True) if running(p.pid)]
+
+
+def test_opening_and_closing_a_pipeline_in_a_loop_accumulates_nothing(tmpdir_base):
+    def round_trip():
+        with Pipeline(num_render_workers=1) as pipe:
+            assert len(pipe.embed(["one round"], use_tqdm=False)) == 1
+
+    round_trip()  # the first round starts what stays for the process's life (zmq, tokenizer caches)
+    threads, fds = threading.active_count(), _open_fds()
+    for _ in range(OPEN_CLOSE_ROUNDS):
+        round_trip()
+    assert wait_gone(_live_children(), 10.0) == []
+    assert threading.active_count() <= threads, [t.name for t in threading.enumerate()]
+    assert _open_fds() <= fds
+    assert _group_dirs(tmpdir_base) == []
+
+
+def test_a_pipeline_dropped_without_close_stops_its_children_and_removes_its_directory(tmpdir_base):
+    pipe = Pipeline(num_render_workers=1)
+    assert len(pipe.embed(["dropped"], use_tqdm=False)) == 1
+    stream = pipe.embed_stream(iter(["a", "b", "c"] * 50))
+    next(stream)  # a call in flight too
+    pids = [pipe.pids["engine"], *pipe.pids["workers"]]
+    group_dir = str(pipe._group.dir)
+    del pipe, stream
+    gc.collect()
+    assert wait_gone(pids, 15.0) == []
+    assert not os.path.exists(group_dir)
+    assert _group_dirs(tmpdir_base) == []
+
+
+_MID_CALL = """
+import itertools, json, os, sys, threading, time
+from pooling_pipeline import Pipeline
+pipe = Pipeline(num_render_workers=1)
+got = []
+def endless():
+    for out in pipe.embed_stream(itertools.cycle(["a text to embed", "another one"])):
+        got.append(out)
+threading.Thread(target=endless, daemon=True).start()
+main_stream = pipe.embed_stream(itertools.cycle(["held open by the main thread"]))
+next(main_stream)
+while len(got) < 20:
+    time.sleep(0.05)
+print(json.dumps({"pids": [pipe.pids["engine"], *pipe.pids["workers"]], "dir": str(pipe._group.dir)}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["end of script", "sys.exit", "SIGTERM"])
+def test_the_caller_exiting_or_sigtermed_mid_call_leaves_no_process_and_no_directory(tmp_path, tmpdir_base, how):
+    """Two calls running (a daemon thread's stream, the main thread's stream held open) when the
+    interpreter exits -- at the end of the script or by sys.exit -- or when SIGTERM kills it."""
+    ending = {"end of script": "", "sys.exit": "sys.exit(3)\n", "SIGTERM": "time.sleep(600)\n"}[how]
+    script = tmp_path / "caller.py"
+    script.write_text(_MID_CALL + ending)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        report = json.loads(proc.stdout.readline())
+        started = time.monotonic()
+        if how == "SIGTERM":
+            proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        exit_s = time.monotonic() - started
+    finally:
+        proc.kill()
+        proc.wait()
+    assert code == {"end of script": 0, "sys.exit": 3, "SIGTERM": -signal.SIGTERM}[how]
+    assert exit_s < 30, f"the exit took {exit_s:.0f} s"
+    assert wait_gone(report["pids"], 5.0) == []
+    deadline = time.monotonic() + 5
+    while os.path.exists(report["dir"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(report["dir"])
+
+
+# ---- directories of dead groups ------------------------------------------------------------
+
+
+def _fake_group_dir(base: str, name: str, owner: dict | None, age_s: float = 0.0) -> str:
+    path = os.path.join(base, DIR_PREFIX + name)
+    os.mkdir(path, 0o700)
+    open(os.path.join(path, "engine0.log"), "w").close()
+    if owner is not None:
+        with open(os.path.join(path, OWNER_FILE), "w") as f:
+            json.dump(owner, f)
+    if age_s:
+        then = time.time() - age_s
+        os.utime(path, (then, then))
+    return path
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_only_directories_of_groups_whose_owner_is_gone_are_removed(tmpdir_base):
+    me = os.getpid()
+    start = process_start(me)
+    assert start is not None  # (Linux: /proc)
+    dead = _fake_group_dir(tmpdir_base, "dead", {"pid": _dead_pid(), "start": "1"})
+    reused = _fake_group_dir(tmpdir_base, "reused", {"pid": me, "start": str(int(start) - 1)})  # pid reused since
+    old_unowned = _fake_group_dir(tmpdir_base, "oldunowned", None, age_s=STALE_UNOWNED_AGE_S + 60)
+    live = _fake_group_dir(tmpdir_base, "live", {"pid": me, "start": start})
+    young_unowned = _fake_group_dir(tmpdir_base, "young", None)  # a group making its directory right now
+    dead_but_served = _fake_group_dir(tmpdir_base, "served", {"pid": _dead_pid(), "start": "1"})
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # its frontend lives (another pid namespace)
+    listener.bind(os.path.join(dead_but_served, "results"))
+    listener.listen()
+    other_name = os.path.join(tmpdir_base, "not-ours-dead")
+    os.mkdir(other_name)
+    try:
+        removed = remove_stale_dirs(tmpdir_base)
+        assert sorted(removed) == sorted([dead, reused, old_unowned])
+        for path in (dead, reused, old_unowned):
+            assert not os.path.exists(path)
+        for path in (live, young_unowned, dead_but_served, other_name):
+            assert os.path.isdir(path)
+    finally:
+        listener.close()
+
+
+def test_a_new_group_removes_the_directory_of_a_whole_group_killed_at_once(tmp_path, tmpdir_base):
+    """SIGKILL of the caller's whole process group: nobody is left to remove the directory (the
+    children die with their parent); the next group to start removes it, and keeps a live one."""
+    script = tmp_path / "victim.py"
+    script.write_text(
+        "import json, time\n"
+        "from pooling_pipeline import Pipeline\n"
+        "pipe = Pipeline(num_render_workers=1)\n"
+        "print(json.dumps({'pids': [pipe.pids['engine'], *pipe.pids['workers']], 'dir': str(pipe._group.dir)}),"
+        " flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path,
+                            start_new_session=True)
+    try:
+        report = json.loads(proc.stdout.readline())
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert wait_gone(report["pids"], 5.0) == []
+    assert os.path.isdir(report["dir"]), "the whole group died at once: its directory is left"
+    with Pipeline(num_render_workers=1) as live:
+        assert not os.path.exists(report["dir"])
+        with Pipeline(num_render_workers=1) as second:  # a live group's directory is kept
+            assert live._group.dir.is_dir() and second._group.dir.is_dir()
+            assert len(live.embed(["still served"], use_tqdm=False)) == 1
