@@ -324,11 +324,13 @@ class Ready(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
 
 class Heartbeat(msgspec.Struct, tag=True, array_like=True):
     """Sent every second by a thread of each child: it is alive, and how long its loop has been
-    inside one piece of work (a wedged step shows here; a stopped process stops sending)."""
+    inside one piece of work (a wedged step shows here; a stopped process stops sending), and
+    figures that change while it runs (the engine's step cost estimate), for stats."""
 
     role: str
     index: int
     busy_s: float
+    info: dict[str, float] = {}
 
 
 # What each socket accepts.

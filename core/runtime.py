@@ -150,10 +150,11 @@ class BusyClock:
         return 0.0 if since is None else max(0.0, self.run_clock.now() - since)
 
 
-def start_heartbeat(ctx: zmq.Context, endpoint: str, role: str, index: int, clock: BusyClock, key: bytes) -> None:
+def start_heartbeat(ctx: zmq.Context, endpoint: str, role: str, index: int, clock: BusyClock, key: bytes,
+                    info=None) -> None:
     """A daemon thread that sends Heartbeat every second on its own socket (sockets are not
     shared between threads) and ticks the process's RunClock. torch and the tokenizers release
-    the GIL, so it runs during work."""
+    the GIL, so it runs during work. `info()`, when given, is sent with each beat (stats that change)."""
     from pooling_pipeline.core.messages import Heartbeat
     from pooling_pipeline.core.serial import Encoder
 
@@ -164,7 +165,7 @@ def start_heartbeat(ctx: zmq.Context, endpoint: str, role: str, index: int, cloc
         while True:
             clock.run_clock.tick()
             try:
-                sock.send_multipart(encoder.encode(Heartbeat(role, index, clock.busy_s())), zmq.NOBLOCK)
+                sock.send_multipart(encoder.encode(Heartbeat(role, index, clock.busy_s(), info() if info else {})), zmq.NOBLOCK)
             except zmq.Again:
                 pass
             except zmq.ZMQError:
