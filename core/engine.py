@@ -51,6 +51,7 @@ from pooling_pipeline.core.runtime import (
 )
 from pooling_pipeline.core.scheduler import Scheduler
 from pooling_pipeline.core.serial import Decoder, Encoder
+from pooling_pipeline.core.step_cost import StepCostModel
 
 IDLE_WAIT_S = 0.5
 LAUNCH_AHEAD_ENV = "POOLING_PIPELINE_LAUNCH_AHEAD"
@@ -61,7 +62,7 @@ TRIM_EVERY_STEPS = 256
 # rises past ~4k (caches), and padding is paid in full; a GPU wants big batches and hides padding.
 CPU_BATCH_TOKENS, GPU_BATCH_TOKENS = 2048, 16384
 CPU_MAX_PADDING, GPU_MAX_PADDING = 0.05, 0.25
-# The measured step overhead, in padded tokens, is capped (a noisy probe must not mean "any padding").
+# The step overhead, in padded tokens, is capped (a noisy estimate must not mean "any padding").
 MAX_OVERHEAD_TOKENS = 1 << 16
 # Aborted requests are remembered so a late input is dropped. Bounded: the frontend never has more
 # than its window in flight, so older entries can only be strays.
@@ -171,14 +172,15 @@ class EngineCore:
             CPU_BATCH_TOKENS if on_cpu else GPU_BATCH_TOKENS, cfg.model.max_model_len)
         # What one step's fixed cost is worth in padded tokens: lets the scheduler fill batches
         # when a step is mostly overhead (a small model, a GPU) and keep them tight when not.
+        # A short probe seeds it; every finished step refines it (`StepCostModel`).
         try:
-            self.step_overhead_s, per_token_s = self.runner.step_cost(self.max_num_batched_tokens)
-            overhead_tokens = min(self.step_overhead_s / per_token_s, MAX_OVERHEAD_TOKENS)
+            overhead_s, per_token_s = self.runner.step_cost(self.max_num_batched_tokens)
         except Exception as e:  # a model that cannot run a synthetic batch still serves
-            log.warning("could not measure the step cost (%s); batches stay tight", e)
-            self.step_overhead_s, overhead_tokens = 0.0, 0.0
-        self.scheduler = Scheduler(cfg.max_num_seqs, self.max_num_batched_tokens,
-                                   CPU_MAX_PADDING if on_cpu else GPU_MAX_PADDING, overhead_tokens, capacity=cfg.window)
+            log.warning("could not measure the step cost (%s); batches stay tight until steps are seen", e)
+            overhead_s, per_token_s = 0.0, 1.0
+        self.step_cost = StepCostModel(overhead_s, per_token_s, MAX_OVERHEAD_TOKENS)
+        self.scheduler = Scheduler(cfg.max_num_seqs, self.max_num_batched_tokens, CPU_MAX_PADDING if on_cpu
+                                   else GPU_MAX_PADDING, self.step_cost.overhead_tokens, capacity=cfg.window)
         self.aborts = AbortMemory()
         self.encoder = Encoder(key)
         self.running = True
@@ -197,15 +199,14 @@ class EngineCore:
         return {"device": str(self.runner.device), "dtype": str(self.runner.dtype).removeprefix("torch."),
                 "torch_threads": torch.get_num_threads(),
                 "max_num_batched_tokens": self.max_num_batched_tokens,
-                "step_overhead_ms": round(1000 * self.step_overhead_s, 3),
-                "step_overhead_tokens": round(self.scheduler.overhead_tokens, 1),
-                "launch_ahead": self.launch_ahead}
+                **self.step_cost.info(), "launch_ahead": self.launch_ahead}
 
     def serve(self, ctx: zmq.Context, to_front: zmq.Socket) -> None:
         inputs = socket(ctx, zmq.PULL, self.cfg.input_endpoint, bind=True)
         control = addressed_socket(ctx, self.cfg.control_endpoint, self.cfg.control_routing_id)
         to_front.send_multipart(self.encoder.encode(m.Ready("engine", self.cfg.index, os.getpid(), info=self.ready_info())))
-        start_heartbeat(ctx, self.cfg.output_endpoint, "engine", self.cfg.index, self.clock, self.key)
+        start_heartbeat(ctx, self.cfg.output_endpoint, "engine", self.cfg.index, self.clock, self.key,
+                        info=self.step_cost.info)
         # Each socket is used by one thread only: these two by the input thread, to_front by the output thread.
         reader = InputThread(self, inputs, control)
         writer = OutputThread(self, to_front)
@@ -295,6 +296,8 @@ class EngineCore:
         except Exception as e:
             self._isolate(batch, in_core, e)
             return
+        if self.step_cost.observe(padded, device_s):
+            self.scheduler.overhead_tokens = self.step_cost.overhead_tokens
         self._send_results(batch, results, padded, device_s, in_core)
 
     def _isolate(self, batch: Requests, in_core: int, error: Exception) -> None:

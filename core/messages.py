@@ -326,7 +326,8 @@ class Heartbeat(msgspec.Struct, tag=True, array_like=True):
     """Sent every second by a thread of each child: it is alive, and how long its loop has been
     inside one piece of work (a wedged step shows here; a stopped process stops sending). A render
     worker also counts the work messages it has received and finished: the frontend compares them
-    with what it sent, so a batch that never reached an idle worker is noticed (ProcessGroup)."""
+    with what it sent, so a batch that never reached an idle worker is noticed (ProcessGroup).
+    An engine sends figures that change while it runs (its step cost estimate), for stats."""
 
     role: str
     index: int
@@ -335,6 +336,7 @@ class Heartbeat(msgspec.Struct, tag=True, array_like=True):
     received: int = 0  # work messages taken from the work socket so far (render workers)
     finished: int = 0  # of those, handled to the end (rendered and sent on)
     sent_at: float = 0.0  # the sender's time.monotonic() (system-wide) when it made this heartbeat
+    info: dict[str, float] = {}  # figures that change while it runs (the engine's step cost estimate), for stats
 
 
 # What each socket accepts.

@@ -14,6 +14,7 @@ from pooling_pipeline.core.config import ENCODER_ONLY_CLASSES, ModelSpec
 from pooling_pipeline.core.options import TASKS
 from pooling_pipeline.core.pooling import SentenceHead, apply_activation, pool, splade
 from pooling_pipeline.core.schema import blank_table
+from pooling_pipeline.core.step_cost import probe_step_cost
 from pooling_pipeline.core.vectors import finish_embeddings
 
 log = logging.getLogger("engine")
@@ -96,29 +97,14 @@ class ModelRunner:
         self.logit_rows = self._logit_score_rows() if spec.logit_score is not None else None
 
     def step_cost(self, max_tokens: int) -> tuple[float, float]:
-        """Measures one step's fixed cost and its cost per padded token: (overhead_s, per_token_s).
-
-        Times a tiny batch and a batch of up to 512 tokens (best of two after a warm-up, which
-        also builds the kernels for those shapes) and fits a line through the two points.
-        """
-        length = max(1, min(128, self.spec.max_model_len))
-        rows = max(1, min(max_tokens, 512) // length)
+        """The start-up probe of one step's fixed cost and its cost per padded token:
+        (overhead_s, per_token_s), from synthetic batches (see `step_cost.probe_step_cost`)."""
         token = min(1000, self.spec.vocab_size - 1)
 
-        def timed(num_rows: int, num_tokens: int) -> float:
-            batch = probe_batch(num_rows, num_tokens, token, self.spec.tasks[0])
-            best = float("inf")
-            for attempt in range(3):
-                start = time.perf_counter()
-                self.run(batch)
-                if attempt:
-                    best = min(best, time.perf_counter() - start)
-            return best
+        def run(num_rows: int, num_tokens: int) -> None:
+            self.run(probe_batch(num_rows, num_tokens, token, self.spec.tasks[0]))
 
-        small_tokens, large_tokens = min(8, length), rows * length
-        small, large = timed(1, small_tokens), timed(rows, length)
-        per_token = max((large - small) / max(large_tokens - small_tokens, 1), 1e-12)
-        return max(small - per_token * small_tokens, 0.0), per_token
+        return probe_step_cost(run, max_tokens, self.spec.max_model_len)
 
     def run(self, batch: Requests) -> tuple[list | np.ndarray, int]:
         """Runs a batch start to finish: one result per request -- a float32 array, or (token ids,

@@ -200,10 +200,11 @@ class BusyClock:
 
 
 def start_heartbeat(ctx: zmq.Context, endpoint: str, role: str, index: int, clock: BusyClock, key: bytes,
-                    work: WorkCount | None = None) -> None:
+                    work: WorkCount | None = None, info=None) -> None:
     """A daemon thread that sends Heartbeat every second on its own socket (sockets are not
     shared between threads) and ticks the process's RunClock. torch and the tokenizers release
-    the GIL, so it runs during work. `work`: a render worker's message counts, sent along."""
+    the GIL, so it runs during work. `work`: a render worker's message counts, sent along;
+    `info()`, when given, is sent with each beat (stats that change)."""
     from pooling_pipeline.core.messages import Heartbeat
     from pooling_pipeline.core.serial import Encoder
 
@@ -218,7 +219,8 @@ def start_heartbeat(ctx: zmq.Context, endpoint: str, role: str, index: int, cloc
             # could look finished before it was counted as received.
             finished = work.finished if work is not None else 0
             received = work.received if work is not None else 0
-            beat = Heartbeat(role, index, clock.busy_s(), pid, received, finished, time.monotonic())
+            beat = Heartbeat(role, index, clock.busy_s(), pid, received, finished, time.monotonic(),
+                             info() if info else {})
             try:
                 sock.send_multipart(encoder.encode(beat), zmq.NOBLOCK)
             except zmq.Again:

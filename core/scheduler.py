@@ -14,8 +14,8 @@ length, so little of the forward pass is spent on padding:
   smaller, tighter batch is cheaper than a full one with padding; a GPU tolerates more padding
   and wants bigger batches;
 * past that cap, a request still joins when it makes the step cheaper per real token, counting
-  the step's fixed cost (`overhead_tokens`: the engine measures it as the padded tokens one
-  step's overhead is worth). For a big model on a CPU that is a few tokens and changes nothing;
+  the step's fixed cost (`overhead_tokens`: the padded tokens one step's overhead is worth, which
+  the engine learns from the steps it runs, see `step_cost`). For a big model on a CPU that is a few tokens and changes nothing;
   for a small model, or a GPU, a step costs mostly overhead and batches fill up.
 """
 

@@ -32,6 +32,9 @@ class SimDevice(msgspec.Struct, frozen=True, kw_only=True):
     token_s: float  # b: cost per padded token
     dim: int = 384  # width of the vectors it returns
     name: str = "custom"
+    # What the start-up probe reports as the fixed cost (None: step_s): a probe taken at a noisy
+    # moment, to see that the engine learns the real cost from its steps.
+    probe_step_s: float | None = None
 
 
 H100_FLOPS = 0.4 * 989e12  # 40% of dense bf16 peak
@@ -92,7 +95,8 @@ class SimRunner:
         self.free_at = 0.0  # when the device finishes the work queued on it (perf_counter time)
 
     def step_cost(self, max_tokens: int) -> tuple[float, float]:
-        return self.sim.step_s, self.sim.token_s
+        probe = self.sim.step_s if self.sim.probe_step_s is None else self.sim.probe_step_s
+        return probe, self.sim.token_s
 
     def launch(self, batch) -> tuple[np.ndarray, int, float, float]:
         # The host's part of a step, as on CUDA: the padded ids matrix the device would be given

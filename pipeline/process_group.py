@@ -435,6 +435,8 @@ class ProcessGroup:
                 self._note_work(msg)
             self.last_seen[(msg.role, msg.index)] = now
             self.busy_s[(msg.role, msg.index)] = msg.busy_s
+            if msg.info and msg.role == "engine" and 0 <= msg.index < len(self.engine_infos):
+                self.engine_infos[msg.index].update(msg.info)  # (the step cost as learned since Ready)
         elif isinstance(msg, (m.OutputBatch, m.StepFailed)) and self.num_engines == 1:
             self.last_seen[("engine", 0)] = now  # (with several, which one sent it is in their heartbeats)
         elif isinstance(msg, m.Ready):

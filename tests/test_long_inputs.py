@@ -148,3 +148,51 @@ def test_a_failed_step_listing_two_chunks_of_one_document(tmp_path, model_path, 
         finally:
             injector.join()
         assert pipe.embed(["the next call works"], use_tqdm=False)[0].error is None
+
+
+def _cjk_text(num_chars: int, seed: int) -> str:
+    """Ideographs (BMP and plane 2) with a fullwidth comma or full stop now and then: no space anywhere."""
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0x4E00, 0x9FA6, num_chars)
+    codes[rng.random(num_chars) < 0.001] = 0x20000 + rng.integers(0, 0xA6D0)  # CJK extension B
+    codes[rng.random(num_chars) < 0.02] = rng.choice([0xFF0C, 0x3002])  # ， 。 (punctuation: pre-tokens of their own)
+    return codes.astype("<u4").tobytes().decode("utf-32-le")
+
+
+def test_millions_of_cjk_characters_without_spaces_cost_what_256_tokens_cost(model_path, st_model):
+    """A 2M-character CJK text with no whitespace (one pre-token per ideograph, for BERT): each
+    truncation side gives sentence-transformers' vector, in seconds, without the render worker
+    tokenizing the whole text (3M such characters tokenized whole cost a worker 1.3 GB). 10M
+    characters measured on this (loaded) 2-core machine: 2-4.6 s a side, the worker's peak +71 MB;
+    sentence-transformers 89 s and 5.9 GB for the same vector (within 1.5e-8)."""
+    text = _cjk_text(2_000_000, seed=25)
+    with Pipeline(num_render_workers=1) as pipe:
+        worker = pipe.pids["workers"][0]
+        before = _peak_rss_mb(worker)
+        start = time.perf_counter()
+        right = pipe.embed([text, "短い"], use_tqdm=False)
+        left = pipe.embed([text], truncation_side="left", use_tqdm=False)
+        took = time.perf_counter() - start
+        grew = _peak_rss_mb(worker) - before
+    assert right[0].num_prompt_tokens == left[0].num_prompt_tokens == 256
+    assert took < 60, took  # (generous: ~2 s when the machine is quiet)
+    assert grew < 300, grew  # the text is 8 MB as UTF-32; its tokens, whole, would be ~600 MB
+    np.testing.assert_allclose(right[0].embedding, st_model.encode(text), atol=TOL, rtol=0)
+    np.testing.assert_allclose(right[1].embedding, st_model.encode("短い"), atol=TOL, rtol=0)
+    st_model.tokenizer.truncation_side = "left"
+    try:
+        np.testing.assert_allclose(left[0].embedding, st_model.encode(text), atol=TOL, rtol=0)
+    finally:
+        st_model.tokenizer.truncation_side = "right"
+
+
+def test_chunk_mode_on_cjk_without_spaces_equals_a_hand_computed_reference(pipe, st_model):
+    """Chunk mode tokenizes a long document in pieces of ~64k characters: here the pieces of a CJK
+    text without spaces are cut between ideographs, and the windows are those of the whole text's ids."""
+    from pooling_pipeline.workers.truncation import CHUNK_TOKENIZE_CHARS
+
+    doc = _cjk_text(CHUNK_TOKENIZE_CHARS + 6_000, seed=26)  # two pieces
+    [out] = pipe.embed([doc], long_inputs="chunk", use_tqdm=False)
+    ref, windows = _chunk_reference(st_model, doc, 256, 0)
+    assert out.num_chunks == windows
+    np.testing.assert_allclose(out.embedding, ref, atol=TOL, rtol=0)
