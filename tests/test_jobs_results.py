@@ -259,6 +259,17 @@ def _flip_last_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def _job_on_a_model_copy(tmp_path, records, dense_model):
+    """A copy of the model (to change), the records as JSONL; returns the copy, the output
+    directory and the job's arguments."""
+    model = tmp_path / "model"
+    shutil.copytree(dense_model, model)
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "out"
+    return model, out, ["--input", str(path), "--output", str(out), "--model", str(model), "--quiet", "--chunk-rows", "10"]
+
+
 @pytest.mark.parametrize("changed", ["2_Dense/model.safetensors", "2_Dense/config.json", "tokenizer.json"])
 def test_resume_refuses_a_model_changed_in_any_of_its_files(tmp_path, records, dense_model, changed, no_model,
                                                             capsys):
@@ -266,12 +277,7 @@ def test_resume_refuses_a_model_changed_in_any_of_its_files(tmp_path, records, d
     --resume: refused (exit 2) naming the file, never rows from two models in one job."""
     from pooling_pipeline.jobs.launcher import main
 
-    model = tmp_path / "model"
-    shutil.copytree(dense_model, model)
-    path = tmp_path / "docs.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    out = tmp_path / "out"
-    argv = ["--input", str(path), "--output", str(out), "--model", str(model), "--quiet", "--chunk-rows", "10"]
+    model, out, argv = _job_on_a_model_copy(tmp_path, records, dense_model)
     assert main([*argv, "--limit", "20"]) == 0
     assert changed in manifest_of(out)["model_files"]
     target = model / changed
@@ -289,12 +295,7 @@ def test_resume_refuses_a_model_changed_in_any_of_its_files(tmp_path, records, d
 def test_a_model_unchanged_but_for_its_readme_resumes(tmp_path, records, dense_model, no_model):
     from pooling_pipeline.jobs.launcher import main
 
-    model = tmp_path / "model"
-    shutil.copytree(dense_model, model)
-    path = tmp_path / "docs.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    out = tmp_path / "out"
-    argv = ["--input", str(path), "--output", str(out), "--model", str(model), "--quiet", "--chunk-rows", "10"]
+    model, out, argv = _job_on_a_model_copy(tmp_path, records, dense_model)
     assert main([*argv, "--limit", "20"]) == 0
     (model / "README.md").write_text("# edited\n")
     (model / ".git").mkdir()
