@@ -98,7 +98,10 @@ def test_llm_reranker_scores_and_ranks_as_st(tmp_path, pairs, kind):
         assert_close(np.array([r.score for r in ranked], dtype=np.float32),
                      np.array([r["score"] for r in ref_rank], dtype=np.float32), f"{kind} rank scores")
         top = pipe.rank(query, docs, top_k=3)
-        assert [(r.index, r.score) for r in top] == [(r.index, r.score) for r in ranked[:3]]
+        # Floats depend on the batch a pair was scored in: the same pairs, within the tolerance.
+        assert [r.index for r in top] == [r.index for r in ranked[:3]]
+        assert_close(np.array([r.score for r in top], dtype=np.float32),
+                     np.array([r.score for r in ranked[:3]], dtype=np.float32), f"{kind} top_k scores")
 
 
 def test_text_pair_llm_reranker(tmp_path, pairs):

@@ -28,6 +28,7 @@ import copy
 import secrets
 import threading
 import time
+import weakref
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING
@@ -125,7 +126,7 @@ class Call:
         # Waking up: a thread's event, or (async calls) a future on the caller's event loop.
         self.loop = loop
         self._event = threading.Event()
-        self._waiter: asyncio.Future | None = None
+        self._waiter: weakref.ref[asyncio.Future] | None = None
         self._signaled = False
         self._wake_pending = False
 
@@ -163,9 +164,13 @@ class Call:
                     # lands) between two turns, even while results keep coming.
                     await asyncio.sleep(0)
                     continue
-                self._waiter = self.loop.create_future()
+                # Held weakly here (the awaiting task holds it): the dispatcher holds this call,
+                # and a strong reference would keep the task, its coroutine and its stream alive
+                # after their event loop was closed, so the stream's finalizer (the abort) never ran.
+                waiter = self.loop.create_future()
+                self._waiter = weakref.ref(waiter)
                 try:
-                    await asyncio.wait_for(self._waiter, CALL_WAIT_S)
+                    await asyncio.wait_for(waiter, CALL_WAIT_S)
                 except asyncio.TimeoutError:
                     pass
                 finally:
@@ -241,7 +246,7 @@ class Call:
     def _on_wake(self) -> None:  # on the call's event loop
         self._wake_pending = False
         self._signaled = True
-        waiter = self._waiter
+        waiter = self._waiter() if self._waiter is not None else None
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
