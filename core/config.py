@@ -176,6 +176,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     log_level: str = "WARNING"
     sim: SimDevice | None = None  # device "sim": the simulated accelerator's step time
     index: int = 0  # which engine core of the group (data parallel: 0 .. data_parallel_size - 1)
+    backend: str = "torch"  # "torch" | "openvino" | "auto" (see ModelRunner)
+    quantize: str | None = None  # None | "int8" (torch backend)
 
 
 class WorkerConfig(msgspec.Struct, kw_only=True):

@@ -160,7 +160,8 @@ class EngineCore:
 
             self.runner = SimRunner(cfg.model, cfg.sim)
         else:
-            self.runner = ModelRunner(cfg.model, cfg.device, cfg.dtype)
+            self.runner = ModelRunner(cfg.model, cfg.device, cfg.dtype, backend=cfg.backend,
+                                      threads=cfg.torch_threads, quantize=cfg.quantize)
         on_cpu = str(self.runner.device) == "cpu"
         # A CPU step is done when launched; elsewhere the next one is launched before waiting.
         # LAUNCH_AHEAD_ENV=1 forces launching ahead on a CPU too (how tests run the loop of the
@@ -199,7 +200,8 @@ class EngineCore:
         return {"device": str(self.runner.device), "dtype": str(self.runner.dtype).removeprefix("torch."),
                 "torch_threads": torch.get_num_threads(),
                 "max_num_batched_tokens": self.max_num_batched_tokens,
-                **self.step_cost.info(), "launch_ahead": self.launch_ahead}
+                **self.step_cost.info(), "launch_ahead": self.launch_ahead,
+                **getattr(self.runner, "backend_info", {"backend": "sim"})}
 
     def serve(self, ctx: zmq.Context, to_front: zmq.Socket) -> None:
         inputs = socket(ctx, zmq.PULL, self.cfg.input_endpoint, bind=True)

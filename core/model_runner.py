@@ -67,11 +67,16 @@ def tokenizer_makes_token_types(spec: ModelSpec) -> bool:
 class ModelRunner:
     routes: list | None = None  # a Router model: a runner per route, in ModelSpec.routes order
 
-    def __init__(self, spec: ModelSpec, device: str, dtype: str, shared_model=None) -> None:
+    def __init__(self, spec: ModelSpec, device: str, dtype: str, shared_model=None, *, backend: str = "torch",
+                 threads: int = 1, quantize: str | None = None) -> None:
+        """`backend`: "torch", "openvino" (the transformer compiled by OpenVINO; refused clearly
+        when it cannot run this model) or "auto" (OpenVINO on a CPU where it runs this model
+        within its check, else torch); `quantize`: None, or "int8" (the transformer's Linear layers
+        dynamically quantized; torch backend only)."""
         from transformers import AutoConfig
 
         if spec.route_specs:
-            self._init_routes(spec, device, dtype)
+            self._init_routes(spec, device, dtype, backend=backend, threads=threads, quantize=quantize)
             return
         self.spec = spec
         self.device = resolve_device(device)
@@ -95,6 +100,37 @@ class ModelRunner:
         self.uses_token_types = ("token_type_ids" in inspect.signature(self.model.forward).parameters
                                  and tokenizer_makes_token_types(spec))
         self.logit_rows = self._logit_score_rows() if spec.logit_score is not None else None
+        self.backend_info: dict = {"backend": "torch"}
+        if quantize is not None and shared_model is None:
+            self.model = quantized(self.model, quantize)
+            self.backend_info["quantize"] = quantize
+        if backend == "openvino" and (self.device.type != "cpu" or quantize is not None):
+            raise ValueError("backend='openvino' runs on the CPU in float32: not with device "
+                             f"{str(self.device)!r}{' or quantize=' + repr(quantize) if quantize else ''}")
+        if backend != "torch" and self.device.type == "cpu" and quantize is None:
+            self._use_openvino(backend, threads, reuse=shared_model)
+
+    def _use_openvino(self, backend: str, threads: int, reuse) -> None:
+        """Runs the transformer through OpenVINO (core/openvino_model.py) from now on; under "auto",
+        where OpenVINO cannot have this model (or is not installed), the torch module stays."""
+        from pooling_pipeline.core.openvino_model import BackendUnavailable, OpenVINOModel, to_openvino
+
+        if isinstance(reuse, OpenVINOModel):  # a Router's route on a transformer converted already
+            self.backend_info = {"backend": "openvino", "conversion": "shared"}
+            return
+        base = self.logit_rows is not None
+        output = ("last_hidden_state" if base or (self.spec.head == "none" and self.spec.sparse is None)
+                  else "logits")
+        try:
+            self.model, info = to_openvino(self.model, self.spec, output=output, base=base,
+                                           token_types=self.uses_token_types, threads=threads)
+        except BackendUnavailable as e:
+            if backend == "openvino":
+                raise ValueError(f"backend='openvino' cannot run model {self.spec.path!r}: {e}") from e
+            log.warning("backend 'auto': the torch backend runs %s (%s)", self.spec.path, e)
+            self.backend_info = {"backend": "torch", "openvino_refused": str(e)}
+            return
+        self.backend_info = info
 
     def step_cost(self, max_tokens: int) -> tuple[float, float]:
         """The start-up probe of one step's fixed cost and its cost per padded token:
@@ -264,7 +300,7 @@ class ModelRunner:
     def _sparse(self, logits: torch.Tensor, mask: torch.Tensor):
         return sparse_outputs(splade(logits, mask, self.spec.sparse), self.spec.max_active_dims)
 
-    def _init_routes(self, spec: ModelSpec, device: str, dtype: str) -> None:
+    def _init_routes(self, spec: ModelSpec, device: str, dtype: str, **backend) -> None:
         """A Router model: one runner per route; routes on the same transformer directory share
         its loaded weights (ST's saved Router refers to a shared module once), others each load theirs."""
         self.spec = spec
@@ -275,10 +311,11 @@ class ModelRunner:
             if route.input_module == "sparse_static_embedding":
                 self.routes.append(StaticEmbeddingRoute(route, self.device, self._to_host))
                 continue
-            runner = ModelRunner(route, device, dtype, shared_model=loaded.get(route.path))
+            runner = ModelRunner(route, device, dtype, shared_model=loaded.get(route.path), **backend)
             loaded.setdefault(route.path, runner.model)
             self.routes.append(runner)
         self.dtype = next(r.dtype for r in self.routes if isinstance(r, ModelRunner))
+        self.backend_info = next(r.backend_info for r in self.routes if isinstance(r, ModelRunner))
         self.default_route = spec.routes.index(spec.default_route) if spec.default_route is not None else -1
 
     def _launch_routes(self, batch: Requests) -> PendingStep:
@@ -372,6 +409,14 @@ class ModelRunner:
             return [out[row, : int(lengths[row])] for row in range(len(batch))]
 
         return tensors, finish
+
+
+def quantized(model: torch.nn.Module, mode: str) -> torch.nn.Module:
+    """The model with its Linear layers dynamically quantized to int8 (weights int8 per channel,
+    activations quantized per batch): opt-in, it changes results (see the README's figures)."""
+    if mode != "int8":
+        raise ValueError(f"quantize must be None or 'int8', got {mode!r}")
+    return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
 
 
 def multi_vector_parts(spec: ModelSpec, device: torch.device) -> tuple[SentenceHead | None, np.ndarray | None]:

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import msgspec
 import numpy as np
 
+from pooling_pipeline.backends import describe_backend, engine_backend
 from pooling_pipeline.call_stats import CallStats
 from pooling_pipeline.core.model_layout import load_model_spec
 from pooling_pipeline.core.options import checked
@@ -158,6 +159,7 @@ class Pipeline:
             from pooling_pipeline.workers.render import load_plugin
 
             self._plugin = load_plugin(opts.io_processor)  # in the caller too, for post_process (errors early)
+        backend = engine_backend(opts.backend, opts.quantize, device, DTYPE_ALIASES[opts.dtype])
         self.cpu_plan = plan_cpu(opts.num_render_workers, devices[0] if engines > 1 else device,
                                  engine_threads=opts.engine_threads, data_parallel_size=engines)
         log.debug("CPU plan: %s", self.cpu_plan)
@@ -170,7 +172,7 @@ class Pipeline:
             max_message_items=self.batch_items, io_processor=opts.io_processor, log_level=opts.log_level,
             startup_timeout_s=opts.startup_timeout_s, heartbeat_timeout_s=opts.heartbeat_timeout_s,
             step_timeout_s=opts.step_timeout_s, data_parallel_size=engines, engine_devices=devices,
-            **({"sim": sim} if sim is not None else {}))
+            backend=backend, quantize=opts.quantize, **({"sim": sim} if sim is not None else {}))
         try:
             self._dispatcher = Dispatcher(self._group, max_inflight=self.max_inflight, batch_items=self.batch_items)
         except BaseException:
@@ -185,6 +187,8 @@ class Pipeline:
         except BaseException:
             self.close()
             raise
+        if self._group.engine_info.get("conversion") == "converted":  # a start-up cost paid once per model
+            log.info("%s", describe_backend(self._group.engine_info))
         info = self._group.worker_info
         self._tokenization = Tokenization(num_special_tokens=int(info.get("num_special_tokens", 0)),
                                           truncation_side=str(info.get("truncation_side", "right")))

@@ -46,6 +46,10 @@ DTYPE_ALIASES = {"auto": "auto", "float32": "float32", "float": "float32", "fp32
 Dtype = Literal["auto", "float32", "float", "fp32", "float16", "half", "fp16", "bfloat16", "bf16"]
 # "sim": the simulated accelerator (core/sim_device.py), a measurement instrument.
 Device = Annotated[str, Meta(pattern=r"^(auto|cpu|sim|cuda(:\d+)?)$")]
+# What runs the model's transformer: torch, or OpenVINO on a CPU (core/openvino_model.py); "auto":
+# OpenVINO on a CPU where it is installed and passes its start-up check for this model, else torch.
+Backend = Literal["auto", "torch", "openvino"]
+Quantize = Literal["int8"]
 
 
 class PipelineOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -63,6 +67,12 @@ class PipelineOptions(msgspec.Struct, frozen=True, kw_only=True):
         "per engine core)")] = None
     device: Annotated[Device, described("auto, cpu, cuda, cuda:N, or sim (the simulated accelerator)")] = "auto"
     dtype: Annotated[Dtype, described("model dtype (float, fp32, half, fp16 and bf16 are aliases)")] = "auto"
+    backend: Annotated[Backend, described(
+        "what runs the transformer: torch, openvino (CPU, float32, the 'openvino' extra), or auto "
+        "(openvino on a CPU where it is installed and runs the model within its start-up check, else torch)")] = "auto"
+    quantize: Annotated[Quantize | None, described(
+        "int8: the transformer's Linear layers dynamically quantized (torch backend, CPU); opt-in, it changes "
+        "results (README: cosine and top-10 agreement)")] = None
     data_parallel_size: Annotated[PositiveInt, described(
         "engine cores on this machine, fed by the same render workers: one GPU each (cuda:0 .. "
         "cuda:N-1), or a share of the CPU threads; across machines use Ray")] = 1

@@ -166,7 +166,7 @@ class ProcessGroup:
                  max_num_seqs: int, max_num_batched_tokens: int | None, window: int, max_message_items: int,
                  io_processor: str | None, log_level: str, startup_timeout_s: float, heartbeat_timeout_s: float,
                  step_timeout_s: float, data_parallel_size: int, sim=None,
-                 engine_devices: list[str] | None = None) -> None:
+                 engine_devices: list[str] | None = None, backend: str = "torch", quantize: str | None = None) -> None:
         """Every value comes from the Pipeline (its defaults are PipelineOptions'). `engine_devices`:
         the device of each of the `data_parallel_size` engine cores (default: `device` for each);
         `engine_threads`: torch threads of each engine core; `sim`: the simulated device, for
@@ -248,7 +248,8 @@ class ProcessGroup:
                 torch_threads=engine_threads, input_endpoint=self.endpoints[f"engine_in_{k}"],
                 control_endpoint=self.endpoints[f"control_{k}"], control_routing_id=self.control_ids[k],
                 output_endpoint=self.endpoints["results"],
-                parent_pid=os.getpid(), log_level=log_level, index=k, **({"sim": sim} if sim is not None else {}))
+                parent_pid=os.getpid(), log_level=log_level, index=k, backend=backend, quantize=quantize,
+                **({"sim": sim} if sim is not None else {}))
                 for k in range(data_parallel_size)]
             self.engine_cfg = self.engine_cfgs[0]
             for k, cfg in enumerate(self.engine_cfgs):

@@ -1,8 +1,16 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
+# The OpenVINO backend's conversions (backend "auto" with the extra installed): in a directory of this
+# session, removed at its end, never in the user's own cache.
+if "POOLING_PIPELINE_CACHE" not in os.environ:
+    os.environ["POOLING_PIPELINE_CACHE"] = tempfile.mkdtemp(prefix="pooling-pipeline-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["POOLING_PIPELINE_CACHE"], True)
 
 import corpus
 import numpy as np

@@ -32,6 +32,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from pooling_pipeline.backends import describe_backend
 from pooling_pipeline.call_stats import format_stats
 from pooling_pipeline.jobs.job_errors import EXIT_INPUT, EXIT_RUNTIME, EXIT_USAGE, InputError, UsageError
 from pooling_pipeline.jobs.output_dir import OutputLock, check_output
@@ -81,6 +82,7 @@ def field_list(value: str) -> tuple[str, ...]:
 # (options.py); `build_parser` gives only what the command line says differently.
 PIPELINE_FLAGS = {"workers": "num_render_workers", "max_num_seqs": "max_num_seqs",
                   "data_parallel_size": "data_parallel_size", "device": "device", "dtype": "dtype",
+                  "backend": "backend", "quantize": "quantize",
                   "trust_remote_code": "trust_remote_code", "revision": "revision"}
 CALL_FLAGS = {"truncate": "truncate_prompt_tokens", "long_inputs": "long_inputs", "prompt_name": "prompt_name",
               "prompt": "prompt", "route": "route"}  # --errors is the launcher's own: the API always gets errors="return"
@@ -175,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "unfinished and --resume without --limit completes it (default: no limit)")
     declared_flag(ap, "--device", PipelineOptions, "device")
     declared_flag(ap, "--dtype", PipelineOptions, "dtype")
+    declared_flag(ap, "--backend", PipelineOptions, "backend")
+    declared_flag(ap, "--quantize", PipelineOptions, "quantize")
     ap.add_argument("--chunk-rows", type=positive_int, default=65536, metavar="N", help="records per output chunk" + d)
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     ray = ap.add_argument_group("Ray (pip install -e \".[ray]\"; see the README)")
@@ -345,7 +349,10 @@ def describe_job(args: argparse.Namespace, sources: list, id_field: str | None) 
                    "id_field": id_field, "keep_fields": list(args.keep_fields), "chunk_rows": args.chunk_rows,
                    "int8_calibration_rows": args.int8_calibration_rows,
                    "pooling": msgspec.to_builtins(spec.pooling), "normalize": spec.normalize,
-                   "prompt_name": args.prompt_name, "prompt": args.prompt, **pair},
+                   "prompt_name": args.prompt_name, "prompt": args.prompt, **pair,
+                   # int8 weights give other vectors: a resume must not mix them (float32 backends agree
+                   # within the stated tolerance, so the backend itself is not part of the job).
+                   **({"quantize": args.quantize} if args.quantize else {})},
     }
 
 
@@ -457,6 +464,8 @@ class Job:
         launched = time.perf_counter()
         with Pipeline(model=args.model, **pipeline_options(args)) as pipe:
             start = time.perf_counter()  # throughput is measured from here; start-up is reported apart
+            if not args.quiet:
+                print(f"pipeline-run: {describe_backend(pipe.stats()['engine'])}", file=sys.stderr)
             if not args.quiet:
                 from tqdm.auto import tqdm
 
