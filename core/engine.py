@@ -22,7 +22,6 @@ Every message in and out carries the group's key (`core.serial`); one without it
 
 from __future__ import annotations
 
-import ctypes
 import os
 import queue
 import sys
@@ -42,6 +41,7 @@ from pooling_pipeline.core.runtime import (
     DropLog,
     addressed_socket,
     exit_with_parent,
+    release_free_memory,
     run_maybe_profiled,
     setup_logging,
     socket,
@@ -539,14 +539,6 @@ def _or_die(fn, log):
             os._exit(70)
 
     return run
-
-
-def release_free_memory() -> None:
-    """glibc's malloc_trim: return free heap pages to the system (a no-op elsewhere)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def main(argv: list[str]) -> int:

@@ -11,6 +11,7 @@ that does not is dropped.
 
 from __future__ import annotations
 
+import gc
 import os
 
 # One tokenizer thread per worker: parallelism comes from the number of workers (see the CPU plan).
@@ -29,6 +30,7 @@ from pooling_pipeline.core.runtime import (
     WorkCount,
     addressed_socket,
     exit_with_parent,
+    release_free_memory,
     run_maybe_profiled,
     setup_logging,
     socket,
@@ -56,6 +58,10 @@ def main(argv: list[str]) -> int:
 
         plugin = load_plugin(cfg.io_processor) if cfg.io_processor else None
         renderer = build_renderer(cfg.model, plugin)
+        # Loading parsed the tokenizer's files and serialized its backend twice: hand the freed heap
+        # back (~4 MB of a worker's ~100 with the bundled model; more with a large vocabulary).
+        gc.collect()
+        release_free_memory()
     except Exception as e:
         log.exception("cannot load the tokenizer")
         to_front.send_multipart(encoder.encode(m.Ready("worker", cfg.index, os.getpid(), error=f"{type(e).__name__}: {e}")))

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
+import logging
+import sys
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -27,14 +30,43 @@ def load_hf_tokenizer(spec: ModelSpec):
     transformers adjusts the backend from tokenizer_config.json (lowercasing, special tokens), so
     the fast backend is taken from AutoTokenizer rather than read from tokenizer.json directly.
     """
-    from transformers import AutoTokenizer
+    with torch_hidden(unless=spec.trust_remote_code):  # remote tokenizer code may import anything
+        from transformers import AutoTokenizer
 
-    hf = AutoTokenizer.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
+        hf = AutoTokenizer.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
     if getattr(hf, "backend_tokenizer", None) is None:
         raise ValueError(f"model {spec.path!r} has no fast tokenizer")
     if spec.multi_vector is not None and spec.multi_vector.legacy_prefixes:
         register_prefix_tokens(hf, spec.multi_vector.legacy_prefixes)
     return hf
+
+
+@contextlib.contextmanager
+def torch_hidden(unless: bool = False):
+    """transformers imports torch wherever torch is installed (its config module does, for RoPE
+    helpers), and torch is ~190 MB of a render worker's RSS that tokenizing never uses. While
+    transformers is first imported, torch is made unimportable (a None entry in sys.modules, as
+    Python documents): transformers then behaves as in a tokenizers-only install, with the same
+    tokenizer classes and configuration. Only where neither is imported yet (a worker before its
+    first load; never a caller's process, nor after a plugin imported either); torch is importable
+    again afterwards, for a plugin that wants it."""
+    if unless or "torch" in sys.modules or "transformers" in sys.modules:
+        yield
+        return
+    sys.modules["torch"] = None
+    quiet = NotFoundNotice()  # its "PyTorch was not found" advice is expected here, once per worker
+    logging.getLogger("transformers").addFilter(quiet)
+    try:
+        yield
+    finally:
+        logging.getLogger("transformers").removeFilter(quiet)
+        if "torch" in sys.modules and sys.modules["torch"] is None:
+            del sys.modules["torch"]
+
+
+class NotFoundNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("PyTorch was not found")
 
 
 def register_prefix_tokens(hf, prefixes: list[str]) -> None:
