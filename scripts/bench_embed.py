@@ -8,6 +8,7 @@ machine. Each measurement is repeated and the median is reported.
     python scripts/bench_embed.py                          # all workloads, 3 repeats
     python scripts/bench_embed.py --cases a d --repeats 5  # some of them
     python scripts/bench_embed.py --device cuda --dtype float16
+    python scripts/bench_embed.py --device cuda --model DIR --cases b --medium-chars 2400 4000   # another model
 
 Workloads: (a) short sentences, (b) medium texts, (c) long documents of 50k-140k tokens kept to
 256 tokens, (d) mixed: mostly sentences, some medium texts and a few long documents, shuffled.
@@ -55,12 +56,13 @@ METHOD_LABELS = {"pipeline": "pipeline", "pipeline_token_ids": "pipeline, token 
                  "forward_limit": "forward limit"}
 
 
-def build_cases(selected: list[str], n_short: int, n_medium: int, n_long: int) -> dict[str, list[str]]:
+def build_cases(selected: list[str], n_short: int, n_medium: int, n_long: int,
+                medium_chars: tuple[int, int] = (600, 4000)) -> dict[str, list[str]]:
     cases = {}
     if "a" in selected:
         cases["a"] = corpus.sentences(n_short, seed=1)
     if "b" in selected:
-        cases["b"] = corpus.medium_texts(n_medium, seed=2, min_chars=600, max_chars=4000)
+        cases["b"] = corpus.medium_texts(n_medium, seed=2, min_chars=medium_chars[0], max_chars=medium_chars[1])
     if "c" in selected:
         cases["c"] = corpus.long_documents(n_long, int(50_000 * CHARS_PER_TOKEN), int(140_000 * CHARS_PER_TOKEN), seed=3)
     if "d" in selected:
@@ -134,7 +136,7 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def draw_chart(results: list[dict], path: Path) -> bool:
+def draw_chart(results: list[dict], path: Path, model_name: str = "all-MiniLM-L6-v2") -> bool:
     try:
         import matplotlib
 
@@ -151,34 +153,42 @@ def draw_chart(results: list[dict], path: Path) -> bool:
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xticks(range(len(results)), [LABELS[r["case"]] for r in results])
     ax.set_ylabel("throughput / sentence-transformers")
-    ax.set_title("Embedding throughput (all-MiniLM-L6-v2), higher is better")
+    ax.set_title(f"Embedding throughput ({model_name}), higher is better")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", nargs="+", default=["a", "b", "c", "d"], choices=list(LABELS))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--model", default=None, help="a local model directory (default: the bundled all-MiniLM-L6-v2)")
     ap.add_argument("--n-short", type=int, default=2000)
     ap.add_argument("--n-medium", type=int, default=200)
     ap.add_argument("--n-long", type=int, default=50)
+    ap.add_argument("--medium-chars", type=int, nargs=2, default=[600, 4000], metavar=("MIN", "MAX"),
+                    help="length range of case (b)'s texts, in characters (2400 4000: all kept to a 512-token model's limit)")
     ap.add_argument("--batch-size", type=int, default=32, help="for sentence-transformers and the transformers loop")
     ap.add_argument("--out", default="bench-out", help="directory for bench_embed.json and bench_embed.png")
     ap.add_argument("--no-decoder", action="store_true", help="skip the tiny Qwen3 decoder-embedder row")
+    return ap
+
+
+def main() -> None:
+    ap = build_parser()
     args = ap.parse_args()
 
     import torch
     from sentence_transformers import SentenceTransformer
 
-    model_path = default_model_path()
-    cases = build_cases(args.cases, args.n_short, args.n_medium, args.n_long)
+    model_path = args.model or default_model_path()
+    cases = build_cases(args.cases, args.n_short, args.n_medium, args.n_long, tuple(args.medium_chars))
     start = time.perf_counter()
-    pipe = Pipeline(device=args.device, dtype=args.dtype)
+    pipe = Pipeline(model=model_path, device=args.device, dtype=args.dtype)
     startup_s = time.perf_counter() - start
     engine = pipe.stats()["engine"]
     torch.set_num_threads(int(engine["torch_threads"]))  # the references get the engine's threads
@@ -255,7 +265,7 @@ def main() -> None:
               "startup_s": startup_s, "results": results}
     (out / "bench_embed.json").write_text(json.dumps(record, indent=2))
     print(f"record: {out / 'bench_embed.json'}")
-    if draw_chart(results, out / "bench_embed.png"):
+    if draw_chart(results, out / "bench_embed.png", Path(model_path).name):
         print(f"chart: {out / 'bench_embed.png'}")
     else:
         print("no chart: matplotlib is not installed (pip install -e \".[bench]\")")

@@ -4,6 +4,7 @@
     python scripts/loadtest.py                                # tiny model, workers 1..cores
     python scripts/loadtest.py --regime real --requests 3000
     python scripts/loadtest.py --workers 1 2 4 8 16 --threads 1 4 --png sweep.png   # a big machine
+    python scripts/loadtest.py --regime real --device cuda --workers 1 4 14           # the real model on a GPU
 
 Regimes: "tiny" -- a tiny BERT built on the fly, so tokenization and transport are the bottleneck
 (what a GPU engine looks like from the CPU side; it gets a GPU's batch shape too: 256 sequences,
@@ -212,11 +213,13 @@ def series(runs: list[dict]) -> dict[str, list[dict]]:
     return {k: sorted(v, key=lambda r: r["workers"]) for k, v in out.items()}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--regime", choices=["tiny", "real", "sim"], default="tiny",
                     help="sim: the simulated accelerator (--sim-device) with the capacity table")
     ap.add_argument("--sim-device", default="minilm-h100", help="a preset (minilm-h100, base-h100) or 'a,b' seconds")
+    ap.add_argument("--device", default=None, help="the engine's device for the tiny and real regimes "
+                    "(default: the Pipeline's, auto: CUDA when there is one)")
     ap.add_argument("--data-parallel-size", type=int, default=1, help="engine cores (sim: one simulated device each)")
     ap.add_argument("--workers", type=int, nargs="+", default=None, help="default: 1 .. cores")
     ap.add_argument("--threads", type=int, nargs="+", default=None, help="engine threads (default: the CPU plan)")
@@ -237,7 +240,14 @@ def main() -> None:
                     help="default: 16384 tiny (a GPU's budget), the engine's default real")
     ap.add_argument("--json", default=None, help="write the runs here")
     ap.add_argument("--png", default=None, help="draw throughput and engine busy %% against workers (matplotlib)")
+    return ap
+
+
+def main() -> None:
+    ap = build_parser()
     args = ap.parse_args()
+    if args.device is not None and args.regime == "sim":
+        ap.error("--device: the sim regime runs on the simulated device")
 
     cores = available_cores()
     workers_list = args.workers or list(range(1, cores + 1))
@@ -251,6 +261,8 @@ def main() -> None:
         preset = args.sim_device
         sim = resolve_sim_device(tuple(float(x) for x in preset.split(",")) if "," in preset else preset)
         pipeline_kwargs = {"device": "sim", "sim_device": sim}
+    if args.device is not None:
+        pipeline_kwargs["device"] = args.device
     if args.data_parallel_size != 1:
         pipeline_kwargs["data_parallel_size"] = args.data_parallel_size
     pool = corpus.sentences(5000, seed=5) if args.texts == "short" else \
