@@ -97,8 +97,11 @@ class ModelRunner:
         # forward takes them (GPT-Neo's forward takes them and adds their embedding to every
         # position, but GPT-2 tokenizers make none). inspect.signature sees through the decorators
         # transformers wraps forward() in.
-        self.uses_token_types = ("token_type_ids" in inspect.signature(self.model.forward).parameters
-                                 and tokenizer_makes_token_types(spec))
+        if hasattr(self.model, "forward"):
+            self.uses_token_types = ("token_type_ids" in inspect.signature(self.model.forward).parameters
+                                     and tokenizer_makes_token_types(spec))
+        else:  # a Router route sharing a transformer the OpenVINO backend converted already
+            self.uses_token_types = "token_type_ids" in self.model.inputs
         self.logit_rows = self._logit_score_rows() if spec.logit_score is not None else None
         self.backend_info: dict = {"backend": "torch"}
         if quantize is not None and shared_model is None:

@@ -35,14 +35,18 @@ import json
 import os
 import platform
 import random
+import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import bench_peers
 import corpus
+import numpy as np
 
 from pooling_pipeline import Pipeline  # noqa: E402
 from pooling_pipeline.call_stats import format_stats  # noqa: E402
@@ -50,10 +54,8 @@ from pooling_pipeline.core.model_layout import default_model_path  # noqa: E402
 
 CHARS_PER_TOKEN = 4.0  # measured on the docstring corpus with the bundled tokenizer (printed below)
 LABELS = {"a": "(a) short sentences", "b": "(b) medium texts", "c": "(c) long docs -> 256", "d": "(d) mixed"}
-METHODS = ("pipeline", "pipeline_token_ids", "sentence_transformers", "transformers_loop", "forward_limit")
-METHOD_LABELS = {"pipeline": "pipeline", "pipeline_token_ids": "pipeline, token ids",
-                 "sentence_transformers": "sentence-transformers", "transformers_loop": "transformers loop",
-                 "forward_limit": "forward limit"}
+PEER_KEYS = {name: key for key, (name, _) in bench_peers.PEERS.items()}  # --peers name -> method key
+PEER_NAMES = tuple(PEER_KEYS)
 
 
 def build_cases(selected: list[str], n_short: int, n_medium: int, n_long: int,
@@ -136,7 +138,8 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def draw_chart(results: list[dict], path: Path, model_name: str = "all-MiniLM-L6-v2") -> bool:
+def draw_chart(results: list[dict], methods: list[str], labels: dict[str, str], path: Path,
+               model_name: str = "all-MiniLM-L6-v2") -> bool:
     try:
         import matplotlib
 
@@ -144,12 +147,14 @@ def draw_chart(results: list[dict], path: Path, model_name: str = "all-MiniLM-L6
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    width = 0.8 / len(METHODS)
-    for k, method in enumerate(METHODS):
+    # A peer that was skipped or failed on some workload has no bar (its throughput is not known).
+    methods = [m for m in methods if all(m in r["docs_per_s"] for r in results)]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(methods)
+    for k, method in enumerate(methods):
         speedups = [r["docs_per_s"][method] / r["docs_per_s"]["sentence_transformers"] for r in results]
-        xs = [i + (k - (len(METHODS) - 1) / 2) * width for i in range(len(results))]
-        ax.bar(xs, speedups, width, label=METHOD_LABELS[method])
+        xs = [i + (k - (len(methods) - 1) / 2) * width for i in range(len(results))]
+        ax.bar(xs, speedups, width, label=labels[method])
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xticks(range(len(results)), [LABELS[r["case"]] for r in results])
     ax.set_ylabel("throughput / sentence-transformers")
@@ -160,20 +165,97 @@ def draw_chart(results: list[dict], path: Path, model_name: str = "all-MiniLM-L6
     return True
 
 
+def pipeline_key(backend: str, token_ids: bool = False) -> str:
+    return f"pipeline ({backend})" + (", token ids" if token_ids else "")
+
+
+def open_pipeline(backend: str, args) -> Pipeline:
+    return Pipeline(model=args.model, device=args.device, dtype=args.dtype, backend=backend)
+
+
+def embed_vectors(pipe: Pipeline, inputs) -> np.ndarray:
+    return np.stack([out.embedding for out in pipe.embed(inputs, use_tqdm=False)])
+
+
+def ratio(results_row: dict, numerator: str, denominator: str) -> str:
+    s = results_row["seconds"]
+    return f"{s[denominator] / s[numerator]:.2f}x" if numerator in s and denominator in s else "-"
+
+
+def peer_cell(results_row: dict, key: str, peers_by_key: dict) -> str:
+    peer = peers_by_key[key]
+    if peer.skipped:
+        return "skipped"
+    return f"{results_row['docs_per_s'][key]:.1f}" if key in results_row["docs_per_s"] else "error"
+
+
+def print_tables(results: list[dict], backends: list[str], peers: list, repeats: int) -> None:
+    peers_by_key = {p.key: p for p in peers}
+    peer_labels = [p.label for p in peers]
+    print("| workload | docs | kept tokens | pipeline docs/s | pipeline, token ids docs/s | sentence-transformers docs/s | "
+          + "".join(f"{label} docs/s | " for label in peer_labels)
+          + "transformers loop docs/s | forward limit docs/s | pipeline / ST | "
+          + "".join(f"pipeline / {label} | " for label in peer_labels)
+          + "pipeline / transformers loop | pipeline / limit | token ids / limit | max abs(cos - 1) vs ST | engine busy |")
+    print("|---|---|---|---|---|---|" + "---|" * (2 * len(peers)) + "---|---|---|---|---|---|---|---|")
+    for r in results:
+        per_s = r["docs_per_s"]
+        for b in backends:
+            p, ids = pipeline_key(b), pipeline_key(b, token_ids=True)
+            print(f"| {LABELS[r['case']]}, {p} | {r['docs']} | {r['kept_tokens']} | {per_s[p]:.1f} | {per_s[ids]:.1f} | "
+                  f"{per_s['sentence_transformers']:.1f} | "
+                  + "".join(f"{peer_cell(r, peer.key, peers_by_key)} | " for peer in peers)
+                  + f"{per_s['transformers_loop']:.1f} | {per_s['forward_limit']:.1f} | {ratio(r, p, 'sentence_transformers')} | "
+                  + "".join(f"{ratio(r, p, peer.key)} | " for peer in peers)
+                  + f"{ratio(r, p, 'transformers_loop')} | {r['seconds']['forward_limit'] / r['seconds'][p]:.2f} | "
+                  f"{r['seconds']['forward_limit'] / r['seconds'][ids]:.2f} | {r['max_cos_deviation'][p]:.1e} | "
+                  f"{r['per_backend'][b]['engine_busy']:.0%} |")
+    print(f"\nmedian of {repeats} repeats; the forward limit is torch's forward pass")
+    if not peers:
+        return
+    print("\n| peer | environment | load + export s | workload | docs/s | max abs(cos - 1) vs ST float32 |")
+    print("|---|---|---|---|---|---|")
+    for peer in peers:
+        if peer.skipped:
+            print(f"| {peer.label} | skipped: {peer.skipped} | | | | |")
+            continue
+        v = peer.info["versions"]
+        env = (f"sentence-transformers {v.get('sentence-transformers')}, "
+               + ", ".join(f"{name} {v[name]}" for name in ("optimum-intel", "optimum-onnx", "openvino", "onnxruntime")
+                           if name in v) + f"; {peer.info['detail']}")
+        for i, r in enumerate(results):
+            cells = (f"{r['docs_per_s'][peer.key]:.1f} | {r['max_cos_deviation'][peer.key]:.1e}"
+                     if peer.key in r["docs_per_s"] else f"error: {r['peer_errors'].get(peer.key)} |")
+            first = f"{env} | {peer.info['load_s']:.1f}" if i == 0 else " | "
+            print(f"| {peer.label} | {first} | {LABELS[r['case']]} | {cells} |")
+
+
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", nargs="+", default=["a", "b", "c", "d"], choices=list(LABELS))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--backends", default="torch",
+                    type=lambda v: bench_peers.parse_list(v, ("torch", "openvino", "auto"), "--backends"),
+                    help="the pipeline's backends, a comma list (torch, openvino, auto): one pipeline row each")
+    ap.add_argument("--peers", default="openvino,onnx,onnx-int8",
+                    type=lambda v: bench_peers.parse_list(v, PEER_NAMES, "--peers"),
+                    help="the CPU peers, a comma list of openvino, onnx, onnx-int8 (sentence-transformers' backends), "
+                         "or none")
+    ap.add_argument("--peer-python", default=None,
+                    help="the interpreter of an environment with the peers' packages (README, Benchmark); "
+                         "default: this one, where they are skipped if they do not import")
     ap.add_argument("--model", default=None, help="a local model directory (default: the bundled all-MiniLM-L6-v2)")
     ap.add_argument("--n-short", type=int, default=2000)
     ap.add_argument("--n-medium", type=int, default=200)
     ap.add_argument("--n-long", type=int, default=50)
     ap.add_argument("--medium-chars", type=int, nargs=2, default=[600, 4000], metavar=("MIN", "MAX"),
                     help="length range of case (b)'s texts, in characters (2400 4000: all kept to a 512-token model's limit)")
-    ap.add_argument("--batch-size", type=int, default=32, help="for sentence-transformers and the transformers loop")
-    ap.add_argument("--out", default="bench-out", help="directory for bench_embed.json and bench_embed.png")
+    ap.add_argument("--batch-size", type=int, default=32, help="for sentence-transformers, its peers and the transformers loop")
+    ap.add_argument("--out", default="bench-out", help="directory for bench_embed.json, bench_embed.png and the peers' logs")
     ap.add_argument("--no-decoder", action="store_true", help="skip the tiny Qwen3 decoder-embedder row")
     return ap
 
@@ -181,94 +263,141 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> None:
     ap = build_parser()
     args = ap.parse_args()
+    if not args.backends:
+        ap.error("--backends: at least one")
 
     import torch
     from sentence_transformers import SentenceTransformer
 
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     model_path = args.model or default_model_path()
     cases = build_cases(args.cases, args.n_short, args.n_medium, args.n_long, tuple(args.medium_chars))
-    start = time.perf_counter()
-    pipe = Pipeline(model=model_path, device=args.device, dtype=args.dtype)
-    startup_s = time.perf_counter() - start
-    engine = pipe.stats()["engine"]
-    torch.set_num_threads(int(engine["torch_threads"]))  # the references get the engine's threads
-    torch_dtype = getattr(torch, engine["dtype"])
-    st = SentenceTransformer(model_path, device=engine["device"], model_kwargs={"dtype": torch_dtype})
-    model, tokenizer, max_length = st[0].auto_model, st.tokenizer, st.max_seq_length
-    budget = int(engine["max_num_batched_tokens"])
-    print(f"model {model_path}\nengine {engine}\ncpu plan {pipe.cpu_plan.as_dict()}\nstartup {startup_s:.1f} s")
-
-    results = []
+    work = Path(tempfile.mkdtemp(prefix="bench-embed-"))
+    pipes: dict[str, Pipeline] = {}
+    peers: list = []
     try:
-        for name, texts in cases.items():
-            token_lists = tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
-            tokens = sum(map(len, token_lists))
-            if name == "c":
-                full = tokenizer(texts[:3], add_special_tokens=False)["input_ids"]
-                sizes = [len(t) for t in full]
-                print(f"case c: first documents have {sizes} tokens, {sum(map(len, texts[:3])) / sum(sizes):.2f} chars/token")
-            warm = texts[: min(len(texts), 64)]
-            pipe.embed(warm, use_tqdm=False)
-            st.encode(warm, batch_size=args.batch_size)
-            transformers_loop(tokenizer, model, warm, args.batch_size, max_length, st.device)
-            runs: dict[str, list] = {"busy": [], "stats": []}
-
-            def run_pipeline(inputs):
-                pipe.embed(inputs, use_tqdm=False)
-                stats = pipe.stats()
-                runs["busy"].append(stats["engine_busy_fraction"])
-                runs["stats"].append(stats)
-
-            seconds = {
-                "pipeline": median_time(lambda: run_pipeline(texts), args.repeats),
-                "pipeline_token_ids": median_time(lambda: pipe.embed(token_lists, use_tqdm=False), args.repeats),
-                "sentence_transformers": median_time(lambda: st.encode(texts, batch_size=args.batch_size), args.repeats),
-                "transformers_loop": median_time(
-                    lambda: transformers_loop(tokenizer, model, texts, args.batch_size, max_length, st.device), args.repeats),
-                "forward_limit": statistics.median(
-                    forward_limit(model, token_lists, pipe.max_num_seqs, budget, st.device) for _ in range(args.repeats)),
-            }
-            stats = runs["stats"][len(runs["stats"]) // 2]
-            results.append({"case": name, "docs": len(texts), "kept_tokens": tokens, "seconds": seconds,
-                            "docs_per_s": {k: len(texts) / v for k, v in seconds.items()},
-                            "engine_busy": statistics.median(runs["busy"]),
-                            "padding_efficiency": stats["padding_efficiency"],
-                            "stages": stats["stages"], "queue_depths": stats["queue_depths"]})
-            print(f"case {name} done: " + "  ".join(f"{METHOD_LABELS[k]} {v:.2f}s" for k, v in seconds.items()), flush=True)
-            for line in format_stats(stats):
-                print(f"  {line}")
+        startup_s = {}
+        for backend in args.backends:
+            start = time.perf_counter()
+            pipes[backend] = open_pipeline(backend, args)
+            startup_s[backend] = time.perf_counter() - start
+        first = pipes[args.backends[0]]
+        engine = first.stats()["engine"]
+        threads = int(engine["torch_threads"])
+        torch.set_num_threads(threads)  # the references get the engine's threads (the peers too, below)
+        torch_dtype = getattr(torch, engine["dtype"])
+        st = SentenceTransformer(model_path, device=engine["device"], model_kwargs={"dtype": torch_dtype})
+        model, tokenizer, max_length = st[0].auto_model, st.tokenizer, st.max_seq_length
+        # Every row's vectors are compared with ST's own in float32 on the CPU.
+        st_fp32 = st if (engine["dtype"], str(st.device)) == ("float32", "cpu") else SentenceTransformer(model_path, device="cpu")
+        peers = bench_peers.start_peers([PEER_KEYS[name] for name in args.peers], args.peer_python, model_path, work, out,
+                                        threads=threads, max_seq_length=max_length, batch_size=args.batch_size)
+        for peer in peers:
+            peer.wait_ready()
+            print(f"peer {peer.label}: " + (f"skipped: {peer.skipped}" if peer.skipped else
+                                            f"loaded in {peer.info['load_s']:.1f} s ({peer.info['detail']})"), flush=True)
+        budget = int(engine["max_num_batched_tokens"])
+        print(f"model {model_path}\nengine {engine}\ncpu plan {first.cpu_plan.as_dict()}\n"
+              f"startup {', '.join(f'{b} {s:.1f} s' for b, s in startup_s.items())}")
+        results = [measure_case(name, texts, args, pipes, st, st_fp32, peers, work, tokenizer, model, max_length, budget)
+                   for name, texts in cases.items()]
+        cpu_plan = first.cpu_plan.as_dict()
     finally:
-        pipe.close()
+        for pipe in pipes.values():
+            pipe.close()
+        for peer in peers:
+            peer.close()
+        shutil.rmtree(work, ignore_errors=True)
 
     print()
-    print("| workload | docs | kept tokens | " + " | ".join(f"{METHOD_LABELS[k]} docs/s" for k in METHODS)
-          + " | pipeline / ST | pipeline / transformers loop | pipeline / limit | token ids / limit | engine busy |")
-    print("|---|---|---|" + "---|" * len(METHODS) + "---|---|---|---|---|")
-    for r in results:
-        s = r["seconds"]
-        print(f"| {LABELS[r['case']]} | {r['docs']} | {r['kept_tokens']} | "
-              + " | ".join(f"{r['docs_per_s'][k]:.1f}" for k in METHODS)
-              + f" | {s['sentence_transformers'] / s['pipeline']:.2f}x | {s['transformers_loop'] / s['pipeline']:.2f}x"
-              f" | {s['forward_limit'] / s['pipeline']:.2f} | {s['forward_limit'] / s['pipeline_token_ids']:.2f}"
-              f" | {r['engine_busy']:.0%} |")
-    print(f"\nmedian of {args.repeats} repeats; torch threads {torch.get_num_threads()} for the references, "
-          f"engine {engine}")
+    print_tables(results, args.backends, peers, args.repeats)
+    print(f"torch threads {torch.get_num_threads()} for the references and the peers, engine {engine}")
 
     decoder = None if args.no_decoder else decoder_row(args)
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    record = {"decoder": decoder, "model": model_path, "repeats": args.repeats, "engine": engine,
-              "cpu_plan": pipe.cpu_plan.as_dict(),
+    methods = ([pipeline_key(b, ids) for b in args.backends for ids in (False, True)] + ["sentence_transformers"]
+               + [p.key for p in peers] + ["transformers_loop", "forward_limit"])
+    labels = {**{m: m for m in methods}, "sentence_transformers": "sentence-transformers",
+              "transformers_loop": "transformers loop", "forward_limit": "forward limit",
+              **{p.key: p.label for p in peers}}
+    record = {"decoder": decoder, "model": model_path, "repeats": args.repeats, "engine": engine, "backends": args.backends,
+              "cpu_plan": cpu_plan, "peers": {p.key: {"label": p.label, "skipped": p.skipped, **p.info} for p in peers},
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                           "torch": torch.__version__},
               "startup_s": startup_s, "results": results}
     (out / "bench_embed.json").write_text(json.dumps(record, indent=2))
     print(f"record: {out / 'bench_embed.json'}")
-    if draw_chart(results, out / "bench_embed.png", Path(model_path).name):
+    if draw_chart(results, methods, labels, out / "bench_embed.png", Path(model_path).name):
         print(f"chart: {out / 'bench_embed.png'}")
     else:
         print("no chart: matplotlib is not installed (pip install -e \".[bench]\")")
+
+
+def measure_case(name: str, texts: list[str], args, pipes: dict, st, st_fp32, peers: list, work: Path,
+                 tokenizer, model, max_length: int, budget: int) -> dict:
+    """One workload, every method in turn, in this order: the pipeline per backend, ST, its peers,
+    the transformers loop, the forward limit."""
+    token_lists = tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
+    if name == "c":
+        full = tokenizer(texts[:3], add_special_tokens=False)["input_ids"]
+        sizes = [len(t) for t in full]
+        print(f"case c: first documents have {sizes} tokens, {sum(map(len, texts[:3])) / sum(sizes):.2f} chars/token")
+    warm = texts[: min(len(texts), 64)]
+    for pipe in pipes.values():
+        pipe.embed(warm, use_tqdm=False)
+    st.encode(warm, batch_size=args.batch_size)
+    transformers_loop(tokenizer, model, warm, args.batch_size, max_length, st.device)
+
+    seconds, deviation, per_backend, peer_errors, full_stats = {}, {}, {}, {}, {}
+    for backend, pipe in pipes.items():
+        runs: dict[str, list] = {"busy": [], "stats": [], "vectors": []}
+
+        def run_pipeline(inputs, pipe=pipe, runs=runs):
+            runs["vectors"].append(embed_vectors(pipe, inputs))
+            stats = pipe.stats()
+            runs["busy"].append(stats["engine_busy_fraction"])
+            runs["stats"].append(stats)
+
+        key = pipeline_key(backend)
+        seconds[key] = median_time(lambda: run_pipeline(texts), args.repeats)
+        seconds[pipeline_key(backend, token_ids=True)] = median_time(
+            lambda pipe=pipe: pipe.embed(token_lists, use_tqdm=False), args.repeats)
+        stats = full_stats[backend] = runs["stats"][len(runs["stats"]) // 2]
+        per_backend[backend] = {"engine_busy": statistics.median(runs["busy"]),
+                                "padding_efficiency": stats["padding_efficiency"],
+                                "stages": stats["stages"], "queue_depths": stats["queue_depths"]}
+        deviation[key] = runs["vectors"][-1]  # compared once the reference is known
+    st_runs = []
+    seconds["sentence_transformers"] = median_time(
+        lambda: st_runs.append(st.encode(texts, batch_size=args.batch_size)), args.repeats)
+    reference = st_runs[-1] if st_fp32 is st else st_fp32.encode(texts, batch_size=args.batch_size)
+    deviation = {k: bench_peers.max_cos_deviation(v, reference) for k, v in deviation.items()}
+    texts_file = work / f"texts-{name}.json"
+    texts_file.write_text(json.dumps(texts))
+    for peer in peers:
+        if peer.skipped:
+            continue
+        timed = peer.time(texts_file, args.repeats)
+        if isinstance(timed, str):
+            peer_errors[peer.key] = timed
+            continue
+        seconds[peer.key] = statistics.median(timed[0])
+        deviation[peer.key] = bench_peers.max_cos_deviation(timed[1], reference)
+    seconds["transformers_loop"] = median_time(
+        lambda: transformers_loop(tokenizer, model, texts, args.batch_size, max_length, st.device), args.repeats)
+    first = next(iter(pipes.values()))
+    seconds["forward_limit"] = statistics.median(
+        forward_limit(model, token_lists, first.max_num_seqs, budget, st.device) for _ in range(args.repeats))
+    print(f"case {name} done: " + "  ".join(f"{k} {v:.2f}s" for k, v in seconds.items())
+          + "".join(f"  {k}: {e}" for k, e in peer_errors.items()), flush=True)
+    for backend, stats in full_stats.items():
+        print(f"  pipeline ({backend}):")
+        for line in format_stats(stats):
+            print(f"    {line}")
+    return {"case": name, "docs": len(texts), "kept_tokens": sum(map(len, token_lists)), "seconds": seconds,
+            "docs_per_s": {k: len(texts) / v for k, v in seconds.items()}, "max_cos_deviation": deviation,
+            "per_backend": per_backend, "peer_errors": peer_errors}
 
 
 def decoder_row(args) -> dict:
