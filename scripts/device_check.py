@@ -232,7 +232,7 @@ def make_plan(args: argparse.Namespace, work: Path) -> list[Part]:
         steps = []
         for w in args.workers:
             out = work / f"loadtest-{w}.json"
-            steps.append(Step(f"loadtest: real model, {w} render workers",
+            steps.append(Step(f"loadtest: real model, {w} render worker{'s' if w > 1 else ''}",
                               python("loadtest.py", "--regime", "real", "--device", device, "--workers", w,
                                      "--requests", LOADTEST_REQUESTS, "--max-seconds", LOADTEST_MAX_SECONDS,
                                      "--json", out),
@@ -319,12 +319,21 @@ def rows_of(step: Step) -> list[Row]:
     return loadtest_rows(record, step.label)
 
 
+def model_shape(path: str | None) -> str:
+    """"BERT 12 x 768" from the model's config.json (the folder is gone once the part ends: then "model")."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+        return f"{config['model_type'].upper()} {config['num_hidden_layers']} x {config['hidden_size']}"
+    except (TypeError, OSError, ValueError, KeyError):
+        return "model"
+
+
 def bench_rows(record: dict) -> list[Row]:
     r = record["results"][0]
     dps = r["docs_per_s"]
     tokens_per_doc = r["kept_tokens"] / r["docs"]
     engine = record["engine"]
-    name = f"bench: BERT-base 12 x 768, {engine['dtype']} on {engine['device']}, {tokens_per_doc:.0f} tokens/doc"
+    name = f"bench: {model_shape(record.get('model'))}, {engine['dtype']} on {engine['device']}, {tokens_per_doc:.0f} tokens/doc"
     busy = r["engine_busy"]
     return [Row(f"{name}: throughput",
                 f"{dps['pipeline']:,.0f} docs/s ({dps['pipeline'] * tokens_per_doc:,.0f} tokens/s); "

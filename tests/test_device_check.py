@@ -168,6 +168,13 @@ def test_bench_rows_report_throughput_and_hold_engine_busy_to_its_target():
     assert dc.bench_rows(bench_record(0.94))[1].result == "FAIL"
 
 
+def test_bench_rows_name_the_model_by_its_config(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "bert", "num_hidden_layers": 12, "hidden_size": 768}')
+    info, _ = dc.bench_rows({**bench_record(0.97), "model": str(tmp_path)})
+    assert info.check.startswith("bench: BERT 12 x 768, float16 on cuda:0")
+    assert dc.model_shape(str(tmp_path / "gone")) == "model"
+
+
 def test_loadtest_rows_say_when_the_run_was_cut_by_its_time_cap():
     run = {"requests_per_s": 12345.6, "engine_busy": 0.81, "complete": True, "requests": 30000}
     (row,) = dc.loadtest_rows({"runs": [run]}, "loadtest: 4 workers")
