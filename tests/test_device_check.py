@@ -216,6 +216,7 @@ def test_part_a_on_the_cpu_compares_float32_with_float32_and_prints_the_table(tm
     """The real comparison path through the step subprocess: the reference Pipeline (float32 on the CPU)
     embeds the texts twice, and the two are compared as part (a) compares float16 with float32."""
     table_file = tmp_path / "table.md"
+    before = {p.pid for p in psutil.Process().children(recursive=True)}  # (the session's shared Pipeline may be up)
     # A budget far above what it needs: this machine may be shared, and a timeout here would be a flaky failure.
     result = run_script("--parts", "dtype", "--force-device", "cpu", "--texts", "20", "--out", str(table_file),
                         "--budget-s", "dtype=400", timeout=450)
@@ -227,7 +228,8 @@ def test_part_a_on_the_cpu_compares_float32_with_float32_and_prints_the_table(tm
     (diff_row,) = [line for line in table.splitlines() if "20 texts: max abs diff" in line]
     _, check, figure, target, verdict, _ = diff_row.split("|")
     assert float(figure) < 1e-5 and target.strip() == "<= 1e-04" and verdict.strip() == "pass"
-    leftovers = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+    leftovers = [p for p in psutil.Process().children(recursive=True)
+                 if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE]
     assert leftovers == []
 
 
