@@ -231,8 +231,7 @@ def cache_key(spec, openvino_version: str, **what) -> str:
 
     root = os.path.realpath(spec.path)
     files = model_files(root)
-    stats = {name: [os.stat(os.path.join(root, name)).st_size, os.stat(os.path.join(root, name)).st_mtime_ns]
-             for name in files}
+    stats = {name: [(st := os.stat(os.path.join(root, name))).st_size, st.st_mtime_ns] for name in files}
     identity = {"layout": CACHE_LAYOUT, "files": files, "stats": stats, "openvino": openvino_version,
                 "torch": torch.__version__, "transformers": transformers.__version__, "what": what}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
