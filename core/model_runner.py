@@ -121,6 +121,13 @@ class ModelRunner:
         if isinstance(reuse, OpenVINOModel):  # a Router's route on a transformer converted already
             self.backend_info = {"backend": "openvino", "conversion": "shared"}
             return
+        if backend == "auto" and type(self.model).__module__.startswith("transformers_modules"):
+            # The model's own code (trust_remote_code) may branch on the data -- a check of the
+            # input, a path for long inputs -- and a conversion traces one path only. The torch
+            # module runs it as written; backend="openvino" converts it anyway.
+            self.backend_info = {"backend": "torch", "openvino_refused": "the model runs its own code "
+                                 "(trust_remote_code), which a traced conversion may not follow"}
+            return
         base = self.logit_rows is not None
         output = ("last_hidden_state" if base or (self.spec.head == "none" and self.spec.sparse is None)
                   else "logits")
@@ -181,6 +188,10 @@ class ModelRunner:
         if types is not None:
             kwargs["token_type_ids"] = self._to_device(types)
         output = self.model(**kwargs) if self.logit_rows is None else None
+        if output is not None and getattr(self.model, "undefined_padding", False):
+            from pooling_pipeline.core.openvino_model import clear_padding
+
+            clear_padding(getattr(output, self.model.output), torch.from_numpy(real))
         if self.logit_rows is not None:  # an LLM reranker: LogitScore at each row's last real token
             tensors, finish = self._from_logits(self._logit_scores(kwargs, lengths), lengths_np, batch)
         elif self.spec.sparse is not None:

@@ -74,6 +74,13 @@ class OpenVINOModel:
         self.request = compiled.create_infer_request()
         self.output, self.inputs, self.is_base = output, inputs, base
 
+    # Per token, a position whose attention sees only masked keys (a padded position of a short
+    # row beyond ModernBERT's sliding window) comes out NaN here where torch gives finite filler.
+    # At padding neither means anything, but NaN * 0 poisons a masked sum: the runner zeroes the
+    # positions past each row's length (`clear_padding`). Positions a result reads are checked
+    # by `verify`.
+    undefined_padding = True
+
     def __call__(self, **kwargs) -> SimpleNamespace:
         feed = {name: np.ascontiguousarray(kwargs[name].numpy(), dtype=np.int64) for name in self.inputs}
         result = self.request.infer(feed)  # (copies its outputs: they outlive the next call)
@@ -185,19 +192,35 @@ def prune_cache(parent: str, keep: int) -> list[str]:
     return removed
 
 
+def clear_padding(values: torch.Tensor, real: torch.Tensor) -> None:
+    """Zeroes per-token `values` [rows, positions, ...] where `real` [rows, positions] is False."""
+    if values.dim() >= 3:
+        values.masked_fill_(~real.reshape(*real.shape, *([1] * (values.dim() - 2))), 0.0)
+
+
 def verify(runner: OpenVINOModel, module: torch.nn.Module, spec, inputs: list[str]) -> float:
-    """The converted model against the torch module on two probe batches (padded rows, a shape
-    the conversion was not traced with): the largest difference at real positions, relative to
-    the largest output. Above VERIFY_TOLERANCE it is refused."""
+    """The converted model against the torch module on probe batches (padded rows, a shape the
+    conversion was not traced with, one past any local attention window): the largest
+    difference at every position a result can read, relative to the largest output. Above
+    VERIFY_TOLERANCE, or not finite there, it is refused."""
     worst = 0.0
     rng = np.random.default_rng(0)
-    longest = max(4, min(48, spec.max_model_len))
+    longest = max(4, min(probe_width(module), spec.max_model_len))
+    top = min(1000, spec.vocab_size - 1)
+    probes = []  # (rows, width, tokens per row, attended tokens per row)
     for rows, width in ((3, min(11, longest)), (2, longest)):
         lengths = np.linspace(width, 2, rows).astype(np.int64)
-        ids = torch.from_numpy(rng.integers(min(1000, spec.vocab_size - 1) // 2, min(1000, spec.vocab_size - 1) + 1,
-                                            (rows, width)))
-        mask = (torch.arange(width)[None, :] < torch.from_numpy(lengths)[:, None]).long()
-        kwargs = {"input_ids": ids, "attention_mask": mask}
+        probes.append((rows, width, lengths, lengths))
+    expansion = getattr(spec.multi_vector, "query_expansion", None) if spec.multi_vector is not None else None
+    if expansion is not None and not expansion.attend:
+        # ColBERT queries: the expansion tokens are not attended to, yet their vectors are returned.
+        width = max(2, min(expansion.length, spec.max_model_len))
+        probes.append((3, width, np.full(3, width), np.array([width, max(1, width // 2), 1])))
+    for rows, width, lengths, attended in probes:
+        ids = torch.from_numpy(rng.integers(top // 2, top + 1, (rows, width)))
+        positions = torch.arange(width)[None, :]
+        real = positions < torch.from_numpy(lengths)[:, None]
+        kwargs = {"input_ids": ids, "attention_mask": (positions < torch.from_numpy(attended)[:, None]).long()}
         if "token_type_ids" in inputs:
             kwargs["token_type_ids"] = torch.zeros_like(ids)
         with torch.inference_mode():
@@ -206,8 +229,8 @@ def verify(runner: OpenVINOModel, module: torch.nn.Module, spec, inputs: list[st
         if got.shape != want.shape:
             raise BackendUnavailable(f"OpenVINO's conversion of {spec.path!r} gives shape {tuple(got.shape)}, "
                                      f"the torch module {tuple(want.shape)}")
-        if spec.head != "sequence_classification":  # per token: its real positions only
-            got, want = got[mask.bool()], want[mask.bool()]
+        if spec.head != "sequence_classification":  # per token: the positions a result reads
+            got, want = got[real], want[real]
         scale = max(1.0, float(want.abs().max()))
         diff = float((got - want).abs().max()) / scale
         if not np.isfinite(diff) or diff > VERIFY_TOLERANCE:
@@ -215,6 +238,16 @@ def verify(runner: OpenVINOModel, module: torch.nn.Module, spec, inputs: list[st
                                      f"{diff:.2e} (relative; the limit is {VERIFY_TOLERANCE:.0e})")
         worst = max(worst, diff)
     return worst
+
+
+def probe_width(module: torch.nn.Module) -> int:
+    """The longer probe's width: 48 tokens, or past the model's local attention window (ModernBERT's
+    local_attention, Mistral's sliding_window) so a padded row's positions beyond its reach -- the
+    case where attention sees only padding -- are in the check; at most 512 (the probe stays cheap)."""
+    config = getattr(module, "config", None) or getattr(getattr(module, "module", None), "config", None)
+    windows = [getattr(config, name, None) for name in ("local_attention", "sliding_window")]
+    windows = [w for w in windows if isinstance(w, int) and not isinstance(w, bool) and w > 0]
+    return min(512, max([48] + [w + 16 for w in windows]))
 
 
 def default_cache_root() -> str:

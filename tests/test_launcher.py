@@ -427,10 +427,11 @@ def test_a_signal_keeps_finished_work_and_the_job_resumes(tmp_path, sig, to_grou
     out, lines, rc, stderr = _feed_and_signal(tmp_path, sig, to_group)
     assert rc == 128 + sig, stderr[-3000:]
     assert "Traceback" not in stderr
-    # Every line but the progress bar's: exactly one, saying how to resume.
+    # Every line but the progress bar's: the start-up line on the backend, then one saying how to resume.
     messages = [line for line in stderr.replace("\r", "\n").splitlines() if line.strip() and "records [" not in line]
+    assert messages and messages[0].startswith("pipeline-run: backend "), stderr[-3000:]
     manifest = manifest_of(out)
-    assert messages == [f"pipeline-run: stopped by {signal.Signals(sig).name}; {manifest['records_done']} records kept in "
+    assert messages[1:] == [f"pipeline-run: stopped by {signal.Signals(sig).name}; {manifest['records_done']} records kept in "
                         f"{out}; run the same command with --resume to continue"], stderr[-3000:]
     assert manifest["records_done"] >= 20 and not manifest["complete"]
     if sig == signal.SIGINT:  # the same stream, longer: the job continues where it stopped
