@@ -82,10 +82,13 @@ class ModelRunner:
         self.device = resolve_device(device)
         config = AutoConfig.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
         self.dtype = resolve_dtype(dtype, self.device, getattr(config, "dtype", None))
+        openvino_precision = self._openvino_precision(backend, quantize)
         # No attention implementation is forced: transformers picks SDPA where the model supports
-        # it and its own otherwise (MPNet has no SDPA), as sentence-transformers does.
+        # it and its own otherwise (MPNet has no SDPA), as sentence-transformers does. OpenVINO
+        # converts (and checks against) the float32 module, whatever precision it compiles for.
         self.model = shared_model if shared_model is not None else _model_class(spec).from_pretrained(
-            spec.path, config=config, dtype=self.dtype, trust_remote_code=spec.trust_remote_code,
+            spec.path, config=config, dtype=torch.float32 if openvino_precision else self.dtype,
+            trust_remote_code=spec.trust_remote_code,
         ).to(self.device).eval()
         # Dense / LayerNorm modules after pooling run in float32, as the pooled vector is.
         self.sentence_head = SentenceHead(spec.head_modules).to(self.device).eval() if spec.head_modules else None
@@ -107,15 +110,24 @@ class ModelRunner:
         if quantize is not None and shared_model is None:
             self.model = quantized(self.model, quantize)
             self.backend_info["quantize"] = quantize
-        if backend == "openvino" and (self.device.type != "cpu" or quantize is not None):
-            raise ValueError("backend='openvino' runs on the CPU in float32: not with device "
-                             f"{str(self.device)!r}{' or quantize=' + repr(quantize) if quantize else ''}")
-        if backend != "torch" and self.device.type == "cpu" and quantize is None:
-            self._use_openvino(backend, threads, reuse=shared_model)
+        if openvino_precision is not None:
+            self._use_openvino(backend, threads, reuse=shared_model, precision=openvino_precision)
 
-    def _use_openvino(self, backend: str, threads: int, reuse) -> None:
+    def _openvino_precision(self, backend: str, quantize: str | None) -> str | None:
+        """What OpenVINO is to compile for ("f32", "bf16"), or None where the torch backend runs."""
+        precision = {torch.float32: "f32", torch.bfloat16: "bf16"}.get(self.dtype)
+        if backend == "openvino" and (self.device.type != "cpu" or quantize is not None or precision is None):
+            raise ValueError("backend='openvino' runs on the CPU in float32 or bfloat16: not with device "
+                             f"{str(self.device)!r}, dtype {str(self.dtype).removeprefix('torch.')!r}"
+                             f"{', quantize=' + repr(quantize) if quantize else ''}")
+        if backend == "torch" or self.device.type != "cpu" or quantize is not None:
+            return None
+        return precision
+
+    def _use_openvino(self, backend: str, threads: int, reuse, precision: str) -> None:
         """Runs the transformer through OpenVINO (core/openvino_model.py) from now on; under "auto",
-        where OpenVINO cannot have this model (or is not installed), the torch module stays."""
+        where OpenVINO cannot have this model (or is not installed), the torch module stays (in
+        the dtype asked for)."""
         from pooling_pipeline.core.openvino_model import BackendUnavailable, OpenVINOModel, to_openvino
 
         if isinstance(reuse, OpenVINOModel):  # a Router's route on a transformer converted already
@@ -125,22 +137,27 @@ class ModelRunner:
             # The model's own code (trust_remote_code) may branch on the data -- a check of the
             # input, a path for long inputs -- and a conversion traces one path only. The torch
             # module runs it as written; backend="openvino" converts it anyway.
-            self.backend_info = {"backend": "torch", "openvino_refused": "the model runs its own code "
-                                 "(trust_remote_code), which a traced conversion may not follow"}
+            self._keep_torch("the model runs its own code (trust_remote_code), which a traced conversion may "
+                             "not follow")
             return
         base = self.logit_rows is not None
         output = ("last_hidden_state" if base or (self.spec.head == "none" and self.spec.sparse is None)
                   else "logits")
         try:
             self.model, info = to_openvino(self.model, self.spec, output=output, base=base,
-                                           token_types=self.uses_token_types, threads=threads)
+                                           token_types=self.uses_token_types, threads=threads, precision=precision)
         except BackendUnavailable as e:
             if backend == "openvino":
                 raise ValueError(f"backend='openvino' cannot run model {self.spec.path!r}: {e}") from e
             log.warning("backend 'auto': the torch backend runs %s (%s)", self.spec.path, e)
-            self.backend_info = {"backend": "torch", "openvino_refused": str(e)}
+            self._keep_torch(str(e))
             return
         self.backend_info = info
+
+    def _keep_torch(self, reason: str) -> None:
+        """backend="auto" without OpenVINO: the torch module runs, in the dtype asked for."""
+        self.model = self.model.to(self.dtype)
+        self.backend_info = {"backend": "torch", "openvino_refused": reason}
 
     def step_cost(self, max_tokens: int) -> tuple[float, float]:
         """The start-up probe of one step's fixed cost and its cost per padded token:

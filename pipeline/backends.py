@@ -24,15 +24,27 @@ def engine_backend(backend: str, quantize: str | None, device: str, dtype: str) 
         if not full_precision:
             raise ValueError(f"quantize='int8' quantizes a float32 model; dtype {dtype!r} is not float32")
         return "torch"
+    # OpenVINO compiles for float32 or, asked for, bfloat16 (on a CPU with bfloat16 units).
+    openvino_dtype = full_precision or dtype == "bfloat16"
     if backend != "openvino":
-        return "torch" if device == "sim" or not full_precision else backend
+        return "torch" if device == "sim" or not openvino_dtype else backend
     if device == "sim" or cuda_expected(device):
         raise ValueError(f"backend='openvino' runs on the CPU; device {device!r} is not the CPU (pass device='cpu')")
-    if not full_precision:
-        raise ValueError(f"backend='openvino' runs in float32; dtype {dtype!r} is not float32")
+    if not openvino_dtype:
+        raise ValueError(f"backend='openvino' runs in float32 or bfloat16; dtype {dtype!r} is neither")
     if importlib.util.find_spec("openvino") is None:
         raise ValueError(f"backend='openvino' needs the openvino package: {INSTALL_HINT}")
+    if dtype == "bfloat16" and not openvino_cpu_has_bfloat16():
+        raise ValueError("backend='openvino' with dtype='bfloat16' needs a CPU with bfloat16 units; this one has "
+                         "none (use dtype='float32')")
     return "openvino"
+
+
+def openvino_cpu_has_bfloat16() -> bool:
+    """Whether OpenVINO's CPU plugin computes in bfloat16 here (else it would silently run float32)."""
+    import openvino
+
+    return "BF16" in openvino.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
 
 
 def describe_backend(engine: dict) -> str:
@@ -43,8 +55,12 @@ def describe_backend(engine: dict) -> str:
             how = f"converted in {engine.get('conversion_s', 0):.1f} s, cached in {engine.get('conversion_cache')}"
         else:
             how = f"conversion {engine.get('conversion', 'cached')}"
-        return (f"backend openvino {engine.get('openvino_version', '').split('-')[0]} ({how}; compiled in "
-                f"{engine.get('compile_s', 0):.1f} s; checked against torch: {engine.get('verified_max_diff', 0):.1e})")
+        checked = f"checked against torch: {engine.get('verified_max_diff', 0):.1e}"
+        if engine.get("precision") == "bf16":
+            checked += f", in bfloat16 {engine.get('verified_bf16_max_diff', 0):.1e}"
+        return (f"backend openvino {engine.get('openvino_version', '').split('-')[0]} "
+                f"{'bfloat16' if engine.get('precision') == 'bf16' else 'float32'} ({how}; compiled in "
+                f"{engine.get('compile_s', 0):.1f} s; {checked})")
     extra = []
     if engine.get("quantize"):
         extra.append(f"quantize {engine['quantize']}")

@@ -68,7 +68,7 @@ class PipelineOptions(msgspec.Struct, frozen=True, kw_only=True):
     device: Annotated[Device, described("auto, cpu, cuda, cuda:N, or sim (the simulated accelerator)")] = "auto"
     dtype: Annotated[Dtype, described("model dtype (float, fp32, half, fp16 and bf16 are aliases)")] = "auto"
     backend: Annotated[Backend, described(
-        "what runs the transformer: torch, openvino (CPU, float32, the 'openvino' extra), or auto "
+        "what runs the transformer: torch, openvino (CPU, float32 or with dtype bfloat16, the 'openvino' extra), or auto "
         "(openvino on a CPU where it is installed and runs the model within its start-up check, else torch)")] = "auto"
     quantize: Annotated[Quantize | None, described(
         "int8: the transformer's Linear layers dynamically quantized (torch backend, CPU); opt-in, it changes "

@@ -169,8 +169,27 @@ def pipeline_key(backend: str, token_ids: bool = False) -> str:
     return f"pipeline ({backend})" + (", token ids" if token_ids else "")
 
 
+BACKEND_SPECS = ("torch", "openvino", "auto", "openvino:bfloat16", "auto:bfloat16")
+
+
 def open_pipeline(backend: str, args) -> Pipeline:
-    return Pipeline(model=args.model, device=args.device, dtype=args.dtype, backend=backend)
+    """`backend` is a backend name, or name:dtype (openvino:bfloat16) to override --dtype."""
+    name, _, dtype = backend.partition(":")
+    return Pipeline(model=args.model, device=args.device, dtype=dtype or args.dtype, backend=name)
+
+
+def limit_model(pipe: Pipeline, torch_model, tokenizer):
+    """What the forward limit runs for this pipeline: its engine's OpenVINO compilation (the same
+    conversion, cached, and precision) when it runs OpenVINO, else the torch model."""
+    engine = pipe.stats()["engine"]
+    if engine.get("backend") != "openvino":
+        return torch_model
+    from pooling_pipeline.core.openvino_model import to_openvino
+
+    compiled, _ = to_openvino(torch_model, pipe.model_spec, output="last_hidden_state", base=False,
+                              token_types="token_type_ids" in tokenizer.model_input_names,
+                              threads=int(engine["torch_threads"]), precision=engine["precision"])
+    return compiled
 
 
 def embed_vectors(pipe: Pipeline, inputs) -> np.ndarray:
@@ -196,21 +215,23 @@ def print_tables(results: list[dict], backends: list[str], peers: list, repeats:
           + "".join(f"{label} docs/s | " for label in peer_labels)
           + "transformers loop docs/s | forward limit docs/s | pipeline / ST | "
           + "".join(f"pipeline / {label} | " for label in peer_labels)
-          + "pipeline / transformers loop | pipeline / limit | token ids / limit | max abs(cos - 1) vs ST | engine busy |")
-    print("|---|---|---|---|---|---|" + "---|" * (2 * len(peers)) + "---|---|---|---|---|---|---|---|")
+          + "pipeline / transformers loop | own forward limit docs/s | pipeline / own limit | token ids / own limit "
+          + "| max abs(cos - 1) vs ST | engine busy |")
+    print("|---|---|---|---|---|---|" + "---|" * (2 * len(peers)) + "---|---|---|---|---|---|---|---|---|")
     for r in results:
         per_s = r["docs_per_s"]
         for b in backends:
-            p, ids = pipeline_key(b), pipeline_key(b, token_ids=True)
+            p, ids, own = pipeline_key(b), pipeline_key(b, token_ids=True), f"forward_limit ({b})"
             print(f"| {LABELS[r['case']]}, {p} | {r['docs']} | {r['kept_tokens']} | {per_s[p]:.1f} | {per_s[ids]:.1f} | "
                   f"{per_s['sentence_transformers']:.1f} | "
                   + "".join(f"{peer_cell(r, peer.key, peers_by_key)} | " for peer in peers)
                   + f"{per_s['transformers_loop']:.1f} | {per_s['forward_limit']:.1f} | {ratio(r, p, 'sentence_transformers')} | "
                   + "".join(f"{ratio(r, p, peer.key)} | " for peer in peers)
-                  + f"{ratio(r, p, 'transformers_loop')} | {r['seconds']['forward_limit'] / r['seconds'][p]:.2f} | "
-                  f"{r['seconds']['forward_limit'] / r['seconds'][ids]:.2f} | {r['max_cos_deviation'][p]:.1e} | "
+                  + f"{ratio(r, p, 'transformers_loop')} | {per_s[own]:.1f} | {r['seconds'][own] / r['seconds'][p]:.2f} | "
+                  f"{r['seconds'][own] / r['seconds'][ids]:.2f} | {r['max_cos_deviation'][p]:.1e} | "
                   f"{r['per_backend'][b]['engine_busy']:.0%} |")
-    print(f"\nmedian of {repeats} repeats; the forward limit is torch's forward pass")
+    print(f"\nmedian of {repeats} repeats; 'forward limit' is torch's forward pass, 'own forward limit' the "
+          "pipeline's backend's (OpenVINO: the engine's compilation)")
     if not peers:
         return
     print("\n| peer | environment | load + export s | workload | docs/s | max abs(cos - 1) vs ST float32 |")
@@ -238,13 +259,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--backends", default="torch",
-                    type=lambda v: bench_peers.parse_list(v, ("torch", "openvino", "auto"), "--backends"),
-                    help="the pipeline's backends, a comma list (torch, openvino, auto): one pipeline row each")
-    ap.add_argument("--peers", default="openvino,onnx,onnx-int8",
+    ap.add_argument("--backends", default="auto",
+                    type=lambda v: bench_peers.parse_list(v, BACKEND_SPECS, "--backends"),
+                    help="the pipeline's backends, a comma list of " + ", ".join(BACKEND_SPECS)
+                         + " (name:dtype overrides --dtype): one pipeline row each")
+    ap.add_argument("--peers", default="openvino,openvino-f32,onnx,onnx-int8",
                     type=lambda v: bench_peers.parse_list(v, PEER_NAMES, "--peers"),
-                    help="the CPU peers, a comma list of openvino, onnx, onnx-int8 (sentence-transformers' backends), "
-                         "or none")
+                    help="the CPU peers, a comma list of " + ", ".join(PEER_NAMES) + " (sentence-transformers' "
+                         "backends; openvino runs OpenVINO's default precision, bfloat16 on a CPU with bfloat16 "
+                         "units, openvino-f32 float32), or none")
     ap.add_argument("--peer-python", default=None,
                     help="the interpreter of an environment with the peers' packages (README, Benchmark); "
                          "default: this one, where they are skipped if they do not import")
@@ -300,8 +323,9 @@ def main() -> None:
         budget = int(engine["max_num_batched_tokens"])
         print(f"model {model_path}\nengine {engine}\ncpu plan {first.cpu_plan.as_dict()}\n"
               f"startup {', '.join(f'{b} {s:.1f} s' for b, s in startup_s.items())}")
-        results = [measure_case(name, texts, args, pipes, st, st_fp32, peers, work, tokenizer, model, max_length, budget)
-                   for name, texts in cases.items()]
+        limits = {backend: limit_model(pipe, model, tokenizer) for backend, pipe in pipes.items()}
+        results = [measure_case(name, texts, args, pipes, st, st_fp32, peers, work, tokenizer, model, max_length, budget,
+                                limits) for name, texts in cases.items()]
         cpu_plan = first.cpu_plan.as_dict()
     finally:
         for pipe in pipes.values():
@@ -335,7 +359,7 @@ def main() -> None:
 
 
 def measure_case(name: str, texts: list[str], args, pipes: dict, st, st_fp32, peers: list, work: Path,
-                 tokenizer, model, max_length: int, budget: int) -> dict:
+                 tokenizer, model, max_length: int, budget: int, limits: dict) -> dict:
     """One workload, every method in turn, in this order: the pipeline per backend, ST, its peers,
     the transformers loop, the forward limit."""
     token_lists = tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
@@ -389,6 +413,9 @@ def measure_case(name: str, texts: list[str], args, pipes: dict, st, st_fp32, pe
     first = next(iter(pipes.values()))
     seconds["forward_limit"] = statistics.median(
         forward_limit(model, token_lists, first.max_num_seqs, budget, st.device) for _ in range(args.repeats))
+    for backend, limit in limits.items():  # each pipeline against its own backend's forward pass
+        seconds[f"forward_limit ({backend})"] = seconds["forward_limit"] if limit is model else statistics.median(
+            forward_limit(limit, token_lists, first.max_num_seqs, budget, st.device) for _ in range(args.repeats))
     print(f"case {name} done: " + "  ".join(f"{k} {v:.2f}s" for k, v in seconds.items())
           + "".join(f"  {k}: {e}" for k, e in peer_errors.items()), flush=True)
     for backend, stats in full_stats.items():

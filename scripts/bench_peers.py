@@ -18,8 +18,8 @@ import numpy as np
 
 PEER_SCRIPT = Path(__file__).with_name("peer_embed.py")
 # bench_embed.py's method key -> (peer_embed.py's name, label in the tables)
-PEERS = {"st_openvino": ("openvino", "ST + OpenVINO"), "st_onnx": ("onnx", "ST + ONNX"),
-         "st_onnx_int8": ("onnx-int8", "ST + ONNX int8")}
+PEERS = {"st_openvino": ("openvino", "ST + OpenVINO"), "st_openvino_f32": ("openvino-f32", "ST + OpenVINO f32"),
+         "st_onnx": ("onnx", "ST + ONNX"), "st_onnx_int8": ("onnx-int8", "ST + ONNX int8")}
 SETUP_HINT = "pass --peer-python, see README, Benchmark"
 
 

@@ -330,13 +330,15 @@ def model_shape(path: str | None) -> str:
 
 def bench_rows(record: dict) -> list[Row]:
     r = record["results"][0]
+    backend = record["backends"][0]  # bench_embed.py's first (here: only) pipeline row
     dps = r["docs_per_s"]
     tokens_per_doc = r["kept_tokens"] / r["docs"]
     engine = record["engine"]
     name = f"bench: {model_shape(record.get('model'))}, {engine['dtype']} on {engine['device']}, {tokens_per_doc:.0f} tokens/doc"
-    busy = r["engine_busy"]
+    busy = r["per_backend"][backend]["engine_busy"]
+    pipeline = dps[f"pipeline ({backend})"]
     return [Row(f"{name}: throughput",
-                f"{dps['pipeline']:,.0f} docs/s ({dps['pipeline'] * tokens_per_doc:,.0f} tokens/s); "
+                f"{pipeline:,.0f} docs/s ({pipeline * tokens_per_doc:,.0f} tokens/s); "
                 f"sentence-transformers {dps['sentence_transformers']:,.0f}, forward limit {dps['forward_limit']:,.0f}",
                 "-", "info"),
             Row(f"{name}: engine busy", f"{busy:.1%}", f">= {BUSY_TARGET:.0%}", "pass" if busy >= BUSY_TARGET else "FAIL")]

@@ -15,7 +15,7 @@ from tiny_models import build_bert
 from transformers import BertForTokenClassification
 
 from pooling_pipeline import Pipeline
-from pooling_pipeline.backends import describe_backend
+from pooling_pipeline.backends import describe_backend, openvino_cpu_has_bfloat16
 
 HAVE_OPENVINO = importlib.util.find_spec("openvino") is not None
 TOL = 1e-5
@@ -28,6 +28,7 @@ def test_auto_runs_openvino_where_installed_and_matches_st(pipe, reference, mixe
     assert engine["backend"] == ("openvino" if HAVE_OPENVINO else "torch"), engine
     if HAVE_OPENVINO:
         assert engine["verified_max_diff"] <= 1e-5
+        assert engine["precision"] == "f32", "float32 unless bfloat16 is asked for"
         assert "backend openvino" in describe_backend(engine)
     out = np.stack([o.data for o in pipe.embed(mixed_texts, use_tqdm=False)])
     assert np.abs(out - reference).max() < TOL
@@ -57,6 +58,25 @@ def test_openvino_without_the_package_names_the_extra(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openvino" else real(name, *a))
     with pytest.raises(ValueError, match=r"pooling-pipeline\[openvino\]"):
         Pipeline(backend="openvino")
+
+
+def test_bfloat16_on_openvino_is_opt_in_and_close(model_path, st_model):
+    """dtype="bfloat16" compiles the (float32-checked) conversion for bfloat16 where the CPU has the
+    units: faster, and visibly not float32; elsewhere, or without openvino, a clear error."""
+    if not (HAVE_OPENVINO and openvino_cpu_has_bfloat16()):
+        with pytest.raises(ValueError, match=r"bfloat16 units|pooling-pipeline\[openvino\]"):
+            Pipeline(model=model_path, backend="openvino", dtype="bfloat16")
+        return
+    with Pipeline(model=model_path, backend="openvino", dtype="bfloat16") as pipe:
+        engine = pipe.stats()["engine"]
+        out = np.stack([o.embedding for o in pipe.embed(TEXTS, use_tqdm=False)])
+    assert (engine["backend"], engine["precision"], engine["dtype"]) == ("openvino", "bf16", "bfloat16"), engine
+    assert engine["verified_max_diff"] <= 1e-5 and 0 < engine["verified_bf16_max_diff"] <= 5e-2, engine
+    assert "bfloat16" in describe_backend(engine)
+    ref = st_model.encode(TEXTS)
+    cos = np.sum(out * ref, axis=1) / np.linalg.norm(out, axis=1) / np.linalg.norm(ref, axis=1)
+    assert cos.min() > 0.999, cos.min()
+    assert np.abs(out - ref).max() > 1e-5, "bfloat16 gave float32's results: the precision hint was not applied"
 
 
 @pytest.fixture(scope="module")

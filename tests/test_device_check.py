@@ -155,9 +155,13 @@ def test_a_step_that_exits_0_without_its_result_is_an_error(tmp_path):
 
 
 def bench_record(busy: float) -> dict:
-    return {"engine": {"device": "cuda:0", "dtype": "float16"},
-            "results": [{"case": "b", "docs": 2000, "kept_tokens": 2000 * 512, "engine_busy": busy,
-                         "docs_per_s": {"pipeline": 3000.0, "sentence_transformers": 2000.0, "forward_limit": 3100.0}}]}
+    """What bench_embed.py writes (its keys, as measure_case and main build them), one backend."""
+    return {"engine": {"device": "cuda:0", "dtype": "float16"}, "backends": ["auto"],
+            "results": [{"case": "b", "docs": 2000, "kept_tokens": 2000 * 512,
+                         "per_backend": {"auto": {"engine_busy": busy}},
+                         "docs_per_s": {"pipeline (auto)": 3000.0, "pipeline (auto), token ids": 3050.0,
+                                        "sentence_transformers": 2000.0, "forward_limit": 3100.0,
+                                        "forward_limit (auto)": 3100.0}}]}
 
 
 def test_bench_rows_report_throughput_and_hold_engine_busy_to_its_target():
