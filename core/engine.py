@@ -52,6 +52,7 @@ from pooling_pipeline.core.runtime import (
 from pooling_pipeline.core.scheduler import Scheduler
 from pooling_pipeline.core.serial import Decoder, Encoder
 from pooling_pipeline.core.step_cost import StepCostModel
+from pooling_pipeline.core.step_runner import StepRunner
 
 IDLE_WAIT_S = 0.5
 LAUNCH_AHEAD_ENV = "POOLING_PIPELINE_LAUNCH_AHEAD"
@@ -155,6 +156,7 @@ class EngineCore:
         self.log = log
         self.key = key
         torch.set_num_threads(cfg.torch_threads)
+        self.runner: StepRunner
         if cfg.device == "sim":  # the simulated accelerator: the whole path, a modeled step
             from pooling_pipeline.core.sim_device import SimRunner
 

@@ -1,0 +1,32 @@
+"""The interface the engine core drives a model through, whatever runs it: `ModelRunner`
+(core/model_runner.py: torch on CUDA or a CPU, or the transformer compiled by OpenVINO, see
+core/openvino_model.py) and the simulated accelerator's `SimRunner` (core/sim_device.py).
+
+A step is launched, then finished: on CUDA `launch` returns while the device works, so the engine
+collates the next batch meanwhile; on a CPU (and OpenVINO) it returns when the work is done.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from pooling_pipeline.core.columns import Requests
+
+
+class StepRunner(Protocol):
+    device: Any  # where steps run: a torch.device (its .type "cpu" / "cuda"), or the simulated one
+    dtype: Any  # the model's dtype, as reported in the engine's start-up info
+
+    def step_cost(self, max_tokens: int) -> tuple[float, float]:
+        """The start-up probe of one step: (fixed cost in seconds, cost per padded token)."""
+
+    def launch(self, batch: Requests) -> Any:
+        """Starts a step on `batch`; -> a handle for `finish`."""
+
+    def finish(self, step: Any) -> tuple[list | np.ndarray, int, float]:
+        """Waits for a launched step: (one result per request, padded tokens, device seconds)."""
+
+    def run(self, batch: Requests) -> tuple[list | np.ndarray, int]:
+        """launch + finish (an isolated retry of one request): (results, padded tokens)."""
