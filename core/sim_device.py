@@ -83,8 +83,9 @@ def sim_vectors(token_ids: list[np.ndarray], dim: int) -> np.ndarray:
 
 class SimRunner:
     """Stands in for `ModelRunner` (both are `StepRunner`s, core/step_runner.py): the same `launch` /
-    `finish` / `run` and `step_cost`, a modeled step time. Steps queue on the simulated device as kernels queue on a CUDA stream: a launched
-    step starts when the one before it ends, and `finish` sleeps until it is done."""
+    `finish` / `run` and `step_cost`, a modeled step time. Steps queue on the simulated device as
+    kernels queue on a CUDA stream: a launched step starts when the one before it ends, and
+    `finish` sleeps until it is done."""
 
     def __init__(self, spec, device: SimDevice) -> None:
         self.spec = spec

@@ -41,27 +41,36 @@ def load_hf_tokenizer(spec: ModelSpec):
     return hf
 
 
+# Importable libraries a render worker never uses, that loading a tokenizer would import: torch
+# (~190 MB; transformers' config module imports it for RoPE helpers), trio (~3 MB; the hub's HTTP
+# client takes it when installed, for async transports -- a worker reads local files only) and
+# PIL (~1.5 MB; transformers' image helpers). Each is an optional import for those libraries.
+HIDDEN_WHILE_LOADING = ("torch", "trio", "PIL")
+
+
 @contextlib.contextmanager
 def torch_hidden(unless: bool = False):
-    """transformers imports torch wherever torch is installed (its config module does, for RoPE
-    helpers), and torch is ~190 MB of a render worker's RSS that tokenizing never uses. While
-    transformers is first imported, torch is made unimportable (a None entry in sys.modules, as
-    Python documents): transformers then behaves as in a tokenizers-only install, with the same
-    tokenizer classes and configuration. Only where neither is imported yet (a worker before its
-    first load; never a caller's process, nor after a plugin imported either); torch is importable
-    again afterwards, for a plugin that wants it."""
+    """While transformers is first imported, torch (and HIDDEN_WHILE_LOADING's others) are made
+    unimportable (a None entry in sys.modules, as Python documents): transformers then behaves as
+    in a tokenizers-only install, with the same tokenizer classes and configuration. Only where
+    neither torch nor transformers is imported yet (a worker before its first load; never a
+    caller's process, nor after a plugin imported either); they are importable again afterwards,
+    for a plugin that wants them."""
     if unless or "torch" in sys.modules or "transformers" in sys.modules:
         yield
         return
-    sys.modules["torch"] = None
+    hidden = [name for name in HIDDEN_WHILE_LOADING if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None
     quiet = NotFoundNotice()  # its "PyTorch was not found" advice is expected here, once per worker
     logging.getLogger("transformers").addFilter(quiet)
     try:
         yield
     finally:
         logging.getLogger("transformers").removeFilter(quiet)
-        if "torch" in sys.modules and sys.modules["torch"] is None:
-            del sys.modules["torch"]
+        for name in hidden:
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]
 
 
 class NotFoundNotice(logging.Filter):
