@@ -11,6 +11,7 @@ import torch
 
 from pooling_pipeline.core.columns import COL, TASK_CODE, Requests
 from pooling_pipeline.core.config import ENCODER_ONLY_CLASSES, ModelSpec
+from pooling_pipeline.core.openvino_model import clear_padding
 from pooling_pipeline.core.options import TASKS
 from pooling_pipeline.core.pooling import SentenceHead, apply_activation, pool, splade
 from pooling_pipeline.core.schema import blank_table
@@ -206,8 +207,6 @@ class ModelRunner:
             kwargs["token_type_ids"] = self._to_device(types)
         output = self.model(**kwargs) if self.logit_rows is None else None
         if output is not None and getattr(self.model, "undefined_padding", False):
-            from pooling_pipeline.core.openvino_model import clear_padding
-
             clear_padding(getattr(output, self.model.output), torch.from_numpy(real))
         if self.logit_rows is not None:  # an LLM reranker: LogitScore at each row's last real token
             tensors, finish = self._from_logits(self._logit_scores(kwargs, lengths), lengths_np, batch)

@@ -128,14 +128,15 @@ def to_openvino(model: torch.nn.Module, spec, *, output: str, base: bool, token_
     started = time.perf_counter()
     runner = OpenVINOModel(_compile(ov, converted, threads, "f32"), output, inputs, base)
     info["compile_s"] = round(time.perf_counter() - started, 3)
-    info["verified_max_diff"] = verify(runner, module, spec, inputs)
+    probes = probe_batches(module, spec, inputs)
+    info["verified_max_diff"] = verify(runner, probes, spec)
     if precision == "bf16":
         if "BF16" not in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
             raise BackendUnavailable("this CPU has no bfloat16 units (OpenVINO's CPU capabilities lack BF16)")
         started = time.perf_counter()
         runner = OpenVINOModel(_compile(ov, converted, threads, "bf16"), output, inputs, base)
         info["compile_s"] = round(info["compile_s"] + time.perf_counter() - started, 3)
-        info["verified_bf16_max_diff"] = verify(runner, module, spec, inputs, tolerance=BF16_TOLERANCE)
+        info["verified_bf16_max_diff"] = verify(runner, probes, spec, tolerance=BF16_TOLERANCE)
     elif precision != "f32":
         raise RuntimeError(f"this is a bug: OpenVINO precision {precision!r}")
     info["precision"] = precision
@@ -216,26 +217,24 @@ def clear_padding(values: torch.Tensor, real: torch.Tensor) -> None:
         values.masked_fill_(~real.reshape(*real.shape, *([1] * (values.dim() - 2))), 0.0)
 
 
-def verify(runner: OpenVINOModel, module: torch.nn.Module, spec, inputs: list[str],
-           tolerance: float = VERIFY_TOLERANCE) -> float:
-    """The converted model against the torch module on probe batches (padded rows, a shape the
-    conversion was not traced with, one past any local attention window): the largest
-    difference at every position a result can read, relative to the largest output. Above
-    `tolerance`, or not finite there, it is refused."""
-    worst = 0.0
+def probe_batches(module: _Transformer, spec, inputs: list[str]) -> list[tuple[dict, torch.Tensor, torch.Tensor]]:
+    """What `verify` checks against: (the inputs, the positions a result reads, the torch module's
+    output) for each probe -- padded rows, a shape the conversion was not traced with, one past any
+    local attention window, and for ColBERT queries one whose expansion tokens are not attended
+    to (their vectors are returned all the same). Computed once per start."""
     rng = np.random.default_rng(0)
-    longest = max(4, min(probe_width(module), spec.max_model_len))
+    longest = max(4, min(probe_width(module.module.config), spec.max_model_len))
     top = min(1000, spec.vocab_size - 1)
-    probes = []  # (rows, width, tokens per row, attended tokens per row)
+    shapes = []  # (rows, width, tokens per row, attended tokens per row)
     for rows, width in ((3, min(11, longest)), (2, longest)):
         lengths = np.linspace(width, 2, rows).astype(np.int64)
-        probes.append((rows, width, lengths, lengths))
-    expansion = getattr(spec.multi_vector, "query_expansion", None) if spec.multi_vector is not None else None
+        shapes.append((rows, width, lengths, lengths))
+    expansion = getattr(spec.multi_vector, "query_expansion", None)
     if expansion is not None and not expansion.attend:
-        # ColBERT queries: the expansion tokens are not attended to, yet their vectors are returned.
         width = max(2, min(expansion.length, spec.max_model_len))
-        probes.append((3, width, np.full(3, width), np.array([width, max(1, width // 2), 1])))
-    for rows, width, lengths, attended in probes:
+        shapes.append((3, width, np.full(3, width), np.array([width, max(1, width // 2), 1])))
+    probes = []
+    for rows, width, lengths, attended in shapes:
         ids = torch.from_numpy(rng.integers(top // 2, top + 1, (rows, width)))
         positions = torch.arange(width)[None, :]
         real = positions < torch.from_numpy(lengths)[:, None]
@@ -243,7 +242,16 @@ def verify(runner: OpenVINOModel, module: torch.nn.Module, spec, inputs: list[st
         if "token_type_ids" in inputs:
             kwargs["token_type_ids"] = torch.zeros_like(ids)
         with torch.inference_mode():
-            want = module(**kwargs).float()
+            probes.append((kwargs, real, module(**kwargs).float()))
+    return probes
+
+
+def verify(runner: OpenVINOModel, probes: list, spec, tolerance: float = VERIFY_TOLERANCE) -> float:
+    """The compiled model against the torch module on `probe_batches`: the largest difference at
+    every position a result can read, relative to the largest output. Above `tolerance`, or not
+    finite there, it is refused."""
+    worst = 0.0
+    for kwargs, real, want in probes:
         got = getattr(runner(**kwargs), runner.output).float()
         if got.shape != want.shape:
             raise BackendUnavailable(f"OpenVINO's conversion of {spec.path!r} gives shape {tuple(got.shape)}, "
@@ -259,11 +267,10 @@ def verify(runner: OpenVINOModel, module: torch.nn.Module, spec, inputs: list[st
     return worst
 
 
-def probe_width(module: torch.nn.Module) -> int:
+def probe_width(config) -> int:
     """The longer probe's width: 48 tokens, or past the model's local attention window (ModernBERT's
     local_attention, Mistral's sliding_window) so a padded row's positions beyond its reach -- the
     case where attention sees only padding -- are in the check; at most 512 (the probe stays cheap)."""
-    config = getattr(module, "config", None) or getattr(getattr(module, "module", None), "config", None)
     windows = [getattr(config, name, None) for name in ("local_attention", "sliding_window")]
     windows = [w for w in windows if isinstance(w, int) and not isinstance(w, bool) and w > 0]
     return min(512, max([48] + [w + 16 for w in windows]))

@@ -30,7 +30,7 @@ def load_hf_tokenizer(spec: ModelSpec):
     transformers adjusts the backend from tokenizer_config.json (lowercasing, special tokens), so
     the fast backend is taken from AutoTokenizer rather than read from tokenizer.json directly.
     """
-    with torch_hidden(unless=spec.trust_remote_code):  # remote tokenizer code may import anything
+    with unused_imports_hidden(unless=spec.trust_remote_code):  # remote tokenizer code may import anything
         from transformers import AutoTokenizer
 
         hf = AutoTokenizer.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
@@ -49,7 +49,7 @@ HIDDEN_WHILE_LOADING = ("torch", "trio", "PIL")
 
 
 @contextlib.contextmanager
-def torch_hidden(unless: bool = False):
+def unused_imports_hidden(unless: bool = False):
     """While transformers is first imported, torch (and HIDDEN_WHILE_LOADING's others) are made
     unimportable (a None entry in sys.modules, as Python documents): transformers then behaves as
     in a tokenizers-only install, with the same tokenizer classes and configuration. Only where
