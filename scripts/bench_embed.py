@@ -372,6 +372,8 @@ def measure_case(name: str, texts: list[str], args, pipes: dict, st, st_fp32, pe
         pipe.embed(warm, use_tqdm=False)
     st.encode(warm, batch_size=args.batch_size)
     transformers_loop(tokenizer, model, warm, args.batch_size, max_length, st.device)
+    for limit in {id(m): m for m in [model, *limits.values()]}.values():  # warmed like the pipelines
+        forward_limit(limit, token_lists[:64], next(iter(pipes.values())).max_num_seqs, budget, st.device)
 
     seconds, deviation, per_backend, peer_errors, full_stats = {}, {}, {}, {}, {}
     for backend, pipe in pipes.items():

@@ -10,6 +10,8 @@ import torch
 from tiny_models import build_bert, faulty_model_dir
 
 from pooling_pipeline import Pipeline, PoolingParams, StepError
+from pooling_pipeline.inputs import MESSAGE_CHARS, build_requests
+from pooling_pipeline.options import CallOptions
 
 TOL = 1e-5
 
@@ -196,3 +198,31 @@ def test_chunk_mode_on_cjk_without_spaces_equals_a_hand_computed_reference(pipe,
     ref, windows = _chunk_reference(st_model, doc, 256, 0)
     assert out.num_chunks == windows
     np.testing.assert_allclose(out.embedding, ref, atol=TOL, rtol=0)
+
+
+def test_long_documents_travel_to_the_workers_in_messages_of_bounded_size(pipe, st_model):
+    """The engine waits for a worker's whole message: long documents go a few at a time (alone
+    past MESSAGE_CHARS), so the first reaches the engine without waiting for the others to be
+    shipped and rendered; short texts still share one message; results stay in order."""
+    docs = [corpus.long_document(150_000 + 100_000 * (i % 3), seed=i) for i in range(7)]
+    short = [f"sentence number {i}" for i in range(40)]
+    prompts = docs[:3] + short + docs[3:]
+    opts = CallOptions(task="embed", use_tqdm=False)
+    for materialized in (True, False):
+        source, _ = build_requests(list(prompts) if materialized else iter(prompts), opts, pipe.model_spec,
+                                   pipe._tokenization, "probe")
+        if materialized:  # a list is checked whole first, as the API does
+            pieces = list(source.drain(256).pieces)
+        else:  # a generator is drawn as the frontend draws it: 256 slots granted, 64 MB of room
+            pieces = []
+            while not source.exhausted:
+                pieces += source.take(256, 64 << 20)
+        sizes = [[len(prompts[i]) for i in piece.indices] for piece in pieces]
+        assert [i for piece in pieces for i in piece.indices] == list(range(len(prompts)))
+        for held in sizes:  # up to the bound, one request at least
+            assert sum(held[:-1]) < MESSAGE_CHARS, (materialized, sizes)
+        assert len(sizes) >= len(docs) // 2 + 1, sizes  # the long documents were split up ...
+        assert max(map(len, sizes)) >= len(short), sizes  # ... the short texts were not
+    got = pipe.embed(prompts, use_tqdm=False)
+    want = st_model.encode(prompts)
+    np.testing.assert_allclose(np.stack([out.embedding for out in got]), want, atol=TOL, rtol=0)
