@@ -1,0 +1,132 @@
+#!/usr/bin/env python
+"""The CPU's ceiling for the forward pass, by precision: how fast this machine multiplies matrices
+of the model's own shapes in float32 and in bfloat16, and how close the engine's compiled forward
+pass (OpenVINO float32 and bfloat16, the torch module in float32) comes to it.
+
+    python scripts/bench_gemm.py                 # the bundled all-MiniLM-L6-v2, batches of 8 x 256 tokens
+    python scripts/bench_gemm.py --rows 64 --width 32 --model DIR
+
+Why it exists: on a CPU with bfloat16 units (AMX, AVX512-BF16) OpenVINO computes in bfloat16 unless
+told otherwise, and sentence-transformers' OpenVINO backend ships that way. A float32 forward pass
+(what this project runs by default, to stay within 1e-5 of sentence-transformers) can only be as fast
+as the float32 matrix multiply; this prints both ceilings side by side, measured in one run
+(interleaved repeats, medians), with the model's GFLOP/s against them.
+The model's floating-point operations per token: 2 x the weights of its Linear layers (embedding
+lookups cost none), plus attention's two products, 4 x width x hidden size per layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+
+def median_seconds(fn, repeats: int, inner: int) -> float:
+    fn()  # warm: first-call allocation, weight packing
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        times.append((time.perf_counter() - start) / inner)
+    return statistics.median(times)
+
+
+def model_flops_per_token(torch, model, width: int) -> float:
+    # The encoder's layers only: a BERT pooler's dense layer runs once per text, not per token, and
+    # sentence-transformers' pooling never calls it.
+    layers = getattr(model, "encoder", model)
+    linear = sum(m.weight.numel() for m in layers.modules() if isinstance(m, torch.nn.Linear))
+    config = model.config
+    return 2.0 * linear + 4.0 * width * config.hidden_size * config.num_hidden_layers
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a local model directory (default: the bundled all-MiniLM-L6-v2)")
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="default: the engine's CPU plan")
+    args = parser.parse_args(argv)
+    if min(args.rows, args.width, args.repeats) < 1:
+        parser.error("--rows, --width and --repeats must be positive")
+
+    import numpy as np
+    import torch
+    from transformers import AutoModel
+
+    from pooling_pipeline.core.model_layout import default_model_path, load_model_spec
+    from pooling_pipeline.cpu_plan import plan_cpu
+
+    path = args.model or default_model_path()
+    threads = args.threads or plan_cpu(None, "cpu").engine_threads
+    torch.set_num_threads(threads)
+    model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    config = model.config
+    tokens = args.rows * args.width
+    hidden, inner_size = config.hidden_size, config.intermediate_size
+
+    rows: list[tuple[str, float]] = []  # (what, GFLOP/s)
+    a = torch.randn(tokens, hidden)
+    w = torch.randn(inner_size, hidden)
+    gemm_flops = 2.0 * tokens * hidden * inner_size
+    linear = torch.nn.functional.linear
+    a16, w16 = a.bfloat16(), w.bfloat16()
+    kernels = {"matmul float32 (torch)": lambda: linear(a, w),
+               "matmul bfloat16 (torch)": lambda: linear(a16, w16)}
+
+    per_token = model_flops_per_token(torch, model, args.width)
+    ids = np.full((args.rows, args.width), min(1000, config.vocab_size - 1), dtype=np.int64)
+    feed = {"input_ids": torch.from_numpy(ids), "attention_mask": torch.ones_like(torch.from_numpy(ids))}
+    if getattr(config, "type_vocab_size", 0):
+        feed["token_type_ids"] = torch.zeros_like(feed["input_ids"])
+
+    def torch_forward():
+        with torch.inference_mode():
+            model(**feed)
+
+    forwards = {"model forward float32 (torch eager)": torch_forward}
+    try:
+        from pooling_pipeline.core.openvino_model import BackendUnavailable, to_openvino
+
+        spec = load_model_spec(path)
+        for precision in ("f32", "bf16"):
+            try:
+                compiled, _ = to_openvino(model, spec, output="last_hidden_state", base=False,
+                                          token_types="token_type_ids" in feed, threads=threads, precision=precision)
+            except BackendUnavailable as e:
+                print(f"OpenVINO {precision}: {e}")
+                continue
+            forwards[f"model forward {'float32' if precision == 'f32' else 'bfloat16'} (OpenVINO)"] = (
+                lambda compiled=compiled: compiled(**feed))
+    except ImportError:
+        print("OpenVINO rows skipped: pip install -e '.[openvino]'")
+
+    inner = max(1, int(2e9 // gemm_flops))  # about 2 GFLOP per timing
+    seconds: dict[str, list[float]] = {name: [] for name in [*kernels, *forwards]}
+    for _ in range(args.repeats):  # interleaved: the machine's noise hits every row alike
+        for name, fn in kernels.items():
+            seconds[name].append(median_seconds(fn, 1, inner))
+        for name, fn in forwards.items():
+            seconds[name].append(median_seconds(fn, 1, 1))
+    for name in kernels:
+        rows.append((name, gemm_flops / statistics.median(seconds[name]) / 1e9))
+    for name in forwards:
+        rows.append((name, per_token * tokens / statistics.median(seconds[name]) / 1e9))
+
+    f32_peak = rows[0][1]
+    print(f"\nmodel {path}: {per_token / 1e6:.1f} MFLOP per token at width {args.width}; "
+          f"batch {args.rows} x {args.width}; GEMM {tokens} x {hidden} x {inner_size}; {threads} threads; "
+          f"median of {args.repeats}")
+    print("| what | GFLOP/s | / float32 matmul |")
+    print("|---|---|---|")
+    for name, rate in rows:
+        print(f"| {name} | {rate:.0f} | {rate / f32_peak:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
