@@ -418,7 +418,10 @@ def test_cross_encoder_one_label(tmp_path, texts, family):
         assert_close(np.array([r.score for r in ranked], dtype=np.float32),
                      np.array([r["score"] for r in ref_rank], dtype=np.float32), "rank scores")
         top = pipe.rank(query, docs, top_k=3)
-        assert [(r.index, r.score) for r in top] == [(r.index, r.score) for r in ranked[:3]]
+        # A second run may batch the pairs differently, so its floats match within tolerance only.
+        assert [r.index for r in top] == [r.index for r in ranked[:3]]
+        assert_close(np.array([r.score for r in top], dtype=np.float32),
+                     np.array([r.score for r in ranked[:3]], dtype=np.float32), "top_k scores")
         assert all(tuple(r) == (r.index, r.score) for r in top)
 
 
