@@ -126,7 +126,7 @@ def to_openvino(model: torch.nn.Module, spec, *, output: str, base: bool, token_
         _save(ov, converted, folder)
         prune_cache(os.path.dirname(folder), MAX_CACHE_ENTRIES)
     started = time.perf_counter()
-    runner = OpenVINOModel(_compile(ov, converted, threads, "f32"), output, inputs, base)
+    runner = OpenVINOModel(compile_for_cpu(ov, converted, threads, "f32"), output, inputs, base)
     info["compile_s"] = round(time.perf_counter() - started, 3)
     probes = probe_batches(module, spec, inputs)
     info["verified_max_diff"] = verify(runner, probes, spec)
@@ -134,7 +134,7 @@ def to_openvino(model: torch.nn.Module, spec, *, output: str, base: bool, token_
         if "BF16" not in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
             raise BackendUnavailable("this CPU has no bfloat16 units (OpenVINO's CPU capabilities lack BF16)")
         started = time.perf_counter()
-        runner = OpenVINOModel(_compile(ov, converted, threads, "bf16"), output, inputs, base)
+        runner = OpenVINOModel(compile_for_cpu(ov, converted, threads, "bf16"), output, inputs, base)
         info["compile_s"] = round(info["compile_s"] + time.perf_counter() - started, 3)
         info["verified_bf16_max_diff"] = verify(runner, probes, spec, tolerance=BF16_TOLERANCE)
     elif precision != "f32":
@@ -143,7 +143,7 @@ def to_openvino(model: torch.nn.Module, spec, *, output: str, base: bool, token_
     return runner, info
 
 
-def _compile(ov, converted, threads: int, precision: str):
+def compile_for_cpu(ov, converted, threads: int, precision: str):
     return ov.Core().compile_model(converted, "CPU", {
         # One stream, the engine's threads: a step is one request and waits for its result; the
         # throughput hint's several streams measured 0.5-0.75x with one request at a time.
