@@ -14,7 +14,7 @@ float32 matrix multiply; this prints both precisions' multiply side by side, mea
 torch and in OpenVINO (compiled as the engine compiles its model): their kernels differ by CPU
 vendor (torch's float32 GEMM ran at 0.7x OpenVINO's on an AMD EPYC), and a compiled forward's
 fused kernels can beat one plain multiply (OpenVINO's float32 forward ran at 1.3x its single GEMM
-there, 0.93x on an Intel Xeon), so read the ratio of the forward rows, bfloat16 to float32, as the
+there, 0.93x on another 2-core machine), so read the ratio of the forward rows, bfloat16 to float32, as the
 price of precision.
 The model's floating-point operations per token: 2 x the weights of its Linear layers (embedding
 lookups cost none), plus attention's two products, 4 x width x hidden size per layer.
