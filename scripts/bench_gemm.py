@@ -14,8 +14,8 @@ float32 matrix multiply; this prints both precisions' multiply side by side, mea
 torch and in OpenVINO (compiled as the engine compiles its model): their kernels differ by CPU
 vendor (torch's float32 GEMM ran at 0.7x OpenVINO's on an AMD EPYC), and a compiled forward's
 fused kernels can beat one plain multiply (OpenVINO's float32 forward ran at 1.3x its single GEMM
-there, 0.93x on another 2-core machine), so read the ratio of the forward rows, bfloat16 to float32, as the
-price of precision.
+there, 0.93x on another 2-core machine), so read the ratio of the forward rows, bfloat16 to
+float32, as the price of precision.
 The model's floating-point operations per token: 2 x the weights of its Linear layers (embedding
 lookups cost none), plus attention's two products, 4 x width x hidden size per layer.
 """
@@ -23,9 +23,12 @@ lookups cost none), plus attention's two products, 4 x width x hidden size per l
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import sys
 import time
+
+PRECISION_NAMES = {"f32": "float32", "bf16": "bfloat16"}
 
 
 def median_seconds(fn, repeats: int, inner: int) -> float:
@@ -46,6 +49,39 @@ def model_flops_per_token(torch, model, width: int) -> float:
     linear = sum(m.weight.numel() for m in layers.modules() if isinstance(m, torch.nn.Linear))
     config = model.config
     return 2.0 * linear + 4.0 * width * config.hidden_size * config.num_hidden_layers
+
+
+def add_openvino_rows(kernels: dict, forwards: dict, torch, model, spec, a, w, feed: dict, threads: int) -> None:
+    """The multiply and the model's forward pass compiled by OpenVINO as the engine compiles them,
+    in float32 and, on a CPU with bfloat16 units, bfloat16."""
+    import openvino as ov
+
+    from pooling_pipeline.backends import openvino_cpu_has_bfloat16
+    from pooling_pipeline.core.openvino_model import BackendUnavailable, compile_for_cpu, to_openvino
+
+    class Linear(torch.nn.Module):  # the one GEMM, its weight a constant of the graph
+        def __init__(self, weight):
+            super().__init__()
+            self.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.weight)
+
+    gemm = ov.convert_model(Linear(w), example_input=a)
+    a_np = a.numpy()
+    # (Without bfloat16 units OpenVINO would run a "bf16" multiply in float32, mislabelled.)
+    for precision in ("f32", "bf16") if openvino_cpu_has_bfloat16() else ("f32",):
+        request = compile_for_cpu(ov, gemm, threads, precision).create_infer_request()
+        kernels[f"matmul {PRECISION_NAMES[precision]} (OpenVINO)"] = (
+            lambda request=request: request.infer({0: a_np}, share_inputs=True, share_outputs=True))
+    for precision in ("f32", "bf16"):
+        try:
+            compiled, _ = to_openvino(model, spec, output="last_hidden_state", base=False,
+                                      token_types="token_type_ids" in feed, threads=threads, precision=precision)
+        except BackendUnavailable as e:
+            print(f"OpenVINO {precision}: {e}")
+            continue
+        forwards[f"model forward {PRECISION_NAMES[precision]} (OpenVINO)"] = lambda compiled=compiled: compiled(**feed)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,7 +114,6 @@ def main(argv: list[str] | None = None) -> int:
     a = torch.randn(tokens, hidden)
     w = torch.randn(inner_size, hidden)
     gemm_flops = 2.0 * tokens * hidden * inner_size
-    linear = torch.nn.functional.linear
     a16, w16 = a.bfloat16(), w.bfloat16()
     # Into preallocated outputs (torch.mm's out=, OpenVINO's shared output buffer): the ceiling is
     # the multiply, not a 12 MB allocation per call.
@@ -98,38 +133,10 @@ def main(argv: list[str] | None = None) -> int:
             model(**feed)
 
     forwards = {"model forward float32 (torch eager)": torch_forward}
-    try:
-        import openvino as ov
-
-        from pooling_pipeline.core.openvino_model import BackendUnavailable, compile_for_cpu, to_openvino
-
-        class Linear(torch.nn.Module):  # the one GEMM, its weight a constant of the graph
-            def __init__(self, weight):
-                super().__init__()
-                self.weight = torch.nn.Parameter(weight, requires_grad=False)
-
-            def forward(self, x):
-                return linear(x, self.weight)
-
-        gemm = ov.convert_model(Linear(w), example_input=a)
-        a_np = a.numpy()
-        has_bf16 = "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
-        for precision in ("f32", "bf16") if has_bf16 else ("f32",):  # (bf16 would run as f32: unlabelled)
-            request = compile_for_cpu(ov, gemm, threads, precision).create_infer_request()
-            kernels[f"matmul {'float32' if precision == 'f32' else 'bfloat16'} (OpenVINO)"] = (
-                lambda request=request: request.infer({0: a_np}, share_inputs=True, share_outputs=True))
-        spec = load_model_spec(path)
-        for precision in ("f32", "bf16"):
-            try:
-                compiled, _ = to_openvino(model, spec, output="last_hidden_state", base=False,
-                                          token_types="token_type_ids" in feed, threads=threads, precision=precision)
-            except BackendUnavailable as e:
-                print(f"OpenVINO {precision}: {e}")
-                continue
-            forwards[f"model forward {'float32' if precision == 'f32' else 'bfloat16'} (OpenVINO)"] = (
-                lambda compiled=compiled: compiled(**feed))
-    except ImportError:
+    if importlib.util.find_spec("openvino") is None:
         print("OpenVINO rows skipped: pip install -e '.[openvino]'")
+    else:
+        add_openvino_rows(kernels, forwards, torch, model, load_model_spec(path), a, w, feed, threads)
 
     inner = max(1, int(2e9 // gemm_flops))  # about 2 GFLOP per timing
     seconds: dict[str, list[float]] = {name: [] for name in [*kernels, *forwards]}
