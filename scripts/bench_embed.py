@@ -91,6 +91,13 @@ def length_sorted_batches(token_lists: list[list[int]], max_num_seqs: int, max_t
     return batches
 
 
+def padding_of(batches: list[list[list[int]]]) -> tuple[float, int]:
+    """(real / padded tokens, number of batches) of these batches, each padded to its longest row."""
+    real = sum(len(row) for batch in batches for row in batch)
+    padded = sum(max(map(len, batch)) * len(batch) for batch in batches)
+    return real / padded, len(batches)
+
+
 def mean_pool_normalize(torch, hidden, mask):
     m = mask.unsqueeze(-1).to(hidden.dtype)
     return torch.nn.functional.normalize((hidden * m).sum(1) / m.sum(1).clamp(min=1e-9), dim=1)
@@ -420,13 +427,17 @@ def measure_case(name: str, texts: list[str], args, pipes: dict, st, st_fp32, pe
             forward_limit(limit, token_lists, first.max_num_seqs, budget, st.device) for _ in range(args.repeats))
     print(f"case {name} done: " + "  ".join(f"{k} {v:.2f}s" for k, v in seconds.items())
           + "".join(f"  {k}: {e}" for k, e in peer_errors.items()), flush=True)
+    # The limit's batches, beside the pipeline's padding: it sorts the whole case at once.
+    limit_padding = padding_of(length_sorted_batches(token_lists, first.max_num_seqs, budget))
+    print(f"  forward limit: padding efficiency {limit_padding[0]:.1%} over {limit_padding[1]} batches")
     for backend, stats in full_stats.items():
         print(f"  pipeline ({backend}):")
         for line in format_stats(stats):
             print(f"    {line}")
     return {"case": name, "docs": len(texts), "kept_tokens": sum(map(len, token_lists)), "seconds": seconds,
             "docs_per_s": {k: len(texts) / v for k, v in seconds.items()}, "max_cos_deviation": deviation,
-            "per_backend": per_backend, "peer_errors": peer_errors}
+            "per_backend": per_backend, "peer_errors": peer_errors,
+            "forward_limit_padding": {"padding_efficiency": limit_padding[0], "batches": limit_padding[1]}}
 
 
 def decoder_row(args) -> dict:

@@ -246,6 +246,16 @@ def test_bench_embed_case_b_takes_its_length_range_from_the_option():
     assert min(map(len, default)) < 2400  # the default range (600-4000) is unchanged
 
 
+def test_bench_embed_limit_batches_and_their_padding():
+    import bench_embed
+
+    rows = [[1] * n for n in (5, 3, 9, 3, 4, 8)]
+    batches = bench_embed.length_sorted_batches(rows, max_num_seqs=2, max_tokens=16)
+    assert [[len(r) for r in b] for b in batches] == [[3, 3], [4, 5], [8], [9]]  # 2 x 9 > 16: 8 and 9 apart
+    efficiency, count = bench_embed.padding_of(batches)
+    assert count == 4 and efficiency == sum(map(len, rows)) / (6 + 10 + 8 + 9)
+
+
 def test_loadtest_refuses_a_device_for_the_simulated_regime():
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "loadtest.py"), "--regime", "sim", "--device", "cuda"],
                             capture_output=True, text=True, timeout=60, cwd=ROOT)
