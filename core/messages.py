@@ -34,7 +34,9 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
 
     task: Task | None = None
     normalize: bool | None = None  # embedding tasks: L2-normalize the vector
-    dimensions: PositiveInt | None = None  # embedding tasks (Matryoshka): keep the first k values
+    # embedding tasks (Matryoshka, vLLM's `dimensions`): keep the first k values of the model's full
+    # output (a saved truncate_dim does not apply then), normalized when normalization is on
+    dimensions: PositiveInt | None = None
     use_activation: bool | None = None  # classify / score / token_classify: softmax or sigmoid
     truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None  # -1: the model's maximum
 
@@ -49,7 +51,8 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
             width = model.hidden_size if task == "token_embed" else model.embedding_size
             if self.dimensions > width:
                 raise ValueError(f"{where}: dimensions={self.dimensions} is outside [1, {width}]")
-            if model.matryoshka_dimensions and self.dimensions not in model.matryoshka_dimensions:
+            # (the full width is always a valid answer: it cuts nothing)
+            if model.matryoshka_dimensions and self.dimensions not in (*model.matryoshka_dimensions, width):
                 raise ValueError(f"{where}: dimensions={self.dimensions} is not among the model's declared "
                                  f"dimensions {model.matryoshka_dimensions}")
         if self.normalize is not None and task not in EMBEDDING_TASKS:

@@ -16,7 +16,7 @@ from pooling_pipeline.core.options import TASKS
 from pooling_pipeline.core.pooling import SentenceHead, apply_activation, pool, splade
 from pooling_pipeline.core.schema import blank_table
 from pooling_pipeline.core.step_cost import probe_step_cost
-from pooling_pipeline.core.vectors import finish_embeddings
+from pooling_pipeline.core.vectors import finish_embeddings, finish_sentence_embeddings
 
 log = logging.getLogger("engine")
 
@@ -251,7 +251,7 @@ class ModelRunner:
                      batch: Requests):
         """Pooled vectors on the device (the tensors to copy back) and the host-side finish."""
         # Requests that share options are finished together (usually the whole batch: one group).
-        groups = option_groups(batch, np.where(batch.normalize < 0, int(self.spec.normalize), batch.normalize))
+        groups = option_groups(batch, batch.normalize)
         tensors = []
         for (task, _, _), rows in groups:
             index = torch.from_numpy(rows).to(hidden.device) if len(rows) < len(batch) else None
@@ -269,17 +269,15 @@ class ModelRunner:
         def finish(arrays: list[np.ndarray]) -> list[np.ndarray] | np.ndarray:
             out: list = [None] * len(batch)
             for ((task, dimensions, normalize), rows), values in zip(groups, arrays):
-                vectors = finish_embeddings(values, dimensions, normalize)
-                if task != "token_embed" and len(rows) == len(batch):  # one group: the matrix as it is
-                    if dimensions is None and self.spec.truncate_dim is not None:
-                        vectors = vectors[:, : self.spec.truncate_dim]
-                    return vectors
                 if task == "token_embed":
+                    vectors = finish_embeddings(values, dimensions, self.spec.normalize if normalize is None else normalize)
                     for i, row in enumerate(rows.tolist()):
                         out[row] = vectors[i, : int(lengths_np[row])]
                     continue
-                if dimensions is None and self.spec.truncate_dim is not None:  # ST: cut after Normalize
-                    vectors = vectors[:, : self.spec.truncate_dim]
+                vectors = finish_sentence_embeddings(values, dimensions, normalize, self.spec.normalize,
+                                                     self.spec.truncate_dim)
+                if len(rows) == len(batch):  # one group: the matrix as it is
+                    return vectors
                 for i, row in enumerate(rows.tolist()):
                     out[row] = vectors[i]
             return out
@@ -491,14 +489,15 @@ def kept_tokens(spec: ModelSpec, skip_ids: np.ndarray | None, ids: np.ndarray, r
     return keep
 
 
-def option_groups(batch: Requests, normalize: np.ndarray) -> list[tuple[tuple[str, int | None, bool], np.ndarray]]:
-    """The batch's rows grouped by what finishes their vectors: (task, dimensions, normalize),
-    each with its rows (ascending). One group, without a loop over rows, in the usual case."""
+def option_groups(batch: Requests, normalize: np.ndarray) -> list[tuple[tuple[str, int | None, bool | None], np.ndarray]]:
+    """The batch's rows grouped by what finishes their vectors: (task, dimensions, normalize -- None
+    where the request leaves it to the model), each with its rows (ascending). One group, without a
+    loop over rows, in the usual case."""
     combo = np.stack([batch.task, batch.dimensions, normalize], axis=1)
 
-    def key(row: np.ndarray) -> tuple[str, int | None, bool]:
+    def key(row: np.ndarray) -> tuple[str, int | None, bool | None]:
         task, dimensions, norm = (int(v) for v in row)
-        return TASKS[task], None if dimensions < 0 else dimensions, bool(norm)
+        return TASKS[task], None if dimensions < 0 else dimensions, None if norm < 0 else bool(norm)
 
     if not len(combo) or (combo == combo[0]).all():
         return [(key(combo[0]), np.arange(len(combo)))] if len(combo) else []

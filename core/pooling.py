@@ -31,8 +31,9 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, modes:
             weights = torch.arange(1, hidden.shape[1] + 1, device=hidden.device, dtype=hidden.dtype).view(1, -1, 1)
             weighted = mask_f * weights
             out.append((hidden * weighted).sum(dim=1) / torch.clamp(weighted.sum(dim=1), min=1e-9))
-        elif mode == "lasttoken":
-            out.append(hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1])
+        elif mode == "lasttoken":  # (zero where even the last token is masked: a prompt kept whole, as ST)
+            rows = torch.arange(hidden.shape[0], device=hidden.device)
+            out.append(hidden[rows, lengths - 1] * mask_f[rows, lengths - 1])
         else:
             raise ValueError(f"unknown pooling mode {mode!r}")
     return out[0] if len(out) == 1 else torch.cat(out, dim=-1)

@@ -20,6 +20,25 @@ def finish_embeddings(vectors: np.ndarray, dimensions: int | None, normalize: bo
     return vectors
 
 
+def finish_sentence_embeddings(vectors: np.ndarray, dimensions: int | None, normalize: bool | None,
+                               model_normalize: bool, truncate_dim: int | None) -> np.ndarray:
+    """The last touch on a model's sentence embeddings ([H] or [B, H], the model's full width, before
+    its final Normalize), as the caller's options ask and as the libraries they come from define them:
+
+    - `dimensions=k` (vLLM's `dimensions`): the first k values, L2-normalized when normalization is
+      on (`normalize`, else the model's final Normalize), so a normalized model gives unit vectors
+      at any k;
+    - else a saved `truncate_dim` t (ST's encode): with `normalize` unset, the model's output as ST
+      gives it -- its final Normalize on the full width, then the first t values, not renormalized;
+      with `normalize=True`, the first t values normalized (ST's `normalize_embeddings=True`, which
+      cuts, then normalizes); with `normalize=False`, the first t raw values;
+    - else the vector, normalized when normalization is on."""
+    effective = model_normalize if normalize is None else normalize
+    if dimensions is None and truncate_dim is not None and normalize is None:
+        return finish_embeddings(vectors, None, effective)[..., :truncate_dim]
+    return finish_embeddings(vectors, dimensions if dimensions is not None else truncate_dim, effective)
+
+
 class ChunkSum:
     """Chunk mode: a document's chunk vectors pooled back into one (token-weighted mean)."""
 
@@ -43,7 +62,9 @@ class ChunkSum:
     def complete(self) -> bool:
         return len(self.seen) == self.num_chunks
 
-    def finish(self, dimensions: int | None, normalize: bool) -> np.ndarray:
-        """The document's vector: the chunks' token-weighted mean, then `finish_embeddings`."""
+    def finish(self, dimensions: int | None, normalize: bool | None, model_normalize: bool,
+               truncate_dim: int | None) -> np.ndarray:
+        """The document's vector: the chunks' token-weighted mean (of full-width raw vectors), then
+        `finish_sentence_embeddings`."""
         mean = (self.total / max(self.tokens, 1)).astype(np.float32)
-        return finish_embeddings(mean, dimensions, normalize)
+        return finish_sentence_embeddings(mean, dimensions, normalize, model_normalize, truncate_dim)

@@ -409,7 +409,8 @@ class Pipeline:
 
             progress = tqdm(total=total, desc="Processed prompts", unit="docs", dynamic_ncols=True)
         call = Call(self._dispatcher, prefix, source, opts, progress=progress,
-                    default_normalize=self.model_spec.normalize, loop=loop, keep_all=materialize)
+                    default_normalize=self.model_spec.normalize,
+                    truncate_dim=self.model_spec.truncate_dim, loop=loop, keep_all=materialize)
         # A weak reference: a stream dropped unread must not stay alive (with its input) here.
         self._local.call = weakref.ref(call)
         return call

@@ -244,6 +244,32 @@ def test_include_prompt_false_unigram_prompt_length(tmp_path, texts):
     compare_embed(path, texts, "xlmr include_prompt=False", calls=[{}, {"prompt_name": "passage"}])
 
 
+def test_include_prompt_false_with_a_prompt_longer_than_kept(tmp_path, texts):
+    """An old layout (CLS + mean, max_seq_length 16) whose prompt alone is longer than what is kept:
+    ST measures the prompt truncated at the kept length (less its trailing [SEP]), so the last kept
+    token is still pooled (not a zero vector); the pipeline must measure it the same way (issue 34,
+    item 3). A prompt that fits is checked in the same start."""
+    long_prompt = ("Represent this long and winding instruction sentence for retrieving the supporting documents "
+                   "of a question about the history of science: ")
+    path = zoo.build_bert_old_layout(tmp_path, ("cls", "mean"), name="st-old-long-prompt", max_seq_length=16,
+                                     normalize=False, include_prompt=False,
+                                     prompts={"long": long_prompt, "short": "q: "})
+    st = st_model(path)
+    assert len(st.tokenizer(long_prompt)["input_ids"]) > 16  # the prompt alone is longer than what is kept
+    ref = st.encode(texts, batch_size=16, prompt_name="long")
+    assert np.linalg.norm(ref, axis=1).min() > 0.1  # ST pools the last kept token: not a zero vector
+    with Pipeline(model=path, num_render_workers=1) as pipe:
+        assert_close(embed(pipe, texts, prompt_name="long"), ref, "include_prompt=False, prompt longer than kept")
+        assert_close(embed(pipe, texts, prompt_name="short"), st.encode(texts, batch_size=16, prompt_name="short"),
+                     "include_prompt=False, short prompt")
+        # truncate_prompt_tokens moves the kept length; ST measures the prompt at its own max_seq_length
+        # (a fresh model: ST caches a prompt's length without its max_seq_length)
+        st12 = st_model(path)
+        st12.max_seq_length = 12
+        assert_close(embed(pipe, texts, prompt_name="long", truncate_prompt_tokens=12),
+                     st12.encode(texts, batch_size=16, prompt_name="long"), "kept 12")
+
+
 # ---- Encoder families --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family", ["distilbert", "mpnet", "xlmr", "roberta", "deberta-v2", "modernbert"])

@@ -20,8 +20,6 @@ from pooling_pipeline.workers.truncation import TruncatingTokenizer
 MAX_CACHED_PROMPTS = 1024  # prompts whose token count a worker remembers
 # ST's probe of a chat template's pair roles: a baseline pair, then one varying each role's content.
 PAIR_ROLE_PROBES = (("alpha", "bravo"), ("charlie", "bravo"), ("alpha", "foxtrot"))
-# Chunk mode: raw chunk vectors (the frontend pools them, then normalizes as the call asked).
-CHUNK_PARAMS = PoolingParams(normalize=False)
 
 
 def load_hf_tokenizer(spec: ModelSpec):
@@ -133,13 +131,16 @@ class Renderer:
         # ST leaves the prompt's tokens out of pooling when its Pooling has include_prompt=false.
         self.pools_without_prompt = not spec.pooling.include_prompt
         self.special_ids = set(getattr(hf_tokenizer, "all_special_ids", []))
-        self.prompt_tokens: dict[str, int] = {}
+        self.prompt_tokens: dict[tuple[str, int, bool], int] = {}
         # A tokenizer that does not hand token_type_ids to its model (RoBERTa style, or a config
         # that drops them) means the model sees zeros: then no boundary travels either.
         self.sends_token_types = "token_type_ids" in getattr(hf_tokenizer, "model_input_names", ["token_type_ids"])
         self.chat_suffixes: dict[str | None, list[int]] = {}  # LLM rerankers: the template's tail, by prompt
         self.pair_roles_failure: str | None = None if spec.chat_pairs is None else self._probe_pair_roles()
         self.expansion_id = expansion_token_id(spec, hf_tokenizer)
+        # Chunk mode: raw chunk vectors of the full width (the frontend pools them, then finishes the
+        # document's vector as the call asked, a saved truncate_dim included).
+        self.chunk_params = PoolingParams(normalize=False, dimensions=spec.embedding_size if spec.truncate_dim else None)
 
     def render(self, batch: RenderBatch) -> tuple[EngineInputPacker, list[tuple[int, str]]]:
         """The batch's engine inputs in columns, and the requests that failed with why."""
@@ -159,7 +160,7 @@ class Renderer:
             error = (f"ValueError: cannot keep {opts.max_tokens} tokens: the model adds "
                      f"{self.tokenizer.num_special_tokens} special tokens")
             return rows, [(index, error) for index in indices]
-        pool_start = self._prompt_tokens(opts.text_prefix) if self.pools_without_prompt else 0
+        pool_start = self._prompt_tokens(opts.text_prefix, opts) if self.pools_without_prompt else 0
         if batch.token_ids is not None:  # used verbatim, cut to max_tokens
             sizes = packed_lengths(batch.token_ids, batch.lengths, len(indices))
             ids = split_packed(batch.token_ids, sizes)
@@ -199,7 +200,7 @@ class Renderer:
                 except Exception as e:
                     failed.append((index, f"{type(e).__name__}: {e}"))
                     continue
-                chunk_kind = rows.kind(opts.task, CHUNK_PARAMS)
+                chunk_kind = rows.kind(opts.task, self.chunk_params)
                 for k, ids in enumerate(chunks):
                     rows.add(index, ids, param_of=chunk_kind, priority=opts.priority, route=opts.route,
                              chunk=k, num_chunks=len(chunks))
@@ -315,13 +316,13 @@ class Renderer:
                 prompt = opts.text_prefix + prompt
             if opts.long_inputs == "chunk" and prompt is not None:
                 chunks = self._chunks(prompt, opts)
-                chunk_kind = rows.kind(opts.task, CHUNK_PARAMS)
+                chunk_kind = rows.kind(opts.task, self.chunk_params)
                 for k, ids in enumerate(chunks):
                     rows.add(index, ids, param_of=chunk_kind, priority=opts.priority, route=opts.route,
                              chunk=k, num_chunks=len(chunks))
                 return
             ids, type_start = self._render_one(item, prompt, chat_template)
-            pool_start = self._prompt_tokens(opts.text_prefix) if self.pools_without_prompt else 0
+            pool_start = self._prompt_tokens(opts.text_prefix, opts) if self.pools_without_prompt else 0
         except Exception as e:  # any failure becomes this request's error, never a crash
             failed.append((index, f"{type(e).__name__}: {e}"))
             return
@@ -427,17 +428,20 @@ class Renderer:
             self.chat_suffixes[prompt] = suffix
         return self.chat_suffixes[prompt]
 
-    def _prompt_tokens(self, prompt: str | None) -> int:
-        """ST's prompt_length: the prompt tokenized alone, special tokens included, less a
-        trailing special token (the text follows the prompt, not the end of the sequence)."""
+    def _prompt_tokens(self, prompt: str | None, opts: RenderOptions) -> int:
+        """ST's prompt_length: the prompt tokenized alone as the texts are -- truncated at the
+        tokens kept, special tokens included --, less a trailing special token (the text follows
+        the prompt, not the end of the sequence). A prompt longer than what is kept thus leaves
+        the last kept token(s) to pool, as in ST."""
         if not prompt:
             return 0
-        if prompt not in self.prompt_tokens:
+        key = (prompt, opts.max_tokens, opts.truncate_left)
+        if key not in self.prompt_tokens:
             if len(self.prompt_tokens) >= MAX_CACHED_PROMPTS:  # per-request prompts: stay bounded
                 self.prompt_tokens.clear()
-            ids = self.tokenizer.encode(prompt, self.spec.max_model_len)
-            self.prompt_tokens[prompt] = len(ids) - (1 if ids and ids[-1] in self.special_ids else 0)
-        return self.prompt_tokens[prompt]
+            ids = self.tokenizer.encode(prompt, opts.max_tokens, left=opts.truncate_left)
+            self.prompt_tokens[key] = len(ids) - (1 if ids and ids[-1] in self.special_ids else 0)
+        return self.prompt_tokens[key]
 
     def _refuse_if_too_long(self, text: str, max_tokens: int) -> None:
         budget = self.tokenizer.content_budget(max_tokens)

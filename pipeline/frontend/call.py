@@ -92,7 +92,7 @@ class Call:
     """One call (see the module docstring)."""
 
     def __init__(self, dispatcher: Dispatcher, prefix: str, source, opts: CallOptions, *,
-                 progress=None, default_normalize: bool = True, loop: asyncio.AbstractEventLoop | None = None,
+                 progress=None, default_normalize: bool = True, truncate_dim: int | None = None, loop: asyncio.AbstractEventLoop | None = None,
                  keep_all: bool = False) -> None:
         self.dispatcher = dispatcher
         self.ledger = dispatcher.ledger
@@ -105,7 +105,7 @@ class Call:
         self.errors = opts.errors  # "raise": the first failure ends the call; "return": it becomes an output
         self.stats = CallStats(engines=dispatcher.num_engines)
         self.ring = Ring(dispatcher.max_inflight, prefix, self.result_type, self.stats,
-                         default_normalize=default_normalize, keep_all=keep_all)
+                         default_normalize=default_normalize, truncate_dim=truncate_dim, keep_all=keep_all)
         self.mask = self.ring.mask
         self.tickets: dict[int, Ticket] = {}
         self.next_ticket = 0

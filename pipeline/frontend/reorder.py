@@ -26,13 +26,14 @@ class Ring:
     what it sends (`out_index`, `ticket_of`, `size_of`) and reads them to settle what comes back."""
 
     def __init__(self, max_inflight: int, prefix: str, result_type: type, stats: CallStats, *,
-                 default_normalize: bool, keep_all: bool) -> None:
+                 default_normalize: bool, truncate_dim: int | None = None, keep_all: bool) -> None:
         capacity = 1 << max(4, (max_inflight - 1).bit_length())
         self.mask = capacity - 1
         self.prefix = prefix
         self.result_type = result_type
         self.stats = stats
-        self.default_normalize = default_normalize
+        self.default_normalize = default_normalize  # the model's final Normalize (chunk mode's default)
+        self.truncate_dim = truncate_dim  # the model's saved truncate_dim (chunk mode)
         # keep_all (a list call: every result is kept): the results of one answer share one
         # array; in a stream each result gets a copy of its own row, so that keeping a few of
         # them does not keep their neighbours' memory too.
@@ -112,8 +113,8 @@ class Ring:
                 if not chunks.complete:
                     continue
                 params = options_of(index).params
-                normalize = params.normalize if params.normalize is not None else self.default_normalize
-                data, num_tokens = chunks.finish(params.dimensions, normalize), chunks.tokens
+                data = chunks.finish(params.dimensions, params.normalize, self.default_normalize, self.truncate_dim)
+                num_tokens = chunks.tokens
                 del self.chunks[index]
             result = self.result_type(self.prefix, index, data, num_tokens, num_chunks)
             if sparse_ids is not None:

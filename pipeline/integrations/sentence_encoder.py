@@ -102,11 +102,14 @@ class SentenceEncoder:
         if output_value == "token_embeddings":
             return self._token_embeddings(texts, prompt_name, prompt, show_progress_bar, single, convert_to_tensor,
                                           convert_to_numpy)
-        outs = self.pipeline.embed(texts, use_tqdm=bool(show_progress_bar), prompt_name=prompt_name, prompt=prompt,
-                                   route=self._route(kwargs.get("task")))
         width = self.pipeline.model_spec.embedding_size
+        # As ST: the call's truncate_dim replaces the model's saved one, so the engine gives the full
+        # width (with the model's own Normalize, on the full width) and the cut is made here; without
+        # it the engine applies the saved truncate_dim. Then the norm, on the cut vectors.
+        params = PoolingParams(dimensions=width) if truncate_dim is not None else None
+        outs = self.pipeline.embed(texts, pooling_params=params, use_tqdm=bool(show_progress_bar),
+                                   prompt_name=prompt_name, prompt=prompt, route=self._route(kwargs.get("task")))
         vectors = np.stack([o.embedding for o in outs]) if outs else np.zeros((0, width), np.float32)
-        # As ST: the model's own truncate_dim is already applied; then the caller's cut, then the norm.
         if truncate_dim is not None:
             vectors = vectors[:, :truncate_dim]
         if normalize_embeddings and len(vectors):
