@@ -92,7 +92,8 @@ class Call:
     """One call (see the module docstring)."""
 
     def __init__(self, dispatcher: Dispatcher, prefix: str, source, opts: CallOptions, *,
-                 progress=None, default_normalize: bool = True, truncate_dim: int | None = None, loop: asyncio.AbstractEventLoop | None = None,
+                 progress=None, default_normalize: bool = True, truncate_dim: int | None = None,
+                 loop: asyncio.AbstractEventLoop | None = None,
                  keep_all: bool = False) -> None:
         self.dispatcher = dispatcher
         self.ledger = dispatcher.ledger
