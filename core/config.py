@@ -144,9 +144,20 @@ class ModelSpec(msgspec.Struct, kw_only=True):
     route_specs: list[ModelSpec] = []
     # What a route starts with: a transformer, or ST's SparseStaticEmbedding (a weight per token
     # id of the text, tokenized without special tokens; `path` holds its tokenizer and weights).
-    input_module: Literal["transformer", "sparse_static_embedding"] = "transformer"
+    # ST's StaticEmbedding (model2vec): the mean of the text's token vectors, no transformer.
+    input_module: Literal["transformer", "sparse_static_embedding", "static_embedding"] = "transformer"
     add_special_tokens: bool = True
+    static_truncate_left: bool = False  # a StaticEmbedding's tokenizer.json truncates from the left
     multi_vector: MultiVectorSpec | None = None  # ST's MultiVectorEncoder (ColBERT, PyLate layouts)
+
+    @property
+    def longest_transformer_input(self) -> int:
+        """The most tokens one request puts through a transformer: what a step's token budget must
+        hold. A static embedding takes any length in a step of its own (its bag costs a gather),
+        so it does not count."""
+        if self.route_specs:
+            return max((route.longest_transformer_input for route in self.route_specs), default=0)
+        return 0 if self.input_module == "static_embedding" else self.max_model_len
 
     @property
     def score_kind(self) -> str | None:

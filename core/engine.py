@@ -161,6 +161,11 @@ class EngineCore:
             from pooling_pipeline.core.sim_device import SimRunner
 
             self.runner = SimRunner(cfg.model, cfg.sim)
+        elif cfg.model.input_module == "static_embedding":  # no transformer: a table and a mean
+            from pooling_pipeline.core.model_runner import resolve_device
+            from pooling_pipeline.core.static_runner import StaticEmbeddingRunner
+
+            self.runner = StaticEmbeddingRunner(cfg.model, resolve_device(cfg.device))
         else:
             self.runner = ModelRunner(cfg.model, cfg.device, cfg.dtype, backend=cfg.backend,
                                       threads=cfg.torch_threads, quantize=cfg.quantize)
@@ -172,7 +177,7 @@ class EngineCore:
         forced = os.environ.get(LAUNCH_AHEAD_ENV)
         self.launch_ahead = (not on_cpu) if forced not in ("0", "1") else forced == "1"
         self.max_num_batched_tokens = cfg.max_num_batched_tokens or max(
-            CPU_BATCH_TOKENS if on_cpu else GPU_BATCH_TOKENS, cfg.model.max_model_len)
+            CPU_BATCH_TOKENS if on_cpu else GPU_BATCH_TOKENS, cfg.model.longest_transformer_input)
         # What one step's fixed cost is worth in padded tokens: lets the scheduler fill batches
         # when a step is mostly overhead (a small model, a GPU) and keep them tight when not.
         # A short probe seeds it; every finished step refines it (`StepCostModel`).

@@ -49,6 +49,9 @@ def load_router_spec(root: Path, trust_remote_code: bool) -> ModelSpec:
     routes = list(chains)
     default_route, by_task, any_task = _router_resolution(config, config_path, routes)
     transformers = [spec for spec in route_specs if spec.input_module == "transformer"]
+    dense_static = [name for name, spec in zip(routes, route_specs) if spec.input_module == "static_embedding"]
+    if dense_static and any(spec.input_module == "sparse_static_embedding" for spec in route_specs):
+        raise ValueError(f"{config_path}: a Router mixing StaticEmbedding and SparseStaticEmbedding is not supported")
     if not transformers:
         raise ValueError(f"{config_path}: no route has a Transformer; a Router of static embeddings only is not "
                          "supported")
@@ -183,7 +186,7 @@ def _router_resolution(config: dict, config_path: Path, routes: list[str]
 
 def _check_routes_agree(route_specs: list[ModelSpec], routes: list[str], config_path: Path) -> None:
     """What one engine and one request format need of all routes: one task family, one vocabulary."""
-    tasks = {tuple(spec.tasks) for spec in route_specs}
+    tasks = {"sparse_embed" in spec.tasks for spec in route_specs}
     if len(tasks) > 1:
         raise ValueError(f"{config_path}: the routes {routes} compute different things "
                          f"({[spec.tasks for spec in route_specs]}); a Router mixing sparse and dense routes "

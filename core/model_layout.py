@@ -50,6 +50,7 @@ from pooling_pipeline.core.layout_multi_vector import (
     read_multi_vector_module,
     with_multi_vector,
 )
+from pooling_pipeline.core.layout_static import STATIC_MAX_TOKENS, static_folder_facts
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer.model", "spiece.model",
                    "sentencepiece.bpe.model", "vocab.json")
@@ -76,7 +77,9 @@ def load_model_spec(model: str | os.PathLike | None, trust_remote_code: bool = F
 
 
 def spec_of_layout(root: Path, st: STLayout, trust_remote_code: bool) -> ModelSpec:
-    """The spec of one chain of modules: a Transformer and what runs after it."""
+    """The spec of one chain of modules: a Transformer (or a StaticEmbedding) and what runs after it."""
+    if st.static_dir is not None:
+        return _static_spec(st)
     path = st.transformer_dir
     config = _transformer_config(path)
     model_type = str(config.get("model_type", ""))
@@ -124,6 +127,20 @@ def spec_of_layout(root: Path, st: STLayout, trust_remote_code: bool) -> ModelSp
         chat_pairs=st.chat_pairs,
     )
     return with_multi_vector(spec, st, path)
+
+
+def _static_spec(st: STLayout) -> ModelSpec:
+    """ST's StaticEmbedding and the modules after it (Dense, LayerNorm, Normalize): the engine takes
+    the mean of each text's token vectors (see core/layout_static.py for what is read)."""
+    rows, width, kept, truncate_left = static_folder_facts(st.static_dir)
+    max_tokens = kept or STATIC_MAX_TOKENS
+    return ModelSpec(
+        path=str(st.static_dir.resolve()), model_type="static_embedding", architectures=["StaticEmbedding"],
+        hidden_size=width, embedding_size=_embedding_size(width, st), vocab_size=rows, max_model_len=max_tokens,
+        default_max_tokens=max_tokens, pooling=PoolingSpec(modes=["mean"]), head_modules=st.head_modules,
+        normalize=st.normalize, do_lower_case=False, similarity=st.similarity, truncate_dim=st.truncate_dim,
+        prompts=st.prompts, default_prompt_name=st.default_prompt_name, tasks=["embed", "score"],
+        input_module="static_embedding", add_special_tokens=False, static_truncate_left=truncate_left)
 
 
 # ---- the transformer's config.json ------------------------------------------------------------
@@ -484,6 +501,7 @@ class STLayout:
     logit_score: LogitScoreSpec | None = None  # an LLM reranker's LogitScore module
     chat_pairs: ChatPairSpec | None = None  # a text-generation Transformer with a "message" modality
     multi_vector: MultiVectorSpec | None = None  # a MultiVectorEncoder (ColBERT): see multi_vector_config
+    static_dir: Path | None = None  # the first module is a StaticEmbedding (model2vec): its folder
 
 
 
@@ -575,9 +593,13 @@ def read_chain(layout: STLayout, modules: list[Module], modules_path: Path, trus
 
 
 def _read_first_module(layout: STLayout, module: Module, modules_path: Path) -> None:
+    if module.kind == "StaticEmbedding" and layout.multi_vector is None:
+        layout.static_dir = module.where
+        layout.pooling_module = True  # its output is the sentence embedding already
+        return
     if module.kind not in _TRANSFORMER_TYPES:
-        raise ValueError(f"{modules_path}: the first module is {module.saved_type!r}; only a Transformer "
-                         "first module is supported")
+        raise ValueError(f"{modules_path}: the first module is {module.saved_type!r}; only a Transformer or "
+                         "StaticEmbedding first module is supported")
     layout.transformer_dir = module.where
     if module.kind == "MLMTransformer":
         layout.task = "fill-mask"
@@ -592,6 +614,9 @@ def _read_later_module(layout: STLayout, module: Module, modules_path: Path, tru
     if layout.multi_vector is not None:
         read_multi_vector_module(layout.multi_vector, module, modules_path, trust_remote_code)
         return
+    if kind in ("Pooling", "SpladePooling") and layout.static_dir is not None:
+        raise ValueError(f"{modules_path}: a {kind} module after StaticEmbedding is not supported (its output is "
+                         "a sentence embedding already)")
     if kind == "Pooling":
         if layout.pooling_module:
             raise ValueError(f"{modules_path}: more than one Pooling module")

@@ -339,6 +339,11 @@ class ModelRunner:
             if route.input_module == "sparse_static_embedding":
                 self.routes.append(StaticEmbeddingRoute(route, self.device, self._to_host))
                 continue
+            if route.input_module == "static_embedding":
+                from pooling_pipeline.core.static_runner import StaticEmbeddingRunner
+
+                self.routes.append(StaticEmbeddingRunner(route, self.device))
+                continue
             runner = ModelRunner(route, device, dtype, shared_model=loaded.get(route.path), **backend)
             loaded.setdefault(route.path, runner.model)
             self.routes.append(runner)

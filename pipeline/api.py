@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import msgspec
 import numpy as np
 
-from pooling_pipeline.backends import describe_backend, engine_backend
+from pooling_pipeline.backends import describe_backend, engine_backend, static_backend
 from pooling_pipeline.call_stats import CallStats
 from pooling_pipeline.core.model_layout import load_model_spec
 from pooling_pipeline.core.options import checked
@@ -138,9 +138,9 @@ class Pipeline:
         self.model_spec = spec = load_model_spec(model, trust_remote_code=opts.trust_remote_code,
                                                  revision=opts.revision)
         self.max_num_seqs = max_num_seqs
-        if opts.max_num_batched_tokens is not None and opts.max_num_batched_tokens < spec.max_model_len:
+        if opts.max_num_batched_tokens is not None and opts.max_num_batched_tokens < spec.longest_transformer_input:
             raise ValueError(f"max_num_batched_tokens={opts.max_num_batched_tokens} is below the model's "
-                             f"max length {spec.max_model_len}: a long request could never be scheduled")
+                             f"max length {spec.longest_transformer_input}: a long request could never be scheduled")
         # The engine's window is what it sorts by length to form batches: a wider one gives
         # tighter batches (on the 2-core CPU, 8 x max_num_seqs brings padding from 12% to 5% on
         # short sentences). The frontend keeps twice that in flight so the workers stay ahead
@@ -160,6 +160,8 @@ class Pipeline:
 
             self._plugin = load_plugin(opts.io_processor)  # in the caller too, for post_process (errors early)
         backend = engine_backend(opts.backend, opts.quantize, device, DTYPE_ALIASES[opts.dtype])
+        if spec.input_module == "static_embedding":
+            backend = static_backend(opts.backend, opts.quantize, DTYPE_ALIASES[opts.dtype])
         self.cpu_plan = plan_cpu(opts.num_render_workers, devices[0] if engines > 1 else device,
                                  engine_threads=opts.engine_threads, data_parallel_size=engines)
         log.debug("CPU plan: %s", self.cpu_plan)

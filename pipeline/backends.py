@@ -40,6 +40,16 @@ def engine_backend(backend: str, quantize: str | None, device: str, dtype: str) 
     return "openvino"
 
 
+def static_backend(backend: str, quantize: str | None, dtype: str) -> str:
+    """A StaticEmbedding model has no transformer to convert or quantize: torch runs its float32
+    table (ST's own arithmetic); asking for anything else is refused, not ignored."""
+    if backend == "openvino" or quantize is not None or dtype not in ("auto", "float32"):
+        raise ValueError("a static embedding model (StaticEmbedding, no transformer) runs its float32 table on torch: "
+                         f"not backend={backend!r}, quantize={quantize!r}, dtype={dtype!r} (leave them at their "
+                         "defaults)")
+    return "torch"
+
+
 def openvino_cpu_has_bfloat16() -> bool:
     """Whether OpenVINO's CPU plugin computes in bfloat16 here (else it would silently run float32)."""
     import openvino

@@ -1037,6 +1037,101 @@ def build_router_dense(target: str | Path, *, name: str = "router-dense", two_tr
 
 
 # --------------------------------------------------------------------------------------------------
+# Static embeddings (model2vec / potion, ST's static-retrieval models)
+# --------------------------------------------------------------------------------------------------
+
+STATIC_DIM = 24
+
+
+def _static_tokenizer(truncation: int | None):
+    """The bundled WordPiece tokenizer.json as `tokenizers` loads it (what ST's StaticEmbedding
+    keeps): its saved truncation replaced by `truncation` kept tokens, or none."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(_bundled_dir() / "tokenizer.json"))
+    tokenizer.no_padding()
+    if truncation is None:
+        tokenizer.no_truncation()
+    else:
+        tokenizer.enable_truncation(max_length=truncation)
+    return tokenizer
+
+
+def build_static(target: str | Path, *, name: str = "static-embedding", normalize: bool = False,
+                 truncation: int | None = None, dense: bool = False, truncate_dim: int | None = None) -> str:
+    """A StaticEmbedding model saved by ST 6 (static-retrieval-mrl's shape): the bundled WordPiece
+    tokenizer (`truncation`: the kept tokens its tokenizer.json saves, None for none), a random
+    [vocabulary, 24] table, then an optional Dense (24 -> 16, Tanh) and Normalize."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Dense, Normalize
+    from sentence_transformers.sentence_transformer.modules import StaticEmbedding
+
+    path = _fresh(target, name)
+    tokenizer = _static_tokenizer(truncation)
+    _seed()
+    static = StaticEmbedding(tokenizer, embedding_weights=torch.randn(tokenizer.get_vocab_size(), STATIC_DIM))
+    modules: list = [static]
+    if dense:
+        modules.append(Dense(STATIC_DIM, 16, activation_function=torch.nn.Tanh()))
+    if normalize:
+        modules.append(Normalize())
+    SentenceTransformer(modules=modules, device="cpu", truncate_dim=truncate_dim).save(str(path))
+    return str(path)
+
+
+def build_model2vec(target: str | Path, *, name: str = "model2vec-potion", normalize: bool = True) -> str:
+    """A folder as model2vec's StaticModel.save_pretrained writes it (potion models): config.json
+    (model_type model2vec), model.safetensors with `embeddings` (fewer rows than the vocabulary),
+    `mapping` (token id -> row) and per-token `weights`, tokenizer.json at the top, and the
+    modules.json ST loads it with (StaticEmbedding at ".", then Normalize)."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = _fresh(target, name)
+    path.mkdir(parents=True)
+    tokenizer = _static_tokenizer(None)
+    vocab = tokenizer.get_vocab_size()
+    _seed()
+    rows = vocab // 3
+    save_file({"embeddings": torch.randn(rows, STATIC_DIM), "mapping": torch.randint(0, rows, (vocab,)),
+               "weights": torch.rand(vocab) + 0.25}, str(path / "model.safetensors"))
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "config.json").write_text(json.dumps({"model_type": "model2vec", "architectures": ["StaticModel"],
+                                                  "tokenizer_name": "bundled-wordpiece", "apply_pca": STATIC_DIM,
+                                                  "apply_zipf": True, "hidden_dim": STATIC_DIM, "seq_length": 1000000,
+                                                  "normalize": normalize}, indent=2))
+    modules = [{"idx": 0, "name": "0", "path": ".", "type": "sentence_transformers.models.StaticEmbedding"}]
+    if normalize:
+        (path / "1_Normalize").mkdir()
+        modules.append({"idx": 1, "name": "1", "path": "1_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (path / "modules.json").write_text(json.dumps(modules, indent=2))
+    return str(path)
+
+
+def build_router_static_query(target: str | Path, *, name: str = "router-static-query") -> str:
+    """An inference-free dense retriever saved by ST 6: Router.for_query_document with a query route
+    of one StaticEmbedding (the document model's tokenizer, its saved truncation at 128 included) and
+    a document route of BERT + mean Pooling, both 32 wide, then Normalize."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Normalize, Router, Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, StaticEmbedding
+
+    target = Path(target)
+    path = _fresh(target, name)
+    hf_dir = hf_bert(target, name=f"_hf-{name}")
+    document = Transformer(hf_dir)
+    _seed()
+    tokenizer = _static_tokenizer(MAX_LEN)
+    query = StaticEmbedding(tokenizer, embedding_weights=torch.randn(tokenizer.get_vocab_size(), HIDDEN))
+    router = Router.for_query_document(query_modules=[query], document_modules=[document, Pooling(HIDDEN, "mean")])
+    SentenceTransformer(modules=[router, Normalize()], device="cpu").save(str(path))
+    shutil.rmtree(hf_dir)
+    return str(path)
+
+
+# --------------------------------------------------------------------------------------------------
 # Hub ids
 # --------------------------------------------------------------------------------------------------
 

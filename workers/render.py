@@ -7,6 +7,7 @@ import importlib
 import json
 import logging
 import sys
+from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -26,8 +27,11 @@ def load_hf_tokenizer(spec: ModelSpec):
     """The tokenizer exactly as transformers configures it for this model.
 
     transformers adjusts the backend from tokenizer_config.json (lowercasing, special tokens), so
-    the fast backend is taken from AutoTokenizer rather than read from tokenizer.json directly.
+    the fast backend is taken from AutoTokenizer rather than read from tokenizer.json directly --
+    except for ST's StaticEmbedding, which loads its tokenizer.json as it is.
     """
+    if spec.input_module == "static_embedding":
+        return static_tokenizer(spec)
     with unused_imports_hidden(unless=spec.trust_remote_code):  # remote tokenizer code may import anything
         from transformers import AutoTokenizer
 
@@ -36,6 +40,19 @@ def load_hf_tokenizer(spec: ModelSpec):
         raise ValueError(f"model {spec.path!r} has no fast tokenizer")
     if spec.multi_vector is not None and spec.multi_vector.legacy_prefixes:
         register_prefix_tokens(hf, spec.multi_vector.legacy_prefixes)
+    return hf
+
+
+def static_tokenizer(spec: ModelSpec):
+    """ST's StaticEmbedding tokenizer: tokenizer.json as `tokenizers` loads it (no transformers
+    adjustment), its own truncation side, wrapped for the Renderer's few questions."""
+    from tokenizers import Tokenizer
+
+    with unused_imports_hidden():
+        from transformers import PreTrainedTokenizerFast
+
+        hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(Path(spec.path) / "tokenizer.json")))
+    hf.truncation_side = "left" if spec.static_truncate_left else "right"
     return hf
 
 
@@ -489,8 +506,23 @@ def build_renderer(spec: ModelSpec, plugin=None):
     """The worker's renderer: one Renderer, or for a Router model one per route (each with its
     route's own tokenizer and special-token rule)."""
     if not spec.route_specs:
-        return Renderer(spec, load_hf_tokenizer(spec), plugin)
+        renderer = Renderer(spec, load_hf_tokenizer(spec), plugin)
+        return renderer if spec.add_special_tokens else EmptyTextsMarked(renderer)
     return RoutedRenderer(spec, [Renderer(route, load_hf_tokenizer(route), plugin) for route in spec.route_specs])
+
+
+class EmptyTextsMarked:
+    """A model that adds no special tokens (a StaticEmbedding): its empty texts travel as
+    `mark_empty_rows` says."""
+
+    def __init__(self, renderer: Renderer) -> None:
+        self.renderer = renderer
+        self.spec, self.tokenizer, self.hf = renderer.spec, renderer.tokenizer, renderer.hf
+
+    def render(self, batch: RenderBatch) -> tuple[EngineInputPacker, list[tuple[int, str]]]:
+        rows, failed = self.renderer.render(batch)
+        mark_empty_rows(rows, range(len(rows)))
+        return rows, failed
 
 
 class RoutedRenderer:

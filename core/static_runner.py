@@ -1,0 +1,87 @@
+"""ST's StaticEmbedding in the engine (model2vec / potion models, ST's static-retrieval models): each
+text's vector is the mean of its tokens' rows of one table -- `F.embedding_bag(mode="mean")`, the
+very call ST's `nn.EmbeddingBag` makes --, then the modules after it (Dense, LayerNorm, Normalize)
+as for a transformer's pooled vector. No transformer runs: a step costs a gather and a mean, so the
+render workers' tokenization is the whole cost of the pipeline."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from pooling_pipeline.core.columns import Requests
+from pooling_pipeline.core.config import ModelSpec
+from pooling_pipeline.core.layout_static import load_static_weights
+from pooling_pipeline.core.options import TASKS
+from pooling_pipeline.core.pooling import SentenceHead
+from pooling_pipeline.core.step_cost import probe_step_cost
+from pooling_pipeline.core.vectors import finish_sentence_embeddings
+
+
+class StaticEmbeddingRunner:
+    """A StepRunner (core/step_runner.py) for a StaticEmbedding model, or one Router route of it."""
+
+    def __init__(self, spec: ModelSpec, device: torch.device) -> None:
+        self.spec = spec
+        self.device = device
+        self.dtype = torch.float32
+        self.weight = load_static_weights(spec.path).float().to(device)
+        if self.weight.shape[0] != spec.vocab_size:
+            raise ValueError(f"{spec.path}: the static embedding table has {self.weight.shape[0]} rows, the layout "
+                             f"said {spec.vocab_size}: this is a bug")
+        self.sentence_head = SentenceHead(spec.head_modules).to(device).eval() if spec.head_modules else None
+        self.backend_info: dict = {"backend": "torch", "model": "static embedding (no transformer)"}
+
+    def step_cost(self, max_tokens: int) -> tuple[float, float]:
+        from pooling_pipeline.core.model_runner import probe_batch
+
+        token = min(1000, self.spec.vocab_size - 1)
+        return probe_step_cost(lambda rows, tokens: self.run(probe_batch(rows, tokens, token, "embed")),
+                               max_tokens, self.spec.max_model_len)
+
+    def run(self, batch: Requests) -> tuple[list | np.ndarray, int]:
+        results, padded, _ = self.finish(self.launch(batch))
+        return results, padded
+
+    @torch.inference_mode()
+    def launch(self, batch: Requests):
+        from pooling_pipeline.core.model_runner import PendingStep, option_groups
+
+        started = time.perf_counter()
+        tasks = {TASKS[int(code)] for code in np.unique(batch.task)}
+        if tasks - {"embed"}:
+            raise ValueError(f"a static embedding model gives sentence embeddings only, not {sorted(tasks - {'embed'})}")
+        # Each row's bag: its tokens from pool_start on (an empty text is one placeholder token not
+        # counted, see workers/render.mark_empty_rows): an empty bag gives zeros, as in ST.
+        lengths = batch.lengths.astype(np.int64)
+        skipped = np.minimum(batch.pool_start.astype(np.int64), lengths)
+        position = np.arange(len(batch.token_ids)) - np.repeat(batch.starts, lengths)
+        ids = batch.token_ids[position >= np.repeat(skipped, lengths)].astype(np.int64)
+        counts = lengths - skipped
+        offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        pooled = torch.nn.functional.embedding_bag(torch.from_numpy(ids).to(self.device), self.weight,
+                                                   torch.from_numpy(offsets).to(self.device), mode="mean")
+        if self.sentence_head is not None:
+            pooled = self.sentence_head(pooled)
+        values = pooled.cpu().numpy()
+        groups = option_groups(batch, batch.normalize)
+        spec = self.spec
+
+        def finish(arrays: list[np.ndarray]) -> list[np.ndarray] | np.ndarray:
+            out: list = [None] * len(batch)
+            for (_, dimensions, normalize), rows in groups:
+                vectors = finish_sentence_embeddings(arrays[0][rows] if len(rows) < len(batch) else arrays[0],
+                                                     dimensions, normalize, spec.normalize, spec.truncate_dim)
+                if len(rows) == len(batch):
+                    return vectors
+                for i, row in enumerate(rows.tolist()):
+                    out[row] = vectors[i]
+            return out
+
+        return PendingStep(int(lengths.sum()), [torch.from_numpy(values)], finish, started, None, None)
+
+    def finish(self, step) -> tuple[list, int, float]:
+        results = step.finish([t.numpy() for t in step.host])
+        return results, step.padded, time.perf_counter() - step.started
