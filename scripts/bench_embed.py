@@ -287,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-size", type=int, default=32, help="for sentence-transformers, its peers and the transformers loop")
     ap.add_argument("--out", default="bench-out", help="directory for bench_embed.json, bench_embed.png and the peers' logs")
     ap.add_argument("--no-decoder", action="store_true", help="skip the tiny Qwen3 decoder-embedder row")
+    ap.add_argument("--no-static", action="store_true", help="skip the static-embedding (model2vec-shaped) rows")
+    ap.add_argument("--static-only", action="store_true", help="only the static-embedding rows")
     return ap
 
 
@@ -295,6 +297,9 @@ def main() -> None:
     args = ap.parse_args()
     if not args.backends:
         ap.error("--backends: at least one")
+    if args.static_only:
+        static_rows(args)
+        return
 
     import torch
     from sentence_transformers import SentenceTransformer
@@ -346,13 +351,15 @@ def main() -> None:
     print(f"torch threads {torch.get_num_threads()} for the references and the peers, engine {engine}")
 
     decoder = None if args.no_decoder else decoder_row(args)
+    static = None if args.no_static else static_rows(args)
 
     methods = ([pipeline_key(b, ids) for b in args.backends for ids in (False, True)] + ["sentence_transformers"]
                + [p.key for p in peers] + ["transformers_loop", "forward_limit"])
     labels = {**{m: m for m in methods}, "sentence_transformers": "sentence-transformers",
               "transformers_loop": "transformers loop", "forward_limit": "forward limit",
               **{p.key: p.label for p in peers}}
-    record = {"decoder": decoder, "model": model_path, "repeats": args.repeats, "engine": engine, "backends": args.backends,
+    record = {"decoder": decoder, "static": static, "model": model_path, "repeats": args.repeats, "engine": engine,
+              "backends": args.backends,
               "cpu_plan": cpu_plan, "peers": {p.key: {"label": p.label, "skipped": p.skipped, **p.info} for p in peers},
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                           "torch": torch.__version__},
@@ -464,6 +471,50 @@ def decoder_row(args) -> dict:
           f"{len(texts) / seconds['sentence_transformers']:.1f} | "
           f"{seconds['sentence_transformers'] / seconds['pipeline']:.2f}x | {busy:.0%} |")
     return {"model": path, "docs": len(texts), "seconds": seconds, "engine_busy": busy}
+
+
+def static_rows(args) -> list[dict]:
+    """A static embedding model (potion-base-8M's shape: ST's StaticEmbedding over a 30k WordPiece
+    vocabulary, 256 wide, Normalize) on the short sentences and the medium texts, whole (no
+    truncation, as ST): the pipeline against ST's `encode`, and against what tokenizing alone costs
+    (the `tokenizers` library's batch call in this process, on the same texts, which is ST's own
+    tokenization): with no transformer to run, the pipeline should be limited by tokenization."""
+    from sentence_transformers import SentenceTransformer
+    from tiny_models import build_static_embedding
+
+    path = build_static_embedding()
+    st = SentenceTransformer(path, device="cpu")
+    tokenizer = st[0].tokenizer
+    cases = {"(a) short sentences": corpus.sentences(args.n_short * 5, seed=1),
+             "(b) medium texts": corpus.medium_texts(args.n_medium * 5, seed=2, min_chars=args.medium_chars[0],
+                                                         max_chars=args.medium_chars[1])}
+    rows = []
+    with Pipeline(model=path, device=args.device) as pipe:
+        workers = pipe.cpu_plan.render_workers
+        for label, texts in cases.items():
+            pipe.embed(texts[:256], use_tqdm=False)
+            st.encode(texts[:256], batch_size=args.batch_size)
+            got = np.stack([o.embedding for o in pipe.embed(texts, use_tqdm=False)])
+            deviation = float(np.abs(got - st.encode(texts, batch_size=args.batch_size)).max())
+            seconds = {"pipeline": median_time(lambda texts=texts: pipe.embed(texts, use_tqdm=False), args.repeats),
+                       "sentence_transformers": median_time(
+                           lambda texts=texts: st.encode(texts, batch_size=args.batch_size), args.repeats),
+                       "tokenize_only": median_time(
+                           lambda texts=texts: tokenizer.encode_batch(texts, add_special_tokens=False), args.repeats)}
+            rows.append({"case": label, "docs": len(texts), "seconds": seconds, "max_abs_diff": deviation,
+                         "engine_busy": pipe.stats()["engine_busy_fraction"], "render_workers": workers})
+    print("\n| static embedding (potion-base-8M shape, 256 wide, float32) | docs | pipeline docs/s | "
+          "ST docs/s | pipeline / ST | tokenizing alone docs/s | pipeline / tokenizing alone | max |diff| | engine busy |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        s = row["seconds"]
+        n = row["docs"]
+        print(f"| {row['case']} | {n} | {n / s['pipeline']:.0f} | {n / s['sentence_transformers']:.0f} | "
+              f"{s['sentence_transformers'] / s['pipeline']:.2f}x | {n / s['tokenize_only']:.0f} | "
+              f"{s['tokenize_only'] / s['pipeline']:.2f}x | {row['max_abs_diff']:.1e} | {row['engine_busy']:.0%} |")
+    print(f"(render workers: {rows[0]['render_workers'] if rows else '-'}; tokenizing alone is one `tokenizers` batch "
+          "call in this process, with the library's own threads off as in the workers)")
+    return rows
 
 
 if __name__ == "__main__":

@@ -115,3 +115,25 @@ def build_tiny_decoder_embedder(target: str | Path | None = None) -> str:
     model.save(str(target / "st"))
     shutil.rmtree(hf_dir)
     return str(target / "st")
+
+
+def build_static_embedding(target: str | Path | None = None, dim: int = 256) -> str:
+    """A potion-base-8M-shaped static embedding model (ST's StaticEmbedding + Normalize, saved by ST):
+    the bundled WordPiece vocabulary (30,522 tokens, uncased), a random [vocabulary, `dim`] table, no
+    truncation (as model2vec saves it)."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Normalize
+    from sentence_transformers.sentence_transformer.modules import StaticEmbedding
+    from tokenizers import Tokenizer
+
+    from pooling_pipeline.core.model_layout import default_model_path
+
+    target = Path(target or tempfile.mkdtemp(prefix="tiny-static-"))
+    tokenizer = Tokenizer.from_file(str(Path(default_model_path()) / "tokenizer.json"))
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    torch.manual_seed(0)
+    static = StaticEmbedding(tokenizer, embedding_weights=torch.randn(tokenizer.get_vocab_size(), dim))
+    SentenceTransformer(modules=[static, Normalize()], device="cpu").save(str(target / "st"))
+    return str(target / "st")
