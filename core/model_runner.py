@@ -41,6 +41,12 @@ def resolve_dtype(dtype: str, device: torch.device, config_dtype: object) -> tor
     return torch.float16
 
 
+def half_checkpoint_dtype(config_dtype: object) -> torch.dtype | None:
+    """bfloat16 / float16 when config.json says the weights are stored so, else None."""
+    name = str(config_dtype).removeprefix("torch.")
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name)
+
+
 def _model_class(spec: ModelSpec):
     """The transformers class sentence-transformers would load for this model."""
     import transformers
@@ -107,12 +113,60 @@ class ModelRunner:
         else:  # a Router route sharing a transformer the OpenVINO backend converted already
             self.uses_token_types = "token_type_ids" in self.model.inputs
         self.logit_rows = self._logit_score_rows() if spec.logit_score is not None else None
-        self.backend_info: dict = {"backend": "torch"}
+        # A half-precision checkpoint run in float32 on a CPU: ST computes it in its own dtype there.
+        checkpoint = half_checkpoint_dtype(getattr(config, "dtype", None))
+        precision_note = (self._checkpoint_distance(checkpoint)
+                          if checkpoint is not None and self.dtype == torch.float32 and self.device.type == "cpu"
+                          and shared_model is None else {})
+        self.backend_info: dict = {"backend": "torch", **precision_note}
         if quantize is not None and shared_model is None:
             self.model = quantized(self.model, quantize)
             self.backend_info["quantize"] = quantize
         if openvino_precision is not None:
             self._use_openvino(backend, threads, reuse=shared_model, precision=openvino_precision)
+            self.backend_info.update(precision_note)
+
+    @torch.inference_mode()
+    def _checkpoint_distance(self, checkpoint: torch.dtype) -> dict:
+        """The model's weights are stored in bfloat16 (float16) and run here in float32, where
+        sentence-transformers (transformers 5 loads a checkpoint in its own dtype) computes in
+        that dtype: how far the two are, measured once on a probe batch -- the float32 module cast
+        to the checkpoint's dtype and back, restoring exactly every tensor that dtype does not hold
+        (rotary frequencies and other buffers computed in float32, a weight kept in float32)."""
+        rng = np.random.default_rng(0)
+        rows, length = 4, min(48, self.spec.max_model_len)
+        batch = probe_batch(rows, length, 0, self.spec.tasks[0])
+        batch.token_ids[:] = rng.integers(min(1000, self.spec.vocab_size - 1), self.spec.vocab_size, rows * length)
+        batch.cols[:, COL["lengths"]] = length - np.arange(rows) * (length // 8)  # rows of several lengths
+        batch = Requests(batch.calls, batch.cols, batch.token_ids[: int(batch.cols[:, COL["lengths"]].sum())])
+
+        def outputs() -> np.ndarray:
+            results, _ = self.run(batch)
+            return np.concatenate([np.asarray(r[1] if isinstance(r, tuple) else r, np.float64).ravel()
+                                   for r in results])
+
+        name = str(checkpoint).removeprefix("torch.")
+        tensors = dict(self.model.named_parameters())
+        tensors.update(self.model.named_buffers())
+        kept = {key: t.detach().clone() for key, t in tensors.items()
+                if t.is_floating_point() and not torch.equal(t, t.to(checkpoint).to(t.dtype))}
+        try:
+            exact = outputs()
+            self.model.to(checkpoint)
+            try:
+                half = outputs()
+            finally:
+                self.model.to(torch.float32)
+                tensors = dict(self.model.named_parameters())
+                tensors.update(self.model.named_buffers())
+                for key, value in kept.items():
+                    tensors[key].data.copy_(value)
+        except Exception as e:  # (a model whose other parts stay float32, e.g. LogitScore's rows)
+            log.warning("could not measure the %s checkpoint's distance to float32: %s", name, e)
+            return {"checkpoint_dtype": name}
+        if len(exact) != len(half):  # sparse outputs with other active dimensions
+            return {"checkpoint_dtype": name}
+        return {"checkpoint_dtype": name, "checkpoint_dtype_max_diff": float(np.abs(half - exact).max())}
 
     def _openvino_precision(self, backend: str, quantize: str | None) -> str | None:
         """What OpenVINO is to compile for ("f32", "bf16"), or None where the torch backend runs."""

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import msgspec
 import numpy as np
 
-from pooling_pipeline.backends import describe_backend, engine_backend, static_backend
+from pooling_pipeline.backends import describe_backend, describe_checkpoint_precision, engine_backend, static_backend
 from pooling_pipeline.call_stats import CallStats
 from pooling_pipeline.core.model_layout import load_model_spec
 from pooling_pipeline.core.options import checked
@@ -191,6 +191,9 @@ class Pipeline:
             raise
         if self._group.engine_info.get("conversion") == "converted":  # a start-up cost paid once per model
             log.info("%s", describe_backend(self._group.engine_info))
+        notice = describe_checkpoint_precision(self._group.engine_info)
+        if notice is not None:  # a result that differs from ST's default in the last digits: said once
+            log.warning("%s", notice)
         info = self._group.worker_info
         self._tokenization = Tokenization(num_special_tokens=int(info.get("num_special_tokens", 0)),
                                           truncation_side=str(info.get("truncation_side", "right")))

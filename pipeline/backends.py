@@ -57,6 +57,20 @@ def openvino_cpu_has_bfloat16() -> bool:
     return "BF16" in openvino.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
 
 
+def describe_checkpoint_precision(engine: dict) -> str | None:
+    """The start-up notice for a model stored in half precision and run in float32 on a CPU (the
+    engine's `checkpoint_dtype` facts), or None."""
+    stored = engine.get("checkpoint_dtype")
+    if stored is None or engine.get("dtype") != "float32":
+        return None
+    measured = engine.get("checkpoint_dtype_max_diff")
+    distance = (f"measured on a probe batch: max |diff| {measured:.1e} between the two" if measured is not None
+                else "not measured for this model")
+    return (f"the model's weights are stored in {stored}: this runs them in float32 (dtype='auto' on a CPU; "
+            f"more exact), where sentence-transformers computes in {stored} on a CPU ({distance}); pass "
+            f"dtype='{stored}' for {stored} arithmetic like ST's")
+
+
 def describe_backend(engine: dict) -> str:
     """One line on what runs the model, from the engine's start-up info (Pipeline.stats()["engine"])."""
     backend = engine.get("backend", "torch")

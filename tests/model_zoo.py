@@ -581,6 +581,21 @@ def build_decoder_embedder(target: str | Path, family: str = "qwen3", *, prompts
                     tokenizer_extra=extra)
 
 
+def to_half_checkpoint(model_dir: str | Path, dtype: str = "bfloat16") -> str:
+    """Stores a saved model's transformer weights in `dtype` and says so in config.json's `dtype`, as
+    Qwen3-Embedding and most LLM-based embedders ship: transformers 5 (and so ST 6) loads them in
+    that dtype."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = Path(model_dir)
+    weights = load_file(str(path / "model.safetensors"))
+    save_file({k: v.to(getattr(torch, dtype)) for k, v in weights.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+    _update_json(path / "config.json", {"dtype": dtype})
+    return str(path)
+
+
 # --------------------------------------------------------------------------------------------------
 # The older ST layout, written by hand (ST 2.x - 4.x)
 # --------------------------------------------------------------------------------------------------
