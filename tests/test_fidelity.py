@@ -293,6 +293,23 @@ def test_sentence_t5(tmp_path, texts, family):
     assert ref.shape[1] == 16
 
 
+def test_gpt2_left_padding_gives_the_one_text_result(tmp_path, texts):
+    """GPT-2 (absolute positions) with a tokenizer that pads on the left: ST passes no position ids,
+    so a left-padded row's positions shift with its padding and ST's vector depends on the batch.
+    The pipeline gives each text its positions alone: ST's one-text-at-a-time result (issue 34,
+    item 6; the README's fidelity section says why)."""
+    texts = [t for t in texts if t][:16]
+    path = zoo.build_st(tmp_path, "gpt2", name="st-gpt2-left", pooling_mode="mean")
+    zoo.set_tokenizer_config(path, padding_side="left")
+    st = st_model(path)
+    assert st.tokenizer.padding_side == "left"
+    batched = st.encode(texts, batch_size=16)
+    single = np.stack([st.encode([t])[0] for t in texts])
+    assert_differs(batched, single, "ST's batch (left padding shifts absolute positions)")
+    with Pipeline(model=path, num_render_workers=1) as pipe:
+        assert_close(embed(pipe, texts), single, "gpt2 left padding, ST one text at a time")
+
+
 @pytest.mark.parametrize("family", ["gpt2", "gpt_neo", "gptj"])
 def test_gpt_family_embedder(tmp_path, texts, family):
     """SGPT style: a GPT-2 / GPT-Neo / GPT-J backbone with weighted-mean pooling. GPT-2 and GPT-J
