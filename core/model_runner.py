@@ -201,11 +201,15 @@ class ModelRunner:
         try:
             self.model, info = to_openvino(self.model, self.spec, output=output, base=base,
                                            token_types=self.uses_token_types, threads=threads, precision=precision)
-        except BackendUnavailable as e:
+        except Exception as e:  # BackendUnavailable, or OpenVINO itself failing (a runtime error, memory)
+            reason = str(e) if isinstance(e, BackendUnavailable) else f"OpenVINO failed: {type(e).__name__}: {e}"
             if backend == "openvino":
-                raise ValueError(f"backend='openvino' cannot run model {self.spec.path!r}: {e}") from e
-            log.warning("backend 'auto': the torch backend runs %s (%s)", self.spec.path, e)
-            self._keep_torch(str(e))
+                raise ValueError(f"backend='openvino' cannot run model {self.spec.path!r}: {reason}") from e
+            log.warning("backend 'auto': the torch backend runs %s (%s)", self.spec.path, reason)
+            self._keep_torch(reason)
+            if not isinstance(e, BackendUnavailable):  # a failure, not a refusal: told to the caller too
+                self.backend_info["warnings"] = (f"backend 'auto': OpenVINO failed, the torch backend runs the model "
+                                                 f"({reason})")
             return
         self.backend_info = info
 

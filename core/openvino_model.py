@@ -8,9 +8,14 @@ one implementation. Why OpenVINO, measured side by side on this project's 2-core
 float32, batches of 16-256 tokens): OpenVINO 1.2-1.4x the torch eager forward at max |diff| 1e-6;
 torch.compile 1.16-1.21x after a 35 s first compile; ONNX Runtime (plain export) 0.86-1.34x.
 
-A converted model is checked against the torch module on every start (`verify`) -- padded rows,
-two shapes -- so a conversion that computes something else, or a stale cache entry, is refused
-(or, under backend="auto", the torch backend runs instead) rather than giving different results.
+The cache never serves anything but a conversion of the model on disk: an entry is keyed by the
+whole content of every model file (`jobs.fingerprint.model_files`: a rewrite in place cannot keep
+the key), carries the sha256 of each file it wrote (`checksums.json`), checked when it is read; a
+damaged entry is removed and rebuilt, naming it; a cache that cannot be read or written never stops
+a run (the conversion is made in memory and served, with one warning naming the path). A converted
+model is also checked against the torch module on every start (`verify`) -- padded rows, ids across
+the whole vocabulary, two shapes -- so a conversion that computes something else is refused (or,
+under backend="auto", the torch backend runs instead) rather than giving different results.
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from pooling_pipeline.jobs.fingerprint import cache_root, content_sha256, file_sha256, model_files
+
 log = logging.getLogger("engine")
 
-# Bumped when what is cached changes meaning (the wrapper's inputs or outputs).
-CACHE_LAYOUT = 1
-CACHE_ENV = "POOLING_PIPELINE_CACHE"  # where conversions are kept (default ~/.cache/pooling_pipeline)
+# Bumped when what is cached changes meaning (the wrapper's inputs or outputs, the key, the checksums).
+CACHE_LAYOUT = 2
+CHECKSUMS = "checksums.json"  # in each entry: its key, and {file name: sha256} of what was written
 # Conversions kept; beyond this the least recently used go (a model deleted or changed leaves its
 # entry behind, and each conversion is as large as the model).
 MAX_CACHE_ENTRIES = 16
@@ -116,15 +123,19 @@ def to_openvino(model: torch.nn.Module, spec, *, output: str, base: bool, token_
     folder = os.path.join(cache_root or default_cache_root(), "openvino", key)
     info: dict = {"backend": "openvino", "openvino_version": ov.__version__, "conversion_cache": folder}
     started = time.perf_counter()
-    if os.path.isfile(os.path.join(folder, "model.xml")):
-        converted = ov.Core().read_model(os.path.join(folder, "model.xml"))
+    warnings: list[str] = []  # told to the caller at start-up (this process's log is not the caller's)
+    converted = read_entry(ov, folder, key, warnings)
+    if converted is not None:
         _touch(folder)
         info.update(conversion="cached", conversion_s=0.0, load_s=round(time.perf_counter() - started, 3))
     else:
         converted = _convert(ov, module, inputs, spec)
         info.update(conversion="converted", conversion_s=round(time.perf_counter() - started, 3))
-        _save(ov, converted, folder)
+        if not _save(ov, converted, folder, key, warnings):
+            info["conversion_cache"] = "not cached (see the warning)"
         prune_cache(os.path.dirname(folder), MAX_CACHE_ENTRIES)
+    if warnings:  # (start-up info is flat: one line each)
+        info["warnings"] = "\n".join(warnings)
     started = time.perf_counter()
     runner = OpenVINOModel(compile_for_cpu(ov, converted, threads, "f32"), output, inputs, base)
     info["compile_s"] = round(time.perf_counter() - started, 3)
@@ -170,21 +181,69 @@ def _convert(ov, module: torch.nn.Module, inputs: list[str], spec):
         raise BackendUnavailable(f"OpenVINO could not convert model {spec.path!r}: {type(e).__name__}: {e}") from e
 
 
-def _save(ov, converted, folder: str) -> None:
-    """Writes the conversion beside its final place and renames it there: a reader sees a whole
-    entry or none; a concurrent start that converted too keeps the first one."""
-    parent = os.path.dirname(folder)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".converting-", dir=parent)
+def read_entry(ov, folder: str, key: str, warnings: list[str]):
+    """The cached conversion in `folder`, or None when there is none to serve: missing, or damaged
+    (written for another key, a file whose sha256 is not the one written, a truncated or unreadable
+    file) -- a damaged entry is removed, naming it, so this start converts again and caches anew."""
+    if not os.path.isdir(folder):
+        return None
     try:
+        with open(os.path.join(folder, CHECKSUMS), encoding="utf-8") as f:
+            entry = json.load(f)
+        written = entry.get("files") if isinstance(entry, dict) else None
+        if not isinstance(written, dict) or not {"model.xml", "model.bin"} <= set(written):
+            raise ValueError(f"{CHECKSUMS} does not list model.xml and model.bin")
+        if entry.get("key") != key:
+            raise ValueError(f"it was written for another model or version ({entry.get('key')!r})")
+        for name, digest in written.items():
+            if content_sha256(os.path.join(folder, name)) != digest:
+                raise ValueError(f"{name} is not what was written (sha256 differs)")
+        return ov.Core().read_model(os.path.join(folder, "model.xml"))
+    except Exception as e:  # (OpenVINO raises RuntimeError on a truncated file)
+        warnings.append(_remove_damaged(folder, f"{type(e).__name__}: {e}"))
+        return None
+
+
+def _remove_damaged(folder: str, why: str) -> str:
+    try:
+        shutil.rmtree(folder)
+        message = f"the cached OpenVINO conversion {folder} is damaged ({why}): removed; converting the model again"
+    except OSError as e:
+        message = (f"the cached OpenVINO conversion {folder} is damaged ({why}) and cannot be removed ({e}): "
+                   "converting the model again in memory, not serving it")
+    log.warning("%s", message)
+    return message
+
+
+def _save(ov, converted, folder: str, key: str, warnings: list[str] | None = None) -> bool:
+    """Writes the conversion and its checksums beside its final place and renames it there: a
+    reader sees a whole entry or none; a concurrent start that converted too keeps the first one.
+    A cache that cannot be written (not a folder, read-only, full, past a file-size limit) still
+    serves this run from memory: False, with one warning naming the path."""
+    parent = os.path.dirname(folder)
+    staging = None
+    try:
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=".converting-", dir=parent)
         ov.save_model(converted, os.path.join(staging, "model.xml"), compress_to_fp16=False)
+        checksums = {name: file_sha256(os.path.join(staging, name)) for name in ("model.xml", "model.bin")}
+        with open(os.path.join(staging, CHECKSUMS), "w", encoding="utf-8") as f:
+            json.dump({"key": key, "files": checksums}, f)
+            f.flush()
+            os.fsync(f.fileno())
         try:
             os.rename(staging, folder)
             staging = None
         except OSError:  # another process got there first
             pass
-    except OSError as e:  # a read-only cache still serves this run, converting again next time
-        log.warning("could not cache the OpenVINO conversion in %s: %s", parent, e)
+        return True
+    except Exception as e:  # OSError, or OpenVINO's RuntimeError from a failed write
+        message = (f"could not cache the OpenVINO conversion in {folder} ({type(e).__name__}: {e}): this run serves "
+                   "it from memory and the next start converts again")
+        log.warning("%s", message)
+        if warnings is not None:
+            warnings.append(message)
+        return False
     finally:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
@@ -224,7 +283,9 @@ def probe_batches(module: _Transformer, spec, inputs: list[str]) -> list[tuple[d
     to (their vectors are returned all the same). Computed once per start."""
     rng = np.random.default_rng(0)
     longest = max(4, min(probe_width(module.module.config), spec.max_model_len))
-    top = min(1000, spec.vocab_size - 1)
+    # Ids drawn across the whole vocabulary (a damaged row of any common token shows), and the
+    # probes are wide enough to hold many of them.
+    top = spec.vocab_size - 1
     shapes = []  # (rows, width, tokens per row, attended tokens per row)
     for rows, width in ((3, min(11, longest)), (2, longest)):
         lengths = np.linspace(width, 2, rows).astype(np.int64)
@@ -235,7 +296,7 @@ def probe_batches(module: _Transformer, spec, inputs: list[str]) -> list[tuple[d
         shapes.append((3, width, np.full(3, width), np.array([width, max(1, width // 2), 1])))
     probes = []
     for rows, width, lengths, attended in shapes:
-        ids = torch.from_numpy(rng.integers(top // 2, top + 1, (rows, width)))
+        ids = torch.from_numpy(rng.integers(0, top + 1, (rows, width)))
         positions = torch.arange(width)[None, :]
         real = positions < torch.from_numpy(lengths)[:, None]
         kwargs = {"input_ids": ids, "attention_mask": (positions < torch.from_numpy(attended)[:, None]).long()}
@@ -277,21 +338,18 @@ def probe_width(config) -> int:
 
 
 def default_cache_root() -> str:
-    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "pooling_pipeline")
+    return cache_root()
 
 
 def cache_key(spec, openvino_version: str, **what) -> str:
-    """The conversion's identity: every file of the model (as the job fingerprint sees them, plus
-    the size and modification time of each, as large files are only sampled), the libraries that
-    shape the converted graph, and what was converted. The start-up check backs it up."""
+    """The conversion's identity: the whole content of every file of the model (as the job
+    fingerprint sees them), the libraries that shape the converted graph, and what was converted.
+    The start-up check backs it up."""
     import transformers
-
-    from pooling_pipeline.jobs.fingerprint import model_files
 
     root = os.path.realpath(spec.path)
     files = model_files(root)
-    stats = {name: [(st := os.stat(os.path.join(root, name))).st_size, st.st_mtime_ns] for name in files}
-    identity = {"layout": CACHE_LAYOUT, "files": files, "stats": stats, "openvino": openvino_version,
+    identity = {"layout": CACHE_LAYOUT, "files": files, "openvino": openvino_version,
                 "torch": torch.__version__, "transformers": transformers.__version__, "what": what}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
     return f"{os.path.basename(root.rstrip(os.sep)) or 'model'}-{digest}"

@@ -191,6 +191,9 @@ class Pipeline:
             raise
         if self._group.engine_info.get("conversion") == "converted":  # a start-up cost paid once per model
             log.info("%s", describe_backend(self._group.engine_info))
+        # (the engine's own log is not the caller's: what it has to say at start-up travels in its info)
+        for warning in str(self._group.engine_info.get("warnings") or "").splitlines():
+            log.warning("%s", warning)
         notice = describe_checkpoint_precision(self._group.engine_info)
         if notice is not None:  # a result that differs from ST's default in the last digits: said once
             log.warning("%s", notice)

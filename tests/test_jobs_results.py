@@ -292,6 +292,50 @@ def test_resume_refuses_a_model_changed_in_any_of_its_files(tmp_path, records, d
     assert manifest_of(out)["records_done"] == 20  # nothing added to the old job
 
 
+def _rewrite_in_place_keeping_size_and_mtime(path: Path) -> None:
+    """Changes bytes in the middle of a file in place (the same inode and size) and puts its
+    modification time back, as a copy tool or a checkout can leave a file."""
+    before = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(before.st_size // 2)
+        chunk = f.read(4096)
+        f.seek(before.st_size // 2)
+        f.write(bytes(b ^ 0x55 for b in chunk))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (before.st_size, before.st_mtime_ns, before.st_ino)
+
+
+def test_resume_refuses_weights_rewritten_in_place_with_size_and_mtime_kept(tmp_path, records, dense_model, no_model,
+                                                                            capsys):
+    """The model's identity is the whole content of each file (a sample let a rewrite in place
+    pass): the resume is refused, naming the weights file (issue 35, item 2)."""
+    from pooling_pipeline.jobs.launcher import main
+
+    model, out, argv = _job_on_a_model_copy(tmp_path, records, dense_model)
+    assert main([*argv, "--limit", "20"]) == 0
+    _rewrite_in_place_keeping_size_and_mtime(model / "model.safetensors")
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 2
+    assert "the model changed since the job began (changed: model.safetensors)" in capsys.readouterr().err
+
+
+def test_a_manifest_with_sampled_model_fingerprints_is_refused_clearly(tmp_path, records, dense_model, no_model,
+                                                                       capsys):
+    from pooling_pipeline.jobs.launcher import main
+
+    model, out, argv = _job_on_a_model_copy(tmp_path, records, dense_model)
+    assert main([*argv, "--limit", "20"]) == 0
+
+    def older(m):  # what the sampling fingerprint wrote for a large file
+        m["model_files"]["model.safetensors"] = "sampled:" + "0" * 64
+        m["model_sha256"] = "1" * 64
+    _edit_manifest(out, older)
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 2
+    assert "fingerprinted large model files by samples" in capsys.readouterr().err
+
+
 def test_a_model_unchanged_but_for_its_readme_resumes(tmp_path, records, dense_model, no_model):
     from pooling_pipeline.jobs.launcher import main
 

@@ -4,7 +4,18 @@ and each input's (a resume only continues the same job on the same inputs)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import tempfile
+import threading
+
+CACHE_ENV = "POOLING_PIPELINE_CACHE"  # the project's cache (default ~/.cache/pooling_pipeline)
+
+
+def cache_root() -> str:
+    """Where the project keeps what it computes once per model: OpenVINO conversions, content hashes."""
+    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "pooling_pipeline")
+
 
 # Every file under the model directory can shape the output (ST module folders such as 2_Dense/ or a
 # Router's routes, tokenizer files of any name, configs, weights, remote code), so all of them are
@@ -12,11 +23,15 @@ import os
 # Python's byte-code caches, documentation and images. When in doubt a file is included.
 IGNORED_MODEL_DIRS = ("__pycache__",)
 IGNORED_MODEL_SUFFIXES = (".md", ".pyc", ".png", ".jpg", ".jpeg", ".gif", ".svg", ".webp", ".lock")
-# Files up to this size are hashed whole (configs, tokenizer files, small Dense weights: any byte of
-# them changed is seen); larger ones (the transformer's weights) by their size and a bounded sample,
-# so a start or a resume does not read gigabytes.
-MODEL_FULL_HASH_BYTES = 16 * 2**20
-MODEL_SAMPLE_BLOCKS = 64  # of SAMPLE_BYTES each: 4 MiB read per large file
+# Model files are hashed whole, every byte (a sample of a large file let a rewrite in place with the
+# size and modification time kept pass as the same model). A file's hash is remembered by its
+# identity on disk -- device, inode, size, modification and change times -- in the cache
+# (`content-hashes.json`), so the gigabytes are read once: any write to the file, and any
+# os.utime() that would put its modification time back, moves its change time, which no user
+# process can set, so a changed file is always hashed anew. Files below this size are not
+# remembered (hashing them costs less than the bookkeeping).
+REMEMBERED_HASH_BYTES = 1 << 20
+MAX_REMEMBERED_HASHES = 4096
 
 
 def model_files(model_dir: str) -> dict[str, str]:
@@ -47,18 +62,79 @@ def _shapes_output(name: str) -> bool:
 
 
 def model_file_fingerprint(path: str) -> str:
-    """sha256 of a model file's bytes; of its size and MODEL_SAMPLE_BLOCKS evenly spaced blocks when larger
-    than MODEL_FULL_HASH_BYTES (then prefixed "sampled:", so the two kinds never compare equal)."""
+    """sha256 of a model file's bytes (`content_sha256`)."""
+    return content_sha256(path)
+
+
+def content_sha256(path: str) -> str:
+    """sha256 of a file's whole content, remembered by the file's identity on disk (see
+    REMEMBERED_HASH_BYTES): computed once per version of the file, never trusted past a change."""
+    real = os.path.realpath(path)
+    before = os.stat(real)
+    if before.st_size < REMEMBERED_HASH_BYTES:
+        return file_sha256(real)
+    identity = _identity(before)
+    with _memo_lock:
+        memo = _memo()
+        remembered = memo.get(real)
+        if isinstance(remembered, list) and len(remembered) == 2 and remembered[0] == identity:
+            return str(remembered[1])
+    digest = file_sha256(real)
+    if _identity(os.stat(real)) == identity:  # not written to while it was read
+        with _memo_lock:
+            memo = _memo()
+            memo[real] = [identity, digest]
+            while len(memo) > MAX_REMEMBERED_HASHES:
+                memo.pop(next(iter(memo)))
+            _save_memo(memo)
+    return digest
+
+
+def _identity(st: os.stat_result) -> str:
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
+def file_sha256(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size <= MODEL_FULL_HASH_BYTES:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-            return digest.hexdigest()
-        digest.update(str(size).encode())
-        _hash_sample(f, size, MODEL_SAMPLE_BLOCKS, digest)
-    return "sampled:" + digest.hexdigest()
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+_memo_lock = threading.Lock()
+_memo_state: dict = {}  # {"path": the memo file, "hashes": {real path: [identity, sha256]}}
+
+
+def _memo_path() -> str:
+    return os.path.join(cache_root(), "content-hashes.json")
+
+
+def _memo() -> dict:
+    """The remembered hashes (read once per process and cache location; unreadable: none)."""
+    path = _memo_path()
+    if _memo_state.get("path") != path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                hashes = json.load(f)
+        except (OSError, ValueError):
+            hashes = {}
+        _memo_state.update(path=path, hashes=hashes if isinstance(hashes, dict) else {})
+    return _memo_state["hashes"]
+
+
+def _save_memo(memo: dict) -> None:
+    """Writes the memo whole beside its place and renames it there. A cache that cannot be written
+    only means hashing again next time."""
+    path = _memo_path()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, staging = tempfile.mkstemp(prefix=".content-hashes-", dir=os.path.dirname(path))
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(memo, f)
+        os.replace(staging, path)
+    except (OSError, ValueError):
+        pass
 
 
 def model_hash(files: dict[str, str]) -> str:
@@ -67,6 +143,11 @@ def model_hash(files: dict[str, str]) -> str:
     for name, fingerprint in sorted(files.items()):
         digest.update(f"{name}\0{fingerprint}\n".encode())
     return digest.hexdigest()
+
+
+def sampled_fingerprints(files: dict[str, str]) -> bool:
+    """Whether a per-file table is an older pipeline-run's, which hashed large files by samples."""
+    return any(str(v).startswith("sampled:") for v in files.values())
 
 
 def changed_model_files(then: dict[str, str], now: dict[str, str]) -> str:

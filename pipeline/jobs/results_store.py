@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from pooling_pipeline.core.options import TOKEN_TASKS
-from pooling_pipeline.jobs.fingerprint import changed_input, changed_model_files
+from pooling_pipeline.jobs.fingerprint import changed_input, changed_model_files, sampled_fingerprints
 from pooling_pipeline.jobs.job_errors import InputError, UsageError
 from pooling_pipeline.jobs.kept_fields import KeptColumns
 from pooling_pipeline.jobs.output_dir import META_DIR
@@ -353,6 +353,10 @@ def _check_same_model(directory: Path, manifest: dict, job: dict) -> None:
         raise UsageError(f"--resume: the job in {directory} was begun by an older pipeline-run whose model fingerprint "
                          "covered only the model directory's top-level files, so whether the model changed since "
                          "cannot be told; start a new job in another --output")
+    if sampled_fingerprints(then):  # an older pipeline-run's manifest: large files fingerprinted by samples
+        raise UsageError(f"--resume: the job in {directory} was begun by an older pipeline-run that fingerprinted "
+                         "large model files by samples (which a rewrite in place can pass), so whether the model "
+                         "changed since cannot be told; start a new job in another --output")
     raise UsageError(f"--resume: the model changed since the job began ({changed_model_files(then, job['model_files'])});"
                      f" the results in {directory} would mix two models. Start a new job in "
                      "another --output")

@@ -1,0 +1,169 @@
+"""The OpenVINO conversion cache never serves anything but the model on disk, and never stops a run
+(issue 35, items 1, 2, 4, 5): a damaged or truncated entry is removed and rebuilt, naming it; a
+model rewritten in place (size and modification time kept) gets a conversion of its own; a cache
+that cannot be written serves the conversion from memory; OpenVINO failing under `auto` runs torch.
+With the openvino extra absent there is no cache: what holds then is asserted instead (no skips)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+import corpus
+import numpy as np
+import pytest
+from tiny_models import build_bert
+
+from pooling_pipeline import Pipeline
+
+HAVE_OPENVINO = importlib.util.find_spec("openvino") is not None
+TOL = 1e-5
+TEXTS = corpus.sentences(16, seed=101) + corpus.medium_texts(3, seed=102)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    root = tmp_path / "cache"
+    monkeypatch.setenv("POOLING_PIPELINE_CACHE", str(root))
+    return root
+
+
+@pytest.fixture
+def model(tmp_path) -> Path:
+    return Path(build_bert(tmp_path / "model"))
+
+
+def reference(model: Path) -> np.ndarray:
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(model), device="cpu").encode(TEXTS)
+
+
+def run(model: Path, backend: str = "auto") -> tuple[dict, np.ndarray]:
+    with Pipeline(model=str(model), backend=backend, num_render_workers=1) as pipe:
+        vectors = np.stack([o.embedding for o in pipe.embed(TEXTS, use_tqdm=False)])
+        return pipe.stats()["engine"], vectors
+
+
+def assert_close(got: np.ndarray, want: np.ndarray) -> None:
+    assert float(np.abs(got - want).max()) <= TOL
+
+
+def rewrite_in_place(path: Path, keep_mtime: bool = True) -> None:
+    """Bytes in the middle of the file changed in place: the same inode and size (and, by default,
+    the modification time put back)."""
+    before = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(before.st_size // 2)
+        chunk = f.read(4096)
+        f.seek(before.st_size // 2)
+        f.write(bytes(b ^ 0x21 for b in chunk))
+    if keep_mtime:
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert path.stat().st_size == before.st_size and path.stat().st_ino == before.st_ino
+
+
+def test_without_openvino_auto_runs_torch(cache, model):
+    if HAVE_OPENVINO:
+        engine, _ = run(model)
+        assert engine["backend"] == "openvino" and engine["conversion"] == "converted"
+        assert (Path(engine["conversion_cache"]) / "checksums.json").is_file()
+        return
+    engine, got = run(model)
+    assert engine["backend"] == "torch"
+    assert_close(got, reference(model))
+    assert not cache.exists()
+
+
+@pytest.mark.parametrize("damage", ["changed", "truncated"])
+def test_a_damaged_entry_is_removed_and_rebuilt(cache, model, caplog, damage):
+    if not HAVE_OPENVINO:
+        with pytest.raises(ValueError, match="openvino"):
+            Pipeline(model=str(model), backend="openvino")
+        return
+    first, want = run(model, "openvino")
+    entry = Path(first["conversion_cache"])
+    weights = entry / "model.bin"
+    if damage == "changed":  # the same size, some weights altered
+        rewrite_in_place(weights)
+    else:
+        with open(weights, "r+b") as f:
+            f.truncate(weights.stat().st_size // 2)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        second, got = run(model, "openvino")
+    err = caplog.text
+    assert second["conversion"] == "converted", second  # rebuilt, not served
+    assert f"cached OpenVINO conversion {entry} is damaged" in err and "converting the model again" in err, err
+    assert_close(got, want)
+    assert_close(got, reference(model))
+    third, _ = run(model, "openvino")  # the rebuilt entry serves the next start
+    assert third["conversion"] == "cached"
+
+
+def test_a_model_rewritten_in_place_is_converted_anew(cache, model):
+    """Weights changed in place with their size and modification time kept: the key covers the
+    content, so the old model's conversion is not served; the results are the new model's."""
+    if not HAVE_OPENVINO:
+        engine, got = run(model)
+        rewrite_in_place(model / "model.safetensors")
+        assert_close(run(model)[1], reference(model))
+        return
+    first, before = run(model)
+    rewrite_in_place(model / "model.safetensors")
+    want = reference(model)
+    assert float(np.abs(want - before).max()) > 1e-3  # the rewrite changed the model
+    second, got = run(model)
+    assert second["conversion"] == "converted" and second["conversion_cache"] != first["conversion_cache"]
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("how", ["cache is a file", "openvino folder is a file"])
+def test_an_unwritable_cache_never_stops_the_run(cache, model, caplog, how):
+    if how == "cache is a file":
+        cache.write_text("not a folder\n")
+    else:
+        cache.mkdir()
+        (cache / "openvino").write_text("not a folder\n")
+    with caplog.at_level(logging.WARNING):
+        engine, got = run(model)
+    assert_close(got, reference(model))
+    if HAVE_OPENVINO:
+        assert engine["backend"] == "openvino" and engine["conversion"] == "converted"
+        assert engine["conversion_cache"] == "not cached (see the warning)"
+        assert "could not cache the OpenVINO conversion" in caplog.text and str(cache) in caplog.text
+
+
+def test_a_failing_write_is_a_warning_not_a_failure(tmp_path, caplog):
+    """What a full disk or a file-size limit gives OpenVINO's writer (a RuntimeError, not an OSError)."""
+    from pooling_pipeline.core import openvino_model
+
+    class FailingWriter:
+        @staticmethod
+        def save_model(*args, **kwargs):
+            raise RuntimeError("basic_ios::clear: iostream error")
+
+    assert openvino_model._save(FailingWriter, object(), str(tmp_path / "openvino" / "entry"), "key") is False
+    assert "basic_ios::clear" in caplog.text
+    assert not (tmp_path / "openvino" / "entry").exists()
+    assert not [p for p in (tmp_path / "openvino").iterdir() if p.name.startswith(".converting-")]
+
+
+def test_auto_runs_torch_when_openvino_itself_fails(model, monkeypatch):
+    """Not only a refused conversion: any failure of OpenVINO under auto leaves the torch module
+    running, with the reason; backend='openvino' refuses, naming it."""
+    from pooling_pipeline.core import model_layout, model_runner, openvino_model
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Exception from src/inference/src/cpp/core.cpp: out of memory")
+
+    monkeypatch.setattr(openvino_model, "to_openvino", broken)
+    spec = model_layout.load_model_spec(str(model))
+    runner = model_runner.ModelRunner(spec, "cpu", "auto", backend="auto")
+    assert runner.backend_info["backend"] == "torch"
+    assert "OpenVINO failed: RuntimeError" in runner.backend_info["openvino_refused"]
+    if HAVE_OPENVINO:
+        with pytest.raises(ValueError, match="cannot run model .*out of memory"):
+            model_runner.ModelRunner(spec, "cpu", "auto", backend="openvino")
