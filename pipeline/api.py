@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import threading
 import weakref
@@ -515,7 +516,10 @@ def _check_rank(query, top_k) -> None:
 
 
 def _ranked(scores: list[ScoringOutput], top_k: int | None) -> list[RankedDocument]:
-    ranked = sorted((RankedDocument(s.index, s.score) for s in scores), key=lambda r: -r.score)
+    """Best first; documents that failed (errors="return": a NaN score) after every scored one, in
+    their input order -- a NaN in the sort key would break the order and drop scored documents."""
+    ranked = sorted((RankedDocument(s.index, s.score) for s in scores),
+                    key=lambda r: (1, 0.0) if math.isnan(r.score) else (0, -r.score))
     return ranked[:top_k] if top_k is not None else ranked
 
 

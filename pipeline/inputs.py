@@ -130,7 +130,8 @@ class RequestSource:
         opts = self.opts
         return RenderOptions(task=opts.task, max_tokens=max_tokens, params=params, priority=priority,
                              truncate_left=self.truncate_left, long_inputs=opts.long_inputs,
-                             chunk_overlap=opts.chunk_overlap, text_prefix=text_prefix,
+                             chunk_overlap=opts.chunk_overlap,
+                             text_prefix=None if text_prefix is None else plain_str(text_prefix),
                              max_query_tokens=opts.max_tokens_per_query, max_doc_tokens=opts.max_tokens_per_doc,
                              route=route_index(self.spec, route))
 
@@ -617,9 +618,16 @@ def _valid_unicode(text: str) -> bool:
     return True
 
 
+def plain_str(text: str) -> str:
+    """A str subclass (numpy's `np.str_`: the items of a string array, `zip(df.a.values, ...)`) as
+    the plain str the wire encodes; a plain str as it is."""
+    return text if type(text) is str else str.__str__(text)
+
+
 def check_text(text: object, index: int, what: str = "text") -> str:
     if not isinstance(text, str):
         raise TypeError(f"request {index}: {what} must be a str, got {type(text).__name__}")
+    text = plain_str(text)
     if not text.isascii():
         try:
             text.encode("utf-8")

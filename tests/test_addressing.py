@@ -83,3 +83,64 @@ def test_a_batch_lost_on_the_way_to_an_idle_worker_is_sent_again(st_model, monke
         assert lost, "the test lost no batch"
         np.testing.assert_allclose(np.stack([o.embedding for o in outs]), st_model.encode(texts), atol=TOL, rtol=0)
         assert pipe.stats()["group"]["worker_restarts"] == 1
+
+
+FLOOD = r"""
+import socket, sys, time
+import zmq
+
+frame = b"x" * (8 << 20)
+for endpoint in sys.argv[1:]:
+    for kind in ("PUSH", "DEALER", "ROUTER", "RAW"):
+        if kind == "RAW":  # bytes that are not even ZMTP
+            raw = socket.socket(socket.AF_UNIX)
+            raw.settimeout(2)
+            try:
+                raw.connect(endpoint[len("ipc://"):])
+                for _ in range(40):
+                    raw.sendall(frame)
+            except OSError:
+                pass
+            raw.close()
+            continue
+        ctx = zmq.Context()
+        sock = ctx.socket(getattr(zmq, kind))
+        sock.setsockopt(zmq.SNDTIMEO, 2000)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(endpoint)
+        for _ in range(40):
+            try:
+                if kind == "ROUTER":
+                    sock.send_multipart([b"anyone", frame])
+                else:
+                    sock.send(frame)
+            except zmq.ZMQError:
+                break
+        time.sleep(0.5)
+        sock.close()
+        ctx.term()
+"""
+
+
+def test_a_peer_writing_to_the_sending_sockets_cannot_grow_the_frontend(st_model):
+    """Another process of the same user pushes 40 x 8 MB at every socket the frontend only sends on
+    (the work and control ROUTERs), as PUSH, DEALER, ROUTER and raw bytes: the frontend reads
+    nothing from them (a message over 256 bytes cuts the peer off), so its memory does not grow by
+    what was pushed (320 MB a socket), and the calls are unaffected (issue 35, item 7)."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    texts = corpus.sentences(200, seed=82)
+    with Pipeline(num_render_workers=1) as pipe:
+        embed_with_timeout(pipe, texts)
+        group = pipe._group
+        endpoints = [*(s.getsockopt_string(zmq.LAST_ENDPOINT) for s in group.controls),
+                     *(s.getsockopt_string(zmq.LAST_ENDPOINT) for s in group.work)]
+        before = psutil.Process().memory_info().rss
+        subprocess.run([sys.executable, "-c", FLOOD, *endpoints], timeout=300, check=True)
+        grown = psutil.Process().memory_info().rss - before
+        assert grown < 64 * 2**20, f"the frontend grew by {grown / 2**20:.0f} MB"
+        got = np.stack([o.embedding for o in embed_with_timeout(pipe, texts)])
+        np.testing.assert_allclose(got, st_model.encode(texts), atol=TOL, rtol=0)

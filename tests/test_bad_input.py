@@ -225,3 +225,33 @@ def test_token_ids_from_a_generator_are_range_checked_when_sent(pipe, bad_id, dt
     assert [o.index for o in outs if o.error] == [77] and "token id" in outs[77].error
     for i in (0, 76, 78, 149):
         np.testing.assert_allclose(outs[i].embedding, reference[i].embedding, atol=1e-5)
+
+
+def test_numpy_string_items_are_texts_everywhere(pipe, tmp_path):
+    """numpy string scalars (`list(arr)`, `iter(arr)`, `zip(df.a.values, df.b.values)`) are str
+    subclasses: they are texts wherever a str is -- prompts, a prompt option, pairs, documents,
+    queries -- not a wire-encoding failure (issue 35, item 6); another non-encodable item is a
+    TypeError naming the request."""
+    import model_zoo as zoo
+
+    texts = ["Python is a programming language.", "The cat sat on the mat.", "Ünïcode façade 東京"]
+    arr = np.array(texts)
+    want = np.stack([o.embedding for o in pipe.embed(texts, use_tqdm=False)])
+    for form in (list(arr), iter(arr), (t for t in arr), [{"prompt": t} for t in arr]):
+        got = np.stack([o.embedding for o in pipe.embed(form, use_tqdm=False)])
+        assert np.array_equal(got, want)
+    prompted = pipe.embed(list(arr), prompt=np.str_("query: "), use_tqdm=False)
+    assert np.array_equal(np.stack([o.embedding for o in prompted]),
+                          np.stack([o.embedding for o in pipe.embed(texts, prompt="query: ", use_tqdm=False)]))
+    scores = [o.score for o in pipe.score(arr[0], list(arr[1:]), use_tqdm=False)]
+    assert scores == [o.score for o in pipe.score(texts[0], texts[1:], use_tqdm=False)]
+    ranked = pipe.rank(np.str_("programming"), list(arr), use_tqdm=False)
+    assert ranked == pipe.rank("programming", texts, use_tqdm=False)
+    with pytest.raises(TypeError, match="request 1"):
+        pipe.embed([texts[0], np.float64(1.5)], use_tqdm=False)
+    cross = zoo.build_cross_encoder(tmp_path, num_labels=3)
+    with Pipeline(model=cross, num_render_workers=1) as ce:
+        pairs = list(zip(np.array(texts), np.array(texts[::-1])))
+        got = [o.probs for o in ce.classify(pairs, use_tqdm=False)]
+        plain = [o.probs for o in ce.classify([(a, b) for a, b in zip(texts, texts[::-1])], use_tqdm=False)]
+        assert all(np.array_equal(a, b) for a, b in zip(got, plain))
