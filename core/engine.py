@@ -1,4 +1,5 @@
-"""Engine core process: `python -m pooling_pipeline.core.engine '<EngineConfig JSON>'`.
+"""Engine core process: `python -m pooling_pipeline.core.engine <config file>` (an EngineConfig as JSON,
+in a 0600 file of the group's private directory).
 
 Shaped like vLLM's EngineCoreProc: three threads with bounded queues between them, so the step
 loop only schedules, collates and launches while socket work happens beside it.
