@@ -14,7 +14,7 @@ from typing import Literal
 
 import msgspec
 
-from pooling_pipeline.core.options import Task
+from pooling_pipeline.core.options import Backend, EngineDtype, Quantize, Task
 from pooling_pipeline.core.sim_device import SimDevice
 
 # Encoder-decoder families whose encoder alone embeds (as ST loads them): model_type -> class.
@@ -171,7 +171,7 @@ class ModelSpec(msgspec.Struct, kw_only=True):
 class EngineConfig(msgspec.Struct, kw_only=True):
     model: ModelSpec
     device: str  # "cpu" | "cuda" | "cuda:N"
-    dtype: str  # "float32" | "float16" | "bfloat16"
+    dtype: EngineDtype
     max_num_seqs: int
     max_num_batched_tokens: int | None  # None: the engine picks by device
     window: int  # most requests admitted in the engine at once
@@ -187,8 +187,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     log_level: str = "WARNING"
     sim: SimDevice | None = None  # device "sim": the simulated accelerator's step time
     index: int = 0  # which engine core of the group (data parallel: 0 .. data_parallel_size - 1)
-    backend: str = "torch"  # "torch" | "openvino" | "auto" (see ModelRunner)
-    quantize: str | None = None  # None | "int8" (torch backend)
+    backend: Backend = "torch"  # (see ModelRunner)
+    quantize: Quantize | None = None  # (torch backend)
 
 
 class WorkerConfig(msgspec.Struct, kw_only=True):

@@ -214,7 +214,8 @@ class EngineCore:
     def serve(self, ctx: zmq.Context, to_front: zmq.Socket) -> None:
         inputs = socket(ctx, zmq.PULL, self.cfg.input_endpoint, bind=True)
         control = addressed_socket(ctx, self.cfg.control_endpoint, self.cfg.control_routing_id)
-        to_front.send_multipart(self.encoder.encode(m.Ready("engine", self.cfg.index, os.getpid(), info=self.ready_info())))
+        to_front.send_multipart(self.encoder.encode(m.Ready(role="engine", index=self.cfg.index, pid=os.getpid(),
+                                                                     info=self.ready_info())))
         start_heartbeat(ctx, self.cfg.output_endpoint, "engine", self.cfg.index, self.clock, self.key,
                         info=self.step_cost.info)
         # Each socket is used by one thread only: these two by the input thread, to_front by the output thread.
@@ -341,7 +342,7 @@ class EngineCore:
             self._abort(call, [index])
 
     def _fail(self, batch: Requests, error: str) -> None:
-        self.outbox.put((m.StepFailed(batch.calls.tolist(), batch.indices.tolist(), error), len(batch)))
+        self.outbox.put((m.StepFailed(calls=batch.calls.tolist(), indices=batch.indices.tolist(), error=error), len(batch)))
 
     def _send_results(self, batch: Requests, results, padded: int, device_s: float, in_core: int) -> None:
         if self.aborts and (batch.chunk >= 0).any():  # chunks of a document that failed meanwhile are not sent
@@ -469,8 +470,8 @@ class InputThread:
         if rejected:  # a well-formed message with bad contents: those requests are refused, the rest kept
             self.engine.log.error("rejected %d malformed engine inputs", len(rejected))
             indices = requests.indices
-            self.engine.outbox.put((m.RenderFailed(msg.call, [int(indices[row]) for row, _ in rejected],
-                                                   [why for _, why in rejected]), 0))
+            self.engine.outbox.put((m.RenderFailed(call=msg.call, indices=[int(indices[row]) for row, _ in rejected],
+                                                   errors=[why for _, why in rejected]), 0))
             refused = {row for row, _ in rejected}
             requests = requests.select([row for row in range(len(requests)) if row not in refused])
         if len(requests):
@@ -561,7 +562,8 @@ def main(argv: list[str]) -> int:
         engine = EngineCore(cfg, log, key)
     except Exception as e:
         log.exception("engine core failed to start")
-        to_front.send_multipart(Encoder(key).encode(m.Ready("engine", cfg.index, os.getpid(), error=f"{type(e).__name__}: {e}")))
+        to_front.send_multipart(Encoder(key).encode(m.Ready(role="engine", index=cfg.index, pid=os.getpid(),
+                                                             error=f"{type(e).__name__}: {e}")))
         to_front.close(linger=2000)
         return 1
     run_maybe_profiled(lambda: engine.serve(ctx, to_front), "engine")

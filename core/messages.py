@@ -59,7 +59,7 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
             raise ValueError(f"{where}.normalize applies to embedding tasks; use use_activation for {task!r}")
 
 
-class RenderOptions(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class RenderOptions(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True, gc=False):
     """How to render a request, as the frontend resolved it: shared by every request of a
     RenderBatch (the usual case: a call's options are the same for all its requests), or one
     request's own (`RenderParams`)."""
@@ -79,7 +79,7 @@ class RenderOptions(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     route: int = -1  # the model's route (index in ModelSpec.routes); -1: none named
 
 
-class RenderParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class RenderParams(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True, gc=False):
     """One request's raw input with its own options, before tokenization (the general path of a
     RenderBatch: per-request options, conversations, plugin data). Exactly one input form is set:
     `prompt` (with `pair` for a cross-encoder's document), `token_ids` (used verbatim),
@@ -105,7 +105,7 @@ class RenderParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 # ---- batches on the wire -------------------------------------------------------------------
 
 
-class RenderBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+class RenderBatch(msgspec.Struct, kw_only=True, tag=True, array_like=True, omit_defaults=True):
     """Requests of one call for a render worker. Exactly one input column is set: `texts` (with
     `pairs`, a cross-encoder's (query, document) pairs) or packed `token_ids`, all rendered with
     `options`; or `items`, each request with its own options and input."""
@@ -178,7 +178,7 @@ class RenderBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True)
         return self.options if self.items is None else self.items[position].options
 
 
-class EngineInputBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+class EngineInputBatch(msgspec.Struct, kw_only=True, tag=True, array_like=True, omit_defaults=True):
     """Engine inputs of one call in columns -- each row is one request's PoolingEngineInput: its
     token ids and params, ready for the engine: one packed ids array with a lengths column, the
     message's distinct (task, params) once, and the per-request columns of `core.schema` that
@@ -214,7 +214,7 @@ class EngineInputBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=
         return sizes
 
 
-class OutputBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+class OutputBatch(msgspec.Struct, kw_only=True, tag=True, array_like=True, omit_defaults=True):
     """A step's outputs, as columns: one entry per request in each (no struct per request).
     When they are all vectors of one size (embeddings, class probabilities, scores) their data
     travels as one [n, dim] array, `data`; otherwise each output's array is in `arrays`.
@@ -284,7 +284,7 @@ class OutputBatch(msgspec.Struct, tag=True, array_like=True, omit_defaults=True)
             render_s={w: s * share for w, s in self.render_s.items()}, admit_s=self.admit_s * share)
 
 
-class RenderFailed(msgspec.Struct, tag=True, array_like=True):
+class RenderFailed(msgspec.Struct, kw_only=True, tag=True, array_like=True):
     """Requests of one call that could not be turned into engine inputs, with why."""
 
     call: str
@@ -292,7 +292,7 @@ class RenderFailed(msgspec.Struct, tag=True, array_like=True):
     errors: list[str]
 
 
-class StepFailed(msgspec.Struct, tag=True, array_like=True):
+class StepFailed(msgspec.Struct, kw_only=True, tag=True, array_like=True):
     """A model step raised; its requests were aborted in the engine. `calls[i]` is request i's call."""
 
     calls: list[str]
@@ -303,7 +303,7 @@ class StepFailed(msgspec.Struct, tag=True, array_like=True):
 # ---- control ----------------------------------------------------------------------------
 
 
-class Abort(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+class Abort(msgspec.Struct, kw_only=True, tag=True, array_like=True, omit_defaults=True):
     """Drop these requests of a call -- every one of them when `indices` is None -- waiting ones
     now, ones still on their way when they arrive."""
 
@@ -311,11 +311,11 @@ class Abort(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     indices: list[int] | None = None
 
 
-class Shutdown(msgspec.Struct, tag=True, array_like=True):
+class Shutdown(msgspec.Struct, kw_only=True, tag=True, array_like=True):
     pass
 
 
-class Ready(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+class Ready(msgspec.Struct, kw_only=True, tag=True, array_like=True, omit_defaults=True):
     """Sent once by each child when it is ready to serve (or failed to start)."""
 
     role: str  # "engine" or "worker"
@@ -325,7 +325,7 @@ class Ready(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     info: dict[str, str | int | float | bool | None] = {}
 
 
-class Heartbeat(msgspec.Struct, tag=True, array_like=True):
+class Heartbeat(msgspec.Struct, kw_only=True, tag=True, array_like=True):
     """Sent every second by a thread of each child: it is alive, and how long its loop has been
     inside one piece of work (a wedged step shows here; a stopped process stops sending). A render
     worker also counts the work messages it has received and finished: the frontend compares them

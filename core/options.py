@@ -27,6 +27,12 @@ ERRORS_MODES: tuple[str, ...] = typing.get_args(ErrorsMode)
 LongInputs = Literal["truncate", "error", "chunk"]
 LONG_INPUTS: tuple[str, ...] = typing.get_args(LongInputs)
 TruncationSide = Literal["left", "right"]
+# What runs the model's transformer: torch, or OpenVINO on a CPU (core/openvino_model.py); "auto":
+# OpenVINO on a CPU where it is installed and passes its start-up check for this model, else torch.
+Backend = Literal["auto", "torch", "openvino"]
+Quantize = Literal["int8"]
+# The engine's precision, the caller's aliases resolved (pipeline/options.py's DTYPE_ALIASES).
+EngineDtype = Literal["auto", "float32", "float16", "bfloat16"]
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]

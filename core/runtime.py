@@ -220,8 +220,8 @@ def start_heartbeat(ctx: zmq.Context, endpoint: str, role: str, index: int, cloc
             # could look finished before it was counted as received.
             finished = work.finished if work is not None else 0
             received = work.received if work is not None else 0
-            beat = Heartbeat(role, index, clock.busy_s(), pid, received, finished, time.monotonic(),
-                             info() if info else {})
+            beat = Heartbeat(role=role, index=index, busy_s=clock.busy_s(), pid=pid, received=received,
+                             finished=finished, sent_at=time.monotonic(), info=info() if info else {})
             try:
                 sock.send_multipart(encoder.encode(beat), zmq.NOBLOCK)
             except zmq.Again:

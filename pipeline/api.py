@@ -7,7 +7,7 @@ and the async streams `aembed_stream` / `aencode_stream`), which never block the
 
 The options of the constructor and of the calls are declared once, in `options.py`; each method
 here names only its own arguments (`prompts`, `task`, ...) and says what its call sends (a
-`_Plan`: prompts, checked `CallOptions`, how outputs become results). `_call` turns that into the
+`_Plan`: prompts, checked `CallOptions`, how outputs become results). `_call_method` turns that into the
 public method -- signature, docstring and binding from the declaration -- and `_async_twin` into
 its asyncio twin, so the sync and async methods cannot drift apart.
 """
@@ -64,7 +64,7 @@ class _Plan(NamedTuple):
     finish: Callable[[list], list] | None = None
 
 
-def _call(options: str, returns: str | None = None, *, stream: bool = False, positional: int | None = None):
+def _call_method(options: str, returns: str | None = None, *, stream: bool = False, positional: int | None = None):
     """The public method made of `plan(self, own arguments..., **options) -> _Plan`: it takes the
     options of `CALL_OPTIONS[options]` (declared in options.py) and runs the plan as a list call
     (checked whole before any work starts) or, with `stream`, as a lazy stream. `returns`: the
@@ -75,7 +75,7 @@ def _call(options: str, returns: str | None = None, *, stream: bool = False, pos
 
 
 def _async_twin(method: Callable, doc: str) -> Callable:
-    """The asyncio twin of a method made by `_call`: the same arguments and plan, awaited (a
+    """The asyncio twin of a method made by `_call_method`: the same arguments and plan, awaited (a
     list call) or an async iterator (a stream); no progress bar by default."""
     plan, options, returns, stream, positional = method._plan
     return _method(plan, options, returns, stream, positional, asynchronous=True, doc=doc)
@@ -228,22 +228,22 @@ class Pipeline:
                                 f"child (pid {os.getpid()}): create a new Pipeline in the child")
         return group
 
-    # ---- calls: each says what it sends; `_call` makes the method, `_async_twin` its twin ------
+    # ---- calls: each says what it sends; `_call_method` makes the method, `_async_twin` its twin ------
 
-    @_call("embed", "EmbeddingOutput")
+    @_call_method("embed", "EmbeddingOutput")
     def embed(self, prompts, **options) -> _Plan:
         """Embeds a prompt or a list of prompts; returns a list in input order. With
         long_inputs="chunk", `.num_chunks` says how many chunks (of the model's length, sharing
         `chunk_overlap` tokens with their neighbours) a document was embedded in."""
         return _Plan(prompts, self._options("embed", **options))
 
-    @_call("embed", "EmbeddingOutput", stream=True)
+    @_call_method("embed", "EmbeddingOutput", stream=True)
     def embed_stream(self, prompts, **options) -> _Plan:
         """Embeds any iterable (a generator of unknown length too), yielding in input order as
         results complete. Holds at most `max_inflight` requests at a time."""
         return _Plan(prompts, self._options("embed", **options))
 
-    @_call("classify", "ClassificationOutput")
+    @_call_method("classify", "ClassificationOutput")
     def classify(self, prompts, **options) -> _Plan:
         """Class probabilities (softmax, or sigmoid for single-label / multi-label heads) per prompt.
 
@@ -254,18 +254,18 @@ class Pipeline:
         (use_activation=False: the raw logits, `predict(pairs, activation_fn=Identity())`)."""
         return _Plan(prompts, self._options("classify", **options))
 
-    @_call("encode")
+    @_call_method("encode")
     def encode(self, prompts, task: str | None = None, **options) -> _Plan:
         """Any task of the model: "embed", "classify", "token_embed", "token_classify", or "plugin"
         (the io_processor's render/post_process around the forward pass). Defaults to the model's first task."""
         return _Plan(prompts, self._options(task, **options))
 
-    @_call("encode", stream=True)
+    @_call_method("encode", stream=True)
     def encode_stream(self, prompts, task: str | None = None, **options) -> _Plan:
         """`encode` as a stream over any iterable, in input order, with bounded memory."""
         return _Plan(prompts, self._options(task, **options))
 
-    @_call("score", "ScoringOutput")
+    @_call_method("score", "ScoringOutput")
     def score(self, data_1, data_2, **options) -> _Plan:
         """Scores query/document pairs: 1:1, 1:N (the single query against each document) or N:N.
 
@@ -276,7 +276,7 @@ class Pipeline:
         """
         return self._score_plan(data_1, data_2, **options)
 
-    @_call("score", "RankedDocument", positional=0)
+    @_call_method("score", "RankedDocument", positional=0)
     def rank(self, query: str, documents: Sequence[str], top_k: int | None = None, **options) -> _Plan:
         """The documents ordered by their score against the query, best first, as
         `(index, score)` pairs (ST's `CrossEncoder.rank`); `top_k` keeps the best k.
@@ -410,7 +410,7 @@ class Pipeline:
         source, total = build_requests(prompts, opts, self.model_spec, self._tokenization, prefix, refused)
         return prefix, source, total
 
-    def _call(self, prefix: str, source, opts: CallOptions, total: int | None,
+    def _start_call(self, prefix: str, source, opts: CallOptions, total: int | None,
               loop: asyncio.AbstractEventLoop | None = None, materialize: bool = False) -> Call:
         progress = None
         if opts.use_tqdm:
@@ -429,7 +429,7 @@ class Pipeline:
         prefix, source, total = self._requests(prompts, opts, materialize)
         if materialize:
             source = source.drain(self._dispatcher.batch_items)  # a list is checked whole before any work starts
-        call = self._call(prefix, source, opts, total, materialize=materialize)
+        call = self._start_call(prefix, source, opts, total, materialize=materialize)
         outputs = self._outputs(call)
         return self._post_process(outputs) if opts.plugin else outputs
 
@@ -463,7 +463,7 @@ class Pipeline:
                 source = source.drain(items)
             else:
                 source = await asyncio.to_thread(source.drain, items)
-        call = self._call(prefix, source, opts, total, loop=asyncio.get_running_loop(), materialize=materialize)
+        call = self._start_call(prefix, source, opts, total, loop=asyncio.get_running_loop(), materialize=materialize)
         if started is not None:
             started.append(call)
         try:

@@ -255,7 +255,7 @@ class RequestSource:
             self._last_params, self._last_route = params, route
         options = self.shared or self._options(params, priority, text_prefix if "prompt" in fields else None,
                                                self._last_max_tokens, route)
-        return ITEM, RenderParams(options, **fields)
+        return ITEM, RenderParams(options=options, **fields)
 
     def _check_pair_request(self, index: int) -> None:
         """A (text, text_pair) prompt is classified as ST's CrossEncoder reads a pair: by a

@@ -22,10 +22,12 @@ from typing import Annotated, Any, Literal, NamedTuple
 import msgspec
 
 from pooling_pipeline.core.options import (
+    Backend,
     ErrorsMode,
     LongInputs,
     NonNegativeInt,
     PositiveInt,
+    Quantize,
     Seconds,
     Task,
     TruncationSide,
@@ -46,10 +48,6 @@ DTYPE_ALIASES = {"auto": "auto", "float32": "float32", "float": "float32", "fp32
 Dtype = Literal["auto", "float32", "float", "fp32", "float16", "half", "fp16", "bfloat16", "bf16"]
 # "sim": the simulated accelerator (core/sim_device.py), a measurement instrument.
 Device = Annotated[str, Meta(pattern=r"^(auto|cpu|sim|cuda(:\d+)?)$")]
-# What runs the model's transformer: torch, or OpenVINO on a CPU (core/openvino_model.py); "auto":
-# OpenVINO on a CPU where it is installed and passes its start-up check for this model, else torch.
-Backend = Literal["auto", "torch", "openvino"]
-Quantize = Literal["int8"]
 
 
 class PipelineOptions(msgspec.Struct, frozen=True, kw_only=True):

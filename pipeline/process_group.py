@@ -481,7 +481,7 @@ class ProcessGroup:
         with self.send_lock:
             if self.closed or indices is not None and not indices:
                 return
-            frames = self.encoder.encode(m.Abort(call, indices))
+            frames = self.encoder.encode(m.Abort(call=call, indices=indices))
             for k in range(self.num_engines) if engine is None else (engine,):
                 try:  # never block on an engine that is gone: its requests went with it
                     send_to(self.controls[k], self.control_ids[k], frames)

@@ -1,6 +1,7 @@
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -16,33 +17,49 @@ import corpus
 import numpy as np
 import psutil
 import pytest
-
-# The test process runs sentence-transformers next to the engine process: keep it to one thread
-# so the two do not fight over the 2 cores.
-import torch  # noqa: E402
 from helpers import running
+from hypothesis import HealthCheck, settings
 
-from pooling_pipeline import Pipeline  # noqa: E402
-from pooling_pipeline.core.model_layout import default_model_path  # noqa: E402
+# Property tests: a quick profile by default (a fifth of each test's examples, see
+# helpers.examples), the full counts with HYPOTHESIS_PROFILE=thorough.
+settings.register_profile("default", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("thorough", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
-torch.set_num_threads(1)
+
+# torch, the API and sentence-transformers are imported by the fixtures and tests that need them,
+# not here: a quick test of a planner or a parser does not pay for them (collection took 29 s).
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The test process runs sentence-transformers next to the engine process: one thread, so the two
+    do not fight over the 2 cores (set once torch is imported, by whichever test imports it)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+    yield
 
 
 @pytest.fixture(scope="session")
 def model_path() -> str:
+    from pooling_pipeline.core.model_layout import default_model_path
+
     return default_model_path()
 
 
 @pytest.fixture(scope="session")
 def pipe():
+    from pooling_pipeline import Pipeline
+
     with Pipeline() as p:
         yield p
 
 
 @pytest.fixture(scope="session")
 def st_model(model_path):
+    import torch
     from sentence_transformers import SentenceTransformer
 
+    torch.set_num_threads(1)
     return SentenceTransformer(model_path, device="cpu")
 
 

@@ -13,6 +13,13 @@ import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
+
+
+def examples(thorough: int) -> int:
+    """A property test's example count: all of them with HYPOTHESIS_PROFILE=thorough, a fifth (at
+    least 10) in the default, quick profile."""
+    return thorough if THOROUGH else max(10, thorough // 5)
 SAMPLE = ROOT / "pipeline" / "jobs" / "data" / "sample.jsonl"
 
 

@@ -104,7 +104,9 @@ def test_simulated_devices_give_exactly_the_vectors_of_one(texts):
         group = two._group
         with group.send_lock:
             send_to(group.work[0], group.worker_ids[0], group.encoder.encode(m.RenderBatch(
-                "stray-", np.array([0]), m.RenderOptions("embed", 16, m.PoolingParams()), texts=["lost"], engine=7)))
+                call="stray-", indices=np.array([0]),
+                options=m.RenderOptions(task="embed", max_tokens=16, params=m.PoolingParams()), texts=["lost"],
+                engine=7)))
         outs = two.embed(texts[:20], use_tqdm=False)  # (sent after it on the same socket: handled after it)
         np.testing.assert_array_equal(_vectors(outs), reference[:20])
         assert "RenderBatch.engine=7 is outside [0, 2)" in group.workers[0].log_tail()

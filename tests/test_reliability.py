@@ -123,20 +123,22 @@ def test_hostile_frames_on_every_socket_are_dropped(pipe, st_model):
     group = pipe._group
     rng = random.Random(11)
     enc = Encoder()
-    options = m.RenderOptions("embed", 8, m.PoolingParams())
+    options = m.RenderOptions(task="embed", max_tokens=8, params=m.PoolingParams())
     ghost = [(4, np.array([1, 2], np.int32))]
     valid_wrong_type = [enc.encode(msg) for msg in (
-        m.Shutdown(), m.Abort("nope"), m.Abort("nope", [1, 2]), m.Ready("engine", 0, 1),
-        m.RenderBatch("x-", np.array([0]), options, texts=["stray"]),
-        m.OutputBatch(["ghost-"], np.array([3]), np.array([2]), 0.1, 2, 1, None, None, [np.ones(384, np.float32)]),
+        m.Shutdown(), m.Abort(call="nope"), m.Abort(call="nope", indices=[1, 2]), m.Ready(role="engine", index=0, pid=1),
+        m.RenderBatch(call="x-", indices=np.array([0]), options=options, texts=["stray"]),
+        m.OutputBatch(calls=["ghost-"], indices=np.array([3]), num_prompt_tokens=np.array([2]), busy_s=0.1,
+                      padded_tokens=2, in_core=1, call_of=None, data=None, arrays=[np.ones(384, np.float32)]),
         pack_outputs(Requests.from_message(engine_message("ghost-", ghost)), np.ones((1, 384), np.float32),
                      0.1, 2, 1),
-        m.OutputBatch(["ghost-"], np.array([5]), np.array([2]), 0.1, 2, 1, None, np.ones((3, 384), np.float32)),
+        m.OutputBatch(calls=["ghost-"], indices=np.array([5]), num_prompt_tokens=np.array([2]), busy_s=0.1,
+                      padded_tokens=2, in_core=1, call_of=None, data=np.ones((3, 384), np.float32)),
         engine_message("ghost-", [(0, np.array([101, 102], np.int32))]),
         engine_message("bad-", [(0, np.array([10**6], np.int32))]),
         engine_message("twice-", [(0, np.array([101], np.int32))] * 2),
     )]
-    valid = enc.encode(m.RenderBatch("y-", np.array([1]), options, texts=["hi"]))[0]
+    valid = enc.encode(m.RenderBatch(call="y-", indices=np.array([1]), options=options, texts=["hi"]))[0]
 
     def garbage():
         kind = rng.randrange(3)
@@ -439,13 +441,17 @@ def test_odd_answers_with_the_groups_key_leave_a_running_call_exact(pipe, st_mod
         call = next(iter(pipe._dispatcher.calls.values()))
         capacity = call.mask + 1
         fake = np.full((1, 384), 1 / np.sqrt(384), np.float32)
-        odd = [m.OutputBatch([call.prefix], np.zeros(0, np.int64), np.zeros(0, np.int64), 0.0, 0, 0, None,
-                             np.zeros((0, 384), np.float32)),
-               m.OutputBatch([call.prefix], np.array([5]), np.array([3]), 0.0, 3, 1, None, fake),  # handed back
-               m.OutputBatch([call.prefix], np.array([10**9]), np.array([3]), 0.0, 3, 1, None, fake)]  # never sent
+        odd = [m.OutputBatch(calls=[call.prefix], indices=np.zeros(0, np.int64),
+                             num_prompt_tokens=np.zeros(0, np.int64), busy_s=0.0, padded_tokens=0, in_core=0, call_of=None,
+                             data=np.zeros((0, 384), np.float32)),
+               m.OutputBatch(calls=[call.prefix], indices=np.array([5]), num_prompt_tokens=np.array([3]), busy_s=0.0,
+                             padded_tokens=3, in_core=1, call_of=None, data=fake),  # handed back
+               m.OutputBatch(calls=[call.prefix], indices=np.array([10**9]), num_prompt_tokens=np.array([3]),
+                             busy_s=0.0, padded_tokens=3, in_core=1, call_of=None, data=fake)]  # never sent
         stale = 1200 - capacity if 1200 >= capacity else 0
-        odd.append(m.OutputBatch([call.prefix], np.array([stale, stale]), np.array([3, 3]), 0.0, 6, 1, None,
-                                 np.tile(fake, (2, 1))))
+        odd.append(m.OutputBatch(calls=[call.prefix], indices=np.array([stale, stale]),
+                                 num_prompt_tokens=np.array([3, 3]), busy_s=0.0, padded_tokens=6, in_core=1, call_of=None,
+                                 data=np.tile(fake, (2, 1))))
         for msg in odd:
             sock.send_multipart(group.encoder.encode(msg))
         outs += list(stream)

@@ -4,6 +4,7 @@ import random
 
 import corpus
 import pytest
+from helpers import examples
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -83,7 +84,7 @@ texts = st.lists(st.one_of(st.sampled_from(PIECES), st.text(min_size=1, max_size
         lambda seps: "".join(w + s for w, s in zip(words, seps))))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
 @given(text=texts, k=st.integers(min_value=2, max_value=40), lead=st.sampled_from(["", " ", "\n"]),
        left=st.booleans())
@@ -94,7 +95,7 @@ def test_planner_equals_full_tokenization(tokenizer, text, k, lead, left):
     assert enc.encode(text, k, left=left) == _full_ids(tokenizer, text, k, left)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
 @given(text=texts)
 def test_piecewise_tokenization_for_chunks_equals_whole(tokenizer, text):
@@ -138,7 +139,7 @@ no_space_texts = st.lists(
         lambda glue: "".join(w + g for w, g in zip(words, glue)).replace(" ", "").replace("\u00a0", "")))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
 @given(text=no_space_texts, k=st.integers(min_value=2, max_value=40), left=st.booleans())
 def test_planner_equals_full_tokenization_on_text_without_whitespace(tokenizer, text, k, left):
@@ -146,7 +147,7 @@ def test_planner_equals_full_tokenization_on_text_without_whitespace(tokenizer, 
     assert enc.encode(text, k, left=left) == _full_ids(tokenizer, text, k, left)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
 @given(text=no_space_texts)
 def test_piecewise_tokenization_without_whitespace_equals_whole(tokenizer, text):
@@ -211,7 +212,7 @@ def test_find_cut_is_before_a_whitespace_run():
     assert find_cut("abcdefgh" * 100, 50, " ") is None
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(words=st.tuples(st.integers(0, 300), st.integers(0, 300)), max_tokens=st.integers(5, 160),
        caps=st.tuples(st.one_of(st.none(), st.integers(1, 200)), st.one_of(st.none(), st.integers(1, 200))))
 # Both sides past the budget, one only through its cap (58 > 57): their order decides the odd token.

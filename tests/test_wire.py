@@ -153,7 +153,8 @@ def test_output_columns_that_do_not_fit_are_rejected(change):
     else:
         chunks = np.zeros((2, 3), np.int64)
     msg = Decoder(m.FrontendInbound).decode(Encoder().encode(
-        m.OutputBatch(calls, idx, tok, 0.1, 8, 2, call_of, data, arrays, sparse_ids, chunks)))
+        m.OutputBatch(calls=calls, indices=idx, num_prompt_tokens=tok, busy_s=0.1, padded_tokens=8, in_core=2,
+                      call_of=call_of, data=data, arrays=arrays, sparse_ids=sparse_ids, chunks=chunks)))
     with pytest.raises(ValueError):
         msg.check()
 
@@ -182,24 +183,26 @@ def test_malformed_arrays_are_rejected(bad):
 
 def test_render_batches_carry_one_input_form_and_shared_options():
     enc, dec = Encoder(), Decoder(m.WorkerInbound)
-    options = m.RenderOptions("embed", 16, m.PoolingParams(), text_prefix="query: ")
+    options = m.RenderOptions(task="embed", max_tokens=16, params=m.PoolingParams(), text_prefix="query: ")
     indices = np.array([3, 4, 9])
-    texts = dec.decode(enc.encode(m.RenderBatch("c-", indices, options, texts=["a", "b", "c"], engine=1)))
+    texts = dec.decode(enc.encode(m.RenderBatch(call="c-", indices=indices, options=options, texts=["a", "b", "c"], engine=1)))
     assert texts.check() == 3 and texts.options == options and texts.engine == 1 and texts.indices.tolist() == [3, 4, 9]
     ids = np.arange(5000, dtype=np.int32)
-    packed = dec.decode(enc.encode(m.RenderBatch("c-", indices, options, token_ids=ids, lengths=np.array([1, 4, 4995]))))
+    packed = dec.decode(enc.encode(m.RenderBatch(call="c-", indices=indices, options=options, token_ids=ids,
+                                                 lengths=np.array([1, 4, 4995]))))
     assert packed.check() == 3
     assert [a.tolist()[:2] for a in split_packed(packed.token_ids, packed.lengths.tolist())] == [[0], [1, 2], [5, 6]]
-    items = [m.RenderParams(options, conversation=[{"role": "user", "content": "hi"}]),
-             m.RenderParams(m.RenderOptions("embed", 8, m.PoolingParams(normalize=False)), prompt="x")]
-    general = dec.decode(enc.encode(m.RenderBatch("c-", indices[:2], items=items, chat_template="tmpl")))
+    items = [m.RenderParams(options=options, conversation=[{"role": "user", "content": "hi"}]),
+             m.RenderParams(options=m.RenderOptions(task="embed", max_tokens=8,
+                                                    params=m.PoolingParams(normalize=False)), prompt="x")]
+    general = dec.decode(enc.encode(m.RenderBatch(call="c-", indices=indices[:2], items=items, chat_template="tmpl")))
     assert general.check() == 2 and general.items[1].options.max_tokens == 8 and general.chat_template == "tmpl"
 
 
 @pytest.mark.parametrize("change", ["two forms", "no form", "lengths", "texts", "no options", "items with options",
                                     "pairs", "2-D indices"])
 def test_render_batches_that_do_not_fit_are_rejected(change):
-    options = m.RenderOptions("embed", 16, m.PoolingParams())
+    options = m.RenderOptions(task="embed", max_tokens=16, params=m.PoolingParams())
     fields = {"options": options, "texts": ["a", "b"]}
     indices = np.array([0, 1])
     if change == "two forms":
@@ -213,12 +216,12 @@ def test_render_batches_that_do_not_fit_are_rejected(change):
     elif change == "no options":
         del fields["options"]
     elif change == "items with options":
-        fields = {"options": options, "items": [m.RenderParams(options, prompt="a")] * 2}
+        fields = {"options": options, "items": [m.RenderParams(options=options, prompt="a")] * 2}
     elif change == "pairs":
         fields["pairs"] = ["only one"]
     else:
         indices = np.array([[0, 1]])
-    msg = Decoder(m.WorkerInbound).decode(Encoder().encode(m.RenderBatch("c-", indices, **fields)))
+    msg = Decoder(m.WorkerInbound).decode(Encoder().encode(m.RenderBatch(call="c-", indices=indices, **fields)))
     with pytest.raises(ValueError):
         msg.check()
 
@@ -295,3 +298,14 @@ def test_the_engine_refuses_each_bad_row_naming_it_and_keeps_the_rest():
         assert "route 2" in refused[7]
     other = engine_message("c-", [good], task="classify")  # a task the model does not run
     assert "task" in invalid_rows(Requests.from_message(other), model, runs, other.columns.keys())[0][1]
+
+
+def test_wire_structs_are_built_by_keyword_only():
+    """Built by position, two fields of one type could swap silently (a Heartbeat's counts): every
+    message struct refuses it (issue 36)."""
+    for struct in (m.Heartbeat, m.Ready, m.Abort, m.StepFailed, m.RenderFailed, m.RenderOptions, m.RenderParams,
+                   m.RenderBatch, m.EngineInputBatch, m.OutputBatch, m.PoolingParams):
+        with pytest.raises(TypeError):
+            struct("positional", 0)
+    beat = m.Heartbeat(role="worker", index=0, busy_s=0.0, pid=1, received=3, finished=2, sent_at=0.0, info={})
+    assert (beat.received, beat.finished) == (3, 2)

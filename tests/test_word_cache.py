@@ -7,6 +7,7 @@ import random
 import corpus
 import model_zoo
 import pytest
+from helpers import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, processors
@@ -105,7 +106,7 @@ def test_random_ascii_with_every_character_class(tokenizer, max_tokens):
     _assert_same(tokenizer, texts, max_tokens)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.sampled_from(PIECES), st.sampled_from(SEPARATORS)), max_size=12),
        st.sampled_from(MAX_TOKENS))
 def test_added_tokens_odd_characters_and_long_words(tokenizer, parts, max_tokens):

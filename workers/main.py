@@ -64,7 +64,8 @@ def main(argv: list[str]) -> int:
         release_free_memory()
     except Exception as e:
         log.exception("cannot load the tokenizer")
-        to_front.send_multipart(encoder.encode(m.Ready("worker", cfg.index, os.getpid(), error=f"{type(e).__name__}: {e}")))
+        to_front.send_multipart(encoder.encode(m.Ready(role="worker", index=cfg.index, pid=os.getpid(),
+                                                       error=f"{type(e).__name__}: {e}")))
         to_front.close(linger=2000)
         return 1
 
@@ -72,7 +73,7 @@ def main(argv: list[str]) -> int:
     to_engines = [socket(ctx, zmq.PUSH, endpoint, bind=False) for endpoint in cfg.engine_endpoints]
     rule = renderer.tokenizer.rule
     to_front.send_multipart(encoder.encode(m.Ready(
-        "worker", cfg.index, os.getpid(),
+        role="worker", index=cfg.index, pid=os.getpid(),
         info={"num_special_tokens": renderer.tokenizer.num_special_tokens,
               "prefix_truncation": rule.exact, "prefix_truncation_reason": rule.reason,
               "suffix_truncation": rule.suffix_exact,
@@ -122,7 +123,7 @@ def serve(cfg: WorkerConfig, renderer, work: zmq.Socket, to_engines: list[zmq.So
         failed += refused
         if failed:
             to_front.send_multipart(encoder.encode(m.RenderFailed(
-                msg.call, [index for index, _ in failed], [error for _, error in failed])))
+                call=msg.call, indices=[index for index, _ in failed], errors=[error for _, error in failed])))
         return True
 
     while True:

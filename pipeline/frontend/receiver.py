@@ -156,8 +156,8 @@ class Dispatcher:
         for name, indices in per_call.items():
             call = calls.get(name)
             if call is not None:
-                call.deliver(msg if len(indices) == len(msg.indices) else m.StepFailed([name] * len(indices), indices,
-                                                                                        msg.error))
+                call.deliver(msg if len(indices) == len(msg.indices) else m.StepFailed(calls=[name] * len(indices),
+                                                                                        indices=indices, error=msg.error))
 
     def _check_health(self) -> None:
         """Raises EngineDeadError for a dead or wedged engine core; tells every call about a lost
