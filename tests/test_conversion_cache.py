@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from pathlib import Path
 
 import corpus
 import numpy as np
 import pytest
+from helpers import rewrite_in_place
 from tiny_models import build_bert
 
 from pooling_pipeline import Pipeline
@@ -49,20 +49,6 @@ def run(model: Path, backend: str = "auto") -> tuple[dict, np.ndarray]:
 
 def assert_close(got: np.ndarray, want: np.ndarray) -> None:
     assert float(np.abs(got - want).max()) <= TOL
-
-
-def rewrite_in_place(path: Path, keep_mtime: bool = True) -> None:
-    """Bytes in the middle of the file changed in place: the same inode and size (and, by default,
-    the modification time put back)."""
-    before = path.stat()
-    with open(path, "r+b") as f:
-        f.seek(before.st_size // 2)
-        chunk = f.read(4096)
-        f.seek(before.st_size // 2)
-        f.write(bytes(b ^ 0x21 for b in chunk))
-    if keep_mtime:
-        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
-    assert path.stat().st_size == before.st_size and path.stat().st_ino == before.st_ino
 
 
 def test_without_openvino_auto_runs_torch(cache, model):

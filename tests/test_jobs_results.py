@@ -11,6 +11,7 @@ from pathlib import Path
 import corpus
 import numpy as np
 import pytest
+from helpers import rewrite_in_place
 from test_launcher import TOL, FakePipeline, manifest_of, run_launcher
 
 from pooling_pipeline import load_results
@@ -292,20 +293,6 @@ def test_resume_refuses_a_model_changed_in_any_of_its_files(tmp_path, records, d
     assert manifest_of(out)["records_done"] == 20  # nothing added to the old job
 
 
-def _rewrite_in_place_keeping_size_and_mtime(path: Path) -> None:
-    """Changes bytes in the middle of a file in place (the same inode and size) and puts its
-    modification time back, as a copy tool or a checkout can leave a file."""
-    before = path.stat()
-    with open(path, "r+b") as f:
-        f.seek(before.st_size // 2)
-        chunk = f.read(4096)
-        f.seek(before.st_size // 2)
-        f.write(bytes(b ^ 0x55 for b in chunk))
-    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
-    after = path.stat()
-    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (before.st_size, before.st_mtime_ns, before.st_ino)
-
-
 def test_resume_refuses_weights_rewritten_in_place_with_size_and_mtime_kept(tmp_path, records, dense_model, no_model,
                                                                             capsys):
     """The model's identity is the whole content of each file (a sample let a rewrite in place
@@ -314,7 +301,7 @@ def test_resume_refuses_weights_rewritten_in_place_with_size_and_mtime_kept(tmp_
 
     model, out, argv = _job_on_a_model_copy(tmp_path, records, dense_model)
     assert main([*argv, "--limit", "20"]) == 0
-    _rewrite_in_place_keeping_size_and_mtime(model / "model.safetensors")
+    rewrite_in_place(model / "model.safetensors")
     capsys.readouterr()
     assert main([*argv, "--resume"]) == 2
     assert "the model changed since the job began (changed: model.safetensors)" in capsys.readouterr().err
