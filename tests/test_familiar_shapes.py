@@ -97,6 +97,48 @@ def test_similarity_and_prompts_follow_the_model(tmp_path):
     assert wait_gone(pids, 5.0) == []  # the encoder owned its pipeline and closed it
 
 
+@pytest.mark.parametrize("name", ["cosine", "dot", "euclidean", "manhattan"])
+def test_similarity_matrices_equal_sentence_transformers(name):
+    """similarity / similarity_pairwise are ST's matrix operations (issue 37, item 2): equal within
+    1e-6 on arrays, tensors and single vectors, for every similarity function."""
+    from sentence_transformers import util
+
+    from pooling_pipeline.similarity import similarity_matrix, similarity_pairwise
+
+    rng = np.random.default_rng(5)
+    a, b = rng.standard_normal((40, 64)).astype(np.float32), rng.standard_normal((70, 64)).astype(np.float32)
+    st_matrix = {"cosine": util.cos_sim, "dot": util.dot_score, "euclidean": util.euclidean_sim,
+                 "manhattan": util.manhattan_sim}[name]
+    st_pairs = {"cosine": util.pairwise_cos_sim, "dot": util.pairwise_dot_score,
+                "euclidean": util.pairwise_euclidean_sim, "manhattan": util.pairwise_manhattan_sim}[name]
+    for x, y in ((a, b), (torch.from_numpy(a), torch.from_numpy(b)), (a[0], b), (a.tolist(), b.tolist())):
+        got, want = similarity_matrix(name, x, y), st_matrix(x, y)
+        assert isinstance(got, torch.Tensor) and got.shape == want.shape
+        assert float((got - want).abs().max()) <= 1e-6 * max(1.0, float(want.abs().max()))
+    got, want = similarity_pairwise(name, a, b[:40]), st_pairs(a, b[:40])
+    assert got.shape == want.shape and float((got - want).abs().max()) <= 1e-6 * max(1.0, float(want.abs().max()))
+
+
+def test_the_sentence_transformers_surface_libraries_reach_for(encoder, st_model):
+    """ST 6.3's names (issue 37, item 3): get_embedding_dimension (and its deprecated name),
+    get_max_seq_length, device, tokenizer, model_card_data, truncate_dim; max_seq_length is settable
+    and truncates as ST's does."""
+    assert encoder.get_embedding_dimension() == st_model.get_embedding_dimension() == 384
+    assert encoder.get_sentence_embedding_dimension() == 384
+    assert encoder.get_max_seq_length() == encoder.max_seq_length == st_model.max_seq_length
+    assert encoder.device == torch.device("cpu") and encoder.truncate_dim is None
+    assert encoder.tokenizer("a text")["input_ids"] == st_model.tokenizer("a text")["input_ids"]
+    assert encoder.model_card_data.model_name
+    long_text = TEXTS[-1]
+    encoder.max_seq_length = st_model.max_seq_length = 32
+    try:
+        got, want = encoder.encode([long_text, TEXTS[0]]), st_model.encode([long_text, TEXTS[0]])
+        assert np.abs(got - want).max() <= TOL
+    finally:
+        encoder.max_seq_length = st_model.max_seq_length = 256
+    assert np.abs(encoder.encode([long_text]) - st_model.encode([long_text])).max() <= TOL
+
+
 def test_encode_refuses_what_it_cannot_honour(encoder):
     with pytest.raises(ValueError, match="precision"):
         encoder.encode(TEXTS[:1], precision="int4")

@@ -29,6 +29,8 @@ encode_query / encode_document would; its `task_name` selects nothing.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,7 +39,7 @@ from pooling_pipeline.api import Pipeline
 from pooling_pipeline.core.messages import PoolingParams
 from pooling_pipeline.inputs import model_prompts
 from pooling_pipeline.quantization import PRECISIONS, quantize_embeddings
-from pooling_pipeline.similarity import similarity
+from pooling_pipeline.similarity import similarity_matrix, similarity_pairwise
 
 DOCUMENT_PROMPT_NAMES = ("document", "passage", "corpus")  # what ST's encode_document looks for, in order
 # MTEB passes these to encode; they select nothing here beyond the prompt type.
@@ -56,7 +58,11 @@ class SentenceEncoder:
         self.prompts = model_prompts(spec)  # ST's own dict: its placeholders filled by the saved prompts
         self.default_prompt_name = spec.default_prompt_name
         self.similarity_fn_name = spec.similarity
+        # The tokens kept of a text: settable as in ST (`model.max_seq_length = 256`), sent with every call.
         self.max_seq_length = spec.default_max_tokens
+        self._default_max_seq_length = spec.default_max_tokens
+        self._tokenizer = None
+        self._model_id = None if model is None else str(model)
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -70,8 +76,49 @@ class SentenceEncoder:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # ---- the surface of ST 6's SentenceTransformer that libraries reach for ------------------------
+
+    @property
+    def truncate_dim(self) -> int | None:
+        """The model's saved truncate_dim (ST's attribute; `encode(truncate_dim=)` overrides it per call)."""
+        return self.pipeline.model_spec.truncate_dim
+
+    def get_embedding_dimension(self) -> int:
+        """The width of `encode`'s vectors (ST 6.3's name): the model's, cut at its truncate_dim."""
+        width = self.pipeline.model_spec.embedding_size
+        return min(width, self.truncate_dim) if self.truncate_dim else width
+
     def get_sentence_embedding_dimension(self) -> int:
-        return self.pipeline.model_spec.truncate_dim or self.pipeline.model_spec.embedding_size
+        """ST's older name of `get_embedding_dimension` (deprecated in ST 6.3, still answering there too)."""
+        return self.get_embedding_dimension()
+
+    def get_max_seq_length(self) -> int:
+        """ST's older accessor of `max_seq_length`: the tokens kept of a text (settable, as in ST)."""
+        return self.max_seq_length
+
+    @property
+    def device(self):
+        """Where the model runs (the first engine core's device), as a torch.device."""
+        import torch
+
+        return torch.device(str(self.pipeline.stats()["engine"]["device"]))
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer as ST exposes it (loaded in this process on first use; the render
+        workers have their own)."""
+        if self._tokenizer is None:
+            from pooling_pipeline.workers.render import load_hf_tokenizer
+
+            spec = self.pipeline.model_spec
+            self._tokenizer = load_hf_tokenizer(spec.route_specs[0] if spec.route_specs else spec)
+        return self._tokenizer
+
+    @property
+    def model_card_data(self) -> ModelCardData:
+        """What ST's model card data says of the model, as far as the folder tells."""
+        return ModelCardData(model_name=Path(self.pipeline.model_spec.path).name,
+                             model_id=self._model_id, similarity_fn_name=self.similarity_fn_name)
 
     # ---- encoding ----------------------------------------------------------------------------
 
@@ -108,6 +155,7 @@ class SentenceEncoder:
         # it the engine applies the saved truncate_dim. Then the norm, on the cut vectors.
         params = PoolingParams(dimensions=width) if truncate_dim is not None else None
         outs = self.pipeline.embed(texts, pooling_params=params, use_tqdm=bool(show_progress_bar),
+                                   truncate_prompt_tokens=self._kept_tokens(),
                                    prompt_name=prompt_name, prompt=prompt, route=self._route(kwargs.get("task")))
         vectors = np.stack([o.embedding for o in outs]) if outs else np.zeros((0, width), np.float32)
         if truncate_dim is not None:
@@ -137,24 +185,24 @@ class SentenceEncoder:
         return self.encode(sentences, prompt_name=prompt_name, prompt=prompt, **kwargs)
 
     def similarity(self, embeddings1, embeddings2):
-        """[n, m] similarities with the model's similarity function, as a torch tensor (as ST)."""
-        import torch
-
-        a, b = _matrix(embeddings1), _matrix(embeddings2)
-        values = np.array([[similarity(self.similarity_fn_name, x, y) for y in b] for x in a], dtype=np.float32)
-        return torch.from_numpy(values.reshape(len(a), len(b)))
+        """[n, m] similarities with the model's similarity function, as a torch tensor: ST's
+        `similarity` (one matrix operation, the same torch calls)."""
+        return similarity_matrix(self.similarity_fn_name, embeddings1, embeddings2)
 
     def similarity_pairwise(self, embeddings1, embeddings2):
-        """[n] similarities of the rows paired in order."""
-        import torch
-
-        a, b = _matrix(embeddings1), _matrix(embeddings2)
-        if len(a) != len(b):
-            raise ValueError(f"similarity_pairwise needs as many rows on both sides, got {len(a)} and {len(b)}")
-        return torch.from_numpy(np.array([similarity(self.similarity_fn_name, x, y) for x, y in zip(a, b)],
-                                         dtype=np.float32))
+        """[n] similarities of the rows paired in order (ST's `similarity_pairwise`)."""
+        return similarity_pairwise(self.similarity_fn_name, embeddings1, embeddings2)
 
     # ---- internals ------------------------------------------------------------------------
+
+    def _kept_tokens(self) -> int | None:
+        """The call's truncation: None while max_seq_length is the model's own (each route then keeps
+        its own length), else the length the caller set."""
+        if self.max_seq_length == self._default_max_seq_length:
+            return None
+        if not isinstance(self.max_seq_length, int) or self.max_seq_length < 1:
+            raise ValueError(f"max_seq_length must be a positive int, got {self.max_seq_length!r}")
+        return self.max_seq_length
 
     def _route(self, task: str | None) -> str | None:
         """ST's encode(task=...): a Router model's route; a model without routes ignores it, as ST does."""
@@ -164,6 +212,7 @@ class SentenceEncoder:
                           convert_to_numpy):
         # ST returns the transformer's token vectors as they are (Normalize acts on sentence embeddings).
         outs = self.pipeline.encode(texts, task="token_embed", pooling_params=PoolingParams(normalize=False),
+                                    truncate_prompt_tokens=self._kept_tokens(),
                                     use_tqdm=bool(show_progress_bar), prompt_name=prompt_name, prompt=prompt)
         arrays = [o.data for o in outs]
         if convert_to_tensor or not convert_to_numpy:
@@ -181,9 +230,16 @@ class SentenceEncoder:
         return next((name for name in DOCUMENT_PROMPT_NAMES if name in self.prompts), None)
 
 
-def _matrix(embeddings) -> np.ndarray:
-    array = embeddings.detach().cpu().numpy() if hasattr(embeddings, "detach") else np.asarray(embeddings)
-    return array.reshape(1, -1) if array.ndim == 1 else array
+@dataclass
+class ModelCardData:
+    """The part of ST's SentenceTransformerModelCardData that libraries read (a model's name)."""
+
+    model_name: str | None = None
+    model_id: str | None = None
+    base_model: str | None = None
+    language: list[str] | None = None
+    license: str | None = None
+    similarity_fn_name: str | None = None
 
 
 def _empty(output_value: str, convert_to_tensor: bool, convert_to_numpy: bool):

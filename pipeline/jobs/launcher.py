@@ -392,6 +392,10 @@ class Interrupt:
             raise KeyboardInterrupt
 
 
+# How often (in records) the progress bar's total is re-estimated from the bytes read so far.
+PROGRESS_TOTAL_EVERY = 256
+
+
 class Job:
     """One run of a local job: records in, results out in input order, completed work always kept."""
 
@@ -428,6 +432,9 @@ class Job:
         finally:
             interrupt.writing = True  # from here on a signal waits: the manifest is written whole
             if self.progress is not None:
+                if self.exhausted:  # the whole input read: the total is what was done
+                    self.progress.total = self.progress.n
+                    self.progress.refresh()
                 self.progress.close()
         if stats is not None:
             stats["records_this_run"] = self.done  # failed ones included, those refused before the model too
@@ -471,7 +478,11 @@ class Job:
 
                 # smoothing=0: the rate shown is records done / time since the model was ready (the
                 # default moving average swings with the batches, which come in bursts).
-                self.progress = tqdm(desc="pipeline-run", unit="records", dynamic_ncols=True, smoothing=0)
+                # The total (so the rate gives an ETA): exact for Parquet, else estimated from the bytes read
+                # so far and refined as the job goes (`RecordReader.estimated_total`); a resume starts
+                # at the records the job already has.
+                self.progress = tqdm(desc="pipeline-run", unit="records", dynamic_ncols=True, smoothing=0,
+                                     initial=self.writer.records_done, total=self._expected_total())
             interrupt.soft = True  # from here a first signal lets the loop keep what is complete
             stream = pipe.encode_stream(self._texts(records, remaining, interrupt), args.task, **call_options(args),
                                         errors="return")  # --errors raise is applied here, naming the record
@@ -515,8 +526,26 @@ class Job:
         self.tokens += tokens
         if self.progress is not None:
             self.progress.update(1)
+            if self.done % PROGRESS_TOTAL_EVERY == 1 or self.progress.n >= (self.progress.total or 0):
+                self._refresh_total()
             self.progress.set_postfix_str(f"{self.tokens / max(self.progress.format_dict['elapsed'], 1e-9):,.0f} tok/s",
                                           refresh=False)
+
+    def _expected_total(self) -> int | None:
+        """This run's bar total: the shard's records in all (limited by --limit), or None while unknown."""
+        estimate = self.reader.estimated_total(self.args.shard)
+        if estimate is None:
+            return None
+        total = estimate[0]
+        return min(total, self.args.limit) if self.args.limit is not None else total
+
+    def _refresh_total(self) -> None:
+        total = self._expected_total()
+        if total is not None:
+            total = max(total, self.progress.n + 1)  # (still reading: at least one more to come)
+            if total != self.progress.total:
+                self.progress.total = total
+                self.progress.refresh()
 
     def _report(self, signum: int | None, failure: BaseException | None, dropped: int, stats: dict | None) -> int:
         args, writer = self.args, self.writer

@@ -142,9 +142,23 @@ class FormatReader:
     def __init__(self, source: Source, fields: Fields) -> None:
         self.source = source
         self.fields = fields
+        # How far `units` has read, for the progress bar's estimate: bytes of a file, rows of Parquet.
+        self.done_units = 0
 
     def probe(self, first: bool) -> None:
         """Checks the fields against the first records; `first`: the job's first input, which decides the ids."""
+
+    def size(self, snapshot: dict | None) -> tuple[int, bool] | None:
+        """(the input's size in the units `done_units` counts, whether it counts records exactly), or
+        None where it cannot be known ahead (a stream)."""
+        if self.source.stream:
+            return None
+        if snapshot is not None and "size" in snapshot:
+            return int(snapshot["size"]), False
+        try:
+            return os.stat(self.source.path).st_size, False
+        except OSError:
+            return None
 
     def units(self, digest, snapshot: dict | None = None) -> Iterator[tuple[int, object]]:
         """`snapshot`: the input's fingerprint when the job began (fingerprint.file_fingerprint); the
@@ -183,6 +197,7 @@ class _LineReader(FormatReader):
         try:
             in_snapshot = lines if source.stream or snapshot is None else _snapshot_lines(lines, source, snapshot)
             for line_no, raw in enumerate(in_snapshot, start=1):
+                self.done_units += len(raw)
                 if digest is not None and source.stream:
                     digest.update(raw)
                 if line_no == 1 and raw.startswith(BOM):
@@ -322,6 +337,10 @@ class ParquetReader(FormatReader):
             if name not in names:
                 raise InputError(f"{self.source.name}: {option} {name!r} matches no column (columns: {names})")
 
+    def size(self, snapshot: dict | None) -> tuple[int, bool] | None:
+        """Its rows, from the file's metadata: an exact count."""
+        return _parquet_file(self.source.path).metadata.num_rows, True
+
     def units(self, digest, snapshot: dict | None = None) -> Iterator[tuple[int, dict]]:
         if snapshot is not None:
             _check_size(self.source, snapshot)
@@ -335,6 +354,7 @@ class ParquetReader(FormatReader):
             values = {c: batch.column(c).to_pylist() for c in columns}
             for k in range(batch.num_rows):
                 row += 1
+                self.done_units += 1
                 yield row, {c: values[c][k] for c in columns}
         if snapshot is not None:  # a file rewritten while it was read is not the one the job began with
             _check_size(self.source, snapshot)
@@ -421,6 +441,8 @@ class RecordReader:
                              pair=pair_field)
         self.readers = [FORMATS[s.format](s, self.fields) for s in sources]
         self.probed = False
+        self.read_records = 0  # records read so far, every shard's (the progress estimate's numerator)
+        self._sizes: list[tuple[int, bool] | None] | None = None
 
     @property
     def id_field(self) -> str | None:
@@ -477,11 +499,14 @@ class RecordReader:
         snapshots = snapshot if snapshot is not None else [None] * len(self.readers)
         if len(snapshots) != len(self.readers):
             raise RuntimeError(f"{len(snapshots)} input fingerprints for {len(self.readers)} inputs: this is a bug")
+        self._sizes = [reader.size(None if fingerprint is None or fingerprint.get("stream") else fingerprint)
+                       for reader, fingerprint in zip(self.readers, snapshots)]
         for reader, fingerprint in zip(self.readers, snapshots):
             for line_no, raw in reader.units(digest, None if fingerprint is None or fingerprint.get("stream")
                                              else fingerprint):
                 ours = index % shard_n == shard_i
                 index += 1
+                self.read_records = index
                 if not ours:
                     continue
                 mine += 1
@@ -496,6 +521,24 @@ class RecordReader:
                              f"done {skip}: an input changed since the job began")
         for reader in self.readers:
             reader.close()
+
+    def estimated_total(self, shard: tuple[int, int] = (0, 1)) -> tuple[int, bool] | None:
+        """This shard's records in all, as far as can be told while `records()` runs: (count, exact).
+        Exact when every input is Parquet (row counts); else estimated from the bytes read so far
+        and the records they held; None for a stream, or before anything was read."""
+        sizes = self._sizes
+        if not sizes or any(size is None for size in sizes):
+            return None
+        shard_i, shard_n = shard
+        if all(exact for _, exact in sizes):
+            total = sum(n for n, _ in sizes)
+            return len(range(shard_i, total, shard_n)), True
+        done = sum(min(reader.done_units, n) for reader, (n, _) in zip(self.readers, sizes))
+        whole = sum(n for n, _ in sizes)
+        if done <= 0 or self.read_records <= 0:
+            return None
+        records = self.read_records * whole / done  # every shard's: records per byte so far, times all bytes
+        return max(1, round(records / shard_n)), done >= whole
 
     @staticmethod
     def _check_resumed_stream(digest, expected: str | None, skip: int) -> None:
