@@ -26,7 +26,13 @@ from typing import Any, NamedTuple
 import msgspec
 import numpy as np
 
-from pooling_pipeline.backends import describe_backend, describe_checkpoint_precision, engine_backend, static_backend
+from pooling_pipeline.backends import (
+    describe_backend,
+    describe_checkpoint_precision,
+    describe_faster_precision,
+    engine_backend,
+    static_backend,
+)
 from pooling_pipeline.call_stats import CallStats
 from pooling_pipeline.core.model_layout import load_model_spec
 from pooling_pipeline.core.options import checked
@@ -49,6 +55,7 @@ from pooling_pipeline.process_group import ProcessGroup
 from pooling_pipeline.similarity import similarity
 
 log = logging.getLogger("pipeline")
+_said_once: dict[str, bool] = {}  # notices a process is told once, not at every start
 
 MAX_MESSAGE_ITEMS = 256
 # An async call checks a list this long in a thread (a whole list is checked before any work
@@ -190,8 +197,12 @@ class Pipeline:
         except BaseException:
             self.close()
             raise
-        if self._group.engine_info.get("conversion") == "converted":  # a start-up cost paid once per model
-            log.info("%s", describe_backend(self._group.engine_info))
+        engine = self._group.engine_info
+        log.info("%s", describe_backend(engine))  # what runs the model, in which precision
+        hint = describe_faster_precision(engine)
+        if hint is not None and not _said_once.get("faster_precision"):
+            _said_once["faster_precision"] = True
+            log.info("%s", hint)
         # (the engine's own log is not the caller's: what it has to say at start-up travels in its info)
         for warning in str(self._group.engine_info.get("warnings") or "").splitlines():
             log.warning("%s", warning)

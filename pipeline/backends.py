@@ -90,4 +90,27 @@ def describe_backend(engine: dict) -> str:
         extra.append(f"quantize {engine['quantize']}")
     if engine.get("openvino_refused"):
         extra.append(f"openvino refused: {engine['openvino_refused']}")
-    return f"backend {backend}" + (f" ({'; '.join(extra)})" if extra else "")
+    where = f" {engine['dtype']} on {engine['device']}" if engine.get("dtype") and engine.get("device") else ""
+    return f"backend {backend}{where}" + (f" ({'; '.join(extra)})" if extra else "")
+
+
+def cpu_has_bfloat16_units() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX), read from /proc/cpuinfo
+    (no library import in the caller)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def describe_faster_precision(engine: dict) -> str | None:
+    """A notice for a CPU with bfloat16 units running float32 (the default, held to
+    sentence-transformers within 1e-5): what the opt-in bfloat16 would give and cost, or None."""
+    if engine.get("device") != "cpu" or engine.get("dtype") != "float32" or engine.get("backend") == "sim" \
+            or "static" in str(engine.get("model", "")) or not cpu_has_bfloat16_units():
+        return None
+    return ("this CPU has bfloat16 units: dtype='bfloat16' runs the transformer about 1.8x faster here (opt-in; "
+            "it moves vectors by about 1 - cos 5e-5, measured on all-MiniLM-L6-v2: see docs/backends.md); the "
+            "default stays float32, sentence-transformers' result within 1e-5")

@@ -209,3 +209,26 @@ def test_int8_is_opt_in_close_to_float32_and_reported(pipe, model_path):
     cosine = (full * low).sum(1)  # both unit vectors
     assert cosine.min() > 0.85, cosine.min()  # measured 0.92-0.96 (ST + ONNX int8: 0.94-0.98)
     assert np.abs(full - low).max() > 1e-4  # it did quantize: not float32's vectors
+
+
+def test_start_up_says_what_precision_runs(model_path, caplog):
+    """Start-up names the backend and precision (a log line at INFO, stats()["engine"]); on a CPU with
+    bfloat16 units running float32 it says once that dtype='bfloat16' is faster and what it changes,
+    without changing the default (issue 37, item 7)."""
+    import logging
+
+    from pooling_pipeline import api
+    from pooling_pipeline.backends import cpu_has_bfloat16_units
+
+    api._said_once.clear()
+    with caplog.at_level(logging.INFO, logger="pipeline"), Pipeline(num_render_workers=1) as pipe:
+        engine = pipe.stats()["engine"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "pipeline"]
+    assert engine["dtype"] == "float32" and engine["device"] == "cpu"
+    assert any(line.startswith(f"backend {engine['backend']}") and "float32" in line for line in lines), lines
+    hinted = [line for line in lines if "dtype='bfloat16'" in line and "1 - cos" in line]
+    assert len(hinted) == (1 if cpu_has_bfloat16_units() else 0), lines
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pipeline"), Pipeline(num_render_workers=1):
+        pass
+    assert not [r for r in caplog.records if "dtype='bfloat16'" in r.getMessage()]  # said once a process

@@ -551,3 +551,15 @@ def test_progress_shows_the_total_and_an_eta(tmp_path, monkeypatch, capsys):
     pq.write_table(pa.table({"text": [r["text"] for r in rows]}), table)
     assert main(["--input", str(table), "--output", str(tmp_path / "pq"), "--shard", "1/2"]) == 0
     assert re.search(r"\b150/150 \[", capsys.readouterr().err)  # exact: rows 1, 3, ..., 299 of 301
+
+
+def test_help_names_every_engine_option_plainly():
+    """--help (issue 37): every Pipeline option a job can set has its flag (--max-num-batched-tokens
+    too), in one metavar style, with defaults a user reads (no Python tuples, no None, no source file)."""
+    from pooling_pipeline.jobs.launcher import build_parser, pipeline_options
+
+    text = build_parser().format_help()
+    assert "--max-num-batched-tokens N" in text and "--workers N" in text and "--max-num-seqs N" in text
+    assert "(0, 1)" not in text and ".py)" not in text and "or None" not in text
+    args = build_parser().parse_args(["--max-num-batched-tokens", "4096", "--shard", "1/3"])
+    assert pipeline_options(args)["max_num_batched_tokens"] == 4096 and args.shard == (1, 3)

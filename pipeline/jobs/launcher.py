@@ -8,7 +8,7 @@
     cat lines.txt | pipeline-run --input - --output out/
 
 Inputs are streamed, never loaded whole. Results go to chunked files with a manifest
-(jobs/results_store.py); --resume continues an interrupted job on the same inputs, and on a
+(__job__/manifest.json); --resume continues an interrupted job on the same inputs, and on a
 missing or empty directory simply starts it, so one command line serves every (re)start.
 
 exit codes: 0 done (or nothing to do, or stopped at --limit); 1 runtime failure (the model or the
@@ -81,6 +81,7 @@ def field_list(value: str) -> tuple[str, ...]:
 # type (choices, a positive int, a switch) and help come from the option's declaration
 # (options.py); `build_parser` gives only what the command line says differently.
 PIPELINE_FLAGS = {"workers": "num_render_workers", "max_num_seqs": "max_num_seqs",
+                  "max_num_batched_tokens": "max_num_batched_tokens",
                   "data_parallel_size": "data_parallel_size", "device": "device", "dtype": "dtype",
                   "backend": "backend", "quantize": "quantize",
                   "trust_remote_code": "trust_remote_code", "revision": "revision"}
@@ -139,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     declared_flag(ap, "--trust-remote-code", PipelineOptions, "trust_remote_code")
     declared_flag(ap, "--prompt-name", CallOptions, "prompt_name", metavar="NAME")
     declared_flag(ap, "--prompt", CallOptions, "prompt", metavar="TEXT")
-    declared_flag(ap, "--route", CallOptions, "route", metavar="NAME")
+    declared_flag(ap, "--route", CallOptions, "route", metavar="NAME",
+                  help="the model's route every record takes (ST's encode(task=...): 'query', 'document' or another "
+                       "route its Router declares; default: the model's default route)")
     ap.add_argument("--task", default="embed", choices=JOB_TASKS, help="what to compute per record" + d)
     ap.add_argument("--text-field", default="text", metavar="NAME",
                     help="JSONL field or Parquet column holding the text" + d)
@@ -151,8 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "first record has one, then required of every record; otherwise ids are file:line)")
     ap.add_argument("--keep-fields", type=field_list, default=(), metavar="A,B",
                     help="input fields copied into the output as columns (--format parquet; default: none)")
-    declared_flag(ap, "--workers", PipelineOptions, "num_render_workers")
-    declared_flag(ap, "--max-num-seqs", PipelineOptions, "max_num_seqs")
+    declared_flag(ap, "--workers", PipelineOptions, "num_render_workers", metavar="N")
+    declared_flag(ap, "--max-num-seqs", PipelineOptions, "max_num_seqs", metavar="N")
+    declared_flag(ap, "--max-num-batched-tokens", PipelineOptions, "max_num_batched_tokens", metavar="N")
     declared_flag(ap, "--data-parallel-size", PipelineOptions, "data_parallel_size", metavar="N")
     declared_flag(ap, "--truncate", CallOptions, "truncate_prompt_tokens", type=positive_int, metavar="N",
                   help="keep at most N tokens per record (default: the model's max_seq_length)")
@@ -165,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--format", default="npy", choices=FORMATS,
                     help="chunk files: .npy (+ ids-NNNNN.json) or .parquet (id, index, vectors, kept fields)" + d)
     ap.add_argument("--shard", type=parse_shard, default=(0, 1), metavar="I/N",
-                    help="process only the records whose index in the whole input %% N == I" + d)
+                    help="process only the records whose index in the whole input %% N == I (default: 0/1, all)")
     ap.add_argument("--resume", action="store_true",
                     help="continue the job in --output (or start it when there is none); refused when the inputs, "
                          "model or options differ from the job's")
@@ -175,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--limit", type=positive_int, default=None, metavar="N",
                     help="stop when N records of this shard are done, counting earlier runs; the job stays "
                          "unfinished and --resume without --limit completes it (default: no limit)")
-    declared_flag(ap, "--device", PipelineOptions, "device")
+    declared_flag(ap, "--device", PipelineOptions, "device", metavar="DEVICE")
     declared_flag(ap, "--dtype", PipelineOptions, "dtype")
     declared_flag(ap, "--backend", PipelineOptions, "backend")
     declared_flag(ap, "--quantize", PipelineOptions, "quantize")
