@@ -65,8 +65,8 @@ def expected(st_model, records):
 
 def test_bundled_sample_to_disk_and_back(tmp_path, st_model):
     out = tmp_path / "out"
-    result = _run(["--output", str(out), "--limit", "120", "--chunk-rows", "50"])
-    assert "embedded 120 records" in result.stdout and "peak RSS" in result.stdout
+    result = _run(["--output", str(out), "--limit", "120", "--chunk-rows", "50", "--verbose"])
+    assert "embedded 120 records" in result.stdout and "peak RSS" in result.stdout  # --verbose: the whole report
     ids, data = load_results(out, allow_partial=True)
     assert data.shape == (120, 384) and data.dtype == np.float32 and len(ids) == 120
     manifest = manifest_of(out)
@@ -563,3 +563,24 @@ def test_help_names_every_engine_option_plainly():
     assert "(0, 1)" not in text and ".py)" not in text and "or None" not in text
     args = build_parser().parse_args(["--max-num-batched-tokens", "4096", "--shard", "1/3"])
     assert pipeline_options(args)["max_num_batched_tokens"] == 4096 and args.shard == (1, 3)
+
+
+def test_the_end_of_run_report_is_short_unless_verbose(tmp_path, monkeypatch, capsys):
+    """What a user reads in a few lines (records, time, rate, errors, where the output is); engine
+    load, memory and the stage histograms behind --verbose (issue 37, item 4)."""
+    import pooling_pipeline
+    from pooling_pipeline.jobs import launcher
+    from pooling_pipeline.jobs.launcher import main
+
+    monkeypatch.setattr(pooling_pipeline, "Pipeline", _ReadyFake)
+    monkeypatch.setattr(launcher, "peak_rss_mb", lambda pid: 100.0)
+    argv = ["--input", str(SAMPLE), "--limit", "40", "--quiet"]
+    assert main([*argv, "--output", str(tmp_path / "short")]) == 0
+    short = capsys.readouterr().out
+    for row in ("records (this run)", "wall time", "throughput", "errors", "output"):
+        assert row in short, short
+    assert "peak RSS" not in short and "engine busy" not in short and len(short.strip().splitlines()) <= 9, short
+    monkeypatch.setattr(launcher, "format_stats", lambda stats: ["stage details"])
+    assert main([*argv, "--output", str(tmp_path / "long"), "--verbose"]) == 0
+    full = capsys.readouterr().out
+    assert "peak RSS" in full and "engine busy" in full and "stage details" in full

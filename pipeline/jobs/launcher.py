@@ -185,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     declared_flag(ap, "--quantize", PipelineOptions, "quantize")
     ap.add_argument("--chunk-rows", type=positive_int, default=65536, metavar="N", help="records per output chunk" + d)
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--verbose", action="store_true",
+                    help="the end-of-run report in full: engine load, padding, memory, stage times, queue depths")
     ray = ap.add_argument_group("Ray (pip install -e \".[ray]\"; see the README)")
     ray.add_argument("--ray", action="store_true", help="run the job with Ray Data: one process group per actor")
     ray.add_argument("--ray-address", default="local",
@@ -572,7 +574,8 @@ class Job:
             print(f"pipeline-run: stopped at --limit {args.limit}; {kept}; the job is not complete: run again with "
                   "--resume and without --limit to finish it")
         if stats is not None:
-            print_local_summary(writer.manifest, stats, args.output, format_stats(stats))
+            print_local_summary(writer.manifest, stats, args.output, format_stats(stats) if args.verbose else [],
+                                verbose=args.verbose)
         return 0
 
 

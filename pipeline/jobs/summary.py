@@ -20,29 +20,34 @@ def print_summary(rows: list[tuple[str, str]], records: int, details: list[str] 
     print(f"embedded {records} records")
 
 
-def print_local_summary(manifest: dict, stats: dict, out_dir: str, details: list[str]) -> None:
-    """A local run: this run's records, the output's, throughput, engine load and memory; then the
-    call's statistics (`details`)."""
+def print_local_summary(manifest: dict, stats: dict, out_dir: str, details: list[str], verbose: bool = False) -> None:
+    """A local run: what a user reads -- records, time, rate, errors, where the output is; with
+    `verbose` (--verbose) also tokens, engine load, padding and memory, then the call's statistics
+    (`details`: stage busy times, queue depth histograms)."""
     m = manifest
     wall = stats["wall_s"]
-    rss = stats["peak_rss_mb"]
     done = stats["records_this_run"]
-    print_summary([
+    rows = [
         ("records (this run)", f"{done}"),
         ("records in output", f"{m['rows']} ({m['errors']} failed)"),
-        ("tokens", f"{stats['tokens']:,}"),
         ("wall time", f"{wall:.1f} s (+ {stats['startup_s']:.1f} s start-up)"),
         ("throughput", f"{done / max(wall, 1e-9):.1f} records/s, "
                        f"{stats['tokens'] / max(wall, 1e-9):,.0f} tokens/s"),
-        ("engine busy", f"{stats['engine_busy_fraction']:.0%}"),
-        ("padding efficiency", f"{1 - stats['padding_fraction']:.0%}"),
-        ("peak RSS", f"frontend {rss['frontend'] or 0:.0f} MB, "
-                     + (f"engine {rss['engine'] or 0:.0f} MB" if len(rss.get("engines") or [0]) <= 1 else
-                        "engines " + ", ".join(f"{e or 0:.0f} MB" for e in rss["engines"]))
-                     + ", workers " + ", ".join(f"{w:.0f} MB" for w in rss["workers"] if w is not None)),
         ("errors", f"{m['errors']}" + (f" (see {ERRORS})" if m["errors"] else "")),
         ("output", f"{out_dir}/ (metadata in {META_DIR}/)"),
-    ], stats["records"], details)
+    ]
+    if verbose:
+        rss = stats["peak_rss_mb"]
+        rows[4:4] = [
+            ("tokens", f"{stats['tokens']:,}"),
+            ("engine busy", f"{stats['engine_busy_fraction']:.0%}"),
+            ("padding efficiency", f"{1 - stats['padding_fraction']:.0%}"),
+            ("peak RSS", f"frontend {rss['frontend'] or 0:.0f} MB, "
+                         + (f"engine {rss['engine'] or 0:.0f} MB" if len(rss.get("engines") or [0]) <= 1 else
+                            "engines " + ", ".join(f"{e or 0:.0f} MB" for e in rss["engines"]))
+                         + ", workers " + ", ".join(f"{w:.0f} MB" for w in rss["workers"] if w is not None)),
+        ]
+    print_summary(rows, stats["records"], details if verbose else [])
 
 
 def print_ray_summary(manifest: dict, plan: dict, wall: float, tokens: int, out_dir) -> None:
