@@ -76,6 +76,36 @@ class SentenceEncoder:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # ---- LangChain's Embeddings (langchain_core.embeddings): the same object, no wrapper --------
+    # (InMemoryVectorStore.from_texts(docs, embedding=model) and every vector store that takes an
+    # Embeddings call these four; documents and queries take the model's prompts, as encode_document
+    # / encode_query do.)
+
+    def embed_documents(self, texts: list[str]) -> list[list[float]]:
+        """The documents' vectors (the model's document prompt), as lists of floats."""
+        return self.encode_document(list(texts)).tolist() if len(texts) else []
+
+    def embed_query(self, text: str) -> list[float]:
+        """The query's vector (the model's query prompt), as a list of floats."""
+        return self.encode_query(text).tolist()
+
+    async def aembed_documents(self, texts: list[str]) -> list[list[float]]:
+        """`embed_documents` on the pipeline's async API: awaits without blocking the event loop."""
+        if not len(texts):
+            return []
+        outs = await self.pipeline.aembed(list(texts), **self._async_options("document"))
+        return [o.embedding.tolist() for o in outs]
+
+    async def aembed_query(self, text: str) -> list[float]:
+        """`embed_query` on the pipeline's async API."""
+        outs = await self.pipeline.aembed([text], **self._async_options("query"))
+        return outs[0].embedding.tolist()
+
+    def _async_options(self, kind: str) -> dict:
+        """What encode_query / encode_document give `embed` for `kind` (their prompt and route)."""
+        return {"prompt_name": self._prompt_name_for_type(kind), "route": self._route(kind), "use_tqdm": False,
+                "truncate_prompt_tokens": self._kept_tokens()}
+
     # ---- the surface of ST 6's SentenceTransformer that libraries reach for ------------------------
 
     @property

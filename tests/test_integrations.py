@@ -1,0 +1,70 @@
+"""The libraries that call an embedding model, driven by this project and by sentence-transformers
+side by side (issue 37, item 1), against the real libraries (the `integrations` extra, which CI
+installs): LangChain's vector stores take a SentenceEncoder as it is; KeyBERT and BERTopic take it in
+their own backend class (pipeline/integrations/keyword_backends.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import corpus
+import numpy as np
+import pytest
+
+from pooling_pipeline import SentenceEncoder
+
+TOL = 1e-5
+DOCS = corpus.sentences(60, seed=121) + corpus.medium_texts(10, seed=122)
+QUERIES = ["how do I read a file line by line", "compress data with a stream", "format a date as text"]
+
+
+@pytest.fixture(scope="module")
+def encoder(pipe):
+    return SentenceEncoder(pipeline=pipe)
+
+
+class STEmbeddings:
+    """What a LangChain user writes around sentence-transformers (langchain_huggingface's shape)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def embed_documents(self, texts):
+        return self.model.encode_document(list(texts)).tolist()
+
+    def embed_query(self, text):
+        return self.model.encode_query(text).tolist()
+
+
+def test_langchain_vector_store_takes_the_encoder_as_it_is(encoder, st_model):
+    from langchain_core.vectorstores import InMemoryVectorStore
+
+    ours = InMemoryVectorStore.from_texts(DOCS, embedding=encoder)
+    theirs = InMemoryVectorStore.from_texts(DOCS, embedding=STEmbeddings(st_model))
+    for query in QUERIES:
+        got = ours.similarity_search_with_score(query, k=5)
+        want = theirs.similarity_search_with_score(query, k=5)
+        assert [d.page_content for d, _ in got] == [d.page_content for d, _ in want]
+        assert np.allclose([s for _, s in got], [s for _, s in want], atol=1e-5)
+    vectors = np.asarray(encoder.embed_documents(DOCS[:8]))
+    assert np.abs(vectors - st_model.encode_document(DOCS[:8])).max() <= TOL
+    assert np.abs(np.asarray(encoder.embed_query(QUERIES[0])) - st_model.encode_query(QUERIES[0])).max() <= TOL
+
+    async def both():  # the async twins run on the pipeline's async API, with the same values
+        return await encoder.aembed_documents(DOCS[:8]), await encoder.aembed_query(QUERIES[0])
+
+    docs_async, query_async = asyncio.run(both())
+    assert np.abs(np.asarray(docs_async) - vectors).max() <= TOL
+    assert np.abs(np.asarray(query_async) - np.asarray(encoder.embed_query(QUERIES[0]))).max() <= TOL
+
+
+def test_keybert_gives_sentence_transformers_keywords(encoder, st_model):
+    from keybert import KeyBERT
+
+    from pooling_pipeline.integrations.keyword_backends import keybert_backend
+
+    docs = corpus.medium_texts(6, seed=123)
+    ours = KeyBERT(model=keybert_backend(encoder)).extract_keywords(docs, top_n=5)
+    theirs = KeyBERT(model=st_model).extract_keywords(docs, top_n=5)
+    assert [[k for k, _ in doc] for doc in ours] == [[k for k, _ in doc] for doc in theirs]
+    assert np.allclose([s for doc in ours for _, s in doc], [s for doc in theirs for _, s in doc], atol=1e-4)
