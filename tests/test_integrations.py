@@ -68,3 +68,28 @@ def test_keybert_gives_sentence_transformers_keywords(encoder, st_model):
     theirs = KeyBERT(model=st_model).extract_keywords(docs, top_n=5)
     assert [[k for k, _ in doc] for doc in ours] == [[k for k, _ in doc] for doc in theirs]
     assert np.allclose([s for doc in ours for _, s in doc], [s for doc in theirs for _, s in doc], atol=1e-4)
+
+
+def test_bertopic_takes_the_encoder_in_its_backend(encoder, st_model):
+    """BERTopic took a SentenceEncoder for a transformers pipeline (its type check matches this
+    package's name); in BERTopic's own backend class it is used as it is, embeds documents and words
+    as sentence-transformers does, and a topic model fits on them. (The topics themselves are not
+    compared: UMAP's layout moves with differences of 1e-7 in its input.)"""
+    from bertopic import BERTopic
+    from bertopic.backend._utils import select_backend
+    from umap import UMAP
+
+    from pooling_pipeline.integrations.keyword_backends import bertopic_backend
+
+    backend = bertopic_backend(encoder)
+    assert select_backend(backend) is backend
+    docs = corpus.sentences(300, seed=124)
+    ours = BERTopic(embedding_model=backend, umap_model=UMAP(n_neighbors=10, n_components=5, random_state=7),
+                    min_topic_size=8)
+    embeddings = ours._extract_embeddings(docs, method="document")
+    reference = st_model.encode(docs)
+    assert np.abs(embeddings - reference).max() <= TOL
+    topics, _ = ours.fit_transform(docs)
+    assert len(topics) == len(docs) and len(set(topics)) > 1
+    words = [word for word, _ in ours.get_topic(topics[0] if topics[0] != -1 else max(topics))][:5]
+    assert np.abs(ours.embedding_model.embed(words) - st_model.encode(words)).max() <= TOL  # words as ST embeds them
