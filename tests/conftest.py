@@ -7,6 +7,7 @@ import tempfile
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
+os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")  # chromadb (test_integrations): no network
 # The OpenVINO backend's conversions (backend "auto" with the extra installed): in a directory of this
 # session, removed at its end, never in the user's own cache.
 if "POOLING_PIPELINE_CACHE" not in os.environ:

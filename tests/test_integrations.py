@@ -93,3 +93,23 @@ def test_bertopic_takes_the_encoder_in_its_backend(encoder, st_model):
     assert len(topics) == len(docs) and len(set(topics)) > 1
     words = [word for word, _ in ours.get_topic(topics[0] if topics[0] != -1 else max(topics))][:5]
     assert np.abs(ours.embedding_model.embed(words) - st_model.encode(words)).max() <= TOL  # words as ST embeds them
+
+
+def test_chromadb_retrieves_what_sentence_transformers_retrieves(encoder, st_model, model_path):
+    import chromadb
+    from chromadb.utils.embedding_functions import SentenceTransformerEmbeddingFunction
+
+    from pooling_pipeline.integrations.chroma import chroma_embedding_function
+
+    client = chromadb.EphemeralClient()
+    ids = [f"d{i}" for i in range(len(DOCS))]
+    ours = client.create_collection("ours", embedding_function=chroma_embedding_function(encoder),
+                                    configuration={"hnsw": {"space": "cosine"}})
+    theirs = client.create_collection("theirs", embedding_function=SentenceTransformerEmbeddingFunction(
+        model_name=model_path, device="cpu"), configuration={"hnsw": {"space": "cosine"}})
+    ours.add(ids=ids, documents=DOCS)
+    theirs.add(ids=ids, documents=DOCS)
+    got = ours.query(query_texts=QUERIES, n_results=5)
+    want = theirs.query(query_texts=QUERIES, n_results=5)
+    assert got["ids"] == want["ids"]
+    assert np.allclose(np.asarray(got["distances"]), np.asarray(want["distances"]), atol=1e-5)
