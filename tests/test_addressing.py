@@ -6,6 +6,7 @@ import threading
 
 import corpus
 import numpy as np
+import pytest
 import zmq
 
 import pooling_pipeline.process_group as process_group
@@ -34,6 +35,7 @@ def embed_with_timeout(pipe, texts, timeout_s=CALL_TIMEOUT_S):
     return box["outs"]
 
 
+@pytest.mark.slow
 def test_a_foreign_pull_socket_on_the_work_and_control_sockets_receives_nothing(st_model):
     texts = corpus.sentences(400, seed=81)
     with Pipeline(num_render_workers=2, max_inflight=64) as pipe:
@@ -61,6 +63,7 @@ def test_a_foreign_pull_socket_on_the_work_and_control_sockets_receives_nothing(
             ctx.term()
 
 
+@pytest.mark.slow
 def test_a_batch_lost_on_the_way_to_an_idle_worker_is_sent_again(st_model, monkeypatch):
     """The first batch a worker is sent vanishes on the way (recorded as sent, never delivered):
     the worker's heartbeats show it idle without it, so it is handled as wedged, restarted, and
@@ -122,6 +125,7 @@ for endpoint in sys.argv[1:]:
 """
 
 
+@pytest.mark.slow
 def test_a_peer_writing_to_the_sending_sockets_cannot_grow_the_frontend(st_model):
     """Another process of the same user pushes 40 x 8 MB at every socket the frontend only sends on
     (the work and control ROUTERs), as PUSH, DEALER, ROUTER and raw bytes: the frontend reads

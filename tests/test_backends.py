@@ -23,6 +23,7 @@ TOL = 1e-5
 TEXTS = corpus.sentences(24, seed=71) + corpus.medium_texts(4, seed=72)
 
 
+@pytest.mark.slow
 def test_auto_runs_openvino_where_installed_and_matches_st(pipe, reference, mixed_texts):
     """The session's default Pipeline (backend "auto") is what every other test runs against."""
     engine = pipe.stats()["engine"]
@@ -61,6 +62,7 @@ def test_openvino_without_the_package_names_the_extra(monkeypatch):
         Pipeline(backend="openvino")
 
 
+@pytest.mark.slow
 def test_bfloat16_on_openvino_is_opt_in_and_close(model_path, st_model):
     """dtype="bfloat16" compiles the (float32-checked) conversion for bfloat16 where the CPU has the
     units: faster, and visibly not float32; elsewhere, or without openvino, a clear error."""
@@ -125,6 +127,7 @@ def _flat(data) -> np.ndarray:
     return np.asarray(data, dtype=np.float64).ravel()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, kind", [("cross", "score"), ("token_cls", "token"), ("colbert", "colbert"),
                                         ("splade", "sparse"), ("llm_reranker", "score")])
 def test_openvino_gives_the_torch_backends_results_for_every_output(task_models, name, kind):
@@ -144,6 +147,7 @@ def test_openvino_gives_the_torch_backends_results_for_every_output(task_models,
         assert np.abs(g - w).max() <= TOL * max(1.0, np.abs(w).max())
 
 
+@pytest.mark.slow
 def test_conversion_is_cached_and_a_wrong_cache_entry_is_refused(tmp_path, monkeypatch, model_path):
     """The second start reads the cached conversion; an entry that does not compute the model
     (here: another model's conversion under this model's key) fails the start-up check: an
@@ -198,6 +202,7 @@ def test_cache_keeps_the_most_recently_used_entries(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["m0", "m4"]
 
 
+@pytest.mark.slow
 def test_int8_is_opt_in_close_to_float32_and_reported(pipe, model_path):
     texts = corpus.sentences(64, seed=73)
     full = np.stack([o.data for o in pipe.embed(texts, use_tqdm=False)])
@@ -211,6 +216,7 @@ def test_int8_is_opt_in_close_to_float32_and_reported(pipe, model_path):
     assert np.abs(full - low).max() > 1e-4  # it did quantize: not float32's vectors
 
 
+@pytest.mark.slow
 def test_start_up_says_what_precision_runs(model_path, caplog):
     """Start-up names the backend and precision (a log line at INFO, stats()["engine"]); on a CPU with
     bfloat16 units running float32 it says once that dtype='bfloat16' is faster and what it changes,

@@ -171,6 +171,7 @@ def test_out_of_range_priority_with_errors_return_fails_that_request_only(pipe):
     assert streamed[0].error.startswith("request 0: ") and streamed[1].error is None
 
 
+@pytest.mark.slow
 def test_token_id_arrays_checked_by_block_name_the_bad_request(pipe):
     """A list of id arrays is range-checked a block at a time (one reduction for a thousand
     prompts); a bad id anywhere in a block still fails with its own request's index and
@@ -227,6 +228,7 @@ def test_token_ids_from_a_generator_are_range_checked_when_sent(pipe, bad_id, dt
         np.testing.assert_allclose(outs[i].embedding, reference[i].embedding, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_numpy_string_items_are_texts_everywhere(pipe, tmp_path):
     """numpy string scalars (`list(arr)`, `iter(arr)`, `zip(df.a.values, df.b.values)`) are str
     subclasses: they are texts wherever a str is -- prompts, a prompt option, pairs, documents,

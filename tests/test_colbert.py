@@ -97,6 +97,7 @@ MODELS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_token_vectors_and_maxsim_equal_sentence_transformers(kind, tmp_path, queries, documents):
     path = MODELS[kind](tmp_path)
@@ -147,6 +148,7 @@ BASELINE = {"attend": "query", "min": "query", "no-expansion": "query", "skiplis
             "no-mask": "document", "no-normalize": "document", "meanmaxsim": None, "keep-only": "document"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_layout_variants_equal_sentence_transformers(variant, tmp_path, queries, documents):
     base = mve(zoo.build_colbert(tmp_path, "bert", name="base"))
@@ -172,6 +174,7 @@ def test_layout_variants_equal_sentence_transformers(variant, tmp_path, queries,
             assert_scores_close(got, pairs[q], f"{variant}: MaxSim of query {q}")
 
 
+@pytest.mark.slow
 def test_prompts_a_call_names_replace_the_routes(tmp_path, queries, documents):
     """ST's encode_query(prompt=...) / (prompt_name=...): a named prompt replaces the route's own
     ("" means none); the route still decides the length, the expansion and the skiplist."""

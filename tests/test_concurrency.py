@@ -66,6 +66,7 @@ def _assert_same(got, expected, what: str) -> None:
         np.testing.assert_allclose(a, b, atol=TOL, rtol=0, err_msg=what)
 
 
+@pytest.mark.slow
 def test_threads_and_coroutines_at_once_get_their_own_results(pipe):
     jobs = _jobs()
     expected = {name: run(pipe) for name, run, _ in jobs}  # one at a time
@@ -103,6 +104,7 @@ def test_threads_and_coroutines_at_once_get_their_own_results(pipe):
     assert group["inflight"] == 0 and group["calls_running"] == 0
 
 
+@pytest.mark.slow
 def test_a_cancelled_a_closed_and_a_failing_call_leave_the_others_intact(pipe):
     texts = corpus.sentences(240, seed=93)
     expected = pipe.embed(texts, use_tqdm=False)
@@ -188,6 +190,7 @@ def test_a_paused_stream_and_another_call_both_complete(pipe):
     _assert_same(other["outs"], expected[:60], "other call")
 
 
+@pytest.mark.slow
 def test_two_streams_read_in_turn_by_one_thread_both_complete(pipe):
     """zip(stream_a, stream_b) in one thread (and the same with two async streams): while the thread
     waits on one stream it cannot read the other, so neither may wait for slots the other holds."""
@@ -230,6 +233,7 @@ def test_an_abandoned_stream_gives_its_slots_back_when_collected(pipe):
     _wait_idle(pipe)
 
 
+@pytest.mark.slow
 def test_a_worker_killed_under_several_calls_is_replaced_and_each_call_resends_its_own(pipe):
     texts = corpus.sentences(200, seed=96)
     expected = pipe.embed(texts, use_tqdm=False)
@@ -378,6 +382,7 @@ def own_pipe():
         yield p
 
 
+@pytest.mark.slow
 def test_a_call_started_inside_a_streams_input_generator_completes(own_pipe):
     """The outer stream is suspended while its generator runs the inner call on the same thread,
     holding its slots (its results are handed out only when it is read on); the inner call gets
@@ -404,6 +409,7 @@ def test_a_call_started_inside_a_streams_input_generator_completes(own_pipe):
         _wait_idle(pipe)
 
 
+@pytest.mark.slow
 def test_a_streams_input_waiting_for_a_call_in_another_thread_completes(own_pipe):
     """The outer stream's generator waits for a call it hands to another thread."""
     from concurrent.futures import ThreadPoolExecutor
@@ -424,6 +430,7 @@ def test_a_streams_input_waiting_for_a_call_in_another_thread_completes(own_pipe
     _wait_idle(pipe)
 
 
+@pytest.mark.slow
 def test_a_call_nested_two_deep_in_input_generators_on_one_thread_is_refused_at_once(own_pipe):
     """Two suspended calls of the same thread may hold every slot: the third is a clear error, not a hang."""
     from pooling_pipeline import PipelineError

@@ -51,6 +51,7 @@ def assert_close(got: np.ndarray, want: np.ndarray) -> None:
     assert float(np.abs(got - want).max()) <= TOL
 
 
+@pytest.mark.slow
 def test_without_openvino_auto_runs_torch(cache, model):
     if HAVE_OPENVINO:
         engine, _ = run(model)
@@ -63,6 +64,7 @@ def test_without_openvino_auto_runs_torch(cache, model):
     assert not cache.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["changed", "truncated"])
 def test_a_damaged_entry_is_removed_and_rebuilt(cache, model, caplog, damage):
     if not HAVE_OPENVINO:
@@ -89,6 +91,7 @@ def test_a_damaged_entry_is_removed_and_rebuilt(cache, model, caplog, damage):
     assert third["conversion"] == "cached"
 
 
+@pytest.mark.slow
 def test_a_model_rewritten_in_place_is_converted_anew(cache, model):
     """Weights changed in place with their size and modification time kept: the key covers the
     content, so the old model's conversion is not served; the results are the new model's."""

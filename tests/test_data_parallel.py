@@ -43,6 +43,7 @@ def _vectors(outs) -> np.ndarray:
     return np.stack([o.embedding for o in outs])
 
 
+@pytest.mark.slow
 def test_two_cpu_engines_give_the_results_of_one_in_order_and_share_the_work(dp_pipe, pipe, texts):
     reference = _vectors(pipe.embed(texts, use_tqdm=False))  # one engine core (the session's Pipeline)
     pids = dp_pipe.pids
@@ -75,6 +76,7 @@ def test_two_cpu_engines_give_the_results_of_one_in_order_and_share_the_work(dp_
     assert all(c["torch_threads"] == plan["engine_threads"] for c in cores)
 
 
+@pytest.mark.slow
 def test_an_abandoned_stream_is_aborted_in_both_engines_and_the_group_goes_on(dp_pipe, pipe, texts):
     stream = dp_pipe.embed_stream(itertools.cycle(texts))
     first = [next(stream) for _ in range(5)]
@@ -88,6 +90,7 @@ def test_an_abandoned_stream_is_aborted_in_both_engines_and_the_group_goes_on(dp
     assert dp_pipe.stats()["group"]["inflight_per_engine"] == [0, 0]  # every engine core's count settled
 
 
+@pytest.mark.slow
 def test_simulated_devices_give_exactly_the_vectors_of_one(texts):
     with Pipeline(device="sim") as one:
         reference = _vectors(one.embed(texts, use_tqdm=False))
@@ -113,6 +116,7 @@ def test_simulated_devices_give_exactly_the_vectors_of_one(texts):
         assert all(child.alive() for child in group.children)
 
 
+@pytest.mark.slow
 def test_killing_one_of_two_engine_cores_fails_the_call_naming_it_and_stops_the_group(texts):
     pipe = Pipeline(device="sim", data_parallel_size=2, sim_device=(0.002, 0.0))
     try:
@@ -129,6 +133,7 @@ def test_killing_one_of_two_engine_cores_fails_the_call_naming_it_and_stops_the_
         pipe.close()
 
 
+@pytest.mark.slow
 def test_a_stopped_engine_core_among_two_is_named_after_the_heartbeat_timeout(texts):
     pipe = Pipeline(device="sim", data_parallel_size=2, heartbeat_timeout_s=2.0)
     try:

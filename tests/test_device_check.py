@@ -108,6 +108,7 @@ def test_a_step_with_too_little_time_left_is_a_timeout_without_starting(tmp_path
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_a_step_past_its_deadline_is_killed_with_everything_it_started(tmp_path):
     pid_file = tmp_path / "child.pid"
     code = ("import subprocess, sys, time\n"
@@ -216,6 +217,7 @@ def test_the_bench_model_is_a_sentence_transformers_folder_kept_to_512_tokens(tm
     assert spec.normalize and spec.pooling.modes == ["mean"]
 
 
+@pytest.mark.slow
 def test_part_a_on_the_cpu_compares_float32_with_float32_and_prints_the_table(tmp_path):
     """The real comparison path through the step subprocess: the reference Pipeline (float32 on the CPU)
     embeds the texts twice, and the two are compared as part (a) compares float16 with float32."""

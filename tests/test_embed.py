@@ -4,6 +4,7 @@ import itertools
 
 import corpus
 import numpy as np
+import pytest
 
 from pooling_pipeline import EmbeddingOutput, PoolingParams
 
@@ -22,6 +23,7 @@ def test_equals_sentence_transformers_on_mixed_real_text(pipe, st_model, mixed_t
     assert max(o.num_prompt_tokens for o in outs) == 256
 
 
+@pytest.mark.slow
 def test_results_come_back_in_input_order(pipe, mixed_texts, reference):
     outs = pipe.embed(mixed_texts, use_tqdm=False)
     assert [o.index for o in outs] == list(range(len(mixed_texts)))
@@ -81,6 +83,7 @@ def _renorm(v):
     return v / np.linalg.norm(v)
 
 
+@pytest.mark.slow
 def test_stream_of_10k_prompts_from_a_generator(pipe, st_model):
     pool = corpus.sentences(500, seed=21)
     produced = []
@@ -123,6 +126,7 @@ def test_stats_report_the_run(pipe, mixed_texts):
     assert stats["engine"]["torch_threads"] == plan["engine_threads"]
 
 
+@pytest.mark.slow
 def test_abandoned_stream_leaves_the_group_usable(pipe, st_model):
     texts = corpus.sentences(400, seed=31)
     stream = pipe.embed_stream(itertools.cycle(texts))

@@ -75,6 +75,7 @@ def test_precisions_equal_quantize_embeddings(encoder, st_model, precision):
                           st_quantize(floats, precision=precision, ranges=ranges))
 
 
+@pytest.mark.slow
 def test_similarity_and_prompts_follow_the_model(tmp_path):
     import model_zoo
 

@@ -93,6 +93,7 @@ def compare_embed(path: str, texts: list[str], what: str, calls: list[dict] | No
 
 # ---- Pooling: every mode, new layout ---------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["cls", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken", ("max", "cls")],
                          ids=lambda m: m if isinstance(m, str) else "+".join(m))
 def test_pooling_mode_new_layout(tmp_path, texts, mode):
@@ -105,6 +106,7 @@ def test_pooling_mode_new_layout(tmp_path, texts, mode):
     compare_embed(path, texts, f"pooling {mode}")
 
 
+@pytest.mark.slow
 def test_max_length_from_tokenizer_config(tmp_path, texts):
     """ST 6 keeps the max length as model_max_length in tokenizer_config.json (128 here, the model
     could take 512): the long texts are cut at 128 tokens, counted with the special tokens."""
@@ -124,6 +126,7 @@ def test_max_length_from_tokenizer_config(tmp_path, texts):
 
 # ---- The older layout ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_old_layout_flags_and_max_seq_length(tmp_path, texts):
     """ST 2.x layout: `sentence_transformers.models.*` types, `pooling_mode_mean_tokens` +
     `pooling_mode_max_tokens` (ST concatenates max before mean, whatever the key order),
@@ -140,6 +143,7 @@ def test_old_layout_flags_and_max_seq_length(tmp_path, texts):
     assert max(o.num_prompt_tokens for o in outs) == 128
 
 
+@pytest.mark.slow
 def test_old_layout_labse_style_dense(tmp_path, texts):
     """LaBSE's shape in the old layout: CLS pooling, Dense with Tanh (weights in pytorch_model.bin),
     an empty Normalize folder."""
@@ -147,6 +151,7 @@ def test_old_layout_labse_style_dense(tmp_path, texts):
     compare_embed(path, texts, "old layout cls + Dense(Tanh) + Normalize")
 
 
+@pytest.mark.slow
 def test_old_layout_do_lower_case_cased_tokenizer(tmp_path, texts):
     """An old-layout XLM-R (paraphrase-multilingual's shape) with `do_lower_case: true`: ST puts a
     Lowercase normalizer in front of the cased Unigram tokenizer (char by char: 'ΣΑΣ' -> 'σασ')."""
@@ -162,6 +167,7 @@ def test_old_layout_do_lower_case_cased_tokenizer(tmp_path, texts):
 
 # ---- Dense, LayerNorm, Normalize -----------------------------------------------------------------
 
+@pytest.mark.slow
 def test_dense_changes_dimension(tmp_path, texts):
     """Dense 32 -> 16 with bias and Tanh: 16-wide vectors, as ST gives."""
     path = zoo.build_bert_dense(tmp_path)
@@ -169,10 +175,12 @@ def test_dense_changes_dimension(tmp_path, texts):
     assert ref.shape[1] == 16
 
 
+@pytest.mark.slow
 def test_layer_norm_module(tmp_path, texts):
     compare_embed(zoo.build_bert_layer_norm(tmp_path), texts, "LayerNorm + Normalize")
 
 
+@pytest.mark.slow
 def test_dense_residual_is_honoured_or_refused(tmp_path, texts):
     """A Dense with `use_residual` (ST 5.x+) changes the output: equal to ST, or a ValueError at
     start that names the key. Never silently different."""
@@ -185,6 +193,7 @@ def test_dense_residual_is_honoured_or_refused(tmp_path, texts):
         assert "use_residual" in str(e)
 
 
+@pytest.mark.slow
 def test_truncate_dim_is_honoured_or_refused(tmp_path, texts):
     """`truncate_dim` in config_sentence_transformers.json makes ST keep the first k values (after
     Normalize: no renormalisation). Equal to ST, or a ValueError at start that names the key."""
@@ -198,6 +207,7 @@ def test_truncate_dim_is_honoured_or_refused(tmp_path, texts):
 
 # ---- Prompts ---------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_prompts_and_default_prompt_name(tmp_path, texts):
     """`prompts` + `default_prompt_name` from config_sentence_transformers.json, applied as ST's
     encode does: the default without arguments, prompt_name, prompt (which wins over prompt_name),
@@ -222,6 +232,7 @@ def test_prompts_and_default_prompt_name(tmp_path, texts):
                      "after a refused prompt_name")
 
 
+@pytest.mark.slow
 def test_include_prompt_false(tmp_path, texts):
     """Pooling `include_prompt: false` (INSTRUCTOR style): ST drops the prompt's tokens ([CLS]
     included) from pooling: cls then takes the first token after the prompt, mean averages the rest,
@@ -235,6 +246,7 @@ def test_include_prompt_false(tmp_path, texts):
     compare_embed(path, texts, f"include_prompt=False {mode}", calls=[{}, {"prompt_name": "passage"}, {"prompt": "Q: "}])
 
 
+@pytest.mark.slow
 def test_include_prompt_false_unigram_prompt_length(tmp_path, texts):
     """XLM-R (Metaspace Unigram) with include_prompt=False and "query: ": ST counts the prompt's tokens
     on the prompt ALONE ("▁query", ":", "▁"), which is not how the prompt splits inside
@@ -244,6 +256,7 @@ def test_include_prompt_false_unigram_prompt_length(tmp_path, texts):
     compare_embed(path, texts, "xlmr include_prompt=False", calls=[{}, {"prompt_name": "passage"}])
 
 
+@pytest.mark.slow
 def test_include_prompt_false_with_a_prompt_longer_than_kept(tmp_path, texts):
     """An old layout (CLS + mean, max_seq_length 16) whose prompt alone is longer than what is kept:
     ST measures the prompt truncated at the kept length (less its trailing [SEP]), so the last kept
@@ -272,6 +285,7 @@ def test_include_prompt_false_with_a_prompt_longer_than_kept(tmp_path, texts):
 
 # ---- Encoder families --------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["distilbert", "mpnet", "xlmr", "roberta", "deberta-v2", "modernbert"])
 def test_encoder_family(tmp_path, texts, family):
     """Each family's own tokenizer shape and position scheme (offset positions for RoBERTa / XLM-R /
@@ -281,6 +295,7 @@ def test_encoder_family(tmp_path, texts, family):
     compare_embed(path, texts, family, calls=[{}, {"prompt": "query: "}])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["t5", "mt5", "umt5"])
 def test_sentence_t5(tmp_path, texts, family):
     """sentence-t5 / GTR (and mT5 / UMT5 encoders): ST loads the encoder alone (not the
@@ -293,6 +308,7 @@ def test_sentence_t5(tmp_path, texts, family):
     assert ref.shape[1] == 16
 
 
+@pytest.mark.slow
 def test_gpt2_left_padding_gives_the_one_text_result(tmp_path, texts):
     """GPT-2 (absolute positions) with a tokenizer that pads on the left: ST passes no position ids,
     so a left-padded row's positions shift with its padding and ST's vector depends on the batch.
@@ -310,6 +326,7 @@ def test_gpt2_left_padding_gives_the_one_text_result(tmp_path, texts):
         assert_close(embed(pipe, texts), single, "gpt2 left padding, ST one text at a time")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt2", "gpt_neo", "gptj"])
 def test_gpt_family_embedder(tmp_path, texts, family):
     """SGPT style: a GPT-2 / GPT-Neo / GPT-J backbone with weighted-mean pooling. GPT-2 and GPT-J
@@ -349,6 +366,7 @@ def test_copied_config_aliases_are_transformers_own():
 
 # ---- The kept length: ST's rule ----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_old_layout_max_seq_length_above_a_rotary_decoders_positions(tmp_path, texts):
     """An old layout's max_seq_length (128) is kept as it is, even above max_position_embeddings
     (32 here) of a rotary decoder, whose positions have no table to run out of: ST keeps 128."""
@@ -367,6 +385,7 @@ def test_old_layout_max_seq_length_above_a_rotary_decoders_positions(tmp_path, t
     assert max(o.num_prompt_tokens for o in outs) == 128
 
 
+@pytest.mark.slow
 def test_t5_encoder_keeps_its_tokenizers_model_max_length(tmp_path, texts):
     """T5 has no position table (relative attention) and no max_position_embeddings: ST keeps the
     tokenizer's model_max_length, 1024 here, not 512."""
@@ -384,6 +403,7 @@ def test_t5_encoder_keeps_its_tokenizers_model_max_length(tmp_path, texts):
     assert max(o.num_prompt_tokens for o in outs) > 512
 
 
+@pytest.mark.slow
 def test_max_seq_length_beyond_an_absolute_position_table_keeps_what_the_table_holds(tmp_path, texts):
     """BERT's position table holds 512; an old layout saying max_seq_length 600 makes ST fail on a
     longer text. The pipeline keeps 512 tokens (documented): equal to ST at 512."""
@@ -404,6 +424,7 @@ def test_max_seq_length_beyond_an_absolute_position_table_keeps_what_the_table_h
 
 # ---- Decoder embedders ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "mistral"])
 def test_decoder_embedder(tmp_path, texts, family):
     """Qwen3-Embedding style: last-token pooling on the `<|endoftext|>` the post-processor appends,
@@ -437,6 +458,7 @@ def _pairs(texts):
     return corpus.sentences(1, seed=45)[0], corpus.medium_texts(1, seed=46)[0], docs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["bert", "xlmr"])
 def test_cross_encoder_one_label(tmp_path, texts, family):
     """ST 6 CrossEncoder layout, 1 label (ms-marco MiniLM: BERT; bge-reranker: XLM-R): predict =
@@ -468,6 +490,7 @@ def test_cross_encoder_one_label(tmp_path, texts, family):
         assert all(tuple(r) == (r.index, r.score) for r in top)
 
 
+@pytest.mark.slow
 def test_cross_encoder_three_labels(tmp_path, texts):
     """A 3-label CrossEncoder: ST's default activation is Identity, predict gives the 3 logits;
     rank refuses (ST: only num_labels=1). The pipeline gives the same 3 values per pair, or refuses
@@ -491,6 +514,7 @@ def test_cross_encoder_three_labels(tmp_path, texts):
             pipe.rank(query, docs)
 
 
+@pytest.mark.slow
 def test_causal_reranker_is_honoured_or_refused(tmp_path, texts):
     """Qwen3-Reranker's shape (causal LM + LogitScore on " yes" / " no"): equal to CrossEncoder.predict,
     or a ValueError at start naming the LogitScore module (or the text-generation task)."""
@@ -510,6 +534,7 @@ def test_causal_reranker_is_honoured_or_refused(tmp_path, texts):
         assert_close(got, ref, "causal reranker")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("activation", [None, "torch.nn.modules.linear.Identity"], ids=["default", "legacy-identity"])
 def test_plain_hf_reranker(tmp_path, texts, activation):
     """Older rerankers are plain HF dirs (no modules.json): ST uses Sigmoid for 1 label unless
@@ -530,6 +555,7 @@ def test_plain_hf_reranker(tmp_path, texts, activation):
 
 # ---- SPLADE -----------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", [{}, {"pooling_strategy": "sum", "old_layout": True, "name": "splade-sum-old"},
                                      {"max_active_dims": 16}],
                          ids=["max", "sum-old-layout", "top16"])
@@ -576,6 +602,7 @@ HUB_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_model_by_hub_id_from_offline_cache(tmp_path, texts):
     """Pipeline(model="org/name") resolves from the HF cache (HF_HOME, HF_HUB_OFFLINE=1) as ST does; a
     cache repo folder without snapshots/ gets an error that says so. Run as a user would: HF_HOME set
@@ -646,6 +673,7 @@ def long_texts() -> list[str]:
     return corpus.long_documents(2, 20_000, 40_000, seed=47) + corpus.medium_texts(2, seed=48)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(zoo.TOKENIZERS))
 def test_truncating_tokenizer_matches_full_tokenization(name, long_texts):
     """The render workers' prefix truncation equals full tokenization then truncation, on each

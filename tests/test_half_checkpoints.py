@@ -52,6 +52,7 @@ def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(((a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)).min())
 
 
+@pytest.mark.slow
 def test_auto_runs_float32_and_says_how_far_st_is(model, texts, st_refs, caplog):
     assert np.abs(st_refs["bf16"] - st_refs["f32"]).max() > 1e-4  # the two precisions really differ
     with caplog.at_level(logging.WARNING), Pipeline(model=model, num_render_workers=1) as pipe:
@@ -73,6 +74,7 @@ def _bfloat16_backends() -> list[str]:
         return ["torch"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", _bfloat16_backends())
 def test_dtype_bfloat16_is_sts_bfloat16_within_its_own_spread(model, texts, st_refs, backend):
     spread = 1 - min_cosine(st_refs["bf16"], st_refs["bf16_single"])  # ST against itself, in bfloat16

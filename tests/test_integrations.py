@@ -36,6 +36,7 @@ class STEmbeddings:
         return self.model.encode_query(text).tolist()
 
 
+@pytest.mark.slow
 def test_langchain_vector_store_takes_the_encoder_as_it_is(encoder, st_model):
     from langchain_core.vectorstores import InMemoryVectorStore
 
@@ -70,6 +71,7 @@ def test_keybert_gives_sentence_transformers_keywords(encoder, st_model):
     assert np.allclose([s for doc in ours for _, s in doc], [s for doc in theirs for _, s in doc], atol=1e-4)
 
 
+@pytest.mark.slow
 def test_bertopic_takes_the_encoder_in_its_backend(encoder, st_model):
     """BERTopic took a SentenceEncoder for a transformers pipeline (its type check matches this
     package's name); in BERTopic's own backend class it is used as it is, embeds documents and words
@@ -95,6 +97,7 @@ def test_bertopic_takes_the_encoder_in_its_backend(encoder, st_model):
     assert np.abs(ours.embedding_model.embed(words) - st_model.encode(words)).max() <= TOL  # words as ST embeds them
 
 
+@pytest.mark.slow
 def test_chromadb_retrieves_what_sentence_transformers_retrieves(encoder, st_model, model_path):
     import chromadb
     from chromadb.utils.embedding_functions import SentenceTransformerEmbeddingFunction

@@ -56,6 +56,7 @@ def parquet_out(tmp_path_factory, records):
     return out
 
 
+@pytest.mark.slow
 def test_parquet_output_reads_as_is_with_pandas_pyarrow_and_datasets(parquet_out, expected, tmp_path, monkeypatch):
     import pandas as pd
     import pyarrow as pa
@@ -86,6 +87,7 @@ def sentences(tmp_path_factory, st_model):
     return path, st_model.encode(texts)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk_rows, calibration_rows", [(1, None), (10, None), (10, 100)])
 def test_int8_stays_accurate_at_any_chunk_size(tmp_path, sentences, chunk_rows, calibration_rows):
     """int8 ranges come from a sample of a fixed size (default 1000 rows, or the whole input when
@@ -115,6 +117,7 @@ def _edit_manifest(out, change):
     path.write_text(json.dumps(manifest))
 
 
+@pytest.mark.slow
 def test_a_corrupted_chunk_is_an_error_naming_the_file(npy_out, parquet_out, tmp_path):
     assert len(manifest_of(npy_out)["chunks"]) == 3
     flipped = _copy(npy_out, tmp_path, "flipped")

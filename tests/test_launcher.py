@@ -63,6 +63,7 @@ def expected(st_model, records):
     return st_model.encode([r["text"] for r in records])
 
 
+@pytest.mark.slow
 def test_bundled_sample_to_disk_and_back(tmp_path, st_model):
     out = tmp_path / "out"
     result = _run(["--output", str(out), "--limit", "120", "--chunk-rows", "50", "--verbose"])
@@ -77,6 +78,7 @@ def test_bundled_sample_to_disk_and_back(tmp_path, st_model):
     assert np.abs(data - st_model.encode([r["text"] for r in sample])).max() <= TOL
 
 
+@pytest.mark.slow
 def test_every_input_format(tmp_path, records, jsonl, expected, st_model):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -107,6 +109,7 @@ def test_every_input_format(tmp_path, records, jsonl, expected, st_model):
     assert np.abs(data - expected).max() <= TOL and ids == [r["id"] for r in records]
 
 
+@pytest.mark.slow
 def test_precisions_round_trip(tmp_path, jsonl, expected):
     for precision in ("float16", "int8", "binary"):
         out = tmp_path / precision
@@ -124,6 +127,7 @@ def test_precisions_round_trip(tmp_path, jsonl, expected):
             assert data.dtype == np.uint8 and np.array_equal(data, np.packbits(expected > 0, axis=-1))
 
 
+@pytest.mark.slow
 def test_shards_together_equal_the_whole(tmp_path, jsonl, expected, records):
     outs = [tmp_path / f"shard{i}" for i in range(3)]
     for i, out in enumerate(outs):
@@ -134,6 +138,7 @@ def test_shards_together_equal_the_whole(tmp_path, jsonl, expected, records):
     assert np.abs(data - expected).max() <= TOL
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_gives_identical_output(tmp_path, jsonl):
     clean = tmp_path / "clean"
     _run(["--input", str(jsonl), "--output", str(clean), "--chunk-rows", "10", "--precision", "int8",
@@ -175,6 +180,7 @@ def test_sigkill_then_resume_gives_identical_output(tmp_path, jsonl):
     shutil.rmtree(ipc_tmp, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_different_job_and_a_plain_rerun_refuses_to_overwrite(tmp_path, jsonl):
     out = tmp_path / "job"
     _run(["--input", str(jsonl), "--output", str(out), "--limit", "10"])
@@ -184,6 +190,7 @@ def test_resume_refuses_a_different_job_and_a_plain_rerun_refuses_to_overwrite(t
     assert "already holds results" in result.stderr
 
 
+@pytest.mark.slow
 def test_bad_files_name_the_file_and_line(tmp_path):
     cases = {
         "broken.jsonl": ('{"text": "fine"}\n{"text": oops}\n', "broken.jsonl line 2: not valid JSON"),
@@ -198,6 +205,7 @@ def test_bad_files_name_the_file_and_line(tmp_path):
     assert "does not exist" in result.stderr
 
 
+@pytest.mark.slow
 def test_errors_return_lists_failed_records_and_goes_on(tmp_path, st_model):
     long_doc = corpus.long_document(20_000, seed=83)
     rows = [{"id": "a", "text": "short one"}, {"id": "b", "text": long_doc}, {"id": "c", "text": "short two"}]
@@ -211,6 +219,7 @@ def test_errors_return_lists_failed_records_and_goes_on(tmp_path, st_model):
     assert [e["id"] for e in errors] == ["b"] and "long_inputs='error'" in errors[0]["error"]
 
 
+@pytest.mark.slow
 def test_stdin_plain_text(tmp_path, st_model):
     lines = ["first line of text", "second line", "third, with more words in it"]
     out = tmp_path / "stdin-out"
@@ -220,6 +229,7 @@ def test_stdin_plain_text(tmp_path, st_model):
     assert np.abs(data - st_model.encode(lines)).max() <= TOL
 
 
+@pytest.mark.slow
 def test_progress_bar_counts_records_without_reading_the_inputs_ahead(tmp_path):
     """The bar is not sized by reading every input beforehand (that read inputs of up to 2 GiB
     whole, and counted the blank JSONL lines the reader skips): it counts records done, failed
@@ -242,6 +252,7 @@ def test_progress_bar_counts_records_without_reading_the_inputs_ahead(tmp_path):
 
 # -- job runner: resumes, bad records, exit codes, signals (issues 14 and 15) ---------------------
 
+@pytest.mark.slow
 def test_limit_then_resume_finishes_the_whole_input(tmp_path, jsonl, expected, records):
     out = tmp_path / "out"
     result = _run(["--input", str(jsonl), "--output", str(out), "--limit", "10"])
@@ -256,6 +267,7 @@ def test_limit_then_resume_finishes_the_whole_input(tmp_path, jsonl, expected, r
     assert "nothing to do" in _run(["--input", str(jsonl), "--output", str(out), "--resume"]).stdout
 
 
+@pytest.mark.slow
 def test_errors_return_covers_bad_records_and_the_job_goes_on(tmp_path, st_model):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(b'{"id": "a", "text": "a good one"}\n'
@@ -277,6 +289,7 @@ def test_errors_return_covers_bad_records_and_the_job_goes_on(tmp_path, st_model
     assert manifest_of(out)["complete"] and manifest_of(out)["params"]["id_field"] == "id"
 
 
+@pytest.mark.slow
 def test_a_missing_id_stops_the_job_naming_file_and_line(tmp_path):
     path = tmp_path / "noid.jsonl"
     path.write_text('{"id": "a", "text": "x"}\n{"id": "b", "text": "y"}\n{"text": "z"}\n')
@@ -284,6 +297,7 @@ def test_a_missing_id_stops_the_job_naming_file_and_line(tmp_path):
     assert f"{path} line 3: no field 'id'" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_errors_under_a_shard_name_file_line_and_id(tmp_path):
     rows = [{"id": f"r{i}", "text": corpus.long_document(5_000, seed=90) if i == 5 else f"text {i}"} for i in range(8)]
     path = tmp_path / "s.jsonl"
@@ -424,6 +438,7 @@ def _feed_and_signal(tmp_path, sig, to_group):
     return out, lines, proc.returncode, stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, to_group", [(signal.SIGINT, True), (signal.SIGTERM, False)])
 def test_a_signal_keeps_finished_work_and_the_job_resumes(tmp_path, sig, to_group):
     out, lines, rc, stderr = _feed_and_signal(tmp_path, sig, to_group)
@@ -446,6 +461,7 @@ def test_a_signal_keeps_finished_work_and_the_job_resumes(tmp_path, sig, to_grou
         assert "input stream differs" in result.stderr
 
 
+@pytest.mark.slow
 def test_sparse_embed_and_prompts_are_written_as_the_api_computes_them(tmp_path):
     """--task sparse_embed stores each record's non-zero terms as [token id, weight] rows;
     --prompt-name puts the model's prompt in front of each text, as the API does."""
@@ -479,6 +495,7 @@ def test_sparse_embed_and_prompts_are_written_as_the_api_computes_them(tmp_path)
     assert "'nope' is not among the model's prompts" in result.stderr
 
 
+@pytest.mark.slow
 def test_classify_pairs_job_writes_each_records_probabilities_in_order(tmp_path):
     """--task classify --pair-field NAME: each record is the pair (text field, pair field) of an NLI
     cross-encoder; its stored probs equal CrossEncoder.predict(pairs, apply_softmax=True), in input

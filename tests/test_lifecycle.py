@@ -47,6 +47,7 @@ def _live_children() -> list[int]:
     return [p.pid for p in psutil.Process().children(recursive=True) if running(p.pid)]
 
 
+@pytest.mark.slow
 def test_opening_and_closing_a_pipeline_in_a_loop_accumulates_nothing(tmpdir_base):
     def round_trip():
         with Pipeline(num_render_workers=1) as pipe:
@@ -63,6 +64,7 @@ def test_opening_and_closing_a_pipeline_in_a_loop_accumulates_nothing(tmpdir_bas
     assert _group_dirs(tmpdir_base) == []
 
 
+@pytest.mark.slow
 def test_a_pipeline_dropped_without_close_stops_its_children_and_removes_its_directory(tmpdir_base):
     pipe = Pipeline(num_render_workers=1)
     assert len(pipe.embed(["dropped"], use_tqdm=False)) == 1
@@ -94,6 +96,7 @@ print(json.dumps({"pids": [pipe.pids["engine"], *pipe.pids["workers"]], "dir": s
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["end of script", "sys.exit", "SIGTERM"])
 def test_the_caller_exiting_or_sigtermed_mid_call_leaves_no_process_and_no_directory(tmp_path, tmpdir_base, how):
     """Two calls running (a daemon thread's stream, the main thread's stream held open) when the
@@ -169,6 +172,7 @@ def test_only_directories_of_groups_whose_owner_is_gone_are_removed(tmpdir_base)
         listener.close()
 
 
+@pytest.mark.slow
 def test_a_new_group_removes_the_directory_of_a_whole_group_killed_at_once(tmp_path, tmpdir_base):
     """SIGKILL of the caller's whole process group: nobody is left to remove the directory (the
     children die with their parent); the next group to start removes it, and keeps a live one."""

@@ -75,6 +75,7 @@ def _token_lengths(ce, query: str, docs: list[str]) -> list[int]:
     return features["attention_mask"].sum(dim=1).tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(RERANKERS))
 def test_llm_reranker_scores_and_ranks_as_st(tmp_path, pairs, kind):
     """score / rank equal CrossEncoder.predict / rank: the pair through the chat template, the
@@ -104,6 +105,7 @@ def test_llm_reranker_scores_and_ranks_as_st(tmp_path, pairs, kind):
                      np.array([r.score for r in ranked[:3]], dtype=np.float32), f"{kind} top_k scores")
 
 
+@pytest.mark.slow
 def test_text_pair_llm_reranker(tmp_path, pairs):
     """A causal reranker without a chat template ("text" modality only): ST tokenizes the pair as a
     tokenizer text pair, longest-first truncation, left padding; the last real token is read."""
@@ -119,6 +121,7 @@ def test_text_pair_llm_reranker(tmp_path, pairs):
             assert_close(scores(pipe, q, docs), ref, f"text-pair causal reranker (query of {len(q)} chars)")
 
 
+@pytest.mark.slow
 def test_llm_reranker_prompt_and_max_length(tmp_path, pairs):
     """A prompt becomes a system message (ST's prompt_name / prompt); a smaller max length cuts the
     conversation there, the suffix restored (ST: processing_kwargs text max_length)."""
@@ -141,6 +144,7 @@ def test_llm_reranker_prompt_and_max_length(tmp_path, pairs):
         assert_close(scores(pipe, query, docs), plain, "no prompt")
 
 
+@pytest.mark.slow
 def test_llm_reranker_scores_only(tmp_path):
     """An LLM reranker has no embeddings or classes: embed / classify are a ValueError naming the task."""
     path = zoo.build_llm_reranker(tmp_path, "qwen3")
@@ -186,6 +190,7 @@ def test_llm_reranker_refusals(tmp_path, broken, match):
         load_model_spec(root)
 
 
+@pytest.mark.slow
 def test_template_without_pair_roles_is_refused_per_request(tmp_path, pairs):
     """A chat template that renders only system/user/assistant turns drops the pair: ST's predict
     raises (its pair-role probe); the pipeline raises it too, naming the request, instead of scoring

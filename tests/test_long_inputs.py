@@ -96,6 +96,7 @@ def _peak_rss_mb(pid: int) -> float:
     return float(psutil.Process(pid).memory_info().rss) / 2**20
 
 
+@pytest.mark.slow
 def test_chunk_mode_on_a_million_token_document_stays_bounded(tmp_path, model_path):
     """A tiny model keeps the forward pass short; what is measured is the pipeline's memory."""
     target = build_bert(tmp_path / "tiny", hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -112,6 +113,7 @@ def test_chunk_mode_on_a_million_token_document_stays_bounded(tmp_path, model_pa
         assert after[pid] - before[pid] < 400, (pid, before[pid], after[pid])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("errors", ["raise", "return"])
 def test_a_failed_step_listing_two_chunks_of_one_document(tmp_path, model_path, st_model, errors):
     """A step can fail with several chunks of one document in it (the engine fails every waiting
@@ -194,6 +196,7 @@ def _characters_tokenized(model_path: str, text: str, keep: int, left: bool) -> 
     return counting.characters + planner.batch_tokenizer.characters
 
 
+@pytest.mark.slow
 def test_millions_of_cjk_characters_without_spaces_cost_what_256_tokens_cost(model_path, st_model):
     """A 2M-character CJK text with no whitespace (one pre-token per ideograph, for BERT): each
     truncation side gives sentence-transformers' vector, in seconds, without the render worker
@@ -223,6 +226,7 @@ def test_millions_of_cjk_characters_without_spaces_cost_what_256_tokens_cost(mod
         st_model.tokenizer.truncation_side = "right"
 
 
+@pytest.mark.slow
 def test_chunk_mode_on_cjk_without_spaces_equals_a_hand_computed_reference(pipe, st_model):
     """Chunk mode tokenizes a long document in pieces of ~64k characters: here the pieces of a CJK
     text without spaces are cut between ideographs, and the windows are those of the whole text's ids."""
@@ -235,6 +239,7 @@ def test_chunk_mode_on_cjk_without_spaces_equals_a_hand_computed_reference(pipe,
     np.testing.assert_allclose(out.embedding, ref, atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_long_documents_travel_to_the_workers_in_messages_of_bounded_size(pipe, st_model):
     """The engine waits for a worker's whole message: long documents go a few at a time (alone
     past MESSAGE_CHARS), so the first reaches the engine without waiting for the others to be

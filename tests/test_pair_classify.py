@@ -73,6 +73,7 @@ def nli(request, tmp_path_factory):
     return family, path, CrossEncoder(path, device="cpu")
 
 
+@pytest.mark.slow
 def test_nli_pairs_classify_equals_cross_encoder(nli, pairs):
     """classify(pairs) = CrossEncoder.predict(pairs, apply_softmax=True) (= softmax of the logits);
     use_activation=False = predict(pairs, activation_fn=Identity()); the async twin and
@@ -110,6 +111,7 @@ def test_nli_pairs_classify_equals_cross_encoder(nli, pairs):
         assert_close(probs(per_request), ref, f"{family} pairs with per-request priorities")
 
 
+@pytest.mark.slow
 def test_one_label_cross_encoder_classify_pairs_equals_predict(tmp_path, pairs):
     """A 1-label cross-encoder: classify(pairs) = sigmoid(logit) = CrossEncoder.predict(pairs)
     (ST's default Sigmoid), = score(); raw logits = predict(activation_fn=Identity())."""
@@ -137,6 +139,7 @@ def bert_nli_pipe(tmp_path_factory):
         yield pipe
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad, error", [
     (("a", None), TypeError), ((None, "b"), TypeError), (("a", 3), TypeError), (("a", "b", "c"), ValueError),
     (["a"], ValueError), ({"text": "a", "text_pair": None}, TypeError), ({"text": "a", "pair": "b"}, ValueError),
@@ -153,6 +156,7 @@ def test_bad_pairs_name_their_request(bert_nli_pipe, bad, error):
     assert outs[0].error is None and outs[2].error is None
 
 
+@pytest.mark.slow
 def test_pairs_apply_to_classify_and_unsupported_options_are_refused(bert_nli_pipe, tmp_path):
     """A pair elsewhere than classify on a sequence-classification model, or with an option the
     pair encoding cannot honour (left truncation, long_inputs='error'), is a ValueError naming its

@@ -17,6 +17,7 @@ from tiny_models import faulty_model_dir
 from pooling_pipeline import EngineDeadError, Pipeline, PipelineError, StepError
 
 
+@pytest.mark.slow
 def test_close_stops_every_process_and_removes_the_socket_dir():
     pipe = Pipeline()
     pids = pipe.pids
@@ -33,6 +34,7 @@ def test_close_stops_every_process_and_removes_the_socket_dir():
     pipe.close()  # closing twice is fine
 
 
+@pytest.mark.slow
 def test_works_from_a_plain_script_without_main_guard_and_cleans_up_at_exit(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(
@@ -51,6 +53,7 @@ def test_works_from_a_plain_script_without_main_guard_and_cleans_up_at_exit(tmp_
     assert wait_gone([report["pids"]["engine"], *report["pids"]["workers"]], 5.0) == []
 
 
+@pytest.mark.slow
 def test_caller_killed_with_sigkill_takes_the_group_down(tmp_path):
     script = tmp_path / "victim.py"
     script.write_text(
@@ -70,6 +73,7 @@ def test_caller_killed_with_sigkill_takes_the_group_down(tmp_path):
     assert wait_gone([pids["engine"], *pids["workers"]], 5.0) == []
 
 
+@pytest.mark.slow
 def test_step_failure_raises_naming_the_requests_and_the_next_call_works(tmp_path, model_path, st_model):
     trigger = st_model.tokenizer.convert_tokens_to_ids("zebra")
     good = corpus.sentences(40, seed=41)
@@ -85,6 +89,7 @@ def test_step_failure_raises_naming_the_requests_and_the_next_call_works(tmp_pat
         assert pipe.stats()["requests"] == len(good)
 
 
+@pytest.mark.slow
 def test_engine_that_cannot_start_is_a_clear_error(tmp_path, model_path):
     import shutil
 
@@ -98,6 +103,7 @@ def test_engine_that_cannot_start_is_a_clear_error(tmp_path, model_path):
     # Nothing of that group is left (checked again by the session's orphan check).
 
 
+@pytest.mark.slow
 def test_a_model_description_larger_than_a_command_line_argument_starts(tmp_path, model_path, st_model):
     """A 200 KB prompt in config_sentence_transformers.json: each child's config (the whole model
     description) travels in a 0600 file of the group's private directory, not as one argument (Linux
@@ -116,6 +122,7 @@ def test_a_model_description_larger_than_a_command_line_argument_starts(tmp_path
     assert np.abs(outs[0].embedding - st_model.encode(["a sentence"])[0]).max() <= 1e-5
 
 
+@pytest.mark.slow
 def test_engine_killed_mid_call_raises_within_seconds():
     pipe = Pipeline()
     try:
@@ -131,6 +138,7 @@ def test_engine_killed_mid_call_raises_within_seconds():
         pipe.close()
 
 
+@pytest.mark.slow
 def test_installs_one_namespace_and_runs_next_to_a_users_own_core_workers_and_pipeline(tmp_path):
     """A user's project often has its own `core/` (Django apps), `workers/` or `pipeline.py`: none
     of them may shadow this package's modules, in the caller or in the children it starts."""
@@ -156,6 +164,7 @@ def test_installs_one_namespace_and_runs_next_to_a_users_own_core_workers_and_pi
     assert report == {"generic": [], "dim": 8}
 
 
+@pytest.mark.slow
 def test_close_asks_every_child_even_when_one_cannot_be_reached():
     """One worker's socket failing must not keep the engine and the other workers from their
     orderly shutdown (they would be SIGKILLed after the grace period)."""
@@ -168,6 +177,7 @@ def test_close_asks_every_child_even_when_one_cannot_be_reached():
     assert wait_gone([group.workers[0].proc.pid], 5.0) == []
 
 
+@pytest.mark.slow
 def test_a_group_closed_right_after_it_started_shuts_every_child_down_in_order():
     """A child's connection to the frontend's control socket can attach after its Ready arrived;
     a Shutdown sent then found no peer (EAGAIN) and the engine was SIGKILLed after the grace
@@ -180,6 +190,7 @@ def test_a_group_closed_right_after_it_started_shuts_every_child_down_in_order()
         assert group.workers[0].proc.returncode == 0
 
 
+@pytest.mark.slow
 def test_a_forked_child_can_neither_use_nor_tear_down_the_parents_group(tmp_path):
     """The exit handler and the sockets belong to the process that made the group: a forked child
     that exits normally leaves the parent's ipc directory alone (a later worker restart needs it),
@@ -228,6 +239,7 @@ def test_a_forked_child_can_neither_use_nor_tear_down_the_parents_group(tmp_path
     assert wait_gone([report["pids"]["engine"], *report["pids"]["workers"]], 5.0) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_caller_killed_by_a_signal_leaves_no_socket_dir(tmp_path, sig):
     """A frontend killed by SIGTERM (or SIGKILL) never runs its exit handlers: the children,

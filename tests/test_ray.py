@@ -62,6 +62,7 @@ def assert_no_group_left(timeout_s: float = 10.0) -> None:
     assert not group_processes() - BEFORE, f"process groups outlived their Ray actors: {group_processes() - BEFORE}"
 
 
+@pytest.mark.slow
 def test_pipeline_run_ray_matches_the_api(tmp_path, records, expected):
     """The launcher starts its own local Ray instance (2 CPUs), reads JSONL with Ray Data and
     writes the launcher's output format; load_results reads it back in input order."""
@@ -98,6 +99,7 @@ def local_ray():
     assert_no_group_left()
 
 
+@pytest.mark.slow
 def test_map_batches_embed_matches_the_api(local_ray, records, expected):
     ds = ray.data.from_items(records, override_num_blocks=8)
     ds = ds.map_batches(PoolingBatches, fn_constructor_kwargs={"task": "embed"}, batch_size=200, num_cpus=1,
@@ -117,6 +119,7 @@ def small_models(tmp_path_factory, model_path):
             "token_cls": build_bert(root / "token_cls", BertForTokenClassification, num_labels=5)}
 
 
+@pytest.mark.slow
 def test_every_task_through_map_batches(local_ray, small_models):
     """classify, score (two columns) and a token task, as pandas batches, with bad rows returned."""
     import pandas as pd
@@ -145,6 +148,7 @@ def test_every_task_through_map_batches(local_ray, small_models):
                                        atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_bad_rows_are_returned_with_errors(local_ray):
     items = [{"id": 0, "text": "fine"}, {"id": 1, "text": None}, {"id": 2, "text": "also fine"}]
     ds = ray.data.from_items(items).map_batches(
@@ -156,6 +160,7 @@ def test_bad_rows_are_returned_with_errors(local_ray):
     assert np.isnan(np.asarray(rows[1]["embedding"])).all() and np.isfinite(np.asarray(rows[0]["embedding"])).all()
 
 
+@pytest.mark.slow
 def test_pooling_batches_closes_its_group_when_collected():
     """The object owns its process group: when it is collected, the group goes (nothing keeps it
     alive until the interpreter exits)."""
@@ -173,6 +178,7 @@ def test_a_missing_column_is_a_clear_error():
         _column({"text": np.array(["x"])}, "body")
 
 
+@pytest.mark.slow
 def test_pipeline_run_ray_errors_return_and_clear_refusals(local_ray, tmp_path, capsys):
     """In-process on the module's Ray instance: failed records go to errors.jsonl under their own
     input index (chunk offsets applied), and what --ray cannot do is refused clearly."""
@@ -202,6 +208,7 @@ def test_pipeline_run_ray_errors_return_and_clear_refusals(local_ray, tmp_path, 
 
 
 
+@pytest.mark.slow
 def test_pipeline_run_ray_survives_a_killed_actor(tmp_path, pipe):
     """The README promises that Ray restarts a dead actor and retries its task: an actor killed
     outright (SIGKILL, its process group with it) while it computes still gives a complete job,

@@ -31,6 +31,7 @@ from pooling_pipeline.core.serial import Encoder
 TOL = 1e-5
 
 
+@pytest.mark.slow
 def test_killed_render_worker_is_replaced_and_nothing_is_lost_or_doubled(st_model):
     texts = corpus.sentences(500, seed=71)
     reference = st_model.encode(texts)
@@ -62,6 +63,7 @@ def test_killed_render_worker_is_replaced_and_nothing_is_lost_or_doubled(st_mode
         assert restarts >= 1  # at least one death was seen and handled inside a running call
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launch_ahead", [False, True])
 def test_step_failure_raise_names_only_the_culprit_and_return_isolates_it(tmp_path, model_path, st_model,
                                                                           launch_ahead, monkeypatch):
@@ -98,6 +100,7 @@ def test_bad_inputs_with_errors_return_fail_alone(pipe, st_model):
             np.testing.assert_allclose(out.embedding, st_model.encode(prompts[i]), atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_keyboard_interrupt_aborts_the_call_and_the_group_stays_usable(pipe, st_model):
     texts = corpus.sentences(300, seed=73) * 20
     # Collect garbage first: CPython loses a KeyboardInterrupt raised while a __del__ runs, and
@@ -119,6 +122,7 @@ def test_keyboard_interrupt_aborts_the_call_and_the_group_stays_usable(pipe, st_
     assert pipe.stats()["requests"] == 30 and pipe.stats()["duplicates_dropped"] >= 0
 
 
+@pytest.mark.slow
 def test_hostile_frames_on_every_socket_are_dropped(pipe, st_model):
     group = pipe._group
     rng = random.Random(11)
@@ -183,6 +187,7 @@ def test_no_tcp_port_and_a_private_socket_dir(pipe):
     assert all(e.startswith(f"ipc://{pipe._group.dir}/") for e in pipe._group.endpoints.values())
 
 
+@pytest.mark.slow
 def test_stopped_worker_is_detected_killed_and_replaced(st_model):
     texts = corpus.sentences(400, seed=75)
     with Pipeline(num_render_workers=2, max_num_seqs=8, heartbeat_timeout_s=2.0) as pipe:
@@ -198,6 +203,7 @@ def test_stopped_worker_is_detected_killed_and_replaced(st_model):
     assert wait_gone([victim], 5.0) == []
 
 
+@pytest.mark.slow
 def test_stopped_engine_is_a_clear_error_within_the_heartbeat_timeout():
     pipe = Pipeline(heartbeat_timeout_s=2.0)
     try:
@@ -213,6 +219,7 @@ def test_stopped_engine_is_a_clear_error_within_the_heartbeat_timeout():
         pipe.close()
 
 
+@pytest.mark.slow
 def test_forged_frames_with_the_calls_own_ids_cannot_replace_results(pipe, st_model):
     """Another process of the same user pushes well-formed OutputBatch (to the frontend) and
     EngineInputBatch (to the engine) carrying the running call's real external ids: without the
@@ -244,6 +251,7 @@ def test_forged_frames_with_the_calls_own_ids_cannot_replace_results(pipe, st_mo
     np.testing.assert_allclose(np.stack([o.embedding for o in outs]), reference, atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_stopping_the_whole_job_longer_than_the_heartbeat_timeout_is_not_death(tmp_path):
     """Ctrl-Z (SIGSTOP of the process group), a pause longer than heartbeat_timeout_s, then
     SIGCONT: the job carries on; the silence happened while the frontend itself was stopped."""
@@ -339,6 +347,7 @@ def _kill_workers_during_a_stream(pipe, kills: int):
     return seen, error
 
 
+@pytest.mark.slow
 def test_worker_restarts_are_limited_per_minute_not_per_call(tiny_model, monkeypatch):
     """A long job whose workers get killed now and then (OOM killer) used to fail at the 9th
     restart of one call; within the rate (restarts per minute per worker) it goes on."""
@@ -351,6 +360,7 @@ def test_worker_restarts_are_limited_per_minute_not_per_call(tiny_model, monkeyp
         assert [o.index for o in outs] == list(range(40))
 
 
+@pytest.mark.slow
 def test_a_worker_that_keeps_dying_is_an_error_naming_it(tiny_model, monkeypatch):
     monkeypatch.setattr(process_group, "RESTART_BACKOFF_S", 0.0, raising=False)
     monkeypatch.setattr(process_group, "MAX_WORKER_RESTARTS_PER_MINUTE", 2, raising=False)
@@ -359,6 +369,7 @@ def test_a_worker_that_keeps_dying_is_an_error_naming_it(tiny_model, monkeypatch
         assert error is not None and "render worker 0 keeps dying: 3 restarts within a minute" in str(error)
 
 
+@pytest.mark.slow
 def test_work_goes_to_the_live_worker_while_another_restarts(tiny_model):
     texts = corpus.sentences(2000, seed=78)
     with Pipeline(model=tiny_model, num_render_workers=2, max_num_seqs=32) as pipe:
@@ -399,6 +410,7 @@ def _counting_faulty_model(tmp_path: Path, model_path: str, trigger: int, marker
     return target, log
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launch_ahead", [False, True])
 def test_a_failed_chunk_aborts_the_documents_other_chunks(tmp_path, model_path, st_model, launch_ahead, monkeypatch):
     """errors="raise": one failing chunk fails its document; the document's other chunks are not
@@ -426,6 +438,7 @@ def _rows(log: Path) -> int:
     return sum(int(line) for line in log.read_text().split()) if log.exists() else 0
 
 
+@pytest.mark.slow
 def test_odd_answers_with_the_groups_key_leave_a_running_call_exact(pipe, st_model):
     """Answers that a group member could send by mistake -- an empty one, one for an index long
     handed back (it shares its ring slot with one still out), one for an index never sent, one

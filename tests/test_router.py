@@ -56,6 +56,7 @@ def assert_sparse_close(got: np.ndarray, ref: np.ndarray, what: str) -> None:
     assert rel.max() <= TOL, f"{what}: max relative diff {rel.max():.3g} vs sentence-transformers"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_active_dims", [None, 6])
 def test_inference_free_splade_takes_each_route(tmp_path, texts, max_active_dims):
     """Query route SparseStaticEmbedding (its own tokenizer folder, no special tokens, a weight
@@ -93,6 +94,7 @@ def test_inference_free_splade_takes_each_route(tmp_path, texts, max_active_dims
 
 # ---- dense: routes with their own Dense, or their own transformer ---------------------------------
 
+@pytest.mark.slow
 def test_dense_router_shared_transformer(tmp_path, texts):
     """One BERT + Pooling shared by both routes (saved once by ST), a Dense of each route's own,
     Normalize after the Router: encode_query / encode_document / encode, a mixed batch, score()
@@ -125,6 +127,7 @@ def test_dense_router_shared_transformer(tmp_path, texts):
         assert_close(model.encode(texts, task="query"), query_ref, "SentenceEncoder.encode(task='query')")
 
 
+@pytest.mark.slow
 def test_dense_router_two_transformers(tmp_path, texts):
     """Routes with transformers of their own (other weights, one tokenizer): both are loaded."""
     from sentence_transformers import SentenceTransformer
@@ -143,6 +146,7 @@ def test_dense_router_two_transformers(tmp_path, texts):
 
 # ---- ST's route resolution -------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_route_mappings_and_no_default_route(tmp_path, texts):
     """Routes named "q" / "d" reached through route_mappings (("query", None), ("document", "text")),
     or by their own names; without a default route (allow_empty_key=False) a text that names no

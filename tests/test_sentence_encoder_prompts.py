@@ -58,6 +58,7 @@ def models(request, tmp_path_factory):
         yield request.param, st, encoder
 
 
+@pytest.mark.slow
 def test_prompts_are_sentence_transformers_prompts(models):
     _, st, encoder = models
     assert encoder.prompts == st.prompts

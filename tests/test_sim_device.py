@@ -14,6 +14,7 @@ def _expected(ids: list[list[int]], dim: int) -> np.ndarray:
     return sim_vectors([np.asarray(x, dtype=np.int32) for x in ids], dim)
 
 
+@pytest.mark.slow
 def test_sim_device_returns_each_requests_own_vector_in_order(model_path):
     """Texts through the real render workers and a slow simulated device (steps overlap: the next
     one is launched before the previous one is waited for): every result is its own request's
@@ -47,6 +48,7 @@ def test_sim_device_presets_and_bad_values():
         Pipeline(device="cpu", sim_device="minilm-h100")
 
 
+@pytest.mark.slow
 def test_a_long_call_sends_whole_messages(model_path):
     """A fast device answers a step (a dozen requests) at a time; the call waits for room for a
     whole message while enough is in flight instead of refilling each step's slots with a small

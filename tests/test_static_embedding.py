@@ -45,6 +45,7 @@ def embed(pipe, texts, **kwargs) -> np.ndarray:
     return np.stack([o.embedding for o in pipe.embed(texts, use_tqdm=False, **kwargs)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kwargs", [{}, {"normalize": True, "truncation": 16, "dense": True},
                                     {"normalize": True, "truncate_dim": 8}],
                          ids=["plain-untruncated", "truncated16-dense-normalize", "normalize-truncate_dim"])
@@ -90,6 +91,7 @@ def test_model2vec_layout(tmp_path, texts):
                      "model2vec score")
 
 
+@pytest.mark.slow
 def test_router_with_a_static_query_route(tmp_path, texts):
     """An inference-free dense retriever: queries through a StaticEmbedding route (its tokenizer
     truncates at 128, as saved), documents through BERT; both then Normalize."""

@@ -4,6 +4,7 @@ replaced, one outlier step moves nothing, a lasting change is followed, and the 
 import random
 
 import numpy as np
+import pytest
 from test_scheduler import Sched, _req
 
 from pooling_pipeline import Pipeline
@@ -102,6 +103,7 @@ def test_the_start_up_probe_is_short():
     assert len(busy.calls) == 4
 
 
+@pytest.mark.slow
 def test_stats_show_the_cost_learned_from_steps(model_path):
     """End to end on the simulated device: the probe reports 361 ms, the steps take 2 ms + 10 us
     per padded token; stats()["engine"] follows the steps (sent with the engine's heartbeats)."""

@@ -50,6 +50,7 @@ def _token_vectors(model, tok, text, max_length=128):
     return torch.nn.functional.normalize(hidden, dim=-1).numpy()
 
 
+@pytest.mark.slow
 def test_classify_softmax_sigmoid_and_raw_logits(models):
     texts = corpus.sentences(20, seed=62) + [corpus.long_document(5000, seed=1)]
     for name, activation in (("classify3", "softmax"), ("multilabel", "sigmoid")):
@@ -70,6 +71,7 @@ def test_classify_softmax_sigmoid_and_raw_logits(models):
             np.testing.assert_allclose(out_raw.probs, logits, atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_cross_encoder_scores_with_token_types_1to1_1toN_NtoN(models):
     model, tok = _hf(models["cross"], BertForSequenceClassification)
     with Pipeline(model=models["cross"]) as pipe:
@@ -110,6 +112,7 @@ def test_cross_encoder_scores_with_token_types_1to1_1toN_NtoN(models):
     assert long[0].num_prompt_tokens == 128
 
 
+@pytest.mark.slow
 def test_cross_encoder_without_token_types(models, tmp_path):
     """A tokenizer that gives its model no token type ids (RoBERTa style): no boundary travels."""
     import json
@@ -137,6 +140,7 @@ def test_bi_encoder_score_is_cosine_of_embeddings(pipe, st_model):
     assert len(n_to_n) == 3 and abs(n_to_n[0].score - scores[0].score) <= TOL
 
 
+@pytest.mark.slow
 def test_token_embed_late_interaction_and_dimensions(models):
     model, tok = _hf(models["colbert"], BertModel)
     texts = corpus.sentences(6, seed=63)
@@ -162,6 +166,7 @@ def test_token_embed_late_interaction_and_dimensions(models):
         assert abs(scores[i].score - float((q @ dv.T).max(axis=1).sum())) <= 1e-4
 
 
+@pytest.mark.slow
 def test_token_classify(models):
     model, tok = _hf(models["token_cls"], BertForTokenClassification)
     texts = corpus.sentences(5, seed=64)
@@ -238,6 +243,7 @@ class TitleBodyPlugin:
 '''
 
 
+@pytest.mark.slow
 def test_io_processor_plugin(tmp_path, st_model, monkeypatch):
     (tmp_path / "my_plugin.py").write_text(textwrap.dedent(PLUGIN))
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -56,6 +56,7 @@ def raw_model(tmp_path_factory) -> str:
     return zoo.build_st(tmp_path_factory.mktemp("td"), "bert", name="st-bert-td8-raw", normalize=False, truncate_dim=8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["normalized_model", "raw_model"])
 def test_encoder_truncate_dim_replaces_the_saved_one(request, which):
     """Item 1: truncate_dim above (and below) the saved 8 gives that many values, equal to ST's,
@@ -72,6 +73,7 @@ def test_encoder_truncate_dim_replaces_the_saved_one(request, which):
         assert enc.encode(TEXTS[:2], truncate_dim=24).shape == (2, 24)
 
 
+@pytest.mark.slow
 def test_normalize_true_with_a_saved_truncate_dim_gives_unit_vectors(normalized_model, raw_model):
     """Item 2: normalize=True cuts to the saved truncate_dim, then normalizes (ST's
     normalize_embeddings=True); the default is ST's default output (Normalize on the full width,
@@ -90,6 +92,7 @@ def test_normalize_true_with_a_saved_truncate_dim_gives_unit_vectors(normalized_
             assert norms(default).max() < 0.99
 
 
+@pytest.mark.slow
 def test_dimensions_is_vllms(normalized_model, raw_model):
     """Item 4: dimensions=k is the first k values of the full output, normalized when normalization
     is on: on a model without Normalize, ST's truncate_dim=k exactly (unnormalized); on a model with

@@ -34,7 +34,13 @@ def _full_ids(tok: Tokenizer, text: str, k: int, left: bool = False) -> list[int
 
 @pytest.fixture(scope="module")
 def wordpiece(model_path):
-    return load_tokenizer(load_model_spec(model_path))
+    """The bundled tokenizer without the padding and truncation its tokenizer.json saves (what the
+    render worker's TruncatingTokenizer sets): the references below tokenize texts whole. (Set here,
+    not left to whichever test runs first: a tier may run any subset.)"""
+    tok = load_tokenizer(load_model_spec(model_path))
+    tok.no_padding()
+    tok.no_truncation()
+    return tok
 
 
 def _train(kind: str) -> Tokenizer:
@@ -75,6 +81,7 @@ def tokenizer(request, wordpiece):
     return wordpiece if request.param == "bundled-wordpiece" else _train(request.param)
 
 
+@pytest.mark.slow
 def test_these_tokenizers_are_prefix_safe(tokenizer):
     assert analyse_tokenizer(tokenizer).exact
 
@@ -84,6 +91,7 @@ texts = st.lists(st.one_of(st.sampled_from(PIECES), st.text(min_size=1, max_size
         lambda seps: "".join(w + s for w, s in zip(words, seps))))
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
 @given(text=texts, k=st.integers(min_value=2, max_value=40), lead=st.sampled_from(["", " ", "\n"]),
@@ -139,6 +147,7 @@ no_space_texts = st.lists(
         lambda glue: "".join(w + g for w, g in zip(words, glue)).replace(" ", "").replace("\u00a0", "")))
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
 @given(text=no_space_texts, k=st.integers(min_value=2, max_value=40), left=st.booleans())
@@ -161,6 +170,7 @@ def test_piecewise_tokenization_without_whitespace_equals_whole(tokenizer, text)
     assert ids == tokenizer.encode(text, add_special_tokens=False).ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("left", [False, True])
 def test_long_text_without_whitespace_is_cut_at_a_split_point_not_tokenized_whole(wordpiece, left):
     """3M CJK characters cost a worker 1.3 GB when tokenized whole; a prefix at a point where the
@@ -212,6 +222,7 @@ def test_find_cut_is_before_a_whitespace_run():
     assert find_cut("abcdefgh" * 100, 50, " ") is None
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(words=st.tuples(st.integers(0, 300), st.integers(0, 300)), max_tokens=st.integers(5, 160),
        caps=st.tuples(st.one_of(st.none(), st.integers(1, 200)), st.one_of(st.none(), st.integers(1, 200))))

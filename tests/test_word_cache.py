@@ -244,6 +244,7 @@ def test_a_vocabulary_without_unk_loads_and_gives_the_library_ids_or_its_error()
             tok.encode_many(texts, 64)
 
 
+@pytest.mark.slow
 def test_pipeline_with_a_spaced_added_token_matches_sentence_transformers(tmp_path):
     """End to end: a tiny BERT saved by ST over the NFKD + BertNormalizer tokenizer with "a\u00a8b"."""
     from sentence_transformers import SentenceTransformer

@@ -31,6 +31,7 @@ def torch_libraries(pid: int) -> set[str]:
         return {line.split()[-1] for line in f if TORCH_LIBRARY.search(line)}
 
 
+@pytest.mark.slow
 def test_a_render_worker_loads_no_torch_and_stays_small(model_path):
     texts = corpus.sentences(2000, seed=3) + corpus.medium_texts(40, seed=4)
     conversation = [{"role": "user", "content": "How do I read a file?"},
@@ -66,6 +67,7 @@ class TorchPlugin:
 '''
 
 
+@pytest.mark.slow
 def test_a_plugin_may_still_import_torch_in_the_worker(tmp_path, monkeypatch, st_model):
     (tmp_path / "torch_plugin.py").write_text(textwrap.dedent(TORCH_PLUGIN))
     monkeypatch.syspath_prepend(str(tmp_path))
