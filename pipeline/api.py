@@ -204,9 +204,9 @@ class Pipeline:
             _said_once["faster_precision"] = True
             log.info("%s", hint)
         # (the engine's own log is not the caller's: what it has to say at start-up travels in its info)
-        for warning in str(self._group.engine_info.get("warnings") or "").splitlines():
+        for warning in str(engine.get("warnings") or "").splitlines():
             log.warning("%s", warning)
-        notice = describe_checkpoint_precision(self._group.engine_info)
+        notice = describe_checkpoint_precision(engine)
         if notice is not None:  # a result that differs from ST's default in the last digits: said once
             log.warning("%s", notice)
         info = self._group.worker_info

@@ -158,3 +158,28 @@ def test_the_snapshot_ends_at_the_fingerprinted_size_and_keeps_a_crlf_line_whole
         f.write(b"\r\nthree\n")  # "two" was whole: its line end came after the fingerprint
     assert [r.text for r in RecordReader(sources).records(snapshot=snapshot)] == ["one", "two"]
     assert [r.text for r in RecordReader(sources).records()] == ["one", "two", "three"]  # without one: all of it
+
+
+def test_the_progress_estimate_counts_records_across_formats(tmp_path):
+    """The progress bar's total (pipeline-run): Parquet inputs count their rows exactly, JSONL ones
+    are estimated from the records per byte read so far -- the two never summed as one unit -- and
+    a shard gets its share."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from helpers import SAMPLE
+
+    lines = SAMPLE.read_text(encoding="utf-8").splitlines()
+    table = tmp_path / "more.parquet"
+    rows = [json.loads(line) for line in lines[:301]]
+    pq.write_table(pa.table({"id": [f"pq-{r['id']}" for r in rows], "text": [r["text"] for r in rows]}), table)
+    reader = RecordReader(expand_inputs([str(SAMPLE), str(table)]))
+    records = reader.records()
+    for _ in range(120):  # part of the JSONL file read
+        next(records)
+    total, exact = reader.estimated_total()
+    # (the Parquet rows whole, the JSONL part at least what was read; an estimate, not a count)
+    assert not exact and 301 + 120 <= total <= 2 * (len(lines) + 301), total
+    rest = sum(1 for _ in records)
+    assert 120 + rest == len(lines) + 301
+    assert reader.estimated_total() == (len(lines) + 301, True)  # all read: exact
+    assert reader.estimated_total((1, 2)) == ((len(lines) + 301) // 2, True)

@@ -161,6 +161,12 @@ class Renderer:
 
     def render(self, batch: RenderBatch) -> tuple[EngineInputPacker, list[tuple[int, str]]]:
         """The batch's engine inputs in columns, and the requests that failed with why."""
+        rows, failed = self._render(batch)
+        if not self.spec.add_special_tokens:  # (a static embedding's empty texts)
+            mark_empty_rows(rows, range(len(rows)))
+        return rows, failed
+
+    def _render(self, batch: RenderBatch) -> tuple[EngineInputPacker, list[tuple[int, str]]]:
         rows = EngineInputPacker()
         failed: list[tuple[int, str]] = []
         indices = batch.indices.tolist()
@@ -506,23 +512,8 @@ def build_renderer(spec: ModelSpec, plugin=None):
     """The worker's renderer: one Renderer, or for a Router model one per route (each with its
     route's own tokenizer and special-token rule)."""
     if not spec.route_specs:
-        renderer = Renderer(spec, load_hf_tokenizer(spec), plugin)
-        return renderer if spec.add_special_tokens else EmptyTextsMarked(renderer)
+        return Renderer(spec, load_hf_tokenizer(spec), plugin)
     return RoutedRenderer(spec, [Renderer(route, load_hf_tokenizer(route), plugin) for route in spec.route_specs])
-
-
-class EmptyTextsMarked:
-    """A model that adds no special tokens (a StaticEmbedding): its empty texts travel as
-    `mark_empty_rows` says."""
-
-    def __init__(self, renderer: Renderer) -> None:
-        self.renderer = renderer
-        self.spec, self.tokenizer, self.hf = renderer.spec, renderer.tokenizer, renderer.hf
-
-    def render(self, batch: RenderBatch) -> tuple[EngineInputPacker, list[tuple[int, str]]]:
-        rows, failed = self.renderer.render(batch)
-        mark_empty_rows(rows, range(len(rows)))
-        return rows, failed
 
 
 class RoutedRenderer:
@@ -541,11 +532,7 @@ class RoutedRenderer:
 
     def render(self, batch: RenderBatch) -> tuple[EngineInputPacker, list[tuple[int, str]]]:
         if batch.items is None:  # one route for the whole batch
-            renderer = self._renderer(batch.options.route)
-            rows, failed = renderer.render(batch)
-            if not renderer.spec.add_special_tokens:
-                mark_empty_rows(rows, range(len(rows)))
-            return rows, failed
+            return self._renderer(batch.options.route).render(batch)
         rows = EngineInputPacker()
         failed: list[tuple[int, str]] = []
         for index, item in zip(batch.indices.tolist(), batch.items):

@@ -142,8 +142,10 @@ class FormatReader:
     def __init__(self, source: Source, fields: Fields) -> None:
         self.source = source
         self.fields = fields
-        # How far `units` has read, for the progress bar's estimate: bytes of a file, rows of Parquet.
+        # How far `units` has read, for the progress bar's estimate: bytes of a file, rows of Parquet;
+        # and the records those units held (every shard's).
         self.done_units = 0
+        self.done_records = 0
 
     def probe(self, first: bool) -> None:
         """Checks the fields against the first records; `first`: the job's first input, which decides the ids."""
@@ -441,7 +443,6 @@ class RecordReader:
                              pair=pair_field)
         self.readers = [FORMATS[s.format](s, self.fields) for s in sources]
         self.probed = False
-        self.read_records = 0  # records read so far, every shard's (the progress estimate's numerator)
         self._sizes: list[tuple[int, bool] | None] | None = None
 
     @property
@@ -506,7 +507,7 @@ class RecordReader:
                                              else fingerprint):
                 ours = index % shard_n == shard_i
                 index += 1
-                self.read_records = index
+                reader.done_records += 1
                 if not ours:
                     continue
                 mine += 1
@@ -530,15 +531,23 @@ class RecordReader:
         if not sizes or any(size is None for size in sizes):
             return None
         shard_i, shard_n = shard
-        if all(exact for _, exact in sizes):
-            total = sum(n for n, _ in sizes)
-            return len(range(shard_i, total, shard_n)), True
-        done = sum(min(reader.done_units, n) for reader, (n, _) in zip(self.readers, sizes))
-        whole = sum(n for n, _ in sizes)
-        if done <= 0 or self.read_records <= 0:
+        # Each input's records: counted (Parquet), else its bytes at the records-per-byte its read part
+        # showed -- or, not read yet, the one every file read so far showed.
+        read = [(r.done_records, r.done_units) for r, (_, exact) in zip(self.readers, sizes) if not exact and r.done_units]
+        if any(not exact for _, exact in sizes) and not read:
             return None
-        records = self.read_records * whole / done  # every shard's: records per byte so far, times all bytes
-        return max(1, round(records / shard_n)), done >= whole
+        per_unit = sum(n for n, _ in read) / sum(u for _, u in read) if read else 0.0
+        total, exact = 0, True
+        for reader, (size, counted) in zip(self.readers, sizes):
+            if counted:
+                total += size
+            elif reader.done_units >= size:  # read whole: its records are known
+                total += reader.done_records
+            else:
+                rate = reader.done_records / reader.done_units if reader.done_units else per_unit
+                total += round(size * rate)
+                exact = False
+        return len(range(shard_i, max(total, 1), shard_n)) or 1, exact
 
     @staticmethod
     def _check_resumed_stream(digest, expected: str | None, skip: int) -> None:
