@@ -12,7 +12,12 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from mkdocs.plugins import event_priority
 
+
+# Before mkdocstrings' own on_config: it drops a search path that does not exist yet, which is the
+# case on a fresh clone (CI) -- a leftover build/ folder hid this locally.
+@event_priority(100)
 def on_config(config):
     root = Path(config.config_file_path).parent
     package = root / "build" / "docs-src" / "pooling_pipeline"
