@@ -116,3 +116,48 @@ def test_chromadb_retrieves_what_sentence_transformers_retrieves(encoder, st_mod
     want = theirs.query(query_texts=QUERIES, n_results=5)
     assert got["ids"] == want["ids"]
     assert np.allclose(np.asarray(got["distances"]), np.asarray(want["distances"]), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_llama_index_retrieves_what_its_sentence_transformers_model_retrieves(encoder, model_path):
+    """LlamaIndex's vector index with the encoder in its BaseEmbedding, against the same index with
+    LlamaIndex's own sentence-transformers model (HuggingFaceEmbedding of the same folder): the same
+    nodes, the same scores; the async path gives the same vectors."""
+    from llama_index.core import VectorStoreIndex
+    from llama_index.core.schema import TextNode
+    from llama_index.embeddings.huggingface import HuggingFaceEmbedding
+
+    from pooling_pipeline.integrations.llama_index import llama_index_embedding
+
+    # Nodes built directly: LlamaIndex's default splitter would fetch a tokenizer file from the network.
+    nodes = [TextNode(text=text, id_=f"d{i}") for i, text in enumerate(DOCS)]
+    ours_model = llama_index_embedding(encoder)
+    theirs_model = HuggingFaceEmbedding(model_name=model_path, device="cpu")
+    ours = VectorStoreIndex([n.model_copy() for n in nodes], embed_model=ours_model).as_retriever(similarity_top_k=5)
+    theirs = VectorStoreIndex([n.model_copy() for n in nodes], embed_model=theirs_model).as_retriever(similarity_top_k=5)
+    for query in QUERIES:
+        got, want = ours.retrieve(query), theirs.retrieve(query)
+        assert [n.node.node_id for n in got] == [n.node.node_id for n in want]
+        assert np.allclose([n.score for n in got], [n.score for n in want], atol=1e-5)
+    vectors = np.asarray(ours_model.get_text_embedding_batch(DOCS[:8]))
+    assert np.abs(vectors - np.asarray(theirs_model.get_text_embedding_batch(DOCS[:8]))).max() <= TOL
+    assert np.abs(np.linalg.norm(vectors, axis=1) - 1).max() <= 1e-6  # normalized, as HuggingFaceEmbedding's default
+
+    async def both():
+        return (await ours_model.aget_text_embedding_batch(DOCS[:8]), await ours_model.aget_query_embedding(QUERIES[0]))
+
+    docs_async, query_async = asyncio.run(both())
+    assert np.abs(np.asarray(docs_async) - vectors).max() <= TOL
+    assert np.abs(np.asarray(query_async) - np.asarray(theirs_model.get_query_embedding(QUERIES[0]))).max() <= TOL
+
+
+def test_llama_index_embedding_takes_the_instructions_as_prompts(encoder, st_model):
+    from pooling_pipeline.integrations.llama_index import llama_index_embedding
+
+    model = llama_index_embedding(encoder, normalize=False, query_instruction="Represent the question: ",
+                                  text_instruction="Represent the passage: ")
+    query = np.asarray(model.get_query_embedding(QUERIES[1]))
+    text = np.asarray(model.get_text_embedding(DOCS[3]))
+    assert np.abs(query - st_model.encode(QUERIES[1], prompt="Represent the question: ")).max() <= TOL
+    assert np.abs(text - st_model.encode(DOCS[3], prompt="Represent the passage: ")).max() <= TOL
+    assert model.embed_batch_size == 2048  # the pipeline gets LlamaIndex's texts in large calls

@@ -22,8 +22,10 @@ filled by the model's saved prompts (so an e5 model's encode_document takes the 
 before "passage: ", as ST's does); `encode` takes `prompt`, else `prompt_name`, else the model's
 default_prompt_name; encode_query / encode_document name "query" / the first of "document",
 "passage", "corpus" unless given a prompt or prompt name (an empty prompt then overrides the
-default, as in ST). MTEB's `prompt_type` (query / document, a str or its enum) selects what
-encode_query / encode_document would; its `task_name` selects nothing.
+default, as in ST). MTEB 2 calls `encode(dataloader, task_metadata=..., prompt_type=...)`: the
+prompt is chosen as MTEB's own sentence-transformers wrapper chooses it (integrations/mteb_encoder.py);
+MTEB 1's `prompt_type` (query / document, a str or its enum) selects what encode_query /
+encode_document would; its `task_name` selects nothing.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from pooling_pipeline.quantization import PRECISIONS, quantize_embeddings
 from pooling_pipeline.similarity import similarity_matrix, similarity_pairwise
 
 DOCUMENT_PROMPT_NAMES = ("document", "passage", "corpus")  # what ST's encode_document looks for, in order
-# MTEB passes these to encode; they select nothing here beyond the prompt type.
+# MTEB 1 passed these to encode; they select nothing here beyond the prompt type. (MTEB 2's protocol,
+# with task_metadata, goes to integrations/mteb_encoder.py.)
 IGNORED_KEYWORDS = ("task_name", "prompt_type", "pool", "chunk_size")
 
 
@@ -62,6 +65,7 @@ class SentenceEncoder:
         self.max_seq_length = spec.default_max_tokens
         self._default_max_seq_length = spec.default_max_tokens
         self._tokenizer = None
+        self._mteb_meta = None
         self._model_id = None if model is None else str(model)
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -150,6 +154,16 @@ class SentenceEncoder:
         return ModelCardData(model_name=Path(self.pipeline.model_spec.path).name,
                              model_id=self._model_id, similarity_fn_name=self.similarity_fn_name)
 
+    @property
+    def mteb_model_meta(self):
+        """What MTEB 2 reads of a model (its ModelMeta; MTEB imported on first use): with it,
+        `mteb.evaluate(encoder, tasks)` takes this object as it is (see integrations/mteb_encoder.py)."""
+        if self._mteb_meta is None:
+            from pooling_pipeline.integrations.mteb_encoder import model_meta
+
+            self._mteb_meta = model_meta(self)
+        return self._mteb_meta
+
     # ---- encoding ----------------------------------------------------------------------------
 
     def encode(self, sentences: str | Sequence[str], prompt_name: str | None = None, prompt: str | None = None,
@@ -157,6 +171,13 @@ class SentenceEncoder:
                output_value: str | None = "sentence_embedding", precision: str = "float32",
                convert_to_numpy: bool = True, convert_to_tensor: bool = False, device: str | None = None,
                normalize_embeddings: bool = False, truncate_dim: int | None = None, **kwargs: Any):
+        if "task_metadata" in kwargs:  # MTEB 2's protocol: a DataLoader and the task it runs
+            from pooling_pipeline.integrations.mteb_encoder import encode_for_mteb
+
+            return encode_for_mteb(self, sentences, batch_size=batch_size, show_progress_bar=show_progress_bar,
+                                   precision=precision, convert_to_numpy=convert_to_numpy,
+                                   convert_to_tensor=convert_to_tensor, normalize_embeddings=normalize_embeddings,
+                                   truncate_dim=truncate_dim, **kwargs)
         unknown = set(kwargs) - set(IGNORED_KEYWORDS) - {"task"}  # task: ST's Router route (see _route)
         if unknown:
             raise TypeError(f"encode() got unexpected keyword arguments {sorted(unknown)}")
