@@ -41,6 +41,7 @@ from pooling_pipeline.core.runtime import (
     BusyClock,
     DropLog,
     addressed_socket,
+    exit_process,
     exit_with_parent,
     release_free_memory,
     run_maybe_profiled,
@@ -52,8 +53,9 @@ from pooling_pipeline.core.runtime import (
 )
 from pooling_pipeline.core.scheduler import Scheduler
 from pooling_pipeline.core.serial import Decoder, Encoder
-from pooling_pipeline.core.step_cost import StepCostModel
+from pooling_pipeline.core.step_cost import StepCostModel, remembered_probe
 from pooling_pipeline.core.step_runner import StepRunner
+from pooling_pipeline.jobs.fingerprint import cache_root
 
 IDLE_WAIT_S = 0.5
 LAUNCH_AHEAD_ENV = "POOLING_PIPELINE_LAUNCH_AHEAD"
@@ -149,6 +151,7 @@ class StageTimes:
 
 class EngineCore:
     def __init__(self, cfg: EngineConfig, log, key: bytes) -> None:
+        importing = time.perf_counter()
         import torch
 
         from pooling_pipeline.core.model_runner import ModelRunner
@@ -156,6 +159,7 @@ class EngineCore:
         self.cfg = cfg
         self.log = log
         self.key = key
+        started = time.perf_counter()
         torch.set_num_threads(cfg.torch_threads)
         self.runner: StepRunner
         if cfg.device == "sim":  # the simulated accelerator: the whole path, a modeled step
@@ -182,12 +186,17 @@ class EngineCore:
         # What one step's fixed cost is worth in padded tokens: lets the scheduler fill batches
         # when a step is mostly overhead (a small model, a GPU) and keep them tight when not.
         # A short probe seeds it; every finished step refines it (`StepCostModel`).
+        loaded = time.perf_counter()
         try:
-            overhead_s, per_token_s = self.runner.step_cost(self.max_num_batched_tokens)
+            overhead_s, per_token_s, probe = self._probe_step_cost()
         except Exception as e:  # a model that cannot run a synthetic batch still serves
             log.warning("could not measure the step cost (%s); batches stay tight until steps are seen", e)
-            overhead_s, per_token_s = 0.0, 1.0
+            overhead_s, per_token_s, probe = 0.0, 1.0, "failed"
+
         self.step_cost = StepCostModel(overhead_s, per_token_s, MAX_OVERHEAD_TOKENS)
+        # Where the start-up went (stats()["engine"]; scripts/bench_startup.py prints them).
+        self.startup = {"startup_torch_import_s": round(started - importing, 3), "startup_load_s": round(loaded - started, 3),
+                        "startup_probe_s": round(time.perf_counter() - loaded, 3), "startup_probe": probe}
         self.scheduler = Scheduler(cfg.max_num_seqs, self.max_num_batched_tokens, CPU_MAX_PADDING if on_cpu
                                    else GPU_MAX_PADDING, self.step_cost.overhead_tokens, capacity=cfg.window)
         self.aborts = AbortMemory()
@@ -202,13 +211,32 @@ class EngineCore:
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.clock = BusyClock()
 
+    def _probe_step_cost(self) -> tuple[float, float, str]:
+        """The step cost's seed: probed once per model, backend, precision, device and threads, then
+        remembered in the project's cache (a simulated device is modeled, never remembered)."""
+        import torch
+
+        probe = lambda: self.runner.step_cost(self.max_num_batched_tokens)
+        if self.cfg.device == "sim":
+            return (*probe(), "measured")
+        model = self.cfg.model.path
+        files = sorted((entry.name, entry.stat().st_size, entry.stat().st_mtime_ns)
+                       for entry in os.scandir(model) if entry.is_file())
+        backend = getattr(self.runner, "backend_info", {})
+        identity = {"model": os.path.realpath(model), "files": files, "backend": backend.get("backend"),
+                    "precision": backend.get("precision"), "quantize": self.cfg.quantize,
+                    "dtype": str(self.runner.dtype), "device": str(self.runner.device),
+                    "threads": torch.get_num_threads(), "max_tokens": self.max_num_batched_tokens,
+                    "torch": torch.__version__, "cpus": os.cpu_count()}
+        return remembered_probe(identity, probe, cache_root())
+
     def ready_info(self) -> dict:
         import torch
 
         return {"device": str(self.runner.device), "dtype": str(self.runner.dtype).removeprefix("torch."),
                 "torch_threads": torch.get_num_threads(),
                 "max_num_batched_tokens": self.max_num_batched_tokens,
-                **self.step_cost.info(), "launch_ahead": self.launch_ahead,
+                **self.step_cost.info(), "launch_ahead": self.launch_ahead, **self.startup,
                 **getattr(self.runner, "backend_info", {"backend": "sim"})}
 
     def serve(self, ctx: zmq.Context, to_front: zmq.Socket) -> None:
@@ -573,4 +601,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    exit_process(main(sys.argv))

@@ -13,9 +13,11 @@ whole content of every model file (`jobs.fingerprint.model_files`: a rewrite in 
 the key), carries the sha256 of each file it wrote (`checksums.json`), checked when it is read; a
 damaged entry is removed and rebuilt, naming it; a cache that cannot be read or written never stops
 a run (the conversion is made in memory and served, with one warning naming the path). A converted
-model is also checked against the torch module on every start (`verify`) -- padded rows, ids across
-the whole vocabulary, two shapes -- so a conversion that computes something else is refused (or,
-under backend="auto", the torch backend runs instead) rather than giving different results.
+model is also checked against the torch module (`verify`) -- padded rows, ids across the whole
+vocabulary, two shapes -- so a conversion that computes something else is refused (or, under
+backend="auto", the torch backend runs instead) rather than giving different results. The check's
+result is remembered in the entry for the library versions and CPU it ran with (`VerifiedChecks`),
+so a start from a cached entry whose checksums hold does not repeat it.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ log = logging.getLogger("engine")
 # Bumped when what is cached changes meaning (the wrapper's inputs or outputs, the key, the checksums).
 CACHE_LAYOUT = 2
 CHECKSUMS = "checksums.json"  # in each entry: its key, and {file name: sha256} of what was written
+VERIFIED = "verified.json"  # in each entry: the checks against the torch module it passed (VerifiedChecks)
 # Conversions kept; beyond this the least recently used go (a model deleted or changed leaves its
 # entry behind, and each conversion is as large as the model).
 MAX_CACHE_ENTRIES = 16
@@ -139,19 +142,91 @@ def to_openvino(model: torch.nn.Module, spec, *, output: str, base: bool, token_
     started = time.perf_counter()
     runner = OpenVINOModel(compile_for_cpu(ov, converted, threads, "f32"), output, inputs, base)
     info["compile_s"] = round(time.perf_counter() - started, 3)
-    probes = probe_batches(module, spec, inputs)
-    info["verified_max_diff"] = verify(runner, probes, spec)
+    # A cached entry whose checksums held was checked against the torch module at an earlier start
+    # with these library versions on this CPU: that check is remembered in the entry, not repeated.
+    checks = VerifiedChecks(folder, key, ov.__version__) if info["conversion_cache"] == folder else None
+    probes: list = []
+
+    def checked(runner: OpenVINOModel, name: str, tolerance: float) -> float:
+        if checks is not None and checks.known(name) is not None:
+            return checks.known(name)
+        if not probes:
+            probes.extend(probe_batches(module, spec, inputs))
+        worst = verify(runner, probes, spec, tolerance)
+        if checks is not None:
+            checks.remember(name, worst)
+        return worst
+
+    started = time.perf_counter()
+    info["verified_max_diff"] = checked(runner, "f32", VERIFY_TOLERANCE)
     if precision == "bf16":
         if "BF16" not in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
             raise BackendUnavailable("this CPU has no bfloat16 units (OpenVINO's CPU capabilities lack BF16)")
-        started = time.perf_counter()
+        compiled = time.perf_counter()
         runner = OpenVINOModel(compile_for_cpu(ov, converted, threads, "bf16"), output, inputs, base)
-        info["compile_s"] = round(info["compile_s"] + time.perf_counter() - started, 3)
-        info["verified_bf16_max_diff"] = verify(runner, probes, spec, tolerance=BF16_TOLERANCE)
+        info["compile_s"] = round(info["compile_s"] + time.perf_counter() - compiled, 3)
+        info["verified_bf16_max_diff"] = checked(runner, "bf16", BF16_TOLERANCE)
     elif precision != "f32":
         raise RuntimeError(f"this is a bug: OpenVINO precision {precision!r}")
+    info["verify_s"] = round(time.perf_counter() - started, 3)
+    info["verification"] = "remembered" if not probes else "checked"
     info["precision"] = precision
     return runner, info
+
+
+class VerifiedChecks:
+    """The checks against the torch module that a cache entry passed (`verified.json` in it: its
+    largest difference per compiled precision), valid for the entry's key and files (its checksums,
+    verified before this), the library versions and the CPU they ran with. A check made of other
+    files (an entry copied in, its checksums rewritten), with another OpenVINO, torch or
+    transformers, or on another CPU (a cache folder shared between machines), is made again."""
+
+    def __init__(self, folder: str, key: str, openvino_version: str) -> None:
+        import transformers
+
+        self.path = os.path.join(folder, VERIFIED)
+        try:
+            with open(os.path.join(folder, CHECKSUMS), encoding="utf-8") as f:
+                files = json.load(f).get("files")
+        except (OSError, ValueError, AttributeError):
+            files = None
+        self.identity = {"key": key, "files": files, "openvino": openvino_version, "torch": torch.__version__,
+                         "transformers": transformers.__version__, "cpu": cpu_signature(),
+                         "tolerance": VERIFY_TOLERANCE, "bf16_tolerance": BF16_TOLERANCE}
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                saved = json.load(f)
+            self.passed = dict(saved["passed"]) if saved.get("identity") == self.identity else {}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            self.passed = {}
+
+    def known(self, precision: str) -> float | None:
+        value = self.passed.get(precision)
+        return float(value) if isinstance(value, (int, float)) and np.isfinite(value) else None
+
+    def remember(self, precision: str, worst: float) -> None:
+        self.passed[precision] = worst
+        staging = f"{self.path}.{os.getpid()}.tmp"
+        try:
+            with open(staging, "w", encoding="utf-8") as f:
+                json.dump({"identity": self.identity, "passed": self.passed}, f)
+            os.replace(staging, self.path)
+        except OSError:  # a read-only cache: the next start checks again
+            pass
+
+
+def cpu_signature() -> str:
+    """The CPU's model and instruction-set flags (what OpenVINO compiles for), as a short digest."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            text = f.read()
+        lines = [line for line in text.splitlines() if line.startswith(("model name", "flags", "Features"))]
+        described = "\n".join(dict.fromkeys(lines))
+    except OSError:
+        import platform
+
+        described = f"{platform.machine()} {platform.processor()}"
+    return hashlib.sha256(described.encode()).hexdigest()[:16]
 
 
 def compile_for_cpu(ov, converted, threads: int, precision: str):

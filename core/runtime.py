@@ -241,6 +241,20 @@ def release_free_memory() -> None:
         pass
 
 
+def exit_process(code: int) -> None:
+    """Ends a child process after its orderly shutdown without the interpreter's teardown: its
+    sockets are closed and its results sent by then, and tearing down torch and transformers'
+    modules took 1.2 s of a group's close on this 2-core machine (the frontend waits for every
+    child). The log is flushed first; nothing else is left to run at exit."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing more can reach it
+            pass
+    os._exit(code)
+
+
 def run_maybe_profiled(fn, name: str) -> None:
     """Runs `fn()`; under cProfile when PIPELINE_PROFILE_DIR is set, writing `<dir>/<name>.prof`
     (read it with `python -m pstats`). How to see where a child process spends its time."""

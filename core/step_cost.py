@@ -144,3 +144,37 @@ def probe_step_cost(run: Callable[[int, int], object], max_tokens: int, max_mode
     small, large = timed(1, small_tokens), timed(rows, length)
     per_token = max((large - small) / max(large_tokens - small_tokens, 1), MIN_PER_TOKEN_S)
     return max(small - per_token * small_tokens, 0.0), per_token
+
+
+def remembered_probe(identity: dict, probe: Callable[[], tuple[float, float]], root: str) -> tuple[float, float, str]:
+    """The start-up probe's seed, measured once per engine identity (model files, backend,
+    precision, device, threads, library versions) and remembered under `root`: a later start with
+    the same identity skips the probe (its runs took 0.3-1.5 s of a start on this 2-core machine).
+    A seed only seeds -- the real steps replace it within a few dozen steps --, so a remembered one
+    that no longer fits costs a few badly shaped batches at worst, never a wrong result. ->
+    (overhead_s, per_token_s, "remembered" | "measured"). The memory is best effort: a folder that
+    cannot be read or written means the probe runs."""
+    import hashlib
+    import json
+    import os
+
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    path = os.path.join(root, "step_cost", f"{digest}.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            seed = json.load(f)
+        overhead_s, per_token_s = float(seed["overhead_s"]), float(seed["per_token_s"])
+        if np.isfinite(overhead_s) and np.isfinite(per_token_s) and overhead_s >= 0 and per_token_s > 0:
+            return overhead_s, per_token_s, "remembered"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # none yet, or unreadable: measure
+    overhead_s, per_token_s = probe()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        staging = f"{path}.{os.getpid()}.tmp"
+        with open(staging, "w", encoding="utf-8") as f:
+            json.dump({"overhead_s": overhead_s, "per_token_s": per_token_s, "identity": identity}, f, default=str)
+        os.replace(staging, path)  # whole or not at all, for a start running beside this one
+    except OSError:
+        pass  # a read-only or full cache: the next start probes again
+    return overhead_s, per_token_s, "measured"

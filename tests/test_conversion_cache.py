@@ -156,3 +156,29 @@ def test_auto_runs_torch_when_openvino_itself_fails(model, monkeypatch):
     if HAVE_OPENVINO:
         with pytest.raises(ValueError, match="cannot run model .*out of memory"):
             model_runner.ModelRunner(spec, "cpu", "auto", backend="openvino")
+
+
+@pytest.mark.slow
+def test_the_check_of_a_cached_entry_is_remembered_for_its_files_and_versions(cache, model):
+    """A start from a cached entry does not repeat the check against the torch module that the
+    entry passed (the results stay the model's); a check recorded for other files, other library
+    versions or another CPU is made again."""
+    if not HAVE_OPENVINO:
+        with pytest.raises(ValueError, match="openvino"):
+            Pipeline(model=str(model), backend="openvino")
+        return
+    import json
+
+    first, want = run(model, "openvino")
+    assert first["verification"] == "checked"
+    second, got = run(model, "openvino")
+    assert second["conversion"] == "cached" and second["verification"] == "remembered", second
+    assert second["verified_max_diff"] == first["verified_max_diff"] and second["verify_s"] == 0
+    assert_close(got, reference(model))
+    verified = Path(first["conversion_cache"]) / "verified.json"
+    record = json.loads(verified.read_text())
+    for field, other in (("cpu", "another-cpu"), ("files", {"model.xml": "0", "model.bin": "0"}), ("torch", "0.0")):
+        verified.write_text(json.dumps({**record, "identity": {**record["identity"], field: other}}))
+        again, got = run(model, "openvino")
+        assert again["verification"] == "checked", (field, again)
+        assert_close(got, want)

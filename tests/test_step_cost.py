@@ -124,3 +124,26 @@ def test_stats_show_the_cost_learned_from_steps(model_path):
     assert abs(info["step_overhead_ms"] - 2.0) < 0.3, info
     assert abs(info["step_overhead_tokens"] - 200) < 30, info
     assert np.isfinite(info["step_overhead_tokens"])
+
+
+def test_the_probe_is_remembered_per_identity_and_only_seeds(tmp_path):
+    from pooling_pipeline.core.step_cost import remembered_probe
+
+    calls = []
+
+    def probe():
+        calls.append(1)
+        return 0.004, 2e-6
+
+    identity = {"model": "/m", "backend": "torch", "threads": 2}
+    assert remembered_probe(identity, probe, str(tmp_path)) == (0.004, 2e-6, "measured")
+    assert remembered_probe(identity, probe, str(tmp_path)) == (0.004, 2e-6, "remembered")
+    assert len(calls) == 1
+    assert remembered_probe({**identity, "threads": 1}, probe, str(tmp_path))[2] == "measured"  # another identity
+    assert len(calls) == 2
+    for stored in tmp_path.joinpath("step_cost").iterdir():  # damaged or nonsensical: probed again
+        stored.write_text('{"overhead_s": -1, "per_token_s": "x"}')
+    assert remembered_probe(identity, probe, str(tmp_path))[2] == "measured"
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    assert remembered_probe(identity, probe, str(blocked))[2] == "measured"  # a cache it cannot write: no error

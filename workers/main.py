@@ -29,6 +29,7 @@ from pooling_pipeline.core.runtime import (
     DropLog,
     WorkCount,
     addressed_socket,
+    exit_process,
     exit_with_parent,
     release_free_memory,
     run_maybe_profiled,
@@ -138,4 +139,4 @@ def serve(cfg: WorkerConfig, renderer, work: zmq.Socket, to_engines: list[zmq.So
             count.finished += 1
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    exit_process(main(sys.argv))
