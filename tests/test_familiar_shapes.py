@@ -140,6 +140,24 @@ def test_the_sentence_transformers_surface_libraries_reach_for(encoder, st_model
     assert np.abs(encoder.encode([long_text]) - st_model.encode([long_text])).max() <= TOL
 
 
+def test_calling_the_encoder_is_sentence_transformers_forward(encoder, st_model):
+    """ST's model(features): the tokenizer's padded batch in, the dict with sentence_embedding out."""
+    import torch
+
+    texts = corpus.sentences(5, seed=131) + ["short"]
+    features = dict(encoder.tokenizer(texts, padding=True, truncation=True, return_tensors="pt"))
+    got = encoder(features)
+    with torch.no_grad():
+        want = st_model(st_model.tokenize(texts))
+    assert set(got) == set(features) | {"sentence_embedding"}
+    assert float((got["sentence_embedding"] - want["sentence_embedding"]).abs().max()) <= TOL
+    pair = dict(features, token_type_ids=torch.ones_like(features["input_ids"]))
+    with pytest.raises(ValueError, match="token_type_ids"):
+        encoder(pair)
+    with pytest.raises(TypeError, match="input_ids and attention_mask"):
+        encoder(texts)
+
+
 def test_encode_refuses_what_it_cannot_honour(encoder):
     with pytest.raises(ValueError, match="precision"):
         encoder.encode(TEXTS[:1], precision="int4")

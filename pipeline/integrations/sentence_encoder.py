@@ -235,6 +235,34 @@ class SentenceEncoder:
         kwargs.setdefault("task", "document")
         return self.encode(sentences, prompt_name=prompt_name, prompt=prompt, **kwargs)
 
+    def __call__(self, features: dict, **kwargs: Any) -> dict:
+        """ST's forward (a SentenceTransformer is a torch module): tokenized `features` in
+        (`model.tokenizer(...)`'s input_ids and attention_mask, as tensors or arrays), the same dict
+        out with "sentence_embedding" added ([n, d] float32 tensor). Each row's attended ids go to
+        the engine as they are; token_type_ids other than zeros (a pair in one row) cannot be
+        honoured here and are refused. "token_embeddings" is not added: `encode(...,
+        output_value="token_embeddings")` gives them."""
+        import torch
+
+        if not isinstance(features, dict) or "input_ids" not in features or "attention_mask" not in features:
+            raise TypeError("SentenceEncoder(features) takes the tokenizer's output: a dict with input_ids and "
+                            "attention_mask")
+        ids = np.asarray(features["input_ids"].cpu() if hasattr(features["input_ids"], "cpu") else features["input_ids"])
+        mask = np.asarray(features["attention_mask"].cpu() if hasattr(features["attention_mask"], "cpu")
+                          else features["attention_mask"])
+        types = features.get("token_type_ids")
+        if types is not None and np.asarray(types.cpu() if hasattr(types, "cpu") else types).any():
+            raise ValueError("token_type_ids other than zeros (a pair in one row) are not supported by "
+                             "SentenceEncoder(features); embed the texts with encode()")
+        if ids.ndim != 2 or mask.shape != ids.shape:
+            raise ValueError(f"input_ids and attention_mask must be [rows, tokens] of one shape, got "
+                             f"{ids.shape} and {mask.shape}")
+        rows = [row[attended.astype(bool)].astype(np.int64).tolist() for row, attended in zip(ids, mask)]
+        outs = self.pipeline.embed(rows, use_tqdm=False)
+        width = self.get_embedding_dimension()
+        vectors = np.stack([o.embedding for o in outs]) if outs else np.zeros((0, width), np.float32)
+        return {**features, "sentence_embedding": torch.from_numpy(np.ascontiguousarray(vectors))}
+
     def similarity(self, embeddings1, embeddings2):
         """[n, m] similarities with the model's similarity function, as a torch tensor: ST's
         `similarity` (one matrix operation, the same torch calls)."""
