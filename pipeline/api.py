@@ -422,7 +422,7 @@ class Pipeline:
         return prefix, source, total
 
     def _start_call(self, prefix: str, source, opts: CallOptions, total: int | None,
-              loop: asyncio.AbstractEventLoop | None = None, materialize: bool = False) -> Call:
+                    loop: asyncio.AbstractEventLoop | None = None, materialize: bool = False) -> Call:
         progress = None
         if opts.use_tqdm:
             from tqdm.auto import tqdm
