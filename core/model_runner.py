@@ -90,13 +90,19 @@ class ModelRunner:
         config = AutoConfig.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
         self.dtype = resolve_dtype(dtype, self.device, getattr(config, "dtype", None))
         openvino_precision = self._openvino_precision(backend, quantize)
-        # No attention implementation is forced: transformers picks SDPA where the model supports
-        # it and its own otherwise (MPNet has no SDPA), as sentence-transformers does. OpenVINO
-        # converts (and checks against) the float32 module, whatever precision it compiles for.
-        self.model = shared_model if shared_model is not None else _model_class(spec).from_pretrained(
-            spec.path, config=config, dtype=torch.float32 if openvino_precision else self.dtype,
-            trust_remote_code=spec.trust_remote_code,
-        ).to(self.device).eval()
+        self._cache_warnings: list[str] = []  # a damaged cache entry met on the way: told to the caller
+        cached = (self._checked_cached_conversion(config, threads, openvino_precision)
+                  if openvino_precision is not None and shared_model is None else None)
+        if cached is not None:  # a conversion checked before: no torch module is built
+            self.model, cached_info, token_types = cached
+        else:
+            # No attention implementation is forced: transformers picks SDPA where the model supports
+            # it and its own otherwise (MPNet has no SDPA), as sentence-transformers does. OpenVINO
+            # converts (and checks against) the float32 module, whatever precision it compiles for.
+            self.model = shared_model if shared_model is not None else _model_class(spec).from_pretrained(
+                spec.path, config=config, dtype=torch.float32 if openvino_precision else self.dtype,
+                trust_remote_code=spec.trust_remote_code,
+            ).to(self.device).eval()
         # Dense / LayerNorm modules after pooling run in float32, as the pooled vector is.
         self.sentence_head = SentenceHead(spec.head_modules).to(self.device).eval() if spec.head_modules else None
         self.token_head = self.skip_ids = None
@@ -107,7 +113,9 @@ class ModelRunner:
         # forward takes them (GPT-Neo's forward takes them and adds their embedding to every
         # position, but GPT-2 tokenizers make none). inspect.signature sees through the decorators
         # transformers wraps forward() in.
-        if hasattr(self.model, "forward"):
+        if cached is not None:  # what the conversion was made with
+            self.uses_token_types = token_types
+        elif hasattr(self.model, "forward"):
             self.uses_token_types = ("token_type_ids" in inspect.signature(self.model.forward).parameters
                                      and tokenizer_makes_token_types(spec))
         else:  # a Router route sharing a transformer the OpenVINO backend converted already
@@ -122,9 +130,14 @@ class ModelRunner:
         if quantize is not None and shared_model is None:
             self.model = quantized(self.model, quantize)
             self.backend_info["quantize"] = quantize
-        if openvino_precision is not None:
+        if cached is not None:
+            self.backend_info = cached_info
+        elif openvino_precision is not None:
             self._use_openvino(backend, threads, reuse=shared_model, precision=openvino_precision)
             self.backend_info.update(precision_note)
+        if self._cache_warnings:  # (start-up info is flat: one line each)
+            told = [self.backend_info["warnings"]] if self.backend_info.get("warnings") else []
+            self.backend_info["warnings"] = "\n".join(self._cache_warnings + told)
 
     @torch.inference_mode()
     def _checkpoint_distance(self, checkpoint: torch.dtype) -> dict:
@@ -167,6 +180,20 @@ class ModelRunner:
         if len(exact) != len(half):  # sparse outputs with other active dimensions
             return {"checkpoint_dtype": name}
         return {"checkpoint_dtype": name, "checkpoint_dtype_max_diff": float(np.abs(half - exact).max())}
+
+    def _checked_cached_conversion(self, config, threads: int, precision: str):
+        """OpenVINO's cached conversion when it can stand in for the torch module from the start
+        (core/openvino_model.checked_cached_conversion), else None. Not for what needs the torch
+        module's own weights at start-up: an LLM reranker's score rows, the distance of a half-
+        precision checkpoint to float32, a model running its own code (which `auto` keeps on torch)."""
+        from pooling_pipeline.core.openvino_model import checked_cached_conversion
+
+        if (self.spec.logit_score is not None or self.spec.trust_remote_code
+                or (half_checkpoint_dtype(getattr(config, "dtype", None)) is not None and self.dtype == torch.float32)):
+            return None
+        output = "last_hidden_state" if self.spec.head == "none" and self.spec.sparse is None else "logits"
+        return checked_cached_conversion(self.spec, output=output, threads=threads, precision=precision,
+                                         warnings=self._cache_warnings)
 
     def _openvino_precision(self, backend: str, quantize: str | None) -> str | None:
         """What OpenVINO is to compile for ("f32", "bf16"), or None where the torch backend runs."""

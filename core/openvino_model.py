@@ -229,6 +229,48 @@ def cpu_signature() -> str:
     return hashlib.sha256(described.encode()).hexdigest()[:16]
 
 
+def checked_cached_conversion(spec, *, output: str, threads: int, precision: str,
+                              warnings: list[str]) -> tuple[OpenVINOModel, dict, bool] | None:
+    """The cached conversion of the model's transformer (not an LLM reranker's base model),
+    compiled, when its entry's checksums hold and it passed the check against the torch module
+    with these library versions on this CPU (`VerifiedChecks`) -- then the torch module need not
+    be built at all: importing transformers' modeling code and loading the weights was half of a
+    start. -> (the model, start-up info, whether it takes token_type_ids), or None (no such entry,
+    or it must be checked: the caller builds the torch module and goes through `to_openvino`). A
+    damaged entry is removed, and what is to be told to the caller about it added to `warnings`."""
+    try:
+        import openvino as ov
+    except ImportError:
+        return None
+    started = time.perf_counter()
+    found = []
+    for token_types in (False, True):  # the inputs are part of the key: the entry tells which it took
+        inputs = ["input_ids", "attention_mask"] + (["token_type_ids"] if token_types else [])
+        key = cache_key(spec, ov.__version__, output=output, base=False, inputs=inputs)
+        folder = os.path.join(default_cache_root(), "openvino", key)
+        if os.path.isdir(folder):
+            found.append((key, folder, inputs, token_types))
+    if len(found) != 1:
+        return None
+    key, folder, inputs, token_types = found[0]
+    checks = VerifiedChecks(folder, key, ov.__version__)
+    if checks.known("f32") is None or (precision == "bf16" and checks.known("bf16") is None):
+        return None
+    converted = read_entry(ov, folder, key, warnings)
+    if converted is None:  # damaged (and removed, named in `warnings`): the caller converts anew
+        return None
+    _touch(folder)
+    info: dict = {"backend": "openvino", "openvino_version": ov.__version__, "conversion_cache": folder,
+                  "conversion": "cached", "conversion_s": 0.0, "load_s": round(time.perf_counter() - started, 3)}
+    started = time.perf_counter()
+    runner = OpenVINOModel(compile_for_cpu(ov, converted, threads, precision), output, inputs, False)
+    info.update(compile_s=round(time.perf_counter() - started, 3), verified_max_diff=checks.known("f32"),
+                verify_s=0.0, verification="remembered", precision=precision, torch_module="not built")
+    if precision == "bf16":
+        info["verified_bf16_max_diff"] = checks.known("bf16")
+    return runner, info, token_types
+
+
 def compile_for_cpu(ov, converted, threads: int, precision: str):
     return ov.Core().compile_model(converted, "CPU", {
         # One stream, the engine's threads: a step is one request and waits for its result; the

@@ -170,15 +170,20 @@ def test_the_check_of_a_cached_entry_is_remembered_for_its_files_and_versions(ca
     import json
 
     first, want = run(model, "openvino")
-    assert first["verification"] == "checked"
+    assert first["verification"] == "checked" and "torch_module" not in first
     second, got = run(model, "openvino")
     assert second["conversion"] == "cached" and second["verification"] == "remembered", second
     assert second["verified_max_diff"] == first["verified_max_diff"] and second["verify_s"] == 0
+    # Nothing needed the torch module's weights: it was not built (the entry told the token-type input).
+    assert second["torch_module"] == "not built"
     assert_close(got, reference(model))
+    auto, got = run(model, "auto")
+    assert auto["backend"] == "openvino" and auto["torch_module"] == "not built"
+    assert_close(got, want)
     verified = Path(first["conversion_cache"]) / "verified.json"
     record = json.loads(verified.read_text())
     for field, other in (("cpu", "another-cpu"), ("files", {"model.xml": "0", "model.bin": "0"}), ("torch", "0.0")):
         verified.write_text(json.dumps({**record, "identity": {**record["identity"], field: other}}))
         again, got = run(model, "openvino")
-        assert again["verification"] == "checked", (field, again)
+        assert again["verification"] == "checked" and "torch_module" not in again, (field, again)
         assert_close(got, want)
