@@ -34,7 +34,7 @@ from pooling_pipeline.backends import (
     static_backend,
 )
 from pooling_pipeline.call_stats import CallStats
-from pooling_pipeline.core.model_layout import load_model_spec
+from pooling_pipeline.core.model_folder.load import load_model_spec
 from pooling_pipeline.core.options import checked
 from pooling_pipeline.core.sim_device import resolve_sim_device
 from pooling_pipeline.cpu_plan import engine_devices, plan_cpu

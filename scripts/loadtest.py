@@ -43,7 +43,7 @@ from tiny_models import TINY_BATCH_SHAPE, build_tiny_model  # noqa: E402
 
 from pooling_pipeline import Pipeline  # noqa: E402
 from pooling_pipeline.call_stats import format_stats  # noqa: E402
-from pooling_pipeline.core.model_layout import default_model_path  # noqa: E402
+from pooling_pipeline.core.model_folder.model_path import default_model_path  # noqa: E402
 from pooling_pipeline.cpu_plan import available_cores  # noqa: E402
 
 

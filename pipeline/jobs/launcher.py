@@ -325,7 +325,8 @@ def _check_pair_field(args: argparse.Namespace) -> None:
 def describe_job(args: argparse.Namespace, sources: list, id_field: str | None) -> dict:
     """What identifies a job: a resume must match it, and load_results reads shards of one job only."""
     from pooling_pipeline import __version__
-    from pooling_pipeline.core.model_layout import load_model_spec, resolve_model_path
+    from pooling_pipeline.core.model_folder.load import load_model_spec
+    from pooling_pipeline.core.model_folder.model_path import resolve_model_path
     from pooling_pipeline.inputs import model_prompts
     from pooling_pipeline.jobs.fingerprint import model_files, model_hash
 
