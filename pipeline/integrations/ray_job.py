@@ -142,7 +142,7 @@ def run_ray(job: JobSpec, description: dict, files: list[str]) -> int:
     from pooling_pipeline.integrations.ray_data import PoolingBatches, default_ray_init_kwargs
     from pooling_pipeline.jobs.results_store import load_manifest
 
-    if tuple(job.shard) != (0, 1):
+    if job.shard != (0, 1):
         raise ValueError("--ray shares the work itself: drop --shard")
     if job.precision == "int8":
         raise ValueError("--ray cannot calibrate int8 across actors: use float32, float16 or binary")
