@@ -2,7 +2,7 @@
 
 Each child process gets its `EngineConfig` or `WorkerConfig` as a JSON file in the group's private
 directory (its path on the command line), with the `ModelSpec` inside: everything about the model
-a child needs, decided once in the caller's process (by `model_layout.load_model_spec`), so no
+a child needs, decided once in the caller's process (by `model_folder.load.load_model_spec`), so no
 child reads the model's sentence-transformers files again. Only msgspec structs and the
 vocabularies of their values live here; reading a model folder does not.
 """

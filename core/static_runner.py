@@ -13,7 +13,7 @@ import torch
 
 from pooling_pipeline.core.columns import Requests
 from pooling_pipeline.core.config import ModelSpec
-from pooling_pipeline.core.layout_static import load_static_weights
+from pooling_pipeline.core.model_folder.static_embedding import load_static_weights
 from pooling_pipeline.core.options import TASKS
 from pooling_pipeline.core.pooling import SentenceHead
 from pooling_pipeline.core.step_cost import probe_step_cost

@@ -34,7 +34,8 @@ from pooling_pipeline.backends import (
     static_backend,
 )
 from pooling_pipeline.call_stats import CallStats
-from pooling_pipeline.core.model_layout import load_model_spec
+from pooling_pipeline.core.config import ModelSpec
+from pooling_pipeline.core.model_folder.load import load_model_spec
 from pooling_pipeline.core.options import checked
 from pooling_pipeline.core.sim_device import resolve_sim_device
 from pooling_pipeline.cpu_plan import engine_devices, plan_cpu
@@ -132,9 +133,10 @@ class Pipeline:
     """
 
     @takes_options(PipelineOptions, positional=PIPELINE_POSITIONAL)
-    def __init__(self, model: str | None = None, **options) -> None:
+    def __init__(self, model: str | ModelSpec | None = None, **options) -> None:
         """`model`: None (the bundled all-MiniLM-L6-v2), a local model directory, or a hub id
-        "org/name" (with `revision`) resolved through the Hugging Face cache."""
+        "org/name" (with `revision`) resolved through the Hugging Face cache; or a `ModelSpec` a
+        caller read already with `load_model_spec` (as `pipeline-run` does), used as it is."""
         self._group: ProcessGroup | None = None
         opts = checked(PipelineOptions, options)
         device, max_num_seqs, engines = opts.device, opts.max_num_seqs, opts.data_parallel_size
@@ -143,8 +145,7 @@ class Pipeline:
         sim = resolve_sim_device(opts.sim_device) if device == "sim" else None
         self.data_parallel_size = engines
         devices = engine_devices(device, engines)  # engine core k: cuda:k, or the CPU, or its own sim device
-        self.model_spec = spec = load_model_spec(model, trust_remote_code=opts.trust_remote_code,
-                                                 revision=opts.revision)
+        self.model_spec = spec = _model_spec(model, opts)
         self.max_num_seqs = max_num_seqs
         if opts.max_num_batched_tokens is not None and opts.max_num_batched_tokens < spec.longest_transformer_input:
             raise ValueError(f"max_num_batched_tokens={opts.max_num_batched_tokens} is below the model's "
@@ -532,6 +533,19 @@ def _ranked(scores: list[ScoringOutput], top_k: int | None) -> list[RankedDocume
     ranked = sorted((RankedDocument(s.index, s.score) for s in scores),
                     key=lambda r: (1, 0.0) if math.isnan(r.score) else (0, -r.score))
     return ranked[:top_k] if top_k is not None else ranked
+
+
+def _model_spec(model: str | ModelSpec | None, opts: PipelineOptions) -> ModelSpec:
+    """The model's spec: read from its folder, or as a caller read it (then `revision` and
+    `trust_remote_code` were applied when it was read, and the options must not say otherwise)."""
+    if not isinstance(model, ModelSpec):
+        return load_model_spec(model, trust_remote_code=opts.trust_remote_code, revision=opts.revision)
+    if opts.revision is not None:
+        raise ValueError("revision applies to a hub model id, not to a ModelSpec (read at its revision already)")
+    if opts.trust_remote_code != model.trust_remote_code:
+        raise ValueError(f"trust_remote_code={opts.trust_remote_code} but the ModelSpec was read with "
+                         f"trust_remote_code={model.trust_remote_code}")
+    return model
 
 
 def _score_routes(spec, route, num_queries: int, num_docs: int):

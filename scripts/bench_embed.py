@@ -50,7 +50,7 @@ import numpy as np
 
 from pooling_pipeline import Pipeline  # noqa: E402
 from pooling_pipeline.call_stats import format_stats  # noqa: E402
-from pooling_pipeline.core.model_layout import default_model_path  # noqa: E402
+from pooling_pipeline.core.model_folder.model_path import default_model_path  # noqa: E402
 
 CHARS_PER_TOKEN = 4.0  # measured on the docstring corpus with the bundled tokenizer (printed below)
 LABELS = {"a": "(a) short sentences", "b": "(b) medium texts", "c": "(c) long docs -> 256", "d": "(d) mixed"}

@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModel
 
-    from pooling_pipeline.core.model_layout import default_model_path, load_model_spec
+    from pooling_pipeline.core.model_folder.load import load_model_spec
+    from pooling_pipeline.core.model_folder.model_path import default_model_path
     from pooling_pipeline.cpu_plan import plan_cpu
 
     path = args.model or default_model_path()

@@ -43,7 +43,7 @@ from tiny_models import TINY_BATCH_SHAPE, build_tiny_model  # noqa: E402
 
 from pooling_pipeline import Pipeline  # noqa: E402
 from pooling_pipeline.call_stats import format_stats  # noqa: E402
-from pooling_pipeline.core.model_layout import default_model_path  # noqa: E402
+from pooling_pipeline.core.model_folder.model_path import default_model_path  # noqa: E402
 from pooling_pipeline.cpu_plan import available_cores  # noqa: E402
 
 
@@ -253,6 +253,29 @@ def main() -> None:
     workers_list = args.workers or list(range(1, cores + 1))
     model = build_tiny_model() if args.regime in ("tiny", "sim") else None
     n = args.requests or (2_000 if args.regime == "real" else 40_000)
+    pipeline_kwargs, sim = pipeline_settings(args)
+    texts, feeds = input_feeds(args, model, n)
+    batch_shape = batch_shape_of(args)
+    runs = run_all(args, model, feeds, workers_list, batch_shape, pipeline_kwargs)
+
+    print(f"\nregime {args.regime}, {n:,} {args.texts} texts per run, {cores} cores, batch shape {batch_shape or 'default'}")
+    print_tables(runs)
+    if sim is not None:
+        print()
+        first = {kind: min((r for r in runs if r["inputs"] == kind), key=lambda r: r["workers"]) for kind in feeds}
+        for line in capacity_table(first.get("text", first.get("ids")), sim, tokenizer_cost_us(texts[:5000]),
+                                   batch_shape["max_num_seqs"], ids_run=first.get("ids") if "text" in first else None):
+            print(line)
+    print_scaling(runs)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"regime": args.regime, "cores": cores, "batch_shape": batch_shape,
+                                               "runs": runs}, indent=2))
+    if args.png:
+        draw_chart(runs, args.regime, cores, args.png)
+
+
+def pipeline_settings(args: argparse.Namespace) -> tuple[dict, object]:
+    """(the Pipeline's keyword arguments the flags set, the simulated device or None)."""
     pipeline_kwargs = {}
     sim = None
     if args.regime == "sim":
@@ -265,6 +288,11 @@ def main() -> None:
         pipeline_kwargs["device"] = args.device
     if args.data_parallel_size != 1:
         pipeline_kwargs["data_parallel_size"] = args.data_parallel_size
+    return pipeline_kwargs, sim
+
+
+def input_feeds(args: argparse.Namespace, model: str | None, n: int) -> tuple[list[str], dict[str, list]]:
+    """(the `n` texts, what each run is fed by input kind: "text" and / or "ids")."""
     pool = corpus.sentences(5000, seed=5) if args.texts == "short" else \
         corpus.medium_texts(2000, seed=5, min_chars=600, max_chars=4000)
     texts = [pool[i % len(pool)] for i in range(n)]
@@ -278,11 +306,22 @@ def main() -> None:
         feeds["ids"] = [id_pool[i % len(id_pool)] for i in range(n)]
         if args.inputs == "ids":
             del feeds["text"]
+    return texts, feeds
+
+
+def batch_shape_of(args: argparse.Namespace) -> dict:
+    """max_num_seqs / max_num_batched_tokens as given, or the tiny models' shape (empty: the defaults)."""
     batch_shape = {}
     if args.max_num_seqs or args.regime != "real":
         batch_shape["max_num_seqs"] = args.max_num_seqs or TINY_BATCH_SHAPE["max_num_seqs"]
     if args.max_num_batched_tokens or args.regime != "real":
         batch_shape["max_num_batched_tokens"] = args.max_num_batched_tokens or TINY_BATCH_SHAPE["max_num_batched_tokens"]
+    return batch_shape
+
+
+def run_all(args: argparse.Namespace, model: str | None, feeds: dict[str, list], workers_list: list[int],
+            batch_shape: dict, pipeline_kwargs: dict) -> list[dict]:
+    """Every setting (input kind x engine threads x workers), each the median of its repeats."""
     runs = []
     repeats = args.repeats or (3 if args.regime == "sim" else 1)
     for kind, feed in feeds.items():
@@ -302,8 +341,11 @@ def main() -> None:
                 runs.append(run)
                 for line in run["stats_lines"]:
                     print(f"  {line}")
+    return runs
 
-    print(f"\nregime {args.regime}, {n:,} {args.texts} texts per run, {cores} cores, batch shape {batch_shape or 'default'}")
+
+def print_tables(runs: list[dict]) -> None:
+    """The runs' throughput, CPU and memory table, and their CPU cost per request."""
     print("| inputs | workers | engine threads | requests/s | tokens/s | engine busy | padding eff. | complete+ordered "
           "| CPU% frontend / engine / workers | peak RSS MB frontend / engine / workers |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -322,45 +364,43 @@ def main() -> None:
         workers_us = sum(v["cpu_us_per_request"] for k, v in p.items() if k.startswith("worker"))
         print(f"| {r['inputs']} | {r['workers']} | {r['requests'] / max(r['batches'], 1):.0f} "
               f"| {p['frontend']['cpu_us_per_request']:.1f} / {p['engine']['cpu_us_per_request']:.1f} / {workers_us:.1f} |")
-    if sim is not None:
-        print()
-        first = {kind: min((r for r in runs if r["inputs"] == kind), key=lambda r: r["workers"]) for kind in feeds}
-        for line in capacity_table(first.get("text", first.get("ids")), sim, tokenizer_cost_us(texts[:5000]),
-                                   batch_shape["max_num_seqs"], ids_run=first.get("ids") if "text" in first else None):
-            print(line)
+
+
+def print_scaling(runs: list[dict]) -> None:
+    """Each setting's throughput with N workers over its throughput with one."""
     for setting, group in series(runs).items():
         base = next((r for r in group if r["workers"] == 1), None)
         for r in group:
             if base and r["workers"] > 1:
                 print(f"scaling ({setting}): {r['workers']} workers / 1 worker = "
                       f"{r['requests_per_s'] / base['requests_per_s']:.2f}x")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"regime": args.regime, "cores": cores, "batch_shape": batch_shape,
-                                               "runs": runs}, indent=2))
-    if args.png:
-        try:
-            import matplotlib
 
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print('--png needs matplotlib (pip install -e ".[bench]")')
-            return
-        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-        for setting, group in series(runs).items():
-            ax.plot([r["workers"] for r in group], [r["requests_per_s"] for r in group], "o-", label=setting)
-            ax2.plot([r["workers"] for r in group], [100 * r["engine_busy"] for r in group], "s--", label=setting)
-        ax.set_xlabel("render workers")
-        ax.set_ylabel("requests/s")
-        ax.set_title(f"throughput, {args.regime} model, {cores} cores")
-        ax2.set_xlabel("render workers")
-        ax2.set_ylabel("engine busy %")
-        ax2.set_ylim(0, 105)
-        ax2.set_title("engine busy")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(args.png)
-        print(f"chart: {args.png}")
+
+def draw_chart(runs: list[dict], regime: str, cores: int, png: str) -> None:
+    """Throughput and engine busy against render workers, one line per setting (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print('--png needs matplotlib (pip install -e ".[bench]")')
+        return
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for setting, group in series(runs).items():
+        ax.plot([r["workers"] for r in group], [r["requests_per_s"] for r in group], "o-", label=setting)
+        ax2.plot([r["workers"] for r in group], [100 * r["engine_busy"] for r in group], "s--", label=setting)
+    ax.set_xlabel("render workers")
+    ax.set_ylabel("requests/s")
+    ax.set_title(f"throughput, {regime} model, {cores} cores")
+    ax2.set_xlabel("render workers")
+    ax2.set_ylabel("engine busy %")
+    ax2.set_ylim(0, 105)
+    ax2.set_title("engine busy")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png)
+    print(f"chart: {png}")
 
 
 if __name__ == "__main__":

@@ -109,53 +109,13 @@ def test_a_cancelled_a_closed_and_a_failing_call_leave_the_others_intact(pipe):
     texts = corpus.sentences(240, seed=93)
     expected = pipe.embed(texts, use_tqdm=False)
     got: dict[str, object] = {}
-
-    def closed_early():  # a stream its caller stops after 20 results
-        stream = pipe.embed_stream(itertools.cycle(texts))
-        got["closed"] = [next(stream) for _ in range(20)]
-        stream.close()
-
-    def bad_input_midway():  # a bad prompt deep in a stream: that call raises, naming it
-        def source():
-            for i, t in enumerate(texts):
-                yield None if i == 150 else t
-        try:
-            list(pipe.embed_stream(source()))
-        except TypeError as e:
-            got["bad input"] = e
-
-    def refused_in_worker():  # a request the render worker refuses (too long, long_inputs="error")
-        try:
-            pipe.embed(texts[:100] + ["word " * 2000] + texts[:100], long_inputs="error", use_tqdm=False)
-        except ValueError as e:
-            got["refused"] = e
-
-    def good(name, part):
-        got[name] = pipe.embed(texts[part], use_tqdm=False)
-
-    threads = [threading.Thread(target=closed_early), threading.Thread(target=bad_input_midway),
-               threading.Thread(target=refused_in_worker)]
-    threads += [threading.Thread(target=good, args=(f"good {i}", slice(i * 30, i * 30 + 90))) for i in range(4)]
+    threads = [threading.Thread(target=call, args=(pipe, texts, got))
+               for call in (_closed_early, _bad_input_midway, _refused_in_worker)]
+    threads += [threading.Thread(target=_good, args=(pipe, texts, got, f"good {i}", slice(i * 30, i * 30 + 90)))
+                for i in range(4)]
     for t in threads:
         t.start()
-
-    async def coroutines():
-        async def cancelled():
-            async for out in pipe.aembed_stream(itertools.cycle(texts)):
-                got.setdefault("cancelled", []).append(out)
-                if len(got["cancelled"]) == 10:
-                    asyncio.current_task().cancel()
-
-        async def good_async():
-            return await pipe.aembed(texts[50:200])
-
-        task = asyncio.ensure_future(cancelled())
-        results = await asyncio.gather(good_async(), good_async())
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        return results
-
-    async_results = asyncio.run(coroutines())
+    async_results = asyncio.run(_a_cancelled_and_two_good_coroutines(pipe, texts, got))
     for t in threads:
         t.join(timeout=300)
     assert "request 150: prompt is None" in str(got["bad input"])
@@ -172,6 +132,57 @@ def test_a_cancelled_a_closed_and_a_failing_call_leave_the_others_intact(pipe):
     _wait_idle(pipe)
     outs = pipe.embed(texts[:40], use_tqdm=False)  # the group is clean for the next call
     _assert_same(outs, expected[:40], "after")
+
+
+# The calls of the test above, each in its own thread or coroutine; what each got goes into `got`.
+
+
+def _closed_early(pipe, texts, got):
+    """A stream its caller stops after 20 results."""
+    stream = pipe.embed_stream(itertools.cycle(texts))
+    got["closed"] = [next(stream) for _ in range(20)]
+    stream.close()
+
+
+def _bad_input_midway(pipe, texts, got):
+    """A bad prompt deep in a stream: that call raises, naming it."""
+    def source():
+        for i, t in enumerate(texts):
+            yield None if i == 150 else t
+    try:
+        list(pipe.embed_stream(source()))
+    except TypeError as e:
+        got["bad input"] = e
+
+
+def _refused_in_worker(pipe, texts, got):
+    """A request the render worker refuses (too long, long_inputs="error")."""
+    try:
+        pipe.embed(texts[:100] + ["word " * 2000] + texts[:100], long_inputs="error", use_tqdm=False)
+    except ValueError as e:
+        got["refused"] = e
+
+
+def _good(pipe, texts, got, name, part):
+    got[name] = pipe.embed(texts[part], use_tqdm=False)
+
+
+async def _a_cancelled_and_two_good_coroutines(pipe, texts, got):
+    """A stream cancelled after 10 results, next to two calls that complete: their results."""
+    async def cancelled():
+        async for out in pipe.aembed_stream(itertools.cycle(texts)):
+            got.setdefault("cancelled", []).append(out)
+            if len(got["cancelled"]) == 10:
+                asyncio.current_task().cancel()
+
+    async def good_async():
+        return await pipe.aembed(texts[50:200])
+
+    task = asyncio.ensure_future(cancelled())
+    results = await asyncio.gather(good_async(), good_async())
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    return results
 
 
 def test_a_paused_stream_and_another_call_both_complete(pipe):

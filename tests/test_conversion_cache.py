@@ -143,13 +143,14 @@ def test_a_failing_write_is_a_warning_not_a_failure(tmp_path, caplog):
 def test_auto_runs_torch_when_openvino_itself_fails(model, monkeypatch):
     """Not only a refused conversion: any failure of OpenVINO under auto leaves the torch module
     running, with the reason; backend='openvino' refuses, naming it."""
-    from pooling_pipeline.core import model_layout, model_runner, openvino_model
+    from pooling_pipeline.core import model_runner, openvino_model
+    from pooling_pipeline.core.model_folder.load import load_model_spec
 
     def broken(*args, **kwargs):
         raise RuntimeError("Exception from src/inference/src/cpp/core.cpp: out of memory")
 
     monkeypatch.setattr(openvino_model, "to_openvino", broken)
-    spec = model_layout.load_model_spec(str(model))
+    spec = load_model_spec(str(model))
     runner = model_runner.ModelRunner(spec, "cpu", "auto", backend="auto")
     assert runner.backend_info["backend"] == "torch"
     assert "OpenVINO failed: RuntimeError" in runner.backend_info["openvino_refused"]

@@ -207,7 +207,7 @@ def test_compare_rows_hold_cosine_and_abs_diff_to_their_targets():
 
 
 def test_the_bench_model_is_a_sentence_transformers_folder_kept_to_512_tokens(tmp_path):
-    from pooling_pipeline.core.model_layout import load_model_spec
+    from pooling_pipeline.core.model_folder.load import load_model_spec
 
     path = dc.build_base_model(tmp_path / "model", hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                                intermediate_size=64)

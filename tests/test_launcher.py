@@ -408,6 +408,42 @@ def test_data_parallel_size_reaches_the_pipeline(tmp_path, jsonl, monkeypatch, c
     assert "--ray-actors" in capsys.readouterr().err
 
 
+def test_the_model_folder_is_read_once_per_job(tmp_path, jsonl, monkeypatch):
+    """The job's description and its Pipeline share one reading of the model folder: the Pipeline
+    gets the ModelSpec the launcher read (a hub id is not resolved twice)."""
+    import pooling_pipeline
+    from pooling_pipeline.core.config import ModelSpec
+    from pooling_pipeline.jobs import job_spec
+    from pooling_pipeline.jobs.launcher import main
+
+    reads, seen = [], {}
+    real = job_spec.load_model_spec
+    monkeypatch.setattr(job_spec, "load_model_spec", lambda *a, **kw: reads.append(a) or real(*a, **kw))
+
+    class Recording(FakePipeline):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            seen.update(kw)
+
+    monkeypatch.setattr(pooling_pipeline, "Pipeline", Recording)
+    monkeypatch.setattr("pooling_pipeline.jobs.launcher.format_stats", lambda stats: [])
+    assert main(["--input", str(jsonl), "--output", str(tmp_path / "out"), "--quiet"]) == 0
+    assert len(reads) == 1 and isinstance(seen["model"], ModelSpec) and seen["revision"] is None
+
+
+def test_a_pipeline_takes_a_model_spec_as_it_was_read():
+    """Pipeline(model=spec): the options that shaped the reading cannot say otherwise (refused
+    before any process starts)."""
+    from pooling_pipeline import Pipeline
+    from pooling_pipeline.core.model_folder.load import load_model_spec
+
+    spec = load_model_spec(None)
+    with pytest.raises(ValueError, match="revision applies to a hub model id"):
+        Pipeline(model=spec, revision="main")
+    with pytest.raises(ValueError, match="read with trust_remote_code=False"):
+        Pipeline(model=spec, trust_remote_code=True)
+
+
 def _feed_and_signal(tmp_path, sig, to_group):
     """A job reading stdin gets 40 records, then stdin stays open: the job waits for more. Once 20
     records are committed, it gets `sig`. (--max-num-seqs 1 keeps the pipeline's window at 16
@@ -573,13 +609,14 @@ def test_progress_shows_the_total_and_an_eta(tmp_path, monkeypatch, capsys):
 def test_help_names_every_engine_option_plainly():
     """--help (issue 37): every Pipeline option a job can set has its flag (--max-num-batched-tokens
     too), in one metavar style, with defaults a user reads (no Python tuples, no None, no source file)."""
-    from pooling_pipeline.jobs.launcher import build_parser, pipeline_options
+    from pooling_pipeline.jobs.job_spec import JobSpec
+    from pooling_pipeline.jobs.launcher import build_parser
 
     text = build_parser().format_help()
     assert "--max-num-batched-tokens N" in text and "--workers N" in text and "--max-num-seqs N" in text
     assert "(0, 1)" not in text and ".py)" not in text and "or None" not in text
-    args = build_parser().parse_args(["--max-num-batched-tokens", "4096", "--shard", "1/3"])
-    assert pipeline_options(args)["max_num_batched_tokens"] == 4096 and args.shard == (1, 3)
+    args = JobSpec.from_args(build_parser().parse_args(["--max-num-batched-tokens", "4096", "--shard", "1/3"]))
+    assert args.pipeline_options()["max_num_batched_tokens"] == 4096 and args.shard == (1, 3)
 
 
 def test_the_end_of_run_report_is_short_unless_verbose(tmp_path, monkeypatch, capsys):

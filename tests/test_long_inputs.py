@@ -184,7 +184,7 @@ class _CountingTokenizer:
 
 def _characters_tokenized(model_path: str, text: str, keep: int, left: bool) -> int:
     """How many characters the render worker's truncating tokenizer tokenizes to keep `keep` tokens."""
-    from pooling_pipeline.core.model_layout import load_model_spec
+    from pooling_pipeline.core.model_folder.load import load_model_spec
     from pooling_pipeline.workers.render import load_tokenizer
     from pooling_pipeline.workers.truncation import TruncatingTokenizer
 

@@ -166,7 +166,9 @@ class Renderer:
             mark_empty_rows(rows, range(len(rows)))
         return rows, failed
 
-    def _render(self, batch: RenderBatch) -> tuple[EngineInputPacker, list[tuple[int, str]]]:
+    # Over ruff's complexity bound (C901, 25 > 15): left as it is while render.py is being reworked
+    # in another change, which splits it.
+    def _render(self, batch: RenderBatch) -> tuple[EngineInputPacker, list[tuple[int, str]]]:  # noqa: C901
         rows = EngineInputPacker()
         failed: list[tuple[int, str]] = []
         indices = batch.indices.tolist()

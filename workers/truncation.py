@@ -97,13 +97,38 @@ class PrefixRule:
 
 
 def analyse_tokenizer(tokenizer: Tokenizer) -> PrefixRule:
+    """Where this tokenizer's text may be cut so that a prefix (or a suffix) tokenizes exactly as
+    the whole text does there, read from its own description; not exact, with the reason, when a
+    member of its pipeline is not known to be safe."""
     desc = describe(tokenizer)
-    cut_chars = WHITESPACE
-    suffix_exact = True
+    try:
+        _check_added_tokens(desc)
+        cut_chars, suffix_exact = _read_normalizers(desc)
+        splitters, split_kinds, prefix_space = _read_pre_tokenizers(desc)
+    except _NotPrefixSafe as e:
+        return PrefixRule(False, "", str(e))
+    for chars in splitters:
+        cut_chars = "".join(c for c in cut_chars if c in chars)
+    split_kind = split_kinds.pop() if len(split_kinds) == 1 and split_kinds <= {"bert", "letters"} else None
+    return PrefixRule(True, cut_chars, "", suffix_exact, split_kind, suffix_exact and not prefix_space,
+                      _added_token_chars(desc))
+
+
+class _NotPrefixSafe(Exception):
+    """Why a tokenizer's prefixes are not known to tokenize exactly (`PrefixRule.reason`)."""
+
+
+def _check_added_tokens(desc: dict) -> None:
     for added in desc.get("added_tokens") or []:
         if any(ch.isspace() for ch in added.get("content", "")):
-            return PrefixRule(False, "", f"added token {added.get('content')!r} contains whitespace")
+            raise _NotPrefixSafe(f"added token {added.get('content')!r} contains whitespace")
 
+
+def _read_normalizers(desc: dict) -> tuple[str, bool]:
+    """(the characters a cut may be placed at as far as the normalizers go, whether a suffix
+    normalizes as it does inside the text)."""
+    cut_chars = WHITESPACE
+    suffix_exact = True
     for norm in flatten(desc.get("normalizer"), "normalizers"):
         kind = norm.get("type")
         if kind == "Replace":
@@ -113,49 +138,54 @@ def analyse_tokenizer(tokenizer: Tokenizer) -> PrefixRule:
                 # starting at its last space) holds whole runs only, so it normalizes the same.
                 continue
             if pattern is None or len(pattern) != 1:
-                return PrefixRule(False, "", f"Replace normalizer with pattern {norm.get('pattern')}")
+                raise _NotPrefixSafe(f"Replace normalizer with pattern {norm.get('pattern')}")
             if pattern == " ":
                 cut_chars = " "  # SentencePiece style: only the space becomes the word marker
         elif kind in _START_NORMALIZERS:
             suffix_exact = False  # it would act on the suffix's first character
         elif kind not in _LOCAL_NORMALIZERS:
-            return PrefixRule(False, "", f"normalizer {kind} is not known to be prefix-safe")
+            raise _NotPrefixSafe(f"normalizer {kind} is not known to be prefix-safe")
+    return cut_chars, suffix_exact
 
-    pre_tokenizers = flatten(desc.get("pre_tokenizer"), "pretokenizers")
+
+def _read_pre_tokenizers(desc: dict) -> tuple[list[str], set[str], bool]:
+    """(the characters each splitting pre-tokenizer may be cut at, the splitters' families for
+    text without whitespace, whether something adds a space in front of a text's first word)."""
     splitters = []
-    split_kinds = set()  # the families of the splitters, for text without whitespace
-    prefix_space = False  # something adds a space in front of a text's first word
-    for pre in pre_tokenizers:
+    split_kinds = set()
+    prefix_space = False
+    for pre in flatten(desc.get("pre_tokenizer"), "pretokenizers"):
         kind = pre.get("type")
         if kind == "ByteLevel":
             prefix_space = prefix_space or bool(pre.get("add_prefix_space"))
         if kind == "Split":
             pattern = (pre.get("pattern") or {}).get("Regex")
             if pattern not in _KNOWN_SPLIT_PATTERNS or pre.get("behavior") != "Isolated" or pre.get("invert"):
-                return PrefixRule(False, "", f"Split pre-tokenizer with an unknown pattern {pre.get('pattern')}")
+                raise _NotPrefixSafe(f"Split pre-tokenizer with an unknown pattern {pre.get('pattern')}")
             splitters.append(" ")
             split_kinds.add("letters")
         elif kind == "ByteLevel" and not pre.get("use_regex", True):
             continue  # byte mapping of pieces split by another member
         elif kind == "Metaspace" and pre.get("split") is False:
-            return PrefixRule(False, "", "Metaspace pre-tokenizer that does not split")
+            raise _NotPrefixSafe("Metaspace pre-tokenizer that does not split")
         elif kind in _SPLITTERS:
             splitters.append(_SPLITTERS[kind])
             split_kinds.add({"BertPreTokenizer": "bert", "ByteLevel": "letters"}.get(kind, "none"))
         elif kind not in _REFINERS:
-            return PrefixRule(False, "", f"pre-tokenizer {kind} is not known to be prefix-safe")
+            raise _NotPrefixSafe(f"pre-tokenizer {kind} is not known to be prefix-safe")
     if not splitters:
-        return PrefixRule(False, "", "no pre-tokenizer splits at whitespace: tokens may span it")
-    for chars in splitters:
-        cut_chars = "".join(c for c in cut_chars if c in chars)
-    split_kind = split_kinds.pop() if len(split_kinds) == 1 and split_kinds <= {"bert", "letters"} else None
+        raise _NotPrefixSafe("no pre-tokenizer splits at whitespace: tokens may span it")
+    return splitters, split_kinds, prefix_space
+
+
+def _added_token_chars(desc: dict) -> frozenset[str]:
+    """Every character of the added tokens, as written, lowercased and NFKC-lowercased."""
     added_chars = set()
     for added in desc.get("added_tokens") or []:
         content = added.get("content", "")
         for form in (content, content.lower(), unicodedata.normalize("NFKC", content).lower()):
             added_chars.update(form)
-    return PrefixRule(True, cut_chars, "", suffix_exact, split_kind, suffix_exact and not prefix_space,
-                      frozenset(added_chars))
+    return frozenset(added_chars)
 
 
 class TruncatingTokenizer:

@@ -284,11 +284,7 @@ class Call:
     # ---- sending -------------------------------------------------------------------------
 
     def _issue(self) -> None:
-        if self.backlog:
-            batches = list(self.backlog)
-            self.backlog.clear()
-            for batch in batches:  # what cannot be sent goes back
-                self._send(batch)
+        self._resend_backlog()
         if self.exhausted:
             return
         ledger, ring = self.ledger, self.ring
@@ -306,20 +302,7 @@ class Call:
             if room <= 0:  # the text held for requests in flight is at its bound
                 ledger.wait(self)
                 break
-            pieces = self._draw(room)
-            for piece in pieces:
-                failed = type(piece) is FailedRequest
-                if (piece.index if failed else piece.indices[0]) != self.issued:
-                    # The ring of slots counts on requests drawn in input order.
-                    raise PipelineError(f"requests were drawn out of order (this is a bug): {self.issued} expected")
-                if failed:  # refused in the caller (errors="return")
-                    self._refused(piece)
-                    drawn = 1
-                else:
-                    self._send(piece)
-                    drawn = len(piece)
-                self.granted -= drawn
-                self.issued += drawn
+            self._hand_on(self._draw(room))
             if source.exhausted:
                 self.exhausted = True
                 break
@@ -331,6 +314,31 @@ class Call:
         inflight = self.issued - ring.next_index
         if inflight > self.stats.max_inflight_seen:
             self.stats.max_inflight_seen = inflight
+
+    def _resend_backlog(self) -> None:
+        """The batches no worker could take last turn, tried again (what cannot be sent goes back)."""
+        if self.backlog:
+            batches = list(self.backlog)
+            self.backlog.clear()
+            for batch in batches:
+                self._send(batch)
+
+    def _hand_on(self, pieces: list) -> None:
+        """What `_draw` gave, in input order: each batch sent, each request refused in the caller
+        (errors="return") recorded in its slot; each one spends a granted slot."""
+        for piece in pieces:
+            failed = type(piece) is FailedRequest
+            if (piece.index if failed else piece.indices[0]) != self.issued:
+                # The ring of slots counts on requests drawn in input order.
+                raise PipelineError(f"requests were drawn out of order (this is a bug): {self.issued} expected")
+            if failed:  # refused in the caller (errors="return")
+                self._refused(piece)
+                drawn = 1
+            else:
+                self._send(piece)
+                drawn = len(piece)
+            self.granted -= drawn
+            self.issued += drawn
 
     def _draw(self, room: int) -> list:
         """Up to `granted` requests from the caller's input (validation errors surface here, in

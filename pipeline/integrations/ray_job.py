@@ -12,7 +12,6 @@ chunks 0..k-1, and the manifest records where each chunk starts.
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import ray
 from ray.data import Datasink
 from ray.data.block import BlockAccessor
 
+from pooling_pipeline.jobs.job_spec import JobSpec
 from pooling_pipeline.jobs.records import format_for
 from pooling_pipeline.jobs.results_store import LAYOUT, MANIFEST, Quantizer, write_chunk, write_errors_file, write_manifest
 from pooling_pipeline.jobs.summary import print_ray_summary
@@ -32,6 +32,7 @@ class ResultsDatasink(Datasink):
     """A Ray Data datasink writing pipeline-run's chunk files (see jobs/results_store.py)."""
 
     def __init__(self, out_dir: str, job: dict, id_column: str) -> None:
+        """`job`: the job's description (launcher.describe_job), the manifest's head."""
         self.dir = Path(out_dir).resolve()
         self.dir.mkdir(parents=True, exist_ok=True)
         self.job = job
@@ -84,18 +85,18 @@ class ResultsDatasink(Datasink):
         return False  # files go to --output on the driver's node (a local path)
 
 
-def plan_actors(args: argparse.Namespace) -> dict:
+def plan_actors(job: JobSpec) -> dict:
     """How many actors, with what each: a GPU each when the cluster has GPUs, else CPUs."""
     total = ray.cluster_resources()
     cpus, gpus = int(total.get("CPU", 1)), int(total.get("GPU", 0))
-    use_gpu = gpus > 0 and args.device != "cpu"
+    use_gpu = gpus > 0 and job.device != "cpu"
     if use_gpu:
-        actors = args.ray_actors or gpus
-        per_actor = args.ray_cpus_per_actor or max(1, cpus // actors - 1)
+        actors = job.ray_actors or gpus
+        per_actor = job.ray_cpus_per_actor or max(1, cpus // actors - 1)
         return {"actors": actors, "num_cpus": per_actor, "num_gpus": 1}
     # One CPU is left to Ray Data's readers and writers; the rest go to the actors.
-    per_actor = args.ray_cpus_per_actor or max(1, min(8, cpus - 1))
-    actors = args.ray_actors or max(1, (cpus - 1) // per_actor)
+    per_actor = job.ray_cpus_per_actor or max(1, min(8, cpus - 1))
+    actors = job.ray_actors or max(1, (cpus - 1) // per_actor)
     return {"actors": actors, "num_cpus": per_actor, "num_gpus": 0}
 
 
@@ -120,59 +121,59 @@ def read_dataset(files: list[str], text_field: str, id_field: str):
     return ds.select_columns([id_field, text_field])
 
 
-def batches_kwargs(args: argparse.Namespace) -> dict:
+def batches_kwargs(job: JobSpec) -> dict:
     """What each actor's PoolingBatches is built with: the job's columns, and the Pipeline and call
     options the launcher's flags set (the same ones a local run uses; PoolingBatches takes some
     Pipeline options as its own arguments, the rest in pipeline_kwargs)."""
     import inspect
 
     from pooling_pipeline.integrations.ray_data import PoolingBatches
-    from pooling_pipeline.jobs.launcher import call_options, pipeline_options
 
-    pipeline = pipeline_options(args)
+    pipeline = job.pipeline_options()
     own = inspect.signature(PoolingBatches).parameters
-    return {"task": args.task, "model": args.model, "text_column": args.text_field, "output_column": DATA_COLUMN,
-            "errors": args.errors, "tokens_column": TOKENS_COLUMN,
+    return {"task": job.task, "model": job.model, "text_column": job.text_field, "output_column": DATA_COLUMN,
+            "errors": job.errors, "tokens_column": TOKENS_COLUMN,
             **{name: pipeline.pop(name) for name in list(pipeline) if name in own},
-            "pipeline_kwargs": pipeline, **call_options(args)}
+            "pipeline_kwargs": pipeline, **job.call_options()}
 
 
-def run_ray(args: argparse.Namespace, job: dict, files: list[str]) -> int:
+def run_ray(job: JobSpec, description: dict, files: list[str]) -> int:
+    """The job on Ray Data; `description` is what identifies it (launcher.describe_job)."""
     from pooling_pipeline.integrations.ray_data import PoolingBatches, default_ray_init_kwargs
     from pooling_pipeline.jobs.results_store import load_manifest
 
-    if tuple(args.shard) != (0, 1):
+    if job.shard != (0, 1):
         raise ValueError("--ray shares the work itself: drop --shard")
-    if args.precision == "int8":
+    if job.precision == "int8":
         raise ValueError("--ray cannot calibrate int8 across actors: use float32, float16 or binary")
-    if args.keep_fields:
+    if job.keep_fields:
         raise ValueError("--ray does not carry --keep-fields through (yet): drop it, or run without --ray")
-    out = Path(args.output)
+    out = Path(job.output)
     existing = load_manifest(out)
     if existing is not None:
-        if existing.get("complete") and args.resume:
+        if existing.get("complete") and job.resume:
             print(f"pipeline-run: {out} is complete ({existing['records_done']} records); nothing to do")
             return 0
         raise ValueError(f"{out} already holds a job ({MANIFEST}): --ray runs a job whole; choose another "
                          "--output" + ("" if existing.get("complete") else " (that one did not finish)"))
-    init = default_ray_init_kwargs(args.ray_address, args.ray_num_cpus)
+    init = default_ray_init_kwargs(job.ray_address, job.ray_num_cpus)
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(**init)
     try:
         ctx = ray.data.DataContext.get_current()
         ctx.execution_options.preserve_order = True
-        ctx.enable_progress_bars = not args.quiet
-        plan = plan_actors(args)
-        ds = read_dataset(files, args.text_field, args.id_field)
-        if args.limit is not None:
-            ds = ds.limit(args.limit)
+        ctx.enable_progress_bars = not job.quiet
+        plan = plan_actors(job)
+        ds = read_dataset(files, job.text_field, job.id_field)
+        if job.limit is not None:
+            ds = ds.limit(job.limit)
         ds = ds.map_batches(
             PoolingBatches,
-            fn_constructor_kwargs=batches_kwargs(args),
-            batch_size=args.ray_batch_size, num_cpus=plan["num_cpus"], num_gpus=plan["num_gpus"] or None,
+            fn_constructor_kwargs=batches_kwargs(job),
+            batch_size=job.ray_batch_size, num_cpus=plan["num_cpus"], num_gpus=plan["num_gpus"] or None,
             compute=ray.data.ActorPoolStrategy(size=plan["actors"]), batch_format="numpy")
-        sink = ResultsDatasink(args.output, job, args.id_field)
+        sink = ResultsDatasink(job.output, description, job.id_field)
         start = time.perf_counter()
         ds.write_datasink(sink)
         wall = time.perf_counter() - start
@@ -183,7 +184,7 @@ def run_ray(args: argparse.Namespace, job: dict, files: list[str]) -> int:
     if manifest is None:
         raise RuntimeError("Ray finished the job without reporting its chunks")
     tokens = sum(c.get("tokens", 0) for c in manifest["chunks"])
-    manifest["ray"] = {"address": args.ray_address, **plan, "batch_size": args.ray_batch_size}
+    manifest["ray"] = {"address": job.ray_address, **plan, "batch_size": job.ray_batch_size}
     manifest["stats"] = {"wall_s": wall, "records": manifest["rows"], "errors": manifest["errors"], "tokens": tokens}
     manifest["complete"] = True
     write_manifest(out, manifest)

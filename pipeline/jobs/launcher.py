@@ -20,6 +20,7 @@ missing input, a bad record without --errors return, an input changed since the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import re
@@ -34,7 +35,9 @@ import numpy as np
 
 from pooling_pipeline.backends import describe_backend
 from pooling_pipeline.call_stats import format_stats
+from pooling_pipeline.core.config import ModelSpec
 from pooling_pipeline.jobs.job_errors import EXIT_INPUT, EXIT_RUNTIME, EXIT_USAGE, InputError, UsageError
+from pooling_pipeline.jobs.job_spec import JobModel, JobSpec
 from pooling_pipeline.jobs.output_dir import OutputLock, check_output
 from pooling_pipeline.jobs.records import INPUT_FORMATS, RecordReader, expand_inputs
 from pooling_pipeline.jobs.results_store import CALIBRATION_ROWS, ERRORS, FORMATS, PRECISIONS, VECTOR_COLUMNS, ResultWriter
@@ -77,31 +80,9 @@ def field_list(value: str) -> tuple[str, ...]:
     return fields
 
 
-# The flags that set a Pipeline or a call option (argparse dest -> option): each one's default,
-# type (choices, a positive int, a switch) and help come from the option's declaration
-# (options.py); `build_parser` gives only what the command line says differently.
-PIPELINE_FLAGS = {"workers": "num_render_workers", "max_num_seqs": "max_num_seqs",
-                  "max_num_batched_tokens": "max_num_batched_tokens",
-                  "data_parallel_size": "data_parallel_size", "device": "device", "dtype": "dtype",
-                  "backend": "backend", "quantize": "quantize",
-                  "trust_remote_code": "trust_remote_code", "revision": "revision"}
-CALL_FLAGS = {"truncate": "truncate_prompt_tokens", "long_inputs": "long_inputs", "prompt_name": "prompt_name",
-              "prompt": "prompt", "route": "route"}  # --errors is the launcher's own: the API always gets errors="return"
-
-
-def pipeline_options(args: argparse.Namespace) -> dict:
-    """The Pipeline's options as the flags set them (for Pipeline(...) and the Ray actors)."""
-    return {name: getattr(args, dest) for dest, name in PIPELINE_FLAGS.items()}
-
-
-def call_options(args: argparse.Namespace) -> dict:
-    """The call's options as the flags set them."""
-    return {name: getattr(args, dest) for dest, name in CALL_FLAGS.items()}
-
-
 def declared_flag(group, flag: str, struct_type: type, name: str, **given) -> None:
-    """Adds `flag` for the declared option `name`; `given` (metavar, a narrower type, its own
-    help) wins over what the declaration says."""
+    """Adds `flag` for the declared option `name` (a Pipeline or call option: see the flag tables in
+    job_spec.py); `given` (metavar, a narrower type, its own help) wins over what the declaration says."""
     mi = msgspec.inspect
     option = declared(struct_type)[name]
     t = option.type
@@ -214,10 +195,10 @@ def peak_rss_mb(pid: int) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)  # a usage error exits 2 here
+    job = JobSpec.from_args(build_parser().parse_args(argv))  # a usage error exits 2 here
     with Interrupt() as interrupt:  # SIGINT / SIGTERM: see Interrupt; the job keeps what is complete
         try:
-            return run(args, interrupt)
+            return run(job, interrupt)
         except InputError as e:
             print(f"pipeline-run: input error: {e}", file=sys.stderr)
             return EXIT_INPUT
@@ -235,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                 import traceback
 
                 traceback.print_exc()
-            print(f"pipeline-run: completed chunks are kept in {args.output}; run the same command with --resume "
+            print(f"pipeline-run: completed chunks are kept in {job.output}; run the same command with --resume "
                   "to continue", file=sys.stderr)
             return EXIT_RUNTIME
 
@@ -253,46 +234,47 @@ def _known_failure(e: Exception) -> bool:
     return isinstance(e, (PipelineError, OSError))
 
 
-def run(args: argparse.Namespace, interrupt: Interrupt | None = None) -> int:
+def run(job: JobSpec, interrupt: Interrupt | None = None) -> int:
     from pooling_pipeline.jobs.fingerprint import input_fingerprints
 
-    if args.task == "sparse_embed" and args.precision != "float32":
+    if job.task == "sparse_embed" and job.precision != "float32":
         raise UsageError("--task sparse_embed stores (token id, weight) pairs in float32: drop --precision")
-    if args.ray and args.data_parallel_size != 1:
+    if job.ray and job.data_parallel_size != 1:
         raise UsageError("--data-parallel-size is for a run on one machine; with --ray each actor is one process "
                          "group on one GPU: use --ray-actors")
-    _check_pair_field(args)
-    if args.keep_fields and args.format != "parquet":
+    _check_pair_field(job)
+    if job.keep_fields and job.format != "parquet":
         raise UsageError("--keep-fields needs --format parquet (the columns go into the Parquet chunks)")
-    clash = set(args.keep_fields) & {"id", "index", VECTOR_COLUMNS[args.task]}
+    clash = set(job.keep_fields) & {"id", "index", VECTOR_COLUMNS[job.task]}
     if clash:
         raise UsageError(f"--keep-fields {sorted(clash)}: these names are the output's own columns")
     # Everything that can be checked without the model is, before it loads: inputs exist, the
     # output directory is usable and ours alone, the fields match the records.
-    sources = expand_inputs(args.input, args.input_format)
-    out = check_output(args.output, args.input)
+    sources = expand_inputs(job.input, job.input_format)
+    out = check_output(job.output, job.input)
     lock = OutputLock(out)
     try:
-        reader = RecordReader(sources, args.text_field, args.id_field, args.keep_fields, args.pair_field)
-        if args.ray:  # Ray Data reads the inputs itself, and needs an id field
-            from pooling_pipeline.integrations.ray_job import run_ray
+        reader = RecordReader(sources, job.text_field, job.id_field, job.keep_fields, job.pair_field)
+        if job.ray:  # Ray Data reads the inputs itself, and needs an id field
+            from pooling_pipeline.integrations.ray_job import run_ray  # (the ray extra: only when asked for)
 
-            args.id_field = args.id_field or "id"
-            return run_ray(args, describe_job(args, sources, args.id_field), [s.path for s in sources])
+            job = dataclasses.replace(job, id_field=job.id_field or "id")
+            return run_ray(job, describe_job(job, JobModel.read(job), sources, job.id_field), [s.path for s in sources])
         reader.probe()
         fingerprints = input_fingerprints(sources)
-        writer = ResultWriter(out, describe_job(args, sources, reader.id_field), resume=args.resume,
-                              fingerprints=fingerprints, calibration_rows=args.int8_calibration_rows,
+        model = JobModel.read(job)  # once: the job's description and its Pipeline both use it
+        writer = ResultWriter(out, describe_job(job, model, sources, reader.id_field), resume=job.resume,
+                              fingerprints=fingerprints, calibration_rows=job.int8_calibration_rows,
                               field_types=reader.kept_types())
         _say_grown_inputs(writer.manifest.get("input_fingerprints", []), fingerprints)
         if writer.manifest["complete"]:
             print(f"pipeline-run: {out} is complete ({writer.records_done} records); nothing to do")
             return 0
-        if args.limit is not None and writer.records_done >= args.limit:
-            print(f"pipeline-run: {out} already has {writer.records_done} records (--limit {args.limit}); nothing to "
+        if job.limit is not None and writer.records_done >= job.limit:
+            print(f"pipeline-run: {out} already has {writer.records_done} records (--limit {job.limit}); nothing to "
                   "do (drop --limit to finish the job)")
             return 0
-        return Job(args, reader, writer, interrupt or Interrupt()).run()
+        return Job(job, model.spec, reader, writer, interrupt or Interrupt()).run()
     finally:
         lock.release()
 
@@ -306,59 +288,57 @@ def _say_grown_inputs(then: list[dict], now: list[dict]) -> None:
                   "another --output reads the rest)", file=sys.stderr)
 
 
-def _check_pair_field(args: argparse.Namespace) -> None:
+def _check_pair_field(job: JobSpec) -> None:
     """--pair-field: pairs are classified (a cross-encoder's classify), on one machine."""
-    if args.pair_field is None:
+    if job.pair_field is None:
         return
-    if args.task != "classify":
+    if job.task != "classify":
         raise UsageError(f"--pair-field gives each record a second text for pair classification: it needs --task "
-                         f"classify, not {args.task!r}")
-    if args.ray:
+                         f"classify, not {job.task!r}")
+    if job.ray:
         raise UsageError("--pair-field is not supported with --ray (its actors read one text column)")
-    if args.pair_field == args.text_field:
-        raise UsageError(f"--pair-field {args.pair_field!r} is the --text-field too: give the field of the second text")
-    if args.long_inputs != "truncate":
+    if job.pair_field == job.text_field:
+        raise UsageError(f"--pair-field {job.pair_field!r} is the --text-field too: give the field of the second text")
+    if job.long_inputs != "truncate":
         raise UsageError("--pair-field: a pair is truncated longest-first to the model's length; "
-                         f"--long-inputs {args.long_inputs} is not supported for pairs")
+                         f"--long-inputs {job.long_inputs} is not supported for pairs")
 
 
-def describe_job(args: argparse.Namespace, sources: list, id_field: str | None) -> dict:
+def describe_job(job: JobSpec, model: JobModel, sources: list, id_field: str | None) -> dict:
     """What identifies a job: a resume must match it, and load_results reads shards of one job only."""
     from pooling_pipeline import __version__
-    from pooling_pipeline.core.model_layout import load_model_spec, resolve_model_path
     from pooling_pipeline.inputs import model_prompts
     from pooling_pipeline.jobs.fingerprint import model_files, model_hash
 
     # The whole model directory is fingerprinted, not only the transformer's folder (spec.path):
     # ST's modules after it (1_Pooling/, 2_Dense/, a Router's routes) shape the output too.
-    root = resolve_model_path(args.model, args.revision)  # a hub id is resolved (and fetched) once
-    spec = load_model_spec(root, trust_remote_code=args.trust_remote_code)
-    files = model_files(str(root))
+    spec = model.spec
+    files = model_files(str(model.root))
     prompts = model_prompts(spec)  # ST's "query" / "document" placeholders among them
-    if args.prompt_name is not None and args.prompt_name not in prompts:  # before the model loads
-        raise UsageError(f"--prompt-name {args.prompt_name!r} is not among the model's prompts {sorted(prompts)}")
-    if args.pair_field is not None and spec.head != "sequence_classification":
+    if job.prompt_name is not None and job.prompt_name not in prompts:  # before the model loads
+        raise UsageError(f"--prompt-name {job.prompt_name!r} is not among the model's prompts {sorted(prompts)}")
+    if job.pair_field is not None and spec.head != "sequence_classification":
         raise UsageError("--pair-field: pairs are classified by a sequence-classification model (a cross-encoder); "
                          f"{spec.path!r} has no such head")
     # A pair job says so; a single-text job's description stays what it was (its resumes still match).
-    pair = {"pair_field": args.pair_field} if args.pair_field is not None else {}
+    pair = {"pair_field": job.pair_field} if job.pair_field is not None else {}
     return {
         "version": __version__,
-        "task": args.task,
+        "task": job.task,
         "model": spec.path,
         "model_sha256": model_hash(files),
         "model_files": files,  # per file: a resume refused for a changed model names the file
         "inputs": [os.path.abspath(s.path) if s.path != "-" else "-" for s in sources],
-        "shard": list(args.shard),
-        "params": {"truncate": args.truncate, "long_inputs": args.long_inputs, "precision": args.precision,
-                   "format": args.format, "text_field": args.text_field, "input_format": args.input_format,
-                   "id_field": id_field, "keep_fields": list(args.keep_fields), "chunk_rows": args.chunk_rows,
-                   "int8_calibration_rows": args.int8_calibration_rows,
+        "shard": list(job.shard),
+        "params": {"truncate": job.truncate, "long_inputs": job.long_inputs, "precision": job.precision,
+                   "format": job.format, "text_field": job.text_field, "input_format": job.input_format,
+                   "id_field": id_field, "keep_fields": list(job.keep_fields), "chunk_rows": job.chunk_rows,
+                   "int8_calibration_rows": job.int8_calibration_rows,
                    "pooling": msgspec.to_builtins(spec.pooling), "normalize": spec.normalize,
-                   "prompt_name": args.prompt_name, "prompt": args.prompt, **pair,
+                   "prompt_name": job.prompt_name, "prompt": job.prompt, **pair,
                    # int8 weights give other vectors: a resume must not mix them (float32 backends agree
                    # within the stated tolerance, so the backend itself is not part of the job).
-                   **({"quantize": args.quantize} if args.quantize else {})},
+                   **({"quantize": job.quantize} if job.quantize else {})},
     }
 
 
@@ -405,8 +385,10 @@ PROGRESS_TOTAL_EVERY = 256
 class Job:
     """One run of a local job: records in, results out in input order, completed work always kept."""
 
-    def __init__(self, args: argparse.Namespace, reader: RecordReader, writer: ResultWriter, interrupt: Interrupt) -> None:
-        self.args = args
+    def __init__(self, job: JobSpec, model_spec: ModelSpec, reader: RecordReader, writer: ResultWriter,
+                 interrupt: Interrupt) -> None:
+        self.job = job
+        self.model_spec = model_spec  # read once for the job (JobModel): the Pipeline takes it as it is
         self.interrupt = interrupt
         self.reader = reader
         self.writer = writer
@@ -418,13 +400,13 @@ class Job:
         self.progress = None
 
     def run(self) -> int:
-        args, writer = self.args, self.writer
+        job, writer = self.job, self.writer
         # The inputs as the job began (the fingerprinted sizes): what a file gains while it is read,
         # or between runs, is not this job's.
-        records = self.reader.records(args.shard, skip=writer.records_done,
+        records = self.reader.records(job.shard, skip=writer.records_done,
                                       resume_stream_sha256=writer.manifest.get("stream_sha256"),
                                       snapshot=writer.manifest.get("input_fingerprints"))
-        remaining = None if args.limit is None else args.limit - writer.records_done
+        remaining = None if job.limit is None else job.limit - writer.records_done
         stats: dict | None = None
         failure: BaseException | None = None
         interrupt = self.interrupt
@@ -466,20 +448,22 @@ class Job:
             self.pending.append(record)
             if record.error is None:
                 yield record.text
-            elif self.args.errors == "raise":
+            elif self.job.errors == "raise":
                 return
         self.exhausted = True
 
     def _compute(self, records, remaining: int | None, interrupt: Interrupt) -> dict:
         from pooling_pipeline import Pipeline
 
-        args = self.args
+        job = self.job
         launched = time.perf_counter()
-        with Pipeline(model=args.model, **pipeline_options(args)) as pipe:
+        # The model folder was read for the job already: the Pipeline takes that spec as it is (a hub
+        # id is not resolved again; the revision was applied when it was read).
+        with Pipeline(model=self.model_spec, **{**job.pipeline_options(), "revision": None}) as pipe:
             start = time.perf_counter()  # throughput is measured from here; start-up is reported apart
-            if not args.quiet:
+            if not job.quiet:
                 print(f"pipeline-run: {describe_backend(pipe.stats()['engine'])}", file=sys.stderr)
-            if not args.quiet:
+            if not job.quiet:
                 from tqdm.auto import tqdm
 
                 # smoothing=0: the rate shown is records done / time since the model was ready (the
@@ -490,14 +474,14 @@ class Job:
                 self.progress = tqdm(desc="pipeline-run", unit="records", dynamic_ncols=True, smoothing=0,
                                      initial=self.writer.records_done, total=self._expected_total())
             interrupt.soft = True  # from here a first signal lets the loop keep what is complete
-            stream = pipe.encode_stream(self._texts(records, remaining, interrupt), args.task, **call_options(args),
+            stream = pipe.encode_stream(self._texts(records, remaining, interrupt), job.task, **job.call_options(),
                                         errors="return")  # --errors raise is applied here, naming the record
             try:
                 for out in stream:
                     interrupt.writing = True
                     self._write_bad_records()
                     record = self.pending.popleft()
-                    if out.error is not None and args.errors == "raise":
+                    if out.error is not None and job.errors == "raise":
                         self.stopped_on = (record, out.error)
                         break
                     self._write(record, _stored(out), out.error, out.num_prompt_tokens)
@@ -519,7 +503,7 @@ class Job:
         """Records that never reached the pipeline (bad line, missing field), in their place."""
         while self.pending and self.pending[0].error is not None:
             record = self.pending.popleft()
-            if self.args.errors == "raise":
+            if self.job.errors == "raise":
                 self.stopped_on = (record, record.error)
                 return
             self._write(record, None, record.error, 0)
@@ -539,11 +523,11 @@ class Job:
 
     def _expected_total(self) -> int | None:
         """This run's bar total: the shard's records in all (limited by --limit), or None while unknown."""
-        estimate = self.reader.estimated_total(self.args.shard)
+        estimate = self.reader.estimated_total(self.job.shard)
         if estimate is None:
             return None
         total = estimate[0]
-        return min(total, self.args.limit) if self.args.limit is not None else total
+        return min(total, self.job.limit) if self.job.limit is not None else total
 
     def _refresh_total(self) -> None:
         total = self._expected_total()
@@ -554,10 +538,10 @@ class Job:
                 self.progress.refresh()
 
     def _report(self, signum: int | None, failure: BaseException | None, dropped: int, stats: dict | None) -> int:
-        args, writer = self.args, self.writer
-        kept = f"{writer.records_done} records kept in {args.output}"
+        job, writer = self.job, self.writer
+        kept = f"{writer.records_done} records kept in {job.output}"
         if dropped:
-            kept += (f" ({dropped} more computed but not kept: int8 is written once {args.int8_calibration_rows} "
+            kept += (f" ({dropped} more computed but not kept: int8 is written once {job.int8_calibration_rows} "
                      "rows have calibrated it)")
         if signum is not None:
             name = signal.Signals(signum).name
@@ -571,11 +555,11 @@ class Job:
             raise InputError(f"{record.where}: {REQUEST_PREFIX.sub('', error)} ({kept}; --errors return writes failed "
                              f"records to {ERRORS} and goes on)")
         if not writer.manifest["complete"]:
-            print(f"pipeline-run: stopped at --limit {args.limit}; {kept}; the job is not complete: run again with "
+            print(f"pipeline-run: stopped at --limit {job.limit}; {kept}; the job is not complete: run again with "
                   "--resume and without --limit to finish it")
         if stats is not None:
-            print_local_summary(writer.manifest, stats, args.output, format_stats(stats) if args.verbose else [],
-                                verbose=args.verbose)
+            print_local_summary(writer.manifest, stats, job.output, format_stats(stats) if job.verbose else [],
+                                verbose=job.verbose)
         return 0
 
 

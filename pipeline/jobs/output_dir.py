@@ -13,6 +13,7 @@ import errno
 import fcntl
 import glob
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from pooling_pipeline.jobs.job_errors import UsageError
@@ -25,7 +26,7 @@ META_DIR = "__job__"
 LOCK = "lock"
 
 
-def check_output(output: str | Path, inputs: list[str]) -> Path:
+def check_output(output: str | Path, inputs: Sequence[str]) -> Path:
     """The output directory, created; a clear UsageError when it cannot be one."""
     out = Path(output)
     if out.exists() and not out.is_dir():

@@ -16,7 +16,7 @@ import json
 import os
 import stat
 import sys
-from collections.abc import Container, Iterator
+from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -377,7 +377,7 @@ def format_for(path: str) -> str | None:
 
 # -- which files ----------------------------------------------------------------------------------
 
-def expand_inputs(paths: list[str], input_format: str = "auto") -> list[Source]:
+def expand_inputs(paths: Sequence[str], input_format: str = "auto") -> list[Source]:
     """Inputs in a fixed order: each argument as given, a directory's files sorted, a glob sorted.
 
     An existing path is always that path, even when its name holds glob characters (`d[1].txt`).

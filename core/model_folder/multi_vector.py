@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import msgspec
 
 from pooling_pipeline.core.config import HeadModule, ModelSpec, MultiVectorSpec, QueryExpansion
-from pooling_pipeline.core.layout_files import (
+from pooling_pipeline.core.model_folder.st_files import (
     IGNORED_TYPES,
     Module,
     dense_module,
@@ -17,9 +16,7 @@ from pooling_pipeline.core.layout_files import (
     read_modules,
     read_optional_json,
 )
-
-if TYPE_CHECKING:
-    from pooling_pipeline.core.model_layout import STLayout
+from pooling_pipeline.core.model_folder.st_layout import STLayout
 
 # config_sentence_transformers.json model_type of the layouts ST's MultiVectorEncoder loads: its own
 # saves, and PyLate v3's (modules.json [Transformer, Dense]; masking and normalization implicit).
@@ -206,5 +203,3 @@ def with_multi_vector(spec: ModelSpec, st: STLayout, path: Path) -> ModelSpec:
     return msgspec.structs.replace(
         spec, multi_vector=mv, late_interaction=True, normalize=st.normalize, embedding_size=size,
         tasks=["token_embed", "score"], routes=["query", "document"], default_route=None)
-
-

@@ -8,16 +8,12 @@ from pathlib import Path
 import msgspec
 
 from pooling_pipeline.core.config import ModelSpec, PoolingSpec
-from pooling_pipeline.core.layout_files import Module, read_json, read_modules, read_optional_json
-from pooling_pipeline.core.model_layout import (
-    TOKENIZER_FILES,
-    STLayout,
-    positive_int,
-    read_chain,
-    read_st_config,
-    spec_of_layout,
-    tokenizer_max_length,
-)
+from pooling_pipeline.core.model_folder.chain_spec import spec_of_layout
+from pooling_pipeline.core.model_folder.st_config import positive_int, read_st_config
+from pooling_pipeline.core.model_folder.st_files import Module, read_json, read_modules, read_optional_json
+from pooling_pipeline.core.model_folder.st_layout import STLayout
+from pooling_pipeline.core.model_folder.st_modules import read_chain
+from pooling_pipeline.core.model_folder.transformer_config import TOKENIZER_FILES, tokenizer_max_length
 
 _ROUTER_TYPES = {"Router", "Asym"}  # Asym: ST's older name of the same module
 _ROUTER_KEYS = {"default_route", "allow_empty_key", "route_mappings"}
@@ -201,5 +197,3 @@ def _check_routes_agree(route_specs: list[ModelSpec], routes: list[str], config_
                          f"({[spec.embedding_size for spec in route_specs]}); not supported")
     if any(spec.head != "none" for spec in route_specs):
         raise ValueError(f"{config_path}: routes ending in a classification head are not supported")
-
-

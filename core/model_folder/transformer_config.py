@@ -1,0 +1,165 @@
+"""The transformer's own config.json (and its tokenizer's model_max_length): the widths, the
+lengths and the checks of what the engine can run, read as plain JSON without transformers where
+the common families allow it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pooling_pipeline.core.config import ENCODER_ONLY_CLASSES
+from pooling_pipeline.core.model_folder.st_files import read_json, read_optional_json
+
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model", "vocab.json")
+# Position embeddings of these families reserve padding_idx + 1 slots.
+OFFSET_POSITION_FAMILIES = ("roberta", "xlm-roberta", "camembert", "longformer", "mpnet")
+
+
+def transformer_config(path: Path) -> dict:
+    """The transformer's config.json, from a directory that holds a tokenizer too."""
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model directory {str(path)!r} has no config.json")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"model directory {str(path)!r} has no tokenizer (expected one of {', '.join(TOKENIZER_FILES)})")
+    return read_json(path / "config.json")
+
+
+# transformers' attribute_map of the common families whose config.json names a size otherwise
+# (the names below are the canonical ones), copied so that reading them needs no transformers
+# import (tests check them against transformers); any other family's map is read from transformers.
+CONFIG_ALIASES: dict[str, dict[str, str]] = {
+    "t5": {"hidden_size": "d_model"}, "mt5": {"hidden_size": "d_model"}, "umt5": {"hidden_size": "d_model"},
+    "distilbert": {"hidden_size": "dim"},
+    "gpt2": {"hidden_size": "n_embd", "max_position_embeddings": "n_positions"},
+    "gptj": {"hidden_size": "n_embd", "max_position_embeddings": "n_positions"},
+}
+# Sub-configs of multi-modal or composite models: their text model is not the folder's model.
+COMPOSITE_CONFIG_KEYS = ("text_config", "vision_config", "audio_config", "encoder", "decoder")
+
+
+def config_value(config: dict, model_type: str, name: str) -> object:
+    """A config.json value under its canonical transformers name (`hidden_size`,
+    `max_position_embeddings`, ...), or under the family's own name for it (GPT-2's `n_embd`), as
+    the family's config class reads it through its attribute_map."""
+    if name in config:
+        return config[name]
+    alias = _attribute_map(model_type).get(name)
+    return config.get(alias) if alias else None
+
+
+def _attribute_map(model_type: str) -> dict[str, str]:
+    if model_type in CONFIG_ALIASES:
+        return CONFIG_ALIASES[model_type]
+    if model_type not in _ATTRIBUTE_MAPS:
+        try:
+            from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+            _ATTRIBUTE_MAPS[model_type] = dict(CONFIG_MAPPING[model_type].attribute_map)
+        except (ImportError, KeyError):  # a family transformers does not know (remote code)
+            _ATTRIBUTE_MAPS[model_type] = {}
+    return _ATTRIBUTE_MAPS[model_type]
+
+
+_ATTRIBUTE_MAPS: dict[str, dict[str, str]] = {}
+
+
+def check_remote_code(config: dict, model_type: str, path: Path, trust_remote_code: bool) -> None:
+    """A model whose family only its own code defines (config.json's auto_map, a model_type the
+    installed transformers does not know) cannot load without trust_remote_code: refused here, in
+    the caller, rather than by the engine after it started. (With a known model_type transformers
+    loads its own class and ignores auto_map, as ST does.)"""
+    auto_map = config.get("auto_map")
+    if trust_remote_code or not auto_map:
+        return
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    except ImportError:
+        return
+    if model_type not in CONFIG_MAPPING_NAMES:
+        classes = ", ".join(f"{k}: {v}" for k, v in auto_map.items()) if isinstance(auto_map, dict) else str(auto_map)
+        raise ValueError(f"model {str(path)!r} needs its own code ({classes}; model_type {model_type!r} is not a "
+                         "family of the installed transformers): pass trust_remote_code=True "
+                         "(--trust-remote-code) if you trust that code")
+
+
+def check_text_model(config: dict, model_type: str, path: Path) -> None:
+    """A composite (multi-modal) config has no text model of its own at the top: name it."""
+    parts = [key for key in COMPOSITE_CONFIG_KEYS if isinstance(config.get(key), dict)]
+    if parts and "hidden_size" not in config:
+        architectures = ", ".join(map(str, config.get("architectures") or [])) or "unknown architecture"
+        raise ValueError(f"{str(path)!r} holds {architectures} (model_type {model_type!r}), a composite model "
+                         f"with {', '.join(parts)}: only text encoders and decoders are supported (ST's CLIPModel "
+                         "and other multi-modal modules are not)")
+
+
+def widths(config: dict, model_type: str, path: Path) -> tuple[int, int]:
+    """(hidden size, vocabulary size), under the names the families give them."""
+    hidden_size = config_value(config, model_type, "hidden_size")
+    vocab_size = config.get("vocab_size")
+    if not isinstance(hidden_size, int) or not isinstance(vocab_size, int):
+        architectures = ", ".join(map(str, config.get("architectures") or [])) or "no architectures"
+        raise ValueError(f"config.json of {str(path)!r} ({architectures}, model_type {model_type!r}) lacks an integer "
+                         "hidden_size and vocab_size (under its family's names too): not a text model the "
+                         "pipeline supports")
+    return hidden_size, vocab_size
+
+
+def check_encoder_only(config: dict, model_type: str) -> None:
+    if config.get("is_encoder_decoder") and model_type not in ENCODER_ONLY_CLASSES:
+        raise ValueError(f"{model_type!r} is an encoder-decoder model; only the encoders of "
+                         f"{sorted(ENCODER_ONLY_CLASSES)} are supported")
+
+
+# When the caller gives no max length and nothing bounds it (no max_seq_length, no tokenizer
+# model_max_length, no position table): ST would keep the whole text; the pipeline keeps this many.
+UNBOUNDED_FALLBACK = 512
+
+
+def model_lengths(max_seq_length: int | None, config: dict, model_type: str, path: Path) -> tuple[int, int]:
+    """(max_model_len, default_max_tokens): the most tokens the model takes, and what is kept of
+    a text when the caller says nothing -- ST's rule, exactly:
+
+    - an old layout's `max_seq_length` (sentence_bert_config.json; None where it has none) is the tokenizer's model_max_length
+      as it is, uncapped;
+    - else the tokenizer's `model_max_length`, capped at the config's max_position_embeddings
+      (under its family's name too) where it has one (and it is not -1).
+
+    Where that is more than an absolute position table holds (BERT-like, GPT-2), ST fails on a
+    longer text; the pipeline keeps what the table holds instead. Rotary, ALiBi and relative
+    positions (decoders, ModernBERT, T5, DeBERTa-v2) take what ST keeps."""
+    positions = config_value(config, model_type, "max_position_embeddings")
+    positions = positions if isinstance(positions, int) and positions > 0 else None
+    kept = max_seq_length
+    if kept is None:
+        kept = tokenizer_max_length(path)
+        if positions is not None:
+            kept = positions if kept is None else min(kept, positions)
+    table = _position_table(config, model_type, positions)
+    if kept is None:
+        kept = table or UNBOUNDED_FALLBACK
+    if table is not None:
+        return table, min(kept, table)
+    return max(kept, positions or 0), kept
+
+
+def _position_table(config: dict, model_type: str, positions: int | None) -> int | None:
+    """How many positions an absolute position-embedding table gives texts (None: the model has
+    none -- rotary, ALiBi or relative positions -- so any length runs)."""
+    if positions is None:
+        return None
+    keys = " ".join(config)
+    # (BERT's relative_key distances and MPNet's relative bias sit on top of an absolute table.)
+    if ("rope" in keys or "rotary" in keys or "alibi" in keys
+            or config.get("position_embedding_type") in ("rotary", "alibi")
+            or config.get("position_biased_input") is False):  # DeBERTa-v2: relative positions only
+        return None
+    if model_type in OFFSET_POSITION_FAMILIES:  # the table reserves padding_idx + 1 slots
+        return positions - (int(config.get("pad_token_id") or 1) + 1)
+    return positions
+
+
+def tokenizer_max_length(path: Path) -> int | None:
+    value = read_optional_json(path / "tokenizer_config.json").get("model_max_length")
+    if isinstance(value, (int, float)) and 0 < value < 1e9:  # the library writes ~1e30 for "no limit"
+        return int(value)
+    return None
