@@ -7,7 +7,10 @@ What takes options reads them from here rather than restating them: the API meth
 constructor's signatures, docstrings and argument binding (`OptionsSignature`, `takes_options`),
 the async twins, `pipeline-run`'s flags and the Ray callable. Which call takes which options is
 declared here too (`CALL_OPTIONS`), so a new option is one field and, where it applies, nothing
-else. This module imports nothing heavy: the launcher reads it to build its flags.
+else. A per-request option (one value, or a list with one per prompt) is declared in
+`core.options.REQUEST_OPTIONS` with its description; its field here (`per_request(name)`) only
+places it among the parameters. This module imports nothing heavy: the launcher reads it to build
+its flags.
 """
 
 import functools
