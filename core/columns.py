@@ -240,3 +240,14 @@ def invalid_rows(requests: Requests, model, runs_task: np.ndarray, sent: Abstrac
         why = next(why for mask, why in rules if mask[row])
         out.append((row, why(row)))
     return out
+
+
+def probe_batch(num_rows: int, num_tokens: int, token: int, task: str) -> Requests:
+    """A synthetic batch (the step-cost probe): `num_rows` requests of `num_tokens` ids each."""
+    cols = blank_table(num_rows)
+    cols[:, COL["indices"]] = np.arange(num_rows)
+    cols[:, COL["lengths"]] = num_tokens
+    cols[:, COL["task"]] = TASK_CODE[task]
+    calls = np.empty(num_rows, dtype=object)
+    calls[:] = "probe"
+    return Requests(calls, cols, np.full(num_rows * num_tokens, token, np.int32))

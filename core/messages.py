@@ -25,7 +25,7 @@ from typing import Annotated, Any
 import msgspec
 import numpy as np
 
-from pooling_pipeline.core.options import EMBEDDING_TASKS, LongInputs, PositiveInt, Task
+from pooling_pipeline.core.options import COLUMN_OPTIONS, EMBEDDING_TASKS, LongInputs, PositiveInt, Task
 from pooling_pipeline.core.schema import DEFAULTS, int_column, packed_lengths, select_packed
 
 
@@ -59,15 +59,13 @@ class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
             raise ValueError(f"{where}.normalize applies to embedding tasks; use use_activation for {task!r}")
 
 
-class RenderOptions(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True, gc=False):
-    """How to render a request, as the frontend resolved it: shared by every request of a
-    RenderBatch (the usual case: a call's options are the same for all its requests), or one
-    request's own (`RenderParams`)."""
+class RenderSettings(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True, gc=False):
+    """How to render a request, as the frontend resolved it (`RenderOptions` adds the per-request
+    options that travel to the engine as they are)."""
 
     task: Task
     max_tokens: int  # keep at most this many tokens (special tokens included)
     params: PoolingParams
-    priority: int = 0
     truncate_left: bool = False  # keep the last tokens instead of the first
     long_inputs: LongInputs = "truncate"
     chunk_overlap: int = 0  # chunk mode: tokens shared by consecutive chunks
@@ -76,7 +74,17 @@ class RenderOptions(msgspec.Struct, kw_only=True, array_like=True, omit_defaults
     text_prefix: str | None = None
     max_query_tokens: int | None = None  # pairs: content tokens kept of each side before pairing
     max_doc_tokens: int | None = None
-    route: int = -1  # the model's route (index in ModelSpec.routes); -1: none named
+
+
+# The settings, then each per-request option with a column (`core.options.COLUMN_OPTIONS`: priority,
+# route, ...) by name, an int with its column's default: the packer copies them into the columns.
+# Declared from that table, so a new such option needs no line here; last, so a default is not sent.
+RenderOptions = msgspec.defstruct(
+    "RenderOptions", [(o.name, int, o.column) for o in COLUMN_OPTIONS], bases=(RenderSettings,),
+    module=__name__, kw_only=True, array_like=True, omit_defaults=True, gc=False,
+    namespace={"__doc__": """How to render a request and its per-request options' values, as the frontend resolved
+    them: shared by every request of a RenderBatch (the usual case: a call's options are the same for
+    all its requests), or one request's own (`RenderParams`)."""})
 
 
 class RenderParams(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True, gc=False):

@@ -9,12 +9,12 @@ import time
 import numpy as np
 import torch
 
-from pooling_pipeline.core.columns import COL, TASK_CODE, Requests
+from pooling_pipeline.core.checkpoint_precision import checkpoint_distance, half_checkpoint_dtype
+from pooling_pipeline.core.columns import Requests, probe_batch
 from pooling_pipeline.core.config import ENCODER_ONLY_CLASSES, ModelSpec
 from pooling_pipeline.core.openvino_model import clear_padding
 from pooling_pipeline.core.options import TASKS
 from pooling_pipeline.core.pooling import SentenceHead, apply_activation, pool, splade
-from pooling_pipeline.core.schema import blank_table
 from pooling_pipeline.core.step_cost import probe_step_cost
 from pooling_pipeline.core.vectors import finish_embeddings, finish_sentence_embeddings
 
@@ -39,12 +39,6 @@ def resolve_dtype(dtype: str, device: torch.device, config_dtype: object) -> tor
     if str(config_dtype) in ("bfloat16", "torch.bfloat16") and torch.cuda.is_bf16_supported():
         return torch.bfloat16
     return torch.float16
-
-
-def half_checkpoint_dtype(config_dtype: object) -> torch.dtype | None:
-    """bfloat16 / float16 when config.json says the weights are stored so, else None."""
-    name = str(config_dtype).removeprefix("torch.")
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name)
 
 
 def _model_class(spec: ModelSpec):
@@ -123,7 +117,7 @@ class ModelRunner:
         self.logit_rows = self._logit_score_rows() if spec.logit_score is not None else None
         # A half-precision checkpoint run in float32 on a CPU: ST computes it in its own dtype there.
         checkpoint = half_checkpoint_dtype(getattr(config, "dtype", None))
-        precision_note = (self._checkpoint_distance(checkpoint)
+        precision_note = (checkpoint_distance(self, checkpoint)
                           if checkpoint is not None and self.dtype == torch.float32 and self.device.type == "cpu"
                           and shared_model is None else {})
         self.backend_info: dict = {"backend": "torch", **precision_note}
@@ -138,48 +132,6 @@ class ModelRunner:
         if self._cache_warnings:  # (start-up info is flat: one line each)
             told = [self.backend_info["warnings"]] if self.backend_info.get("warnings") else []
             self.backend_info["warnings"] = "\n".join(self._cache_warnings + told)
-
-    @torch.inference_mode()
-    def _checkpoint_distance(self, checkpoint: torch.dtype) -> dict:
-        """The model's weights are stored in bfloat16 (float16) and run here in float32, where
-        sentence-transformers (transformers 5 loads a checkpoint in its own dtype) computes in
-        that dtype: how far the two are, measured once on a probe batch -- the float32 module cast
-        to the checkpoint's dtype and back, restoring exactly every tensor that dtype does not hold
-        (rotary frequencies and other buffers computed in float32, a weight kept in float32)."""
-        rng = np.random.default_rng(0)
-        rows, length = 4, min(48, self.spec.max_model_len)
-        batch = probe_batch(rows, length, 0, self.spec.tasks[0])
-        batch.token_ids[:] = rng.integers(min(1000, self.spec.vocab_size - 1), self.spec.vocab_size, rows * length)
-        batch.cols[:, COL["lengths"]] = length - np.arange(rows) * (length // 8)  # rows of several lengths
-        batch = Requests(batch.calls, batch.cols, batch.token_ids[: int(batch.cols[:, COL["lengths"]].sum())])
-
-        def outputs() -> np.ndarray:
-            results, _ = self.run(batch)
-            return np.concatenate([np.asarray(r[1] if isinstance(r, tuple) else r, np.float64).ravel()
-                                   for r in results])
-
-        name = str(checkpoint).removeprefix("torch.")
-        tensors = dict(self.model.named_parameters())
-        tensors.update(self.model.named_buffers())
-        kept = {key: t.detach().clone() for key, t in tensors.items()
-                if t.is_floating_point() and not torch.equal(t, t.to(checkpoint).to(t.dtype))}
-        try:
-            exact = outputs()
-            self.model.to(checkpoint)
-            try:
-                half = outputs()
-            finally:
-                self.model.to(torch.float32)
-                tensors = dict(self.model.named_parameters())
-                tensors.update(self.model.named_buffers())
-                for key, value in kept.items():
-                    tensors[key].data.copy_(value)
-        except Exception as e:  # (a model whose other parts stay float32, e.g. LogitScore's rows)
-            log.warning("could not measure the %s checkpoint's distance to float32: %s", name, e)
-            return {"checkpoint_dtype": name}
-        if len(exact) != len(half):  # sparse outputs with other active dimensions
-            return {"checkpoint_dtype": name}
-        return {"checkpoint_dtype": name, "checkpoint_dtype_max_diff": float(np.abs(half - exact).max())}
 
     def _checked_cached_conversion(self, config, threads: int, precision: str):
         """OpenVINO's cached conversion when it can stand in for the torch module from the start
@@ -651,17 +603,6 @@ class StaticEmbeddingRoute:
             end.record()
         return PendingStep(int(batch.lengths.sum()), host, finish, started, begin, end)
 
-
-
-def probe_batch(num_rows: int, num_tokens: int, token: int, task: str) -> Requests:
-    """A synthetic batch (the step-cost probe): `num_rows` requests of `num_tokens` ids each."""
-    cols = blank_table(num_rows)
-    cols[:, COL["indices"]] = np.arange(num_rows)
-    cols[:, COL["lengths"]] = num_tokens
-    cols[:, COL["task"]] = TASK_CODE[task]
-    calls = np.empty(num_rows, dtype=object)
-    calls[:] = "probe"
-    return Requests(calls, cols, np.full(num_rows * num_tokens, token, np.int32))
 
 
 class PendingStep:

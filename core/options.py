@@ -10,7 +10,7 @@ options a user sets (`PipelineOptions`, `CallOptions`) are declared with these i
 from __future__ import annotations
 
 import typing
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 
@@ -88,3 +88,39 @@ def describe(t: msgspec.inspect.Type) -> str:
     if isinstance(t, mi.ListType):
         return f"a list of {describe(t.item_type)}"
     return "valid"
+
+
+# ---- per-request options ----------------------------------------------------------------------
+
+
+class RequestOption(NamedTuple):
+    """A per-request option, declared once. The caller gives it as a call option (`CallOptions`
+    places it in the signatures): one value for every prompt, a list with one per prompt, or None.
+    The frontend checks each request's value and resolves it (`pipeline.request_options`). With a
+    `column`, the resolved value is an int that travels by name in `RenderOptions` and that the
+    render worker's packer copies into the engine's request column of the same name
+    (`core.schema.REQUEST_COLUMNS`): such an option needs no code between the call and the engine.
+    Without one, the frontend resolves it into the RenderOptions that rendering reads (pooling
+    params, prompt text)."""
+
+    name: str
+    doc: str  # the call option's one-line description
+    shown: str  # the call option's type, as signatures show it
+    column: int | None = None  # its int column's default (what a row that does not carry it holds)
+
+
+REQUEST_OPTIONS: tuple[RequestOption, ...] = (
+    RequestOption("pooling_params", "one PoolingParams for every prompt, a list with one per prompt, or None (the "
+                  "defaults)", "PoolingParams | Sequence[PoolingParams] | None"),
+    RequestOption("priority", "lower runs first among waiting requests: one int, a list with one per prompt, or "
+                  "None (0); results stay in input order", "int | Sequence[int] | None", column=0),
+    RequestOption("prompt", "a prompt text put in front of each text, instead of prompt_name (it wins over it; '' "
+                  "for none)", "str | Sequence[str | None] | None"),
+    RequestOption("prompt_name", "a prompt of the model's config_sentence_transformers.json, put in front of each "
+                  "text (default: the model's default_prompt_name)", "str | Sequence[str | None] | None"),
+    # Its column is the route's index in ModelSpec.routes (-1: none named), resolved from the name.
+    RequestOption("route", "which of the model's routes each text takes (ST's encode(task=...): 'query', "
+                  "'document' or another route its Router declares); one for every prompt, a list with one per "
+                  "prompt, or None (the model's default route)", "str | Sequence[str | None] | None", column=-1),
+)
+COLUMN_OPTIONS: tuple[RequestOption, ...] = tuple(o for o in REQUEST_OPTIONS if o.column is not None)

@@ -6,8 +6,10 @@ other per-request integer is a `Column` here. The render worker's packer
 (`workers.packer.EngineInputPacker`) sends a column only when some row of the message differs from
 the default, `EngineInputBatch.check` accepts exactly these names, and the engine's request table
 (`core.columns`) has one int64 column for each, filled with the default where the message had none.
-A new per-request field is one line in `REQUEST_COLUMNS`, plus its producer (the packer's
-`add(..., name=value)` in the worker) and its consumer (`requests.name` in the engine).
+A column is either computed by rendering (declared here; its producer is the packer's
+`add(..., name=value)` in the worker) or a per-request option's (declared in
+`core.options.REQUEST_OPTIONS`: the caller sets it and the packer copies it from the request's
+RenderOptions); its consumer is `requests.name` in the engine.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from pooling_pipeline.core.options import COLUMN_OPTIONS
+
 
 class Column(NamedTuple):
     name: str  # the wire name, the packer's keyword and the engine's attribute
@@ -23,17 +27,18 @@ class Column(NamedTuple):
     doc: str
 
 
+# The columns rendering computes, then the per-request options' (the packer fills those from the options).
 REQUEST_COLUMNS: tuple[Column, ...] = (
     Column("param_of", 0, "the row's entry in the message's (tasks, params) table"),
     Column("token_type_start", -1, "a text pair's first token of type 1 (types are zeros then ones); -1: none"),
     Column("pool_start", 0, "tokens at the start that pooling leaves out: the prompt's (ST's prompt_length)"),
-    Column("priority", 0, "lower runs first among waiting requests"),
     Column("chunk", -1, "chunk mode: the chunk's number in its document; -1: a whole request"),
     Column("num_chunks", 0, "chunk mode: how many chunks its document has"),
-    Column("route", -1, "the model's route the row takes (its index in ModelSpec.routes); -1: none named"),
     Column("expansion_start", -1, "query expansion (ColBERT): the first of the row's appended expansion tokens, "
            "which the encoder does not attend to (ST's attend=False); -1: none"),
+    *(Column(o.name, o.column, o.doc) for o in COLUMN_OPTIONS),
 )
+OPTION_COLUMNS: tuple[str, ...] = tuple(o.name for o in COLUMN_OPTIONS)
 DEFAULTS: dict[str, int] = {c.name: c.default for c in REQUEST_COLUMNS}
 
 # What the engine reads of a row's PoolingParams, as integer codes resolved once per message from

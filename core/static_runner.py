@@ -11,7 +11,7 @@ import time
 import numpy as np
 import torch
 
-from pooling_pipeline.core.columns import Requests
+from pooling_pipeline.core.columns import Requests, probe_batch
 from pooling_pipeline.core.config import ModelSpec
 from pooling_pipeline.core.model_folder.static_embedding import load_static_weights
 from pooling_pipeline.core.options import TASKS
@@ -35,7 +35,6 @@ class StaticEmbeddingRunner:
         self.backend_info: dict = {"backend": "torch", "model": "static embedding (no transformer)"}
 
     def step_cost(self, max_tokens: int) -> tuple[float, float]:
-        from pooling_pipeline.core.model_runner import probe_batch
 
         token = min(1000, self.spec.vocab_size - 1)
         return probe_step_cost(lambda rows, tokens: self.run(probe_batch(rows, tokens, token, "embed")),

@@ -23,7 +23,6 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
-import msgspec
 import numpy as np
 
 from pooling_pipeline.backends import (
@@ -41,7 +40,7 @@ from pooling_pipeline.core.sim_device import resolve_sim_device
 from pooling_pipeline.cpu_plan import engine_devices, plan_cpu
 from pooling_pipeline.errors import EngineDeadError, PipelineError
 from pooling_pipeline.frontend import Call, Dispatcher, new_call_prefix
-from pooling_pipeline.inputs import Tokenization, build_requests, check_priority
+from pooling_pipeline.inputs import Tokenization, build_requests
 from pooling_pipeline.options import (
     CALL_OPTIONS,
     DTYPE_ALIASES,
@@ -53,6 +52,7 @@ from pooling_pipeline.options import (
 )
 from pooling_pipeline.outputs import RankedDocument, ScoringOutput
 from pooling_pipeline.process_group import ProcessGroup
+from pooling_pipeline.request_options import refused_entries
 from pooling_pipeline.similarity import similarity
 
 log = logging.getLogger("pipeline")
@@ -407,17 +407,8 @@ class Pipeline:
         a list call, checked whole before any work starts."""
         self._live_group()
         refused: dict[int, str] = {}
-        if opts.errors == "return" and isinstance(opts.priority, (list, tuple)):
-            # errors="return": a bad priority fails its request only (an error output naming it).
-            priorities = list(opts.priority)
-            for i, value in enumerate(priorities):
-                try:
-                    check_priority(value, f"priority[{i}]")
-                except (TypeError, ValueError) as e:
-                    refused[i] = str(e)
-                    priorities[i] = 0
-            if refused:
-                opts = msgspec.structs.replace(opts, priority=priorities)
+        if opts.errors == "return":  # a bad priority fails its request only (an error output naming it)
+            opts, refused = refused_entries(opts)
         prefix = new_call_prefix()
         source, total = build_requests(prompts, opts, self.model_spec, self._tokenization, prefix, refused)
         return prefix, source, total

@@ -17,16 +17,12 @@ import numpy as np
 
 from pooling_pipeline.core.config import ModelSpec
 from pooling_pipeline.core.messages import PoolingParams, RenderBatch, RenderOptions, RenderParams
-from pooling_pipeline.core.options import checked
 from pooling_pipeline.core.schema import ids_out_of_range
 from pooling_pipeline.options import CallOptions  # (declared there, with every option's default)
-
-# Priorities travel as msgpack ints and are compared in the engine: keep them in int64.
-PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
-# ST 6's SentenceTransformer, SparseEncoder and MultiVectorEncoder start every model from these empty
-# prompts (their `_default_prompts`) and fill them from config_sentence_transformers.json, so
-# "query" and "document" name a prompt (empty unless saved) on every such model; CrossEncoder has none.
-PLACEHOLDER_PROMPTS = {"query": "", "document": ""}
+from pooling_pipeline.request_options import (
+    RequestValues,
+    route_spec,
+)
 
 
 @dataclass(frozen=True)
@@ -58,17 +54,10 @@ def build_requests(prompts: object, opts: CallOptions, spec: ModelSpec, tokeniza
     else:
         items = as_prompt_iterable(prompts)
     count = len(items) if isinstance(items, (list, tuple)) else None
-    if opts.pooling_params is not None and not isinstance(opts.pooling_params, (PoolingParams, list, tuple)):
-        raise TypeError(f"pooling_params must be a PoolingParams, a list of them or None, "
-                        f"got {type(opts.pooling_params).__name__}")
-    params = per_request(PoolingParams() if opts.pooling_params is None else opts.pooling_params,
-                         "pooling_params", lambda p, where: check_params(p, where, opts.task, spec), count)
-    priorities = per_request(0 if opts.priority is None else opts.priority, "priority", check_priority, count)
-    prefixes = _prompt_prefixes(opts, spec, count)
-    routes = per_request(opts.route, "route", lambda name, where: check_route(name, where, spec), count)
+    values = RequestValues(opts, spec, count)
     side = opts.truncation_side or tokenization.truncation_side
     return RequestSource(iter(items), opts, spec, call, tokenization.num_special_tokens, side == "left",
-                         params, priorities, prefixes, routes, refused or {}), count
+                         values, refused or {}), count
 
 
 TEXT, PAIR, IDS, ITEM = range(4)  # a request's input form: text, (query, document) pair, token ids, RenderParams
@@ -91,19 +80,13 @@ class RequestSource:
     prompt by prompt, each with its own options where they differ."""
 
     def __init__(self, prompts: Iterator, opts: CallOptions, spec: ModelSpec, call: str, num_special_tokens: int,
-                 truncate_left: bool, params: tuple[Iterator, int | None], priorities: tuple[Iterator, int | None],
-                 prefixes: tuple[Iterator, int | None], routes: tuple[Iterator, int | None],
-                 refused: dict[int, str]) -> None:
+                 truncate_left: bool, values: RequestValues, refused: dict[int, str]) -> None:
         self.prompts = prompts
         self.opts, self.spec, self.call = opts, spec, call
         self.num_special_tokens, self.truncate_left = num_special_tokens, truncate_left
-        self.params_it, params_count = params
-        self.priority_it, priority_count = priorities
-        self.prefix_it, prefix_count = prefixes
-        self.route_it, route_count = routes
+        self.values = values  # each request's per-request options
         self.refused = refused
-        self.counts = [(c, name) for c, name in ((params_count, "pooling_params"), (priority_count, "priority"),
-                                                  (prefix_count, "prompt"), (route_count, "route")) if c is not None]
+        self.counts = values.counts
         self.index = 0  # of the next prompt
         self.exhausted = False
         self.shared = self._shared_options()  # None: options per request
@@ -112,28 +95,28 @@ class RequestSource:
 
     def _shared_options(self) -> RenderOptions | None:
         """The one RenderOptions of a call whose requests all share them, or None."""
-        opts = self.opts
         if self.counts or self.refused:
             return None
-        params, priority, text_prefix = next(self.params_it), next(self.priority_it), next(self.prefix_it)
-        route = next(self.route_it)
-        if text_prefix is not None and opts.long_inputs == "chunk":
+        values = self.values.shared
+        text_prefix = self.values.prompt_text(values)
+        if text_prefix is not None and self.opts.long_inputs == "chunk":
             return None  # refused request by request (below)
         try:
-            max_tokens = resolve_max_tokens(route_spec(self.spec, route), opts, self.num_special_tokens, params, 0)
+            max_tokens = resolve_max_tokens(route_spec(self.spec, values["route"]), self.opts,
+                                            self.num_special_tokens, values["pooling_params"], 0)
         except ValueError:
             return None  # every request is refused, each naming itself (below)
-        return self._options(params, priority, text_prefix, max_tokens, route)
+        return self._options(values, text_prefix, max_tokens)
 
-    def _options(self, params: PoolingParams, priority: int, text_prefix: str | None, max_tokens: int,
-                 route: str | None) -> RenderOptions:
+    def _options(self, values: dict, text_prefix: str | None, max_tokens: int) -> RenderOptions:
+        """A request's RenderOptions: the call's settings and its per-request options' values."""
         opts = self.opts
-        return RenderOptions(task=opts.task, max_tokens=max_tokens, params=params, priority=priority,
+        return RenderOptions(task=opts.task, max_tokens=max_tokens, params=values["pooling_params"],
                              truncate_left=self.truncate_left, long_inputs=opts.long_inputs,
                              chunk_overlap=opts.chunk_overlap,
                              text_prefix=None if text_prefix is None else plain_str(text_prefix),
                              max_query_tokens=opts.max_tokens_per_query, max_doc_tokens=opts.max_tokens_per_doc,
-                             route=route_index(self.spec, route))
+                             **self.values.column_values(values))
 
     def take(self, limit: int, max_chars: int) -> list[RenderBatch | FailedRequest]:
         """Up to `limit` requests, strictly in input order (the call keeps them in a ring by index):
@@ -224,12 +207,12 @@ class RequestSource:
         for count, name in self.counts:
             if index >= count:
                 raise ValueError(f"{name} has {count} entries but there are more prompts (prompt {index} has none)")
-        route = None
+        values = None
         if self.shared is None:
-            params, priority, text_prefix = next(self.params_it), next(self.priority_it), next(self.prefix_it)
-            route = next(self.route_it)
+            values = self.values.at(index)
+            text_prefix = self.values.prompt_text(values)
         else:
-            params, priority, text_prefix = self.shared.params, self.shared.priority, self.shared.text_prefix
+            text_prefix = self.shared.text_prefix
         if index in self.refused:
             raise ValueError(self.refused[index])
         opts = self.opts
@@ -249,12 +232,14 @@ class RequestSource:
             if "pair" in fields:
                 return PAIR, (fields["prompt"], fields["pair"])
             return (TEXT, fields["prompt"]) if "prompt" in fields else (IDS, fields["token_ids"])
+        if self.shared is not None:
+            return ITEM, RenderParams(options=self.shared, **fields)
+        params, route = values["pooling_params"], values["route"]
         if params is not self._last_params or route != self._last_route:  # (usually as the request before)
             self._last_max_tokens = resolve_max_tokens(route_spec(self.spec, route), opts, self.num_special_tokens,
                                                        params, index)
             self._last_params, self._last_route = params, route
-        options = self.shared or self._options(params, priority, text_prefix if "prompt" in fields else None,
-                                               self._last_max_tokens, route)
+        options = self._options(values, text_prefix if "prompt" in fields else None, self._last_max_tokens)
         return ITEM, RenderParams(options=options, **fields)
 
     def _check_pair_request(self, index: int) -> None:
@@ -365,57 +350,6 @@ class PreparedSource:
         return out
 
 
-def model_prompts(spec: ModelSpec) -> dict[str, str]:
-    """The model's prompts by name as ST 6 holds them (`SentenceTransformer(...).prompts`): the
-    placeholders first, then the saved prompts (a saved "query" / "document" fills its placeholder)."""
-    if "embed" in spec.tasks or "sparse_embed" in spec.tasks:
-        return {**PLACEHOLDER_PROMPTS, **spec.prompts}
-    return dict(spec.prompts)
-
-
-def _prompt_prefixes(opts: CallOptions, spec: ModelSpec, count: int | None) -> tuple[Iterator, int | None]:
-    """Each request's prompt text, resolved as ST's encode does: an explicit `prompt` wins, else
-    `prompt_name` (looked up in the model's prompts, ST's placeholders among them), else the model's
-    default_prompt_name."""
-    prompts = model_prompts(spec)
-
-    def check_prompt(value: object, where: str) -> None:
-        if value is not None and not isinstance(value, str):
-            raise TypeError(f"{where} must be a str or None, got {type(value).__name__}")
-
-    def check_name(value: object, where: str) -> None:
-        check_prompt(value, where)
-        if value is not None and value not in prompts:
-            raise ValueError(f"{where}={value!r} is not among the model's prompts {sorted(prompts)}")
-
-    prompts_it, prompts_count = per_request(opts.prompt, "prompt", check_prompt, count)
-    names_it, names_count = per_request(opts.prompt_name, "prompt_name", check_name, count)
-    default = prompts.get(spec.default_prompt_name) if spec.default_prompt_name else None
-    # A multi-vector model's route picks the prompt of a request that names none (the render
-    # worker does, as ST's encode_query / encode_document): None there means "none named", '' none.
-    route_decides = spec.multi_vector is not None
-    if route_decides:
-        default = None
-    if prompts_count is None and names_count is None:  # one for the whole call
-        prompt, name = opts.prompt, opts.prompt_name
-        text = prompt if prompt is not None else prompts[name] if name is not None else default
-        return itertools.repeat(_prompt_text(text, route_decides)), None
-
-    def resolve() -> Iterator[str | None]:
-        for prompt, name in zip(prompts_it, names_it):
-            text = prompt if prompt is not None else prompts[name] if name is not None else default
-            yield _prompt_text(text, route_decides)
-
-    counts = [c for c in (prompts_count, names_count) if c is not None]
-    return resolve(), (counts[0] if counts else None)
-
-
-def _prompt_text(text: str | None, route_decides: bool) -> str | None:
-    """The prompt a request sends: None for no prompt -- unless the model's route decides, where
-    None is "none named" and a named empty prompt stays '' (no prompt, not the route's)."""
-    return text if route_decides else text or None
-
-
 def is_conversation(prompt: object) -> bool:
     return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
             and all(isinstance(m, dict) and "role" in m for m in prompt))
@@ -478,95 +412,6 @@ def _plugin_items(data) -> list | Iterable:
     if isinstance(data, (str, dict, bytes)) or not isinstance(data, Iterable):
         return [data]
     return data
-
-
-def per_request(value: object, name: str, check, count: int | None) -> tuple[Iterator, int | None]:
-    """One value for every request, or a list with one per request (its length checked later)."""
-    if isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            check(v, f"{name}[{i}]")
-        if count is not None and len(value) != count:
-            raise ValueError(f"{name} has {len(value)} entries but there are {count} prompts")
-        return iter(value), len(value)
-    check(value, name)
-    return itertools.repeat(value), None
-
-
-def check_params(p: object, where: str, task: str, spec: ModelSpec) -> None:
-    if not isinstance(p, PoolingParams):
-        raise TypeError(f"{where} must be a PoolingParams, got {type(p).__name__}")
-    # The caller may have built it with any values: check types and ranges as msgspec declares them.
-    checked(PoolingParams, msgspec.structs.asdict(p), f"{where}.")
-    p.verify(where, task, spec)
-
-
-def check_priority(value: object, where: str) -> None:
-    # One entry of a per-request list ("priority[3]") names its request.
-    if where.startswith("priority["):
-        where = f"request {where[len('priority['):-1]}: {where}"
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{where} must be an int, got {value!r}")
-    if not PRIORITY_MIN <= value <= PRIORITY_MAX:
-        raise ValueError(f"{where} must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {value}")
-
-
-def check_route(name: object, where: str, spec: ModelSpec) -> None:
-    """A task the model's Router resolves to one of its routes (ST's encode(task=...)), or None
-    for its default route (a Router without one refuses it, as ST does)."""
-    if where.startswith("route["):
-        where = f"request {where[len('route['):-1]}: {where}"
-    if name is not None and not isinstance(name, str):
-        raise TypeError(f"{where} must be a str or None, got {type(name).__name__}")
-    if name is not None and not spec.routes:
-        raise ValueError(f"{where}={name!r}: this model has no routes (it encodes every text the same way)")
-    try:
-        resolve_route(spec, name)
-    except ValueError as e:
-        raise ValueError(f"{where}={name!r}: {e}") from None
-
-
-def resolve_route(spec: ModelSpec, task: str | None) -> str | None:
-    """The route ST's Router takes for a text with this task (None: the model has no routes).
-    ST's order: route_mappings' (task, "text") / (task, None), then (None, "text") / (None, None),
-    a route named as the task, a route named "text", then -- with no task -- the default route."""
-    if not spec.routes:
-        return None
-    if not spec.route_specs:  # query / document routes of one chain (ColBERT): none named is ST's no task
-        if task is not None and task not in spec.routes:
-            raise ValueError(f"no route for task {task!r}; the model's routes: {_routes_text(spec)}")
-        return task
-    if task is not None and task in spec.route_by_task:
-        return spec.route_by_task[task]
-    if spec.route_any_task is not None:
-        return spec.route_any_task
-    if task is not None and task in spec.routes:
-        return task
-    if "text" in spec.routes:
-        return "text"
-    if task is not None:
-        raise ValueError(f"no route for task {task!r}; the model's routes: {_routes_text(spec)}")
-    if spec.default_route is None:
-        raise ValueError(f"no route was named and the model's Router has no default route; name one of "
-                         f"{_routes_text(spec)} (ST: encode_query / encode_document / encode(task=...))")
-    return spec.default_route
-
-
-def _routes_text(spec: ModelSpec) -> str:
-    return ", ".join(repr(name) for name in [*spec.routes, *sorted(set(spec.route_by_task) - set(spec.routes))])
-
-
-def route_index(spec: ModelSpec, name: str | None) -> int:
-    """A checked route's index in the model's routes: the `route` the worker and engine see;
-    -1 when the model has none."""
-    route = resolve_route(spec, name)
-    return -1 if route is None else spec.routes.index(route)
-
-
-def route_spec(spec: ModelSpec, name: str | None) -> ModelSpec:
-    """The spec of the route a checked task takes (its truncation, its max length); the model's
-    own spec when it has no routes."""
-    route = resolve_route(spec, name) if spec.route_specs else None
-    return spec if route is None else spec.route_specs[spec.routes.index(route)]
 
 
 def resolve_max_tokens(spec: ModelSpec, opts: CallOptions, num_special_tokens: int, p: PoolingParams,

@@ -7,7 +7,10 @@ What takes options reads them from here rather than restating them: the API meth
 constructor's signatures, docstrings and argument binding (`OptionsSignature`, `takes_options`),
 the async twins, `pipeline-run`'s flags and the Ray callable. Which call takes which options is
 declared here too (`CALL_OPTIONS`), so a new option is one field and, where it applies, nothing
-else. This module imports nothing heavy: the launcher reads it to build its flags.
+else. A per-request option (one value, or a list with one per prompt) is declared in
+`core.options.REQUEST_OPTIONS` with its description; its field here (`per_request(name)`) only
+places it among the parameters. This module imports nothing heavy: the launcher reads it to build
+its flags.
 """
 
 import functools
@@ -22,6 +25,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 import msgspec
 
 from pooling_pipeline.core.options import (
+    REQUEST_OPTIONS,
     Backend,
     ErrorsMode,
     LongInputs,
@@ -41,6 +45,15 @@ def described(text: str, shown: str | None = None) -> msgspec.Meta:
     option whose declared type is `Any` (checked by the code that reads it, with its own errors)."""
     return Meta(description=text, extra={"shown": shown} if shown else None)
 
+
+def per_request(name: str) -> Any:
+    """The call option of a per-request option (`core.options.REQUEST_OPTIONS`, where it is declared
+    with its description): any value here, checked request by request (`pipeline.request_options`)."""
+    option = _REQUEST_OPTIONS[name]
+    return Annotated[Any, described(option.doc, shown=option.shown)]
+
+
+_REQUEST_OPTIONS = {o.name: o for o in REQUEST_OPTIONS}
 
 DTYPE_ALIASES = {"auto": "auto", "float32": "float32", "float": "float32", "fp32": "float32",
                  "float16": "float16", "half": "float16", "fp16": "float16",
@@ -107,16 +120,12 @@ class CallOptions(msgspec.Struct, frozen=True, kw_only=True):
     task: Task  # what the engine runs
     plugin: bool = False  # prompts are raw items for the io_processor plugin
     pairs: bool = False  # prompts are (query, document) pairs for a cross-encoder
-    pooling_params: Annotated[Any, described(
-        "one PoolingParams for every prompt, a list with one per prompt, or None (the defaults)",
-        shown="PoolingParams | Sequence[PoolingParams] | None")] = None
+    pooling_params: per_request("pooling_params") = None
     truncate_prompt_tokens: Annotated[Annotated[int, Meta(ge=-1)] | None, described(
         "tokens kept of each prompt, special tokens included; -1: the model's maximum (default: "
         "the PoolingParams' own, else the model's max_seq_length)")] = None
     use_tqdm: Annotated[bool, described("show a progress bar")] = True
-    priority: Annotated[Any, described(
-        "lower runs first among waiting requests: one int, a list with one per prompt, or None (0); "
-        "results stay in input order", shown="int | Sequence[int] | None")] = None
+    priority: per_request("priority") = None
     chat_template: Annotated[str | None, described(
         "the chat template conversations are rendered with (default: the tokenizer's)")] = None
     long_inputs: Annotated[LongInputs, described(
@@ -133,22 +142,19 @@ class CallOptions(msgspec.Struct, frozen=True, kw_only=True):
     errors: Annotated[ErrorsMode, described(
         "'raise': the first bad request raises, naming it, and the rest of the call is aborted; "
         "'return': its output has `.error` and no data, and the others go on")] = "raise"
-    prompt_name: Annotated[Any, described(
-        "a prompt of the model's config_sentence_transformers.json, put in front of each text "
-        "(default: the model's default_prompt_name)", shown="str | Sequence[str | None] | None")] = None
-    prompt: Annotated[Any, described(
-        "a prompt text put in front of each text, instead of prompt_name (it wins over it; '' for none)",
-        shown="str | Sequence[str | None] | None")] = None
-    route: Annotated[Any, described(
-        "which of the model's routes each text takes (ST's encode(task=...): 'query', 'document' or "
-        "another route its Router declares); one for every prompt, a list with one per prompt, or None "
-        "(the model's default route)", shown="str | Sequence[str | None] | None")] = None
+    prompt_name: per_request("prompt_name") = None
+    prompt: per_request("prompt") = None
+    route: per_request("route") = None
+    # (A new per-request option goes last: the API takes its options by position too.)
 
     def __post_init__(self) -> None:
         if self.long_inputs == "chunk" and self.task != "embed":
             raise ValueError(f"long_inputs='chunk' pools chunks into one embedding: it applies to 'embed', "
                              f"not {self.task!r}")
 
+
+if {o.name for o in REQUEST_OPTIONS} - set(CallOptions.__struct_fields__):
+    raise RuntimeError("a per-request option declared in core.options is not placed in CallOptions: this is a bug")
 
 # The caller's options (`task`, `plugin` and `pairs` are the API's), and which call takes which,
 # in the order the methods list them. classify: chunks are pooled into embeddings only; score: a

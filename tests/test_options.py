@@ -44,3 +44,22 @@ def test_pipeline_run_flags_take_the_declared_defaults():
     args = build_parser().parse_args([])
     assert args.long_inputs == defaults(CallOptions)["long_inputs"]
     assert args.max_num_seqs == defaults(PipelineOptions)["max_num_seqs"]
+
+
+def test_a_per_request_option_is_declared_once():
+    """Each per-request option of `core.options.REQUEST_OPTIONS` is a call option with its declared
+    description; one with a column is also a RenderOptions field and an engine column, with one
+    default (issue 36, item 1)."""
+    from pooling_pipeline.core.messages import RenderOptions
+    from pooling_pipeline.core.options import REQUEST_OPTIONS
+    from pooling_pipeline.core.schema import DEFAULTS, OPTION_COLUMNS
+
+    call_options = declared(CallOptions)
+    render_defaults = dict(zip(RenderOptions.__struct_fields__[-len(RenderOptions.__struct_defaults__):],
+                               RenderOptions.__struct_defaults__))
+    for option in REQUEST_OPTIONS:
+        assert call_options[option.name].description == option.doc
+        assert call_options[option.name].default is None
+        if option.column is not None:
+            assert render_defaults[option.name] == DEFAULTS[option.name] == option.column
+            assert option.name in OPTION_COLUMNS

@@ -1,7 +1,9 @@
 """The one producer of EngineInputBatch: rows appended as they are rendered, packed into messages.
 
 Each row is a request's index, its token ids and the values of the per-request columns that
-`core.schema` declares (the keywords of `add` / `extend`). A column is kept as a list only from the
+`core.schema` declares: those of its per-request options (priority, route, ...) and its pooling
+params' entry, copied from the RenderOptions it was rendered with, and those rendering computes
+(pool_start, chunks, ...: the keywords of `add` / `extend`). A column is kept as a list only from the
 first row that differs from its default, and a message carries it only when one of its rows does,
 so the usual message (every row default) carries none. Ids are range-checked once per message
 before they are narrowed to int32, so no id can wrap into range.
@@ -14,8 +16,8 @@ import itertools
 import msgspec
 import numpy as np
 
-from pooling_pipeline.core.messages import EngineInputBatch, PoolingParams
-from pooling_pipeline.core.schema import DEFAULTS, ids_out_of_range
+from pooling_pipeline.core.messages import EngineInputBatch, PoolingParams, RenderOptions
+from pooling_pipeline.core.schema import DEFAULTS, OPTION_COLUMNS, ids_out_of_range
 
 
 class EngineInputPacker:
@@ -28,6 +30,8 @@ class EngineInputPacker:
         self.tasks: list[str] = []
         self.params: list[PoolingParams] = []
         self.columns: dict[str, list[int]] = {}  # only the columns some row set to a non-default value
+        self._options_seen: tuple = (None, None)  # the RenderOptions (and params) `_from_options` saw last ...
+        self._options_values: dict[str, int] = {}  # ... and their columns' values
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -42,12 +46,18 @@ class EngineInputPacker:
             self.params.append(params)
         return entry
 
-    def add(self, index: int, ids, **values: int) -> None:
-        """One row; `values` are per-request columns by name (the others take their default)."""
-        self.extend([index], [ids], **values)
+    def add(self, index: int, ids, options: RenderOptions | None = None, *, params: PoolingParams | None = None,
+            **values: int) -> None:
+        """One row, rendered with `options` (its per-request options' columns and its params' entry;
+        `params`: other params than the options', as a long document's chunks have); `values` are
+        the columns rendering computed, by name (the others take their default)."""
+        self.extend([index], [ids], options, params=params, **values)
 
-    def extend(self, indices: list[int], ids: list, **values: int) -> None:
-        """Rows that share their column values (the usual case: a batch's)."""
+    def extend(self, indices: list[int], ids: list, options: RenderOptions | None = None, *,
+               params: PoolingParams | None = None, **values: int) -> None:
+        """Rows that share their options and column values (the usual case: a batch's)."""
+        if options is not None:
+            values = {**self._from_options(options, params), **values}
         n = len(indices)
         for name, value in values.items():
             column = self.columns.get(name)
@@ -62,6 +72,16 @@ class EngineInputPacker:
                 column.extend([DEFAULTS[name]] * n)
         self.indices.extend(indices)
         self.ids.extend(ids)
+
+    def _from_options(self, options: RenderOptions, params: PoolingParams | None) -> dict[str, int]:
+        """The columns a row takes from its RenderOptions: its (task, params) entry and every
+        per-request option's value (worked out once for a batch's shared options)."""
+        seen_options, seen_params = self._options_seen
+        if options is not seen_options or params is not seen_params:
+            self._options_values = {"param_of": self.kind(options.task, options.params if params is None else params),
+                                    **{name: getattr(options, name) for name in OPTION_COLUMNS}}
+            self._options_seen = (options, params)
+        return self._options_values
 
     def messages(self, worker: int, call: str, max_items: int, vocab_size: int, render_s: float = 0.0
                  ) -> tuple[list[EngineInputBatch], list[tuple[int, str]]]:

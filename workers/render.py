@@ -166,70 +166,65 @@ class Renderer:
             mark_empty_rows(rows, range(len(rows)))
         return rows, failed
 
-    # Over ruff's complexity bound (C901, 25 > 15): left as it is while render.py is being reworked
-    # in another change, which splits it.
-    def _render(self, batch: RenderBatch) -> tuple[EngineInputPacker, list[tuple[int, str]]]:  # noqa: C901
+    def _render(self, batch: RenderBatch) -> tuple[EngineInputPacker, list[tuple[int, str]]]:
         rows = EngineInputPacker()
         failed: list[tuple[int, str]] = []
         indices = batch.indices.tolist()
+        opts = batch.options
         if self.spec.multi_vector is not None:
             self._render_multi_vector(rows, batch, indices, failed)
-            return rows, failed
-        if batch.items is not None:
+        elif batch.items is not None:
             for index, item in zip(indices, batch.items):
                 self._render_item(rows, index, item, batch.chat_template, failed)
-            return rows, failed
-        opts = batch.options
-        kind = rows.kind(opts.task, opts.params)
-        if opts.max_tokens < self.tokenizer.num_special_tokens:
+        elif opts.max_tokens < self.tokenizer.num_special_tokens:
             error = (f"ValueError: cannot keep {opts.max_tokens} tokens: the model adds "
                      f"{self.tokenizer.num_special_tokens} special tokens")
-            return rows, [(index, error) for index in indices]
-        pool_start = self._prompt_tokens(opts.text_prefix, opts) if self.pools_without_prompt else 0
-        if batch.token_ids is not None:  # used verbatim, cut to max_tokens
+            failed = [(index, error) for index in indices]
+        elif batch.token_ids is not None:  # used verbatim, cut to max_tokens
             sizes = packed_lengths(batch.token_ids, batch.lengths, len(indices))
             ids = split_packed(batch.token_ids, sizes)
             keep = opts.max_tokens
             if max(sizes, default=0) > keep:
                 ids = [a[-keep:] if opts.truncate_left else a[:keep] for a in ids]
-            rows.extend(indices, ids, param_of=kind, priority=opts.priority, route=opts.route)
-            return rows, failed
-        if batch.pairs is not None and self.spec.chat_pairs is not None:  # an LLM reranker's chat template
-            for index, query, document in zip(indices, batch.texts, batch.pairs):
-                try:
-                    ids = self._chat_pair_ids(query, document, opts.text_prefix, opts)
-                except Exception as e:  # any failure becomes this request's error, never a crash
-                    failed.append((index, f"{type(e).__name__}: {e}"))
-                    continue
-                rows.add(index, ids, param_of=kind, priority=opts.priority)
-            return rows, failed
+            rows.extend(indices, ids, opts)
+        elif batch.pairs is not None and self.spec.chat_pairs is not None:  # an LLM reranker's chat template
+            self._add_each(rows, indices, zip(batch.texts, batch.pairs), opts, failed,
+                           lambda pair: (self._chat_pair_ids(*pair, opts.text_prefix, opts), {}))
+        else:
+            self._render_texts(rows, batch, indices, failed)
+        return rows, failed
+
+    def _add_each(self, rows: EngineInputPacker, indices: list[int], inputs, opts: RenderOptions,
+                  failed: list[tuple[int, str]], render) -> None:
+        """Each request rendered alone: `render(input)` gives its ids and the columns it computed;
+        any failure becomes that request's error, never a crash."""
+        for index, value in zip(indices, inputs):
+            try:
+                ids, computed = render(value)
+            except Exception as e:
+                failed.append((index, f"{type(e).__name__}: {e}"))
+                continue
+            rows.add(index, ids, opts, **computed)
+
+    def _render_texts(self, rows: EngineInputPacker, batch: RenderBatch, indices: list[int],
+                      failed: list[tuple[int, str]]) -> None:
+        """Texts (or a cross-encoder's pairs) sharing the batch's options, the prompt in front."""
+        opts = batch.options
+        pool_start = self._prompt_tokens(opts.text_prefix, opts) if self.pools_without_prompt else 0
         texts = batch.texts
         if opts.text_prefix:  # as ST: the prompt, then the text (of a pair: the query)
             texts = [opts.text_prefix + t for t in texts]
         if batch.pairs is not None:
-            for index, query, document in zip(indices, texts, batch.pairs):
-                try:
-                    ids, type_ids = self.tokenizer.encode_pair(query, document, opts.max_tokens,
-                                                               opts.max_query_tokens, opts.max_doc_tokens)
-                    start = compress_token_type_ids(type_ids) if self.sends_token_types else None
-                except Exception as e:  # any failure becomes this request's error, never a crash
-                    failed.append((index, f"{type(e).__name__}: {e}"))
-                    continue
-                rows.add(index, ids, param_of=kind, token_type_start=-1 if start is None else start, pool_start=pool_start,
-                         priority=opts.priority, route=opts.route)
-            return rows, failed
+            self._add_each(rows, indices, zip(texts, batch.pairs), opts, failed,
+                           lambda pair: self._pair_ids(*pair, opts, pool_start))
+            return
         if opts.long_inputs == "chunk":
             for index, text in zip(indices, texts):
                 try:
-                    chunks = self._chunks(text, opts)
+                    self._add_chunks(rows, index, text, opts)
                 except Exception as e:
                     failed.append((index, f"{type(e).__name__}: {e}"))
-                    continue
-                chunk_kind = rows.kind(opts.task, self.chunk_params)
-                for k, ids in enumerate(chunks):
-                    rows.add(index, ids, param_of=chunk_kind, priority=opts.priority, route=opts.route,
-                             chunk=k, num_chunks=len(chunks))
-            return rows, failed
+            return
         # Short texts kept from the start go through the tokenizer in one batched call; the rest
         # one by one (the truncation planner: a long text costs what its kept prefix costs).
         tokenizer = self.tokenizer
@@ -240,24 +235,35 @@ class Renderer:
         if short:
             try:
                 if len(short) == len(texts):
-                    rows.extend(indices, tokenizer.encode_many(texts, opts.max_tokens), param_of=kind, pool_start=pool_start,
-                                priority=opts.priority, route=opts.route)
-                    return rows, failed
+                    rows.extend(indices, tokenizer.encode_many(texts, opts.max_tokens), opts, pool_start=pool_start)
+                    return
                 encoded = dict(zip(short, tokenizer.encode_many([texts[i] for i in short], opts.max_tokens)))
             except Exception:
                 encoded = {}  # retried one by one below, so the failure lands on the right request
-        for i, (index, text) in enumerate(zip(indices, texts)):
+
+        def text_ids(numbered: tuple[int, str]) -> tuple[list[int], dict]:
+            i, text = numbered
             ids = encoded.get(i)
             if ids is None:
-                try:
-                    if opts.long_inputs == "error":
-                        self._refuse_if_too_long(text, opts.max_tokens)
-                    ids = tokenizer.encode(text, opts.max_tokens, left=opts.truncate_left)
-                except Exception as e:
-                    failed.append((index, f"{type(e).__name__}: {e}"))
-                    continue
-            rows.add(index, ids, param_of=kind, pool_start=pool_start, priority=opts.priority, route=opts.route)
-        return rows, failed
+                if opts.long_inputs == "error":
+                    self._refuse_if_too_long(text, opts.max_tokens)
+                ids = tokenizer.encode(text, opts.max_tokens, left=opts.truncate_left)
+            return ids, {"pool_start": pool_start}
+
+        self._add_each(rows, indices, enumerate(texts), opts, failed, text_ids)
+
+    def _pair_ids(self, query: str, document: str, opts: RenderOptions, pool_start: int) -> tuple[list[int], dict]:
+        """A cross-encoder's pair, truncated longest-first; its columns: where type 1 starts, the prompt's tokens."""
+        ids, type_ids = self.tokenizer.encode_pair(query, document, opts.max_tokens,
+                                                   opts.max_query_tokens, opts.max_doc_tokens)
+        start = compress_token_type_ids(type_ids) if self.sends_token_types else None
+        return ids, {"token_type_start": -1 if start is None else start, "pool_start": pool_start}
+
+    def _add_chunks(self, rows: EngineInputPacker, index: int, text: str, opts: RenderOptions) -> None:
+        """Chunk mode: the document's chunks, each a row under its index with raw-vector params."""
+        chunks = self._chunks(text, opts)
+        for k, ids in enumerate(chunks):
+            rows.add(index, ids, opts, params=self.chunk_params, chunk=k, num_chunks=len(chunks))
 
     # ---- multi-vector (ColBERT) models: ST's MultiVectorEncoder.preprocess per route ----------
 
@@ -281,8 +287,7 @@ class Renderer:
             except Exception as e:  # any failure becomes this request's error, never a crash
                 failed.append((index, f"{type(e).__name__}: {e}"))
                 continue
-            rows.add(index, ids, param_of=rows.kind(opts.task, opts.params), priority=opts.priority,
-                     route=opts.route, expansion_start=expansion_start)
+            rows.add(index, ids, opts, expansion_start=expansion_start)
 
     def _multi_vector_ids(self, opts: RenderOptions, text: str | None, token_ids) -> tuple[list[int], int]:
         """(ids, expansion_start): the route's prompt and the text, truncated to the route's length;
@@ -340,20 +345,14 @@ class Renderer:
             if opts.text_prefix and prompt is not None:
                 prompt = opts.text_prefix + prompt
             if opts.long_inputs == "chunk" and prompt is not None:
-                chunks = self._chunks(prompt, opts)
-                chunk_kind = rows.kind(opts.task, self.chunk_params)
-                for k, ids in enumerate(chunks):
-                    rows.add(index, ids, param_of=chunk_kind, priority=opts.priority, route=opts.route,
-                             chunk=k, num_chunks=len(chunks))
+                self._add_chunks(rows, index, prompt, opts)
                 return
             ids, type_start = self._render_one(item, prompt, chat_template)
             pool_start = self._prompt_tokens(opts.text_prefix, opts) if self.pools_without_prompt else 0
         except Exception as e:  # any failure becomes this request's error, never a crash
             failed.append((index, f"{type(e).__name__}: {e}"))
             return
-        rows.add(index, ids, param_of=rows.kind(opts.task, opts.params),
-                 token_type_start=-1 if type_start is None else type_start, pool_start=pool_start,
-                 priority=opts.priority, route=opts.route)
+        rows.add(index, ids, opts, token_type_start=-1 if type_start is None else type_start, pool_start=pool_start)
 
     def _render_one(self, item: RenderParams, prompt: str | None, chat_template: str | None):
         opts = item.options

@@ -39,8 +39,8 @@ import numpy as np
 
 from pooling_pipeline.api import Pipeline
 from pooling_pipeline.core.messages import PoolingParams
-from pooling_pipeline.inputs import model_prompts
 from pooling_pipeline.quantization import PRECISIONS, quantize_embeddings
+from pooling_pipeline.request_options import model_prompts
 from pooling_pipeline.similarity import similarity_matrix, similarity_pairwise
 
 DOCUMENT_PROMPT_NAMES = ("document", "passage", "corpus")  # what ST's encode_document looks for, in order

@@ -307,8 +307,8 @@ def _check_pair_field(job: JobSpec) -> None:
 def describe_job(job: JobSpec, model: JobModel, sources: list, id_field: str | None) -> dict:
     """What identifies a job: a resume must match it, and load_results reads shards of one job only."""
     from pooling_pipeline import __version__
-    from pooling_pipeline.inputs import model_prompts
     from pooling_pipeline.jobs.fingerprint import model_files, model_hash
+    from pooling_pipeline.request_options import model_prompts
 
     # The whole model directory is fingerprinted, not only the transformer's folder (spec.path):
     # ST's modules after it (1_Pooling/, 2_Dense/, a Router's routes) shape the output too.
