@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pooling_pipeline.core.config import ENCODER_ONLY_CLASSES, ModelSpec, PoolingSpec
 from pooling_pipeline.core.model_folder.multi_vector import with_multi_vector
+from pooling_pipeline.core.model_folder.st_files import dense_chain_width
 from pooling_pipeline.core.model_folder.st_layout import STLayout
 from pooling_pipeline.core.model_folder.static_embedding import STATIC_MAX_TOKENS, static_folder_facts
 from pooling_pipeline.core.model_folder.transformer_config import (
@@ -188,11 +189,4 @@ def _score_activation(saved: str | None, config: dict, num_labels: int, trust_re
 
 
 def _embedding_size(hidden_size: int, st: STLayout) -> int:
-    size = hidden_size * len(st.pooling.modes)
-    for module in st.head_modules:
-        if module.kind == "dense":
-            if module.in_features != size:
-                raise ValueError(f"Dense module in {module.path!r} takes {module.in_features} features but the "
-                                 f"module before it gives {size}")
-            size = module.out_features
-    return size
+    return dense_chain_width(hidden_size * len(st.pooling.modes), st.head_modules)

@@ -11,6 +11,7 @@ from pooling_pipeline.core.config import HeadModule, ModelSpec, MultiVectorSpec,
 from pooling_pipeline.core.model_folder.st_files import (
     IGNORED_TYPES,
     Module,
+    dense_chain_width,
     dense_module,
     read_json,
     read_modules,
@@ -193,13 +194,7 @@ def with_multi_vector(spec: ModelSpec, st: STLayout, path: Path) -> ModelSpec:
     tokenizer_config = read_optional_json(path / "tokenizer_config.json")
     if mv.query_expansion is not None and tokenizer_config.get("padding_side") == "left":
         raise ValueError(f"{path}: query expansion with a left-padding tokenizer is not supported")
-    size = spec.hidden_size
-    for module in mv.token_modules:
-        if module.kind == "dense":
-            if module.in_features != size:
-                raise ValueError(f"Dense module in {module.path!r} takes {module.in_features} features but the "
-                                 f"module before it gives {size}")
-            size = module.out_features
+    size = dense_chain_width(spec.hidden_size, mv.token_modules)
     return msgspec.structs.replace(
         spec, multi_vector=mv, late_interaction=True, normalize=st.normalize, embedding_size=size,
         tasks=["token_embed", "score"], routes=["query", "document"], default_route=None)

@@ -51,6 +51,18 @@ def dense_module(cfg: dict, where: Path, trust_remote_code: bool) -> HeadModule:
                       use_residual=bool(cfg.get("use_residual", False)))
 
 
+def dense_chain_width(size: int, modules) -> int:
+    """The width after a chain of head modules that starts `size` wide: each Dense must take what
+    the module before it gives (a mismatch is the folder's error, named), and gives its out_features."""
+    for module in modules:
+        if module.kind == "dense":
+            if module.in_features != size:
+                raise ValueError(f"Dense module in {module.path!r} takes {module.in_features} features but the "
+                                 f"module before it gives {size}")
+            size = module.out_features
+    return size
+
+
 def _dense_activation(cfg: dict, where: Path, trust_remote_code: bool) -> str:
     """The torch.nn class name of a Dense module's activation."""
     activation = str(cfg.get("activation_function") or "torch.nn.modules.activation.Tanh")
