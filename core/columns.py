@@ -251,3 +251,20 @@ def probe_batch(num_rows: int, num_tokens: int, token: int, task: str) -> Reques
     calls = np.empty(num_rows, dtype=object)
     calls[:] = "probe"
     return Requests(calls, cols, np.full(num_rows * num_tokens, token, np.int32))
+
+
+def option_groups(batch: Requests, normalize: np.ndarray) -> list[tuple[tuple[str, int | None, bool | None], np.ndarray]]:
+    """The batch's rows grouped by what finishes their vectors: (task, dimensions, normalize -- None
+    where the request leaves it to the model), each with its rows (ascending). One group, without a
+    loop over rows, in the usual case."""
+    combo = np.stack([batch.task, batch.dimensions, normalize], axis=1)
+
+    def key(row: np.ndarray) -> tuple[str, int | None, bool | None]:
+        task, dimensions, norm = (int(v) for v in row)
+        return TASKS[task], None if dimensions < 0 else dimensions, None if norm < 0 else bool(norm)
+
+    if not len(combo) or (combo == combo[0]).all():
+        return [(key(combo[0]), np.arange(len(combo)))] if len(combo) else []
+    unique, inverse = np.unique(combo, axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    return [(key(row), np.flatnonzero(inverse == g)) for g, row in enumerate(unique)]

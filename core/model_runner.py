@@ -10,12 +10,14 @@ import numpy as np
 import torch
 
 from pooling_pipeline.core.checkpoint_precision import checkpoint_distance, half_checkpoint_dtype
-from pooling_pipeline.core.columns import Requests, probe_batch
+from pooling_pipeline.core.columns import Requests, option_groups, probe_batch
 from pooling_pipeline.core.config import ENCODER_ONLY_CLASSES, ModelSpec
 from pooling_pipeline.core.openvino_model import clear_padding
 from pooling_pipeline.core.options import TASKS
 from pooling_pipeline.core.pooling import SentenceHead, apply_activation, pool, splade
+from pooling_pipeline.core.static_runner import StaticEmbeddingRunner
 from pooling_pipeline.core.step_cost import probe_step_cost
+from pooling_pipeline.core.step_runner import PendingStep
 from pooling_pipeline.core.vectors import finish_embeddings, finish_sentence_embeddings
 
 log = logging.getLogger("engine")
@@ -377,8 +379,6 @@ class ModelRunner:
                 self.routes.append(StaticEmbeddingRoute(route, self.device, self._to_host))
                 continue
             if route.input_module == "static_embedding":
-                from pooling_pipeline.core.static_runner import StaticEmbeddingRunner
-
                 self.routes.append(StaticEmbeddingRunner(route, self.device))
                 continue
             runner = ModelRunner(route, device, dtype, shared_model=loaded.get(route.path), **backend)
@@ -531,23 +531,6 @@ def kept_tokens(spec: ModelSpec, skip_ids: np.ndarray | None, ids: np.ndarray, r
     return keep
 
 
-def option_groups(batch: Requests, normalize: np.ndarray) -> list[tuple[tuple[str, int | None, bool | None], np.ndarray]]:
-    """The batch's rows grouped by what finishes their vectors: (task, dimensions, normalize -- None
-    where the request leaves it to the model), each with its rows (ascending). One group, without a
-    loop over rows, in the usual case."""
-    combo = np.stack([batch.task, batch.dimensions, normalize], axis=1)
-
-    def key(row: np.ndarray) -> tuple[str, int | None, bool | None]:
-        task, dimensions, norm = (int(v) for v in row)
-        return TASKS[task], None if dimensions < 0 else dimensions, None if norm < 0 else bool(norm)
-
-    if not len(combo) or (combo == combo[0]).all():
-        return [(key(combo[0]), np.arange(len(combo)))] if len(combo) else []
-    unique, inverse = np.unique(combo, axis=0, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    return [(key(row), np.flatnonzero(inverse == g)) for g, row in enumerate(unique)]
-
-
 def sparse_outputs(weights: torch.Tensor, max_active_dims: int | None):
     """[B, V] weights -> the tensors to copy back and the finish giving (token ids, weights) per row."""
     k = max_active_dims
@@ -602,15 +585,3 @@ class StaticEmbeddingRoute:
         if end is not None:
             end.record()
         return PendingStep(int(batch.lengths.sum()), host, finish, started, begin, end)
-
-
-
-class PendingStep:
-    """A launched step: the host copies of its results (filled when the device is done), what
-    turns them into per-request results, and (on CUDA) events timing it on the device."""
-
-    __slots__ = ("padded", "host", "finish", "started", "begin", "end")
-
-    def __init__(self, padded: int, host: list, finish, started: float, begin, end) -> None:
-        self.padded, self.host, self.finish = padded, host, finish
-        self.started, self.begin, self.end = started, begin, end

@@ -11,12 +11,13 @@ import time
 import numpy as np
 import torch
 
-from pooling_pipeline.core.columns import Requests, probe_batch
+from pooling_pipeline.core.columns import Requests, option_groups, probe_batch
 from pooling_pipeline.core.config import ModelSpec
 from pooling_pipeline.core.model_folder.static_embedding import load_static_weights
 from pooling_pipeline.core.options import TASKS
 from pooling_pipeline.core.pooling import SentenceHead
 from pooling_pipeline.core.step_cost import probe_step_cost
+from pooling_pipeline.core.step_runner import PendingStep
 from pooling_pipeline.core.vectors import finish_sentence_embeddings
 
 
@@ -46,8 +47,6 @@ class StaticEmbeddingRunner:
 
     @torch.inference_mode()
     def launch(self, batch: Requests):
-        from pooling_pipeline.core.model_runner import PendingStep, option_groups
-
         started = time.perf_counter()
         tasks = {TASKS[int(code)] for code in np.unique(batch.task)}
         if tasks - {"embed"}:

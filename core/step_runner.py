@@ -30,3 +30,14 @@ class StepRunner(Protocol):
 
     def run(self, batch: Requests) -> tuple[list | np.ndarray, int]:
         """launch + finish (an isolated retry of one request): (results, padded tokens)."""
+
+
+class PendingStep:
+    """A launched step: the host copies of its results (filled when the device is done), what
+    turns them into per-request results, and (on CUDA) events timing it on the device."""
+
+    __slots__ = ("padded", "host", "finish", "started", "begin", "end")
+
+    def __init__(self, padded: int, host: list, finish, started: float, begin, end) -> None:
+        self.padded, self.host, self.finish = padded, host, finish
+        self.started, self.begin, self.end = started, begin, end
