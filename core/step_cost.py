@@ -20,6 +20,9 @@ followed (a and b together), `overhead_tokens` is left as it is.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import time
 from collections.abc import Callable
 
@@ -154,10 +157,6 @@ def remembered_probe(identity: dict, probe: Callable[[], tuple[float, float]], r
     that no longer fits costs a few badly shaped batches at worst, never a wrong result. ->
     (overhead_s, per_token_s, "remembered" | "measured"). The memory is best effort: a folder that
     cannot be read or written means the probe runs."""
-    import hashlib
-    import json
-    import os
-
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:32]
     path = os.path.join(root, "step_cost", f"{digest}.json")
     try:

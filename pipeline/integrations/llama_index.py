@@ -19,8 +19,6 @@ here, when this is called (the `integrations` extra).
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 MAX_EMBED_BATCH_SIZE = 2048  # BaseEmbedding's own upper bound on embed_batch_size
@@ -31,12 +29,10 @@ def llama_index_embedding(encoder, *, normalize: bool = True, query_instruction:
                           model_name: str | None = None):
     """A `BaseEmbedding` that embeds with `encoder` (a SentenceEncoder, which stays its caller's to close)."""
     from llama_index.core.base.embeddings.base import BaseEmbedding
-    from pydantic import PrivateAttr
 
     class PipelineEmbedding(BaseEmbedding):
-        """Embeds queries and texts with a pooling-pipeline SentenceEncoder."""
-
-        _encoder: Any = PrivateAttr()
+        """Embeds queries and texts with a pooling-pipeline SentenceEncoder (held by the closure:
+        LlamaIndex's pydantic model copies and serialises its fields, never this)."""
 
         @classmethod
         def class_name(cls) -> str:
@@ -81,6 +77,4 @@ def llama_index_embedding(encoder, *, normalize: bool = True, query_instruction:
             return vectors.tolist()
 
     name = model_name or encoder.model_card_data.model_id or encoder.model_card_data.model_name or "unknown"
-    embedding = PipelineEmbedding(model_name=name, embed_batch_size=embed_batch_size)
-    embedding._encoder = encoder
-    return embedding
+    return PipelineEmbedding(model_name=name, embed_batch_size=embed_batch_size)
