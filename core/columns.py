@@ -32,14 +32,18 @@ def _option_code(value: bool | int | None) -> int:
 class Requests:
     """Requests in columns: `calls`, an object array of call ids (one per request); `cols`, the
     [n, len(TABLE_COLUMNS)] int64 matrix (each column also as an attribute: `lengths`, `indices`, ...);
-    `token_ids`, the requests' ids back to back (int32); `starts`, where each request's begin."""
+    `token_ids`, the requests' ids back to back (int32); `starts`, where each request's begin;
+    `pixels`, a dual encoder's images: uint8 [n, C, H, W], row i's pixels where row i is an image
+    (`modality` 1; other rows' are zeros), None when no row is one."""
 
-    __slots__ = ("calls", "cols", "token_ids", "starts")
+    __slots__ = ("calls", "cols", "token_ids", "starts", "pixels")
 
-    def __init__(self, calls: np.ndarray, cols: np.ndarray, token_ids: np.ndarray) -> None:
+    def __init__(self, calls: np.ndarray, cols: np.ndarray, token_ids: np.ndarray,
+                 pixels: np.ndarray | None = None) -> None:
         self.calls = calls
         self.cols = cols
         self.token_ids = token_ids
+        self.pixels = pixels
         lengths = cols[:, COL["lengths"]]
         self.starts = np.cumsum(lengths) - lengths
 
@@ -61,7 +65,7 @@ class Requests:
                 cols[:, COL[name]] = values
         calls = np.empty(n, dtype=object)
         calls[:] = msg.call
-        return cls(calls, cols, msg.token_ids)
+        return cls(calls, cols, msg.token_ids, msg.pixels)
 
     def __len__(self) -> int:
         return len(self.cols)
@@ -75,7 +79,8 @@ class Requests:
         rows = np.asarray(rows, dtype=np.int64)
         cols = self.cols.take(rows, axis=0)
         return Requests(self.calls.take(rows), cols,
-                        self.token_ids.take(ragged_positions(self.starts.take(rows), cols[:, COL["lengths"]])))
+                        self.token_ids.take(ragged_positions(self.starts.take(rows), cols[:, COL["lengths"]])),
+                        None if self.pixels is None else self.pixels.take(rows, axis=0))
 
     def keys(self) -> list:
         """Each request's identity within its call: its index, or (index, chunk) for a chunk of a
@@ -121,6 +126,7 @@ class RequestTable:
         self.top = 0
         self.arena = np.zeros(max(1 << 16, 64 * capacity), np.int32)
         self.head = 0
+        self.pixels: np.ndarray | None = None  # a slot's image, once a message of images came (zeros: untouched pages)
         self._grow(max(1, capacity))
 
     def _grow(self, capacity: int) -> None:
@@ -128,6 +134,8 @@ class RequestTable:
         self.calls = np.concatenate([self.calls, np.empty(extra, dtype=object)])
         self.cols = np.concatenate([self.cols, np.zeros((extra, len(TABLE_COLUMNS)), np.int64)])
         self.offsets = np.concatenate([self.offsets, np.zeros(extra, np.int64)])
+        if self.pixels is not None:
+            self.pixels = np.concatenate([self.pixels, np.zeros((extra, *self.pixels.shape[1:]), np.uint8)])
         stack = np.concatenate([np.arange(capacity - 1, old - 1, -1), self.free[:self.top]])
         self.free = np.zeros(capacity, np.int64)
         self.free[:len(stack)] = stack
@@ -150,14 +158,21 @@ class RequestTable:
         self.head += total
         self.calls[slots] = requests.calls
         self.cols[slots] = requests.cols
+        if requests.pixels is not None:
+            if self.pixels is None or self.pixels.shape[1:] != requests.pixels.shape[1:]:
+                # (the engine refused images of any other shape than the model's before they got here)
+                self.pixels = np.zeros((self.capacity, *requests.pixels.shape[1:]), np.uint8)
+            self.pixels[slots] = requests.pixels
         return slots
 
     def take(self, slots: np.ndarray) -> Requests:
         """The requests at these slots (an int64 array), in that order, as a Requests; their slots are freed."""
         # (ndarray.take: a gather 2-4x faster than fancy indexing)
         cols = self.cols.take(slots, axis=0)
+        images = self.pixels is not None and bool(cols[:, COL["modality"]].any())
         requests = Requests(self.calls.take(slots), cols,
-                            self.arena.take(ragged_positions(self.offsets.take(slots), cols[:, COL["lengths"]])))
+                            self.arena.take(ragged_positions(self.offsets.take(slots), cols[:, COL["lengths"]])),
+                            self.pixels.take(slots, axis=0) if images else None)
         self.release(slots)
         return requests
 
@@ -204,7 +219,7 @@ def invalid_rows(requests: Requests, model, runs_task: np.ndarray, sent: Abstrac
             and not (ids.size and int(ids.view(np.uint32).max()) >= model.vocab_size)
             and runs_task.take(task + 2).all() and int(dims.min()) >= -1 and not (dims == 0).any()
             and sent is not None and not sent & {"token_type_start", "pool_start", "chunk", "num_chunks", "route",
-                                                 "expansion_start"}):
+                                                 "expansion_start", "modality"}):
         return []
     chunk, num_chunks, route = requests.chunk, requests.num_chunks, requests.route
     expansion_start = requests.expansion_start
@@ -223,6 +238,7 @@ def invalid_rows(requests: Requests, model, runs_task: np.ndarray, sent: Abstrac
          lambda row: f"expansion_start {expansion_start[row]} is not a token of the row's {lengths[row]}"),
         ((lengths < 1) | (lengths > model.max_model_len),
          lambda row: f"engine input has {lengths[row]} tokens; the model takes 1 to {model.max_model_len}"),
+        *_image_rules(requests, model),
     ]
     if ids.size and int(ids.view(np.uint32).max()) >= model.vocab_size:  # read as unsigned, a negative id is huge
         rows = np.flatnonzero(lengths > 0)
@@ -240,6 +256,23 @@ def invalid_rows(requests: Requests, model, runs_task: np.ndarray, sent: Abstrac
         why = next(why for mask, why in rules if mask[row])
         out.append((row, why(row)))
     return out
+
+
+def _image_rules(requests: Requests, model) -> list:
+    """The rules of image rows (`modality` 1): a model with an image tower, pixels of its shape, and
+    as many placeholder ids as its vision sequence."""
+    modality = requests.modality
+    if not modality.any():
+        return []
+    image = model.image
+    if image is None:
+        return [(modality != 0, lambda row: "an image input, but the model takes no images")]
+    shape = (image.channels, image.height, image.width)
+    wrong_pixels = requests.pixels is None or requests.pixels.shape[1:] != shape
+    return [((modality < 0) | (modality > 1), lambda row: f"modality {modality[row]} is not 0 (text) or 1 (image)"),
+            ((modality == 1) & wrong_pixels, lambda row: f"an image's pixels must have the shape {shape}"),
+            ((modality == 1) & (requests.lengths != image.tokens),
+             lambda row: f"an image row must count the model's {image.tokens} vision tokens")]
 
 
 def probe_batch(num_rows: int, num_tokens: int, token: int, task: str) -> Requests:

@@ -98,6 +98,26 @@ class MultiVectorSpec(msgspec.Struct, kw_only=True):
     length_normalize: bool = False  # similarity "meanmaxsim": MaxSim divided by the query's vectors
 
 
+class ImageSpec(msgspec.Struct, kw_only=True):
+    """The image tower of a dual encoder (CLIP, SigLIP): what its image processor makes of an
+    image (the render worker runs the processor's own resize and crop, which end in uint8 pixels of
+    one fixed shape) and the last two steps the engine does itself on the device: rescale and
+    normalize, as the processor would (equal to its float output within 1e-6)."""
+
+    processor_class: str  # the image processor transformers picks here (a PIL-backend class)
+    channels: int
+    height: int
+    width: int
+    do_rescale: bool
+    rescale_factor: float
+    do_normalize: bool
+    mean: list[float]
+    std: list[float]
+    # The vision transformer's sequence per image (patches, plus a class token where it has one):
+    # an image request counts this many tokens in the engine's step budget.
+    tokens: int
+
+
 class ModelSpec(msgspec.Struct, kw_only=True):
     path: str  # the transformer's directory (config, weights, tokenizer)
     model_type: str
@@ -145,7 +165,10 @@ class ModelSpec(msgspec.Struct, kw_only=True):
     # What a route starts with: a transformer, or ST's SparseStaticEmbedding (a weight per token
     # id of the text, tokenized without special tokens; `path` holds its tokenizer and weights).
     # ST's StaticEmbedding (model2vec): the mean of the text's token vectors, no transformer.
-    input_module: Literal["transformer", "sparse_static_embedding", "static_embedding"] = "transformer"
+    # A dual encoder (CLIP, SigLIP): texts through its text tower, images through its image tower
+    # (`image`), each ending in the shared embedding space, as ST 6's Transformer runs them.
+    input_module: Literal["transformer", "sparse_static_embedding", "static_embedding", "dual_encoder"] = "transformer"
+    image: ImageSpec | None = None
     add_special_tokens: bool = True
     static_truncate_left: bool = False  # a StaticEmbedding's tokenizer.json truncates from the left
     multi_vector: MultiVectorSpec | None = None  # ST's MultiVectorEncoder (ColBERT, PyLate layouts)

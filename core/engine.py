@@ -171,6 +171,12 @@ class EngineCore:
             from pooling_pipeline.core.static_runner import StaticEmbeddingRunner
 
             self.runner = StaticEmbeddingRunner(cfg.model, resolve_device(cfg.device))
+        elif cfg.model.input_module == "dual_encoder":  # CLIP, SigLIP: a text and an image tower
+            from pooling_pipeline.core.dual_encoder_runner import DualEncoderRunner
+            from pooling_pipeline.core.model_runner import resolve_device, resolve_dtype
+
+            device = resolve_device(cfg.device)
+            self.runner = DualEncoderRunner(cfg.model, device, resolve_dtype(cfg.dtype, device, "float32"))
         else:
             self.runner = ModelRunner(cfg.model, cfg.device, cfg.dtype, backend=cfg.backend,
                                       threads=cfg.torch_threads, quantize=cfg.quantize)

@@ -87,11 +87,34 @@ RenderOptions = msgspec.defstruct(
     all its requests), or one request's own (`RenderParams`)."""})
 
 
+class ImageData(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True, gc=False):
+    """An image as the frontend hands it to a render worker, which opens, decodes and resizes it.
+    Exactly one source is set: a file `path`, a `data:image/...;base64,` `uri`, an image file's
+    `encoded` bytes -- these three opened as transformers' `load_image` opens them (EXIF orientation
+    applied, converted to RGB) -- or an in-memory image's `pixels` (a flat uint8 array in their own
+    frame): a PIL image's raw bytes in its `mode` and `size` (with its palette and transparency), or
+    a numpy array's values (`mode` None, `shape` and the array's dtype), which the image processor
+    takes as ST hands them to it."""
+
+    path: str | None = None
+    uri: str | None = None
+    encoded: bytes | None = None
+    pixels: np.ndarray | None = None
+    mode: str | None = None  # a PIL image's mode
+    dtype: str | None = None  # a numpy array's dtype (numpy's `dtype.str`)
+    shape: list[int] = []  # a PIL image's (width, height), or a numpy array's shape
+    palette: bytes | None = None  # a "P" / "PA" image's palette, in `palette_mode`
+    palette_mode: str | None = None
+    transparency: int | bytes | list[int] | None = None  # a PIL image's info["transparency"]
+    nbytes: int = 0  # the size of what it holds (a file's size), for the frontend's in-flight budget
+
+
 class RenderParams(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True, gc=False):
     """One request's raw input with its own options, before tokenization (the general path of a
-    RenderBatch: per-request options, conversations, plugin data). Exactly one input form is set:
-    `prompt` (with `pair` for a cross-encoder's document), `token_ids` (used verbatim),
-    `conversation` (rendered with the chat template) or `raw` (the io_processor plugin's `render`)."""
+    RenderBatch: per-request options, conversations, plugin data, images). Exactly one input form
+    is set: `prompt` (with `pair` for a cross-encoder's document), `token_ids` (used verbatim),
+    `conversation` (rendered with the chat template), `raw` (the io_processor plugin's `render`)
+    or `image` (a dual encoder's image)."""
 
     options: RenderOptions
     prompt: str | None = None
@@ -99,9 +122,12 @@ class RenderParams(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=
     token_ids: np.ndarray | None = None  # int32
     conversation: list[dict[str, str]] | None = None
     raw: Any = None
+    image: ImageData | None = None
 
     def size(self) -> int:
-        """Roughly the characters (or token ids) it holds."""
+        """Roughly the characters (or token ids, or an image's bytes) it holds."""
+        if self.image is not None:
+            return max(self.image.nbytes, 1)
         size = len(self.prompt or "") + len(self.pair or "")
         if self.token_ids is not None:
             size += self.token_ids.size
@@ -202,6 +228,10 @@ class EngineInputBatch(msgspec.Struct, kw_only=True, tag=True, array_like=True, 
     params: list[PoolingParams]
     columns: dict[str, np.ndarray] = {}  # schema.REQUEST_COLUMNS name -> int64 [n], when not all default
     render_s: float = 0.0  # the worker's rendering time since its previous message (for stats)
+    # A message of images (a dual encoder's): uint8 [n, channels, height, width], row i's pixels,
+    # resized and cropped by the image processor; every row has `modality` 1, and its token ids are
+    # placeholders (zeros) counting its vision sequence, which the step's token budget weighs.
+    pixels: np.ndarray | None = None
 
     def check(self) -> list[int]:
         """The lengths; ValueError when the columns do not fit together (a malformed message)."""
@@ -210,6 +240,15 @@ class EngineInputBatch(msgspec.Struct, kw_only=True, tag=True, array_like=True, 
         n = len(self.indices)
         int_column(self.indices, n, "indices", optional=False)
         sizes = packed_lengths(self.token_ids, self.lengths, n)
+        modality = self.columns.get("modality")
+        if self.pixels is not None:
+            if self.pixels.dtype != np.uint8 or self.pixels.ndim != 4 or self.pixels.shape[0] != n:
+                raise ValueError(f"pixels must be uint8 of shape ({n}, channels, height, width), got "
+                                 f"{self.pixels.dtype} {self.pixels.shape}")
+            if n and (modality is None or int(modality.min()) != 1 or int(modality.max()) != 1):
+                raise ValueError("a message with pixels must be images only (modality 1)")
+        elif modality is not None and n and int(modality.max()) != 0:
+            raise ValueError("image rows (modality 1) need their pixels")
         if not self.tasks or len(self.tasks) != len(self.params):
             raise ValueError("tasks and params must be pairs, at least one")
         for name, values in self.columns.items():

@@ -34,6 +34,8 @@ REQUEST_COLUMNS: tuple[Column, ...] = (
     Column("pool_start", 0, "tokens at the start that pooling leaves out: the prompt's (ST's prompt_length)"),
     Column("chunk", -1, "chunk mode: the chunk's number in its document; -1: a whole request"),
     Column("num_chunks", 0, "chunk mode: how many chunks its document has"),
+    Column("modality", 0, "0: text (token ids); 1: an image (a dual encoder's: its pixels travel in the message, "
+           "its token ids are placeholders that count its vision sequence for the step's budget)"),
     Column("expansion_start", -1, "query expansion (ColBERT): the first of the row's appended expansion tokens, "
            "which the encoder does not attend to (ST's attend=False); -1: none"),
     *(Column(o.name, o.column, o.doc) for o in COLUMN_OPTIONS),

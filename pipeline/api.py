@@ -29,6 +29,7 @@ from pooling_pipeline.backends import (
     describe_backend,
     describe_checkpoint_precision,
     describe_faster_precision,
+    dual_encoder_backend,
     engine_backend,
     static_backend,
 )
@@ -168,7 +169,10 @@ class Pipeline:
             from pooling_pipeline.workers.render import load_plugin
 
             self._plugin = load_plugin(opts.io_processor)  # in the caller too, for post_process (errors early)
-        backend = engine_backend(opts.backend, opts.quantize, device, DTYPE_ALIASES[opts.dtype])
+        if spec.input_module == "dual_encoder":
+            backend = dual_encoder_backend(opts.backend, opts.quantize)
+        else:
+            backend = engine_backend(opts.backend, opts.quantize, device, DTYPE_ALIASES[opts.dtype])
         if spec.input_module == "static_embedding":
             backend = static_backend(opts.backend, opts.quantize, DTYPE_ALIASES[opts.dtype])
         self.cpu_plan = plan_cpu(opts.num_render_workers, devices[0] if engines > 1 else device,

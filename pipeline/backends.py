@@ -50,6 +50,16 @@ def static_backend(backend: str, quantize: str | None, dtype: str) -> str:
     return "torch"
 
 
+def dual_encoder_backend(backend: str, quantize: str | None) -> str:
+    """A dual encoder (CLIP, SigLIP) runs on torch, in the dtype asked (float32 on a CPU by
+    default); the OpenVINO conversion and int8 quantization cover text transformers only, so asking
+    for them is refused, not ignored."""
+    if backend == "openvino" or quantize is not None:
+        raise ValueError("a dual encoder (CLIP, SigLIP) runs on torch: backend='openvino' and quantize are not "
+                         f"supported for it (got backend={backend!r}, quantize={quantize!r})")
+    return "torch"
+
+
 def openvino_cpu_has_bfloat16() -> bool:
     """Whether OpenVINO's CPU plugin computes in bfloat16 here (else it would silently run float32)."""
     import openvino

@@ -18,6 +18,7 @@ import numpy as np
 from pooling_pipeline.core.config import ModelSpec
 from pooling_pipeline.core.messages import PoolingParams, RenderBatch, RenderOptions, RenderParams
 from pooling_pipeline.core.schema import ids_out_of_range
+from pooling_pipeline.image_inputs import image_input, is_image_string, is_pil_image, prompt_size
 from pooling_pipeline.options import CallOptions  # (declared there, with every option's default)
 from pooling_pipeline.request_options import (
     RequestValues,
@@ -143,9 +144,15 @@ class RequestSource:
         (a generator is read one at a time, never ahead); and whether the input is exhausted."""
         prompts: list = []
         chars = 0
+        images = self.spec.image is not None
         for prompt in itertools.islice(self.prompts, limit):
             prompts.append(prompt)
             kind = type(prompt)
+            if images and kind is not str:
+                chars += prompt_size(prompt)
+                if chars >= max_chars:
+                    return prompts, False
+                continue
             # (an ndarray's size: a 0-d array has no len(), and is refused by its own check later)
             chars += prompt.size if kind is np.ndarray else len(prompt) if kind in _SIZED else 1
             if chars >= max_chars:
@@ -159,6 +166,8 @@ class RequestSource:
         kinds = set(map(type, prompts))
         indices = np.arange(first, first + len(prompts), dtype=np.int64)
         if kinds == {str}:
+            if self.spec.image is not None and any(map(is_image_string, prompts)):
+                return None  # images among the texts (each is checked alone)
             joined = "".join(prompts)
             if not joined.isascii() and not _valid_unicode(joined):
                 return None
@@ -228,7 +237,7 @@ class RequestSource:
         if text_prefix is not None and opts.long_inputs == "chunk" and "prompt" in fields:
             raise ValueError(f"request {index}: a prompt with long_inputs='chunk' is not supported "
                              "(a long document's chunks would not all carry it)")
-        if self.shared is not None and "raw" not in fields and "conversation" not in fields:
+        if self.shared is not None and fields.keys().isdisjoint(("raw", "conversation", "image")):
             if "pair" in fields:
                 return PAIR, (fields["prompt"], fields["pair"])
             return (TEXT, fields["prompt"]) if "prompt" in fields else (IDS, fields["token_ids"])
@@ -357,10 +366,10 @@ def is_conversation(prompt: object) -> bool:
 
 def is_single_prompt(prompts: object) -> bool:
     """A str, a dict, a 1-D integer array, a flat list of ints or one conversation is one prompt."""
-    if isinstance(prompts, (str, dict)):
+    if isinstance(prompts, (str, dict)) or is_pil_image(prompts):
         return True
     if isinstance(prompts, np.ndarray):
-        return prompts.ndim == 1
+        return prompts.ndim in (1, 3)  # token ids, or an image (H, W, C)
     if isinstance(prompts, (list, tuple)) and prompts:
         if is_conversation(prompts):
             return True
@@ -428,6 +437,14 @@ def resolve_max_tokens(spec: ModelSpec, opts: CallOptions, num_special_tokens: i
 
 
 def parse_prompt(prompt: object, index: int, spec: ModelSpec) -> dict[str, Any]:
+    if spec.image is not None:  # a dual encoder: images first, as ST decides a modality
+        image = image_input(prompt, index)
+        if image is not None:
+            return {"image": image}
+        if isinstance(prompt, dict) and set(prompt) == {"text"}:
+            prompt = {"prompt": prompt["text"]}  # ST's {"text": ...}
+    elif isinstance(prompt, dict) and set(prompt) == {"image"}:
+        raise ValueError(f"request {index}: an image input, but model {spec.path!r} takes text only")
     if isinstance(prompt, str):
         return {"prompt": check_text(prompt, index)}
     if isinstance(prompt, dict):

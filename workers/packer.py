@@ -30,6 +30,7 @@ class EngineInputPacker:
         self.tasks: list[str] = []
         self.params: list[PoolingParams] = []
         self.columns: dict[str, list[int]] = {}  # only the columns some row set to a non-default value
+        self.pixels: dict[int, np.ndarray] = {}  # image rows (a dual encoder's): row -> uint8 [C, H, W]
         self._options_seen: tuple = (None, None)  # the RenderOptions (and params) `_from_options` saw last ...
         self._options_values: dict[str, int] = {}  # ... and their columns' values
 
@@ -73,6 +74,12 @@ class EngineInputPacker:
         self.indices.extend(indices)
         self.ids.extend(ids)
 
+    def add_image(self, index: int, pixels: np.ndarray, tokens: int, options: RenderOptions) -> None:
+        """An image row: its pixels, and `tokens` placeholder ids (its vision sequence's length, what
+        the engine's step budget weighs). Images travel in messages of their own (`messages`)."""
+        self.pixels[len(self.indices)] = pixels
+        self.add(index, np.zeros(tokens, np.int64), options, modality=1)
+
     def _from_options(self, options: RenderOptions, params: PoolingParams | None) -> dict[str, int]:
         """The columns a row takes from its RenderOptions: its (task, params) entry and every
         per-request option's value (worked out once for a batch's shared options)."""
@@ -88,9 +95,8 @@ class EngineInputPacker:
         """EngineInputBatch of at most `max_items` rows each, and the rows refused (no tokens, or
         ids the model cannot take): one check per message, row by row only when it fails."""
         out, failed = [], []
-        for start in range(0, len(self.indices), max_items):
-            rows: range | list[int] = range(start, min(start + max_items, len(self.indices)))
-            ids = self.ids[start:rows.stop]
+        for rows in self._groups(max_items):
+            ids = self.ids[rows.start:rows.stop] if isinstance(rows, range) else [self.ids[i] for i in rows]
             lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
             flat = _flat_ids(ids, int(lengths.sum()))
             if len(ids) and (int(lengths.min()) < 1 or ids_out_of_range(flat, vocab_size)):
@@ -105,9 +111,18 @@ class EngineInputPacker:
                 token_ids=flat.astype(np.int32), tasks=self.tasks, params=self.params,
                 columns={name: _pick(column, rows) for name, column in self.columns.items()
                          if _differs(column, rows, DEFAULTS[name])},
-                render_s=render_s))
+                render_s=render_s, pixels=np.stack([self.pixels[i] for i in rows]) if rows[0] in self.pixels else None))
             render_s = 0.0
         return out, failed
+
+    def _groups(self, max_items: int) -> list[range | list[int]]:
+        """The rows of each message, at most `max_items`: consecutive rows; images apart from texts."""
+        n = len(self.indices)
+        if not self.pixels:
+            return [range(start, min(start + max_items, n)) for start in range(0, n, max_items)]
+        texts = [row for row in range(n) if row not in self.pixels]
+        images = sorted(self.pixels)
+        return [part[start:start + max_items] for part in (texts, images) for start in range(0, len(part), max_items)]
 
     def _refused(self, row: int, vocab_size: int, failed: list[tuple[int, str]]) -> bool:
         ids = np.asarray(self.ids[row])

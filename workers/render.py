@@ -32,7 +32,8 @@ def load_hf_tokenizer(spec: ModelSpec):
     """
     if spec.input_module == "static_embedding":
         return static_tokenizer(spec)
-    with unused_imports_hidden(unless=spec.trust_remote_code):  # remote tokenizer code may import anything
+    # (remote tokenizer code may import anything; a dual encoder's image processor needs PIL)
+    with unused_imports_hidden(unless=spec.trust_remote_code, keep=("PIL",) if spec.image is not None else ()):
         from transformers import AutoTokenizer
 
         hf = AutoTokenizer.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
@@ -64,7 +65,7 @@ HIDDEN_WHILE_LOADING = ("torch", "trio", "PIL")
 
 
 @contextlib.contextmanager
-def unused_imports_hidden(unless: bool = False):
+def unused_imports_hidden(unless: bool = False, keep: tuple[str, ...] = ()):
     """While transformers is first imported, torch (and HIDDEN_WHILE_LOADING's others) are made
     unimportable (a None entry in sys.modules, as Python documents): transformers then behaves as
     in a tokenizers-only install, with the same tokenizer classes and configuration. Only where
@@ -74,7 +75,7 @@ def unused_imports_hidden(unless: bool = False):
     if unless or "torch" in sys.modules or "transformers" in sys.modules:
         yield
         return
-    hidden = [name for name in HIDDEN_WHILE_LOADING if name not in sys.modules]
+    hidden = [name for name in HIDDEN_WHILE_LOADING if name not in sys.modules and name not in keep]
     for name in hidden:
         sys.modules[name] = None
     quiet = NotFoundNotice()  # its "PyTorch was not found" advice is expected here, once per worker
@@ -158,6 +159,11 @@ class Renderer:
         # Chunk mode: raw chunk vectors of the full width (the frontend pools them, then finishes the
         # document's vector as the call asked, a saved truncate_dim included).
         self.chunk_params = PoolingParams(normalize=False, dimensions=spec.embedding_size if spec.truncate_dim else None)
+        self.images = None
+        if spec.image is not None:  # a dual encoder: its images are opened and resized here too
+            from pooling_pipeline.workers.images import ImageRenderer
+
+            self.images = ImageRenderer(spec)
 
     def render(self, batch: RenderBatch) -> tuple[EngineInputPacker, list[tuple[int, str]]]:
         """The batch's engine inputs in columns, and the requests that failed with why."""
@@ -337,6 +343,9 @@ class Renderer:
                      failed: list[tuple[int, str]]) -> None:
         """The general path: one request with its own options and input form."""
         opts = item.options
+        if item.image is not None:
+            self._render_image(rows, index, item, failed)
+            return
         try:
             if opts.max_tokens < self.tokenizer.num_special_tokens:
                 raise ValueError(f"cannot keep {opts.max_tokens} tokens: the model adds "
@@ -353,6 +362,18 @@ class Renderer:
             failed.append((index, f"{type(e).__name__}: {e}"))
             return
         rows.add(index, ids, opts, token_type_start=-1 if type_start is None else type_start, pool_start=pool_start)
+
+    def _render_image(self, rows: EngineInputPacker, index: int, item: RenderParams,
+                      failed: list[tuple[int, str]]) -> None:
+        if self.images is None:
+            failed.append((index, f"ValueError: model {self.spec.path!r} takes no images"))
+            return
+        try:
+            pixels = self.images.pixels(item.image)
+        except Exception as e:  # a bad image is this request's error, never a crash
+            failed.append((index, f"ValueError: {e}" if type(e).__name__ == "ImageError" else f"{type(e).__name__}: {e}"))
+            return
+        rows.add_image(index, pixels, self.spec.image.tokens, item.options)
 
     def _render_one(self, item: RenderParams, prompt: str | None, chat_template: str | None):
         opts = item.options

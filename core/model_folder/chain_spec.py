@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pooling_pipeline.core.config import ENCODER_ONLY_CLASSES, ModelSpec, PoolingSpec
+from pooling_pipeline.core.model_folder.dual_encoder import dual_encoder_spec
 from pooling_pipeline.core.model_folder.multi_vector import with_multi_vector
 from pooling_pipeline.core.model_folder.st_files import dense_chain_width
 from pooling_pipeline.core.model_folder.st_layout import STLayout
@@ -28,6 +29,8 @@ def spec_of_layout(root: Path, st: STLayout, trust_remote_code: bool) -> ModelSp
     """The spec of one chain of modules: a Transformer (or a StaticEmbedding) and what runs after it."""
     if st.static_dir is not None:
         return _static_spec(st)
+    if st.dual_encoder:
+        return dual_encoder_spec(st)
     path = st.transformer_dir
     config = transformer_config(path)
     model_type = str(config.get("model_type", ""))

@@ -33,3 +33,4 @@ class STLayout:
     chat_pairs: ChatPairSpec | None = None  # a text-generation Transformer with a "message" modality
     multi_vector: MultiVectorSpec | None = None  # a MultiVectorEncoder (ColBERT): see multi_vector_config
     static_dir: Path | None = None  # the first module is a StaticEmbedding (model2vec): its folder
+    dual_encoder: bool = False  # the Transformer is a dual encoder (CLIP, SigLIP): texts and images

@@ -65,9 +65,13 @@ def _read_first_module(layout: STLayout, module: Module, modules_path: Path) -> 
         layout.static_dir = module.where
         layout.pooling_module = True  # its output is the sentence embedding already
         return
+    if module.kind == "CLIPModel":  # the legacy module of older clip-ViT-* saves
+        layout.transformer_dir = module.where
+        read_transformer_config(layout, module.where, legacy_clip=True)
+        return
     if module.kind not in _TRANSFORMER_TYPES:
-        raise ValueError(f"{modules_path}: the first module is {module.saved_type!r}; only a Transformer or "
-                         "StaticEmbedding first module is supported")
+        raise ValueError(f"{modules_path}: the first module is {module.saved_type!r}; only a Transformer, "
+                         "CLIPModel or StaticEmbedding first module is supported")
     layout.transformer_dir = module.where
     if module.kind == "MLMTransformer":
         layout.task = "fill-mask"
@@ -82,9 +86,9 @@ def _read_later_module(layout: STLayout, module: Module, modules_path: Path, tru
     if layout.multi_vector is not None:
         read_multi_vector_module(layout.multi_vector, module, modules_path, trust_remote_code)
         return
-    if kind in ("Pooling", "SpladePooling") and layout.static_dir is not None:
-        raise ValueError(f"{modules_path}: a {kind} module after StaticEmbedding is not supported (its output is "
-                         "a sentence embedding already)")
+    if kind in ("Pooling", "SpladePooling") and (layout.static_dir is not None or layout.dual_encoder):
+        raise ValueError(f"{modules_path}: a {kind} module after a StaticEmbedding or a dual encoder is not "
+                         "supported (its output is a sentence embedding already)")
     if kind == "Pooling":
         if layout.pooling_module:
             raise ValueError(f"{modules_path}: more than one Pooling module")

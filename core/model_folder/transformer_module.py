@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pooling_pipeline.core.config import ChatPairSpec
+from pooling_pipeline.core.model_folder.dual_encoder import FAMILIES, check_dual_encoder_modalities
 from pooling_pipeline.core.model_folder.multi_vector import read_multi_vector_lengths
 from pooling_pipeline.core.model_folder.st_files import read_json, read_optional_json
 from pooling_pipeline.core.model_folder.st_layout import STLayout
@@ -22,9 +23,11 @@ ST_TRANSFORMER_CONFIGS = ("sentence_bert_config.json", "sentence_roberta_config.
                           "sentence_xlm-roberta_config.json", "sentence_xlnet_config.json")
 
 
-def read_transformer_config(layout: STLayout, where: Path) -> None:
+def read_transformer_config(layout: STLayout, where: Path, legacy_clip: bool = False) -> None:
     """The Transformer module's sentence_bert_config.json: max_seq_length, do_lower_case and the
-    task; a key that would change the output is refused."""
+    task; a key that would change the output is refused. A dual encoder (CLIP, SigLIP) is one
+    whose config names an image modality, a legacy CLIPModel module (`legacy_clip`), or a plain
+    folder of such a family without ST's files: ST derives the same configuration for all three."""
     cfg = next((read_json(where / name) for name in ST_TRANSFORMER_CONFIGS if (where / name).is_file()), {})
     unknown = set(cfg) - _HARMLESS_TRANSFORMER_KEYS
     if unknown:
@@ -36,10 +39,23 @@ def read_transformer_config(layout: STLayout, where: Path) -> None:
     if layout.task == "text-generation":  # an LLM reranker: its own modalities and chat-template kwargs
         _read_causal_lm_config(layout, cfg, where)
         return
+    if legacy_clip or set(cfg.get("modality_config") or {}) - {"text"} or _plain_dual_encoder(cfg, where):
+        if cfg.get("modality_config"):
+            check_dual_encoder_modalities(cfg, where)
+        _check_no_extra_arguments(cfg, where)
+        layout.dual_encoder = True
+        layout.pooling_module = True  # its output is the sentence embedding already
+        return
     _check_text_modality(cfg, where)
     if layout.multi_vector is not None:
         cfg = read_multi_vector_lengths(layout.multi_vector, cfg, where)
     _check_no_extra_arguments(cfg, where)
+
+
+def _plain_dual_encoder(cfg: dict, where: Path) -> bool:
+    """A dual encoder's folder without a saved modality configuration (ST derives one)."""
+    return not cfg.get("modality_config") and \
+        read_optional_json(where / "config.json").get("model_type") in FAMILIES
 
 
 def _transformer_task(cfg: dict, where: Path) -> str | None:

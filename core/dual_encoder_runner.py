@@ -1,0 +1,105 @@
+"""A dual encoder (CLIP, SigLIP) in the engine, as sentence-transformers 6's Transformer module runs
+it: a step's text rows through `get_text_features`, its image rows through `get_image_features`
+(each's `pooler_output`: the projected embedding), then the modules saved after it (Dense,
+LayerNorm, Normalize) and the caller's options, as for any sentence embedding.
+
+Images arrive as the image processor's uint8 pixels after its resize and crop
+(workers/images.py); the last two steps of the processor -- rescale (x * rescale_factor) and
+normalize ((x - mean) / std) -- are done here on the device in float32, which equals the
+processor's own float output within 1e-6 (it computes in float64 on the host).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from pooling_pipeline.core.columns import Requests, option_groups, probe_batch
+from pooling_pipeline.core.config import ModelSpec
+from pooling_pipeline.core.options import TASKS
+from pooling_pipeline.core.pooling import SentenceHead
+from pooling_pipeline.core.step_cost import probe_step_cost
+from pooling_pipeline.core.step_runner import PendingStep
+from pooling_pipeline.core.vectors import finish_sentence_embeddings
+
+
+class DualEncoderRunner:
+    """A StepRunner (core/step_runner.py) for a dual encoder."""
+
+    def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> None:
+        from transformers import AutoModel
+
+        self.spec, self.device, self.dtype = spec, device, dtype
+        self.model = AutoModel.from_pretrained(spec.path, dtype=dtype).to(device).eval()
+        self.sentence_head = SentenceHead(spec.head_modules).to(device).eval() if spec.head_modules else None
+        image = spec.image
+        scale = image.rescale_factor if image.do_rescale else 1.0
+        mean = image.mean if image.do_normalize else [0.0] * image.channels
+        std = image.std if image.do_normalize else [1.0] * image.channels
+        # (x * scale - mean) / std, as the processor computes it, in float32
+        self.scale = torch.tensor(scale, dtype=torch.float32, device=device)
+        self.mean = torch.tensor(mean, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+        self.backend_info: dict = {"backend": "torch", "model": f"dual encoder ({spec.model_type}: text and image towers)"}
+
+    def step_cost(self, max_tokens: int) -> tuple[float, float]:
+        token = min(1000, self.spec.vocab_size - 1)
+        return probe_step_cost(lambda rows, tokens: self.run(probe_batch(rows, tokens, token, "embed")),
+                               max_tokens, self.spec.max_model_len)
+
+    def run(self, batch: Requests) -> tuple[list | np.ndarray, int]:
+        results, padded, _ = self.finish(self.launch(batch))
+        return results, padded
+
+    @torch.inference_mode()
+    def launch(self, batch: Requests) -> PendingStep:
+        started = time.perf_counter()
+        tasks = {TASKS[int(code)] for code in np.unique(batch.task)}
+        if tasks - {"embed", "score"}:
+            raise ValueError(f"a dual encoder gives embeddings only, not {sorted(tasks - {'embed', 'score'})}")
+        images = batch.modality == 1
+        vectors = torch.empty((len(batch), self.spec.hidden_size), dtype=torch.float32, device=self.device)
+        padded = 0
+        if not images.all():
+            rows = np.flatnonzero(~images)
+            texts = batch.select(rows) if len(rows) < len(batch) else batch
+            ids, mask = texts.padded(0)  # (the mask hides the pad id; CLIP's argmax pooling never picks 0)
+            out = self.model.get_text_features(input_ids=torch.from_numpy(ids).to(self.device),
+                                               attention_mask=torch.from_numpy(mask).to(self.device, torch.long))
+            vectors[torch.from_numpy(rows).to(self.device)] = _pooled(out).float()
+            padded += ids.size
+        if images.any():
+            rows = np.flatnonzero(images)
+            pixels = torch.from_numpy(batch.pixels[rows] if len(rows) < len(batch) else batch.pixels).to(self.device)
+            values = (pixels.float() * self.scale - self.mean) / self.std
+            out = self.model.get_image_features(pixel_values=values.to(self.dtype))
+            vectors[torch.from_numpy(rows).to(self.device)] = _pooled(out).float()
+            padded += len(rows) * self.spec.image.tokens
+        if self.sentence_head is not None:
+            vectors = self.sentence_head(vectors)
+        groups = option_groups(batch, batch.normalize)
+        spec = self.spec
+
+        def finish(arrays: list[np.ndarray]) -> list[np.ndarray] | np.ndarray:
+            out: list = [None] * len(batch)
+            for (_, dimensions, normalize), rows in groups:
+                finished = finish_sentence_embeddings(arrays[0][rows] if len(rows) < len(batch) else arrays[0],
+                                                      dimensions, normalize, spec.normalize, spec.truncate_dim)
+                if len(rows) == len(batch):
+                    return finished
+                for i, row in enumerate(rows.tolist()):
+                    out[row] = finished[i]
+            return out
+
+        return PendingStep(padded, [vectors.cpu()], finish, started, None, None)
+
+    def finish(self, step: PendingStep) -> tuple[list, int, float]:
+        results = step.finish([t.numpy() for t in step.host])
+        return results, step.padded, time.perf_counter() - step.started
+
+
+def _pooled(output) -> torch.Tensor:
+    """A get_*_features output's `pooler_output` (transformers 5), or the tensor itself (older)."""
+    return output if isinstance(output, torch.Tensor) else output.pooler_output

@@ -1,0 +1,161 @@
+"""A dual encoder's inputs: which prompts are images, decided as sentence-transformers 6 decides a
+sample's modality, and each image as the `ImageData` a render worker opens.
+
+ST's rule (`sentence_transformers.base.modality.infer_modality`, for a model that takes images): a
+PIL image is an image; a 3-D numpy array or torch tensor is one; a string is one when it is a
+`data:image/` URI, or an existing file (or an http(s) URL) whose name ends in an image extension;
+`{"image": x}` is x. Everything else a text model takes stays text. The pipeline adds
+`{"image": bytes}` (an image file's bytes). A URL is refused (nothing is fetched), and so are what
+ST refuses for these models: chat-style messages and fused {"text", "image"} inputs.
+
+The frontend reads nothing but a file's size (and the raw pixels of an image already in memory):
+opening, decoding and resizing are the render workers' work.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from urllib.parse import urlparse
+
+import numpy as np
+
+from pooling_pipeline.core.messages import ImageData
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".gif", ".bmp", ".tiff", ".webp")
+MODALITY_KEYS = frozenset({"text", "image", "audio", "video"})  # ST's multimodal dict keys
+# What an image that is not in memory counts in the frontend's message and in-flight budgets when
+# its size is unknown (a data URI's share is its length): a message then holds a few images, so a
+# worker sends the first ones to the engine while it decodes the rest.
+MIN_IMAGE_BYTES = 32 << 10
+
+
+def _looks_like_url(text: str) -> bool:
+    return text.startswith(("http://", "https://")) and " " not in text
+
+
+def is_image_string(text: str) -> bool:
+    """ST's `is_image_url_or_path`: a `data:image/` URI, or a URL or existing file with an image
+    extension."""
+    if text.startswith("data:image/"):
+        return True
+    if _looks_like_url(text):
+        try:
+            return urlparse(text).path.lower().endswith(IMAGE_EXTENSIONS)
+        except ValueError:
+            return False
+    return text.lower().endswith(IMAGE_EXTENSIONS) and os.path.isfile(text)
+
+
+def is_pil_image(value: object) -> bool:
+    image_module = sys.modules.get("PIL.Image")  # (no PIL image exists unless PIL was imported)
+    return image_module is not None and isinstance(value, image_module.Image)
+
+
+def _is_tensor(value: object) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def image_input(prompt: object, index: int) -> ImageData | None:
+    """The prompt as an image, None when it is not one (a text, token ids, a pair); ValueError or
+    TypeError naming the request when it is an image input the pipeline cannot take."""
+    if isinstance(prompt, str):
+        return _image_string(prompt, index) if is_image_string(prompt) else None
+    if isinstance(prompt, dict):
+        return _image_dict(prompt, index)
+    if is_pil_image(prompt):
+        return _pil_image(prompt, index)
+    if isinstance(prompt, np.ndarray) or _is_tensor(prompt):
+        return _array_image(prompt, index) if prompt.ndim == 3 else None
+    return None
+
+
+def _image_string(text: str, index: int) -> ImageData:
+    if text.startswith("data:image/"):
+        if "," not in text:
+            raise ValueError(f"request {index}: a data:image/ URI without ',' before its base64 data")
+        return ImageData(uri=text, nbytes=max(len(text), MIN_IMAGE_BYTES))
+    if _looks_like_url(text):
+        raise ValueError(f"request {index}: image URL {text[:200]!r} is not fetched (the pipeline reads local files "
+                         "only): download it and pass its path")
+    try:
+        size = os.path.getsize(text)
+    except OSError as e:
+        raise ValueError(f"request {index}: image file {text!r} cannot be read: {e}") from None
+    return ImageData(path=os.path.abspath(text), nbytes=max(size, MIN_IMAGE_BYTES))
+
+
+def _image_dict(prompt: dict, index: int) -> ImageData | None:
+    keys = set(prompt)
+    if "role" in keys and "content" in keys:
+        raise ValueError(f"request {index}: chat-style message inputs (dicts with 'role' and 'content') are not "
+                         "supported by a dual encoder (it has no chat template; ST refuses them too)")
+    if not keys or keys - MODALITY_KEYS:
+        return None  # not a modality dict: parse_prompt names what is wrong with it
+    if keys == {"text"}:
+        return None  # {"text": ...} is a text (parse_prompt reads it)
+    if keys != {"image"}:
+        raise ValueError(f"request {index}: a dict with {sorted(keys)} fuses modalities in one input, which a dual "
+                         "encoder cannot encode (ST refuses it too): encode each separately")
+    value = prompt["image"]
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        data = bytes(value)
+        if not data:
+            raise ValueError(f"request {index}: the image's bytes are empty")
+        return ImageData(encoded=data, nbytes=max(len(data), MIN_IMAGE_BYTES))
+    if isinstance(value, str):
+        if is_image_string(value) or os.path.isfile(value):
+            return _image_string(value, index)
+        if _looks_like_url(value):
+            return _image_string(value, index)
+        raise ValueError(f"request {index}: image {value[:200]!r} is neither an existing file nor a data:image/ URI")
+    image = image_input(value, index) if not isinstance(value, dict) else None
+    if image is None:
+        raise TypeError(f"request {index}: {{'image': ...}} must hold a path, bytes, a data:image/ URI, a PIL image "
+                        f"or a 3-D array, got {type(value).__name__}")
+    return image
+
+
+def _pil_image(image, index: int) -> ImageData:
+    """An in-memory PIL image as its raw pixels (and palette, transparency): the worker rebuilds
+    the same image and the processor converts it as ST's call would."""
+    try:
+        data = image.tobytes()
+    except Exception as e:  # a lazily opened file that cannot be decoded
+        raise ValueError(f"request {index}: the PIL image cannot be read: {type(e).__name__}: {e}") from None
+    palette = palette_mode = None
+    if image.mode in ("P", "PA") and image.palette is not None:
+        palette_mode = image.palette.mode
+        palette = bytes(image.getpalette(palette_mode) or [])
+    transparency = image.info.get("transparency")
+    if isinstance(transparency, tuple):
+        transparency = list(transparency)
+    if transparency is not None and not isinstance(transparency, (int, bytes, list)):
+        raise ValueError(f"request {index}: the PIL image's transparency {transparency!r} is not supported")
+    return ImageData(pixels=np.frombuffer(data, dtype=np.uint8), mode=image.mode, shape=list(image.size),
+                     palette=palette, palette_mode=palette_mode, transparency=transparency, nbytes=len(data))
+
+
+def _array_image(array, index: int) -> ImageData:
+    if _is_tensor(array):
+        array = array.detach().cpu().numpy()
+    if array.dtype.kind not in "uif" or array.dtype.itemsize > 8:
+        raise TypeError(f"request {index}: an image array must hold integers or floats, got {array.dtype}")
+    if array.size == 0:
+        raise ValueError(f"request {index}: the image array is empty (shape {array.shape})")
+    data = np.ascontiguousarray(array)  # (a copy where needed: the caller may change its array later)
+    return ImageData(pixels=data.view(np.uint8).reshape(-1).copy(), dtype=data.dtype.str, shape=list(data.shape),
+                     nbytes=data.nbytes)
+
+
+def prompt_size(prompt: object) -> int:
+    """What a prompt of an image model counts in the frontend's message budget before it is
+    checked: an in-memory image its pixels, any other non-text a nominal image's share."""
+    if isinstance(prompt, str):
+        return len(prompt) if not prompt.lower().endswith(IMAGE_EXTENSIONS) else MIN_IMAGE_BYTES
+    if is_pil_image(prompt):
+        return prompt.width * prompt.height * len(prompt.getbands())
+    if isinstance(prompt, np.ndarray):
+        return prompt.nbytes
+    return MIN_IMAGE_BYTES

@@ -1,0 +1,110 @@
+"""A render worker's images: open, decode, convert and resize each as sentence-transformers 6 would,
+with the model's own image processor, and hand on the smallest exact form -- the processor's uint8
+pixels after its resize and crop, before its rescale and normalize, which the engine does on the
+device (core/dual_encoder_runner.py; equal to the processor's float output within 1e-6).
+
+How each input is opened follows what ST hands the processor: a path, a data URI or an image file's
+bytes go through transformers' `load_image` (EXIF orientation applied, then `convert("RGB")`); an
+in-memory PIL image (rebuilt here from its raw pixels) or array goes to the processor as it is
+(which composites transparency on white). A bad image is that request's error, naming why.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import warnings
+
+import numpy as np
+
+from pooling_pipeline.core.config import ModelSpec
+from pooling_pipeline.core.messages import ImageData
+
+# An image of more pixels than this is refused before it is decoded (a decompression bomb): PIL's
+# own warning threshold (ST opens up to twice that, with a warning, then PIL refuses).
+DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
+
+
+class ImageError(ValueError):
+    """An image that cannot be turned into pixels: the request's error."""
+
+
+class ImageRenderer:
+    """The model's image processor, loaded as ST loads it (its PIL backend, checked against the
+    spec the frontend read), and the opening rules above."""
+
+    def __init__(self, spec: ModelSpec, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
+        from PIL import Image  # (a worker of a text model never imports PIL)
+        from transformers import AutoImageProcessor
+        from transformers.image_utils import load_image
+
+        self.spec, self.max_pixels = spec.image, max_pixels
+        self._image, self._load_image = Image, load_image
+        self.processor = AutoImageProcessor.from_pretrained(spec.path)
+        name = type(self.processor).__name__
+        if name != self.spec.processor_class:
+            raise ValueError(f"{spec.path}: transformers loads image processor {name} here, the frontend expected "
+                             f"{self.spec.processor_class}: this environment differs from the caller's")
+        probe = self.pixels(ImageData(pixels=np.zeros(48 * 64 * 3, np.uint8), dtype="|u1", shape=[48, 64, 3]))
+        if probe.shape != (self.spec.channels, self.spec.height, self.spec.width):
+            raise ValueError(f"{spec.path}: the image processor makes {probe.shape} pixels, the frontend expected "
+                             f"{(self.spec.channels, self.spec.height, self.spec.width)}: this is a bug")
+
+    def pixels(self, image: ImageData) -> np.ndarray:
+        """The image as uint8 [channels, height, width], resized and cropped by the processor."""
+        opened = self.open(image)
+        try:
+            out = self.processor([opened], do_rescale=False, do_normalize=False, return_tensors="np")["pixel_values"]
+        except Exception as e:
+            raise ImageError(f"the image processor cannot take this image: {type(e).__name__}: {e}") from None
+        if out.dtype != np.uint8:  # (an array input of floats: rescaled by its caller, say)
+            raise ImageError(f"an image array of dtype {image.dtype} gives {out.dtype} pixels; pass uint8 values "
+                             "(or a PIL image)")
+        return out[0]
+
+    def open(self, image: ImageData):
+        """The image as ST hands it to the processor: a PIL image (loaded) or a numpy array."""
+        if image.pixels is not None:
+            return self._in_memory(image)
+        if image.path is not None:
+            source, what = image.path, f"image file {image.path!r}"
+        elif image.uri is not None:
+            try:
+                source = io.BytesIO(base64.decodebytes(image.uri.split(",", 1)[1].encode()))
+            except Exception as e:
+                raise ImageError(f"the data URI's base64 data cannot be decoded: {e}") from None
+            what = "the data URI's image"
+        else:
+            source, what = io.BytesIO(image.encoded), "the image bytes"
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", self._image.DecompressionBombWarning)
+                opened = self._image.open(source)
+                width, height = opened.size
+                if width * height > self.max_pixels:
+                    raise ImageError(f"{what} has {width}x{height} pixels, more than the limit of {self.max_pixels} "
+                                     "(a decompression bomb?)")
+                if width == 0 or height == 0:
+                    raise ImageError(f"{what} is empty ({width}x{height})")
+                return self._load_image(opened)  # transformers' own: EXIF orientation, then RGB
+        except ImageError:
+            raise
+        except FileNotFoundError:
+            raise ImageError(f"{what} does not exist") from None
+        except Exception as e:  # not an image, truncated, an unsupported mode, ...
+            raise ImageError(f"{what} cannot be decoded: {type(e).__name__}: {e}") from None
+
+    def _in_memory(self, image: ImageData):
+        """A caller's PIL image (rebuilt from its raw pixels) or numpy array."""
+        try:
+            if image.mode is None:
+                return np.frombuffer(image.pixels, dtype=np.dtype(image.dtype)).reshape(image.shape)
+            rebuilt = self._image.frombytes(image.mode, tuple(image.shape), image.pixels.tobytes())
+            if image.palette is not None:
+                rebuilt.putpalette(image.palette, rawmode=image.palette_mode or "RGB")
+            if image.transparency is not None:
+                transparency = image.transparency
+                rebuilt.info["transparency"] = tuple(transparency) if isinstance(transparency, list) else transparency
+            return rebuilt
+        except Exception as e:
+            raise ImageError(f"the in-memory image cannot be rebuilt: {type(e).__name__}: {e}") from None
