@@ -180,6 +180,8 @@ class ModelSpec(msgspec.Struct, kw_only=True):
         so it does not count."""
         if self.route_specs:
             return max((route.longest_transformer_input for route in self.route_specs), default=0)
+        if self.image is not None:  # a dual encoder: the longer of a text and an image's vision sequence
+            return max(self.max_model_len, self.image.tokens)
         return 0 if self.input_module == "static_embedding" else self.max_model_len
 
     @property

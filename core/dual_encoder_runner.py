@@ -7,6 +7,10 @@ Images arrive as the image processor's uint8 pixels after its resize and crop
 (workers/images.py); the last two steps of the processor -- rescale (x * rescale_factor) and
 normalize ((x - mean) / std) -- are done here on the device in float32, which equals the
 processor's own float output within 1e-6 (it computes in float64 on the host).
+
+SigLIP's text tower pools its last position whatever the padding, so ST's batched results move
+with the batch's longest text (ST pads to it); here each text gets ST's result for that text
+encoded alone: rows of one length run together, unpadded.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class DualEncoderRunner:
         self.spec, self.device, self.dtype = spec, device, dtype
         self.model = AutoModel.from_pretrained(spec.path, dtype=dtype).to(device).eval()
         self.sentence_head = SentenceHead(spec.head_modules).to(device).eval() if spec.head_modules else None
+        self.last_position_pooling = spec.model_type == "siglip"  # (see the module's docstring)
         image = spec.image
         scale = image.rescale_factor if image.do_rescale else 1.0
         mean = image.mean if image.do_normalize else [0.0] * image.channels
@@ -63,13 +68,16 @@ class DualEncoderRunner:
         vectors = torch.empty((len(batch), self.spec.hidden_size), dtype=torch.float32, device=self.device)
         padded = 0
         if not images.all():
-            rows = np.flatnonzero(~images)
-            texts = batch.select(rows) if len(rows) < len(batch) else batch
-            ids, mask = texts.padded(0)  # (the mask hides the pad id; CLIP's argmax pooling never picks 0)
-            out = self.model.get_text_features(input_ids=torch.from_numpy(ids).to(self.device),
-                                               attention_mask=torch.from_numpy(mask).to(self.device, torch.long))
-            vectors[torch.from_numpy(rows).to(self.device)] = _pooled(out).float()
-            padded += ids.size
+            text_rows = np.flatnonzero(~images)
+            groups = [text_rows] if not self.last_position_pooling else \
+                [text_rows[batch.lengths[text_rows] == n] for n in np.unique(batch.lengths[text_rows]).tolist()]
+            for rows in groups:
+                texts = batch.select(rows) if len(rows) < len(batch) else batch
+                ids, mask = texts.padded(0)  # (the mask hides the pad id; CLIP's argmax pooling never picks 0)
+                out = self.model.get_text_features(input_ids=torch.from_numpy(ids).to(self.device),
+                                                   attention_mask=torch.from_numpy(mask).to(self.device, torch.long))
+                vectors[torch.from_numpy(rows).to(self.device)] = _pooled(out).float()
+                padded += ids.size
         if images.any():
             rows = np.flatnonzero(images)
             pixels = torch.from_numpy(batch.pixels[rows] if len(rows) < len(batch) else batch.pixels).to(self.device)

@@ -137,3 +137,44 @@ def build_static_embedding(target: str | Path | None = None, dim: int = 256) -> 
     static = StaticEmbedding(tokenizer, embedding_weights=torch.randn(tokenizer.get_vocab_size(), dim))
     SentenceTransformer(modules=[static, Normalize()], device="cpu").save(str(target / "st"))
     return str(target / "st")
+
+
+def build_clip(target: str | Path | None = None, *, vision_hidden: int = 768, vision_layers: int = 12,
+               vision_heads: int = 12, vision_intermediate: int = 3072, image_size: int = 224, patch_size: int = 32,
+               text_hidden: int = 512, text_layers: int = 12, text_heads: int = 8, text_intermediate: int = 2048,
+               projection_dim: int = 512) -> str:
+    """A CLIP dual encoder with random weights (fixed seed), saved by sentence-transformers 6 as one
+    Transformer module over a CLIPModel + CLIPProcessor folder. The defaults are ViT-B/32's shape, so
+    the engine's forward pass costs what the real model's does; the tokenizer is the test zoo's
+    byte-level BPE (RoBERTa's specials), cut at CLIP's 77 positions."""
+    import sys
+
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Transformer
+    from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor
+
+    tests_dir = str(Path(__file__).resolve().parent.parent / "tests")
+    if tests_dir not in sys.path:  # the zoo's tokenizers live with the tests
+        sys.path.insert(0, tests_dir)
+    from model_zoo import roberta_tokenizer
+
+    target = Path(target or tempfile.mkdtemp(prefix="clip-"))
+    tok = roberta_tokenizer()
+    tok.model_max_length = 77
+    config = CLIPConfig(
+        text_config={"hidden_size": text_hidden, "num_hidden_layers": text_layers, "num_attention_heads": text_heads,
+                     "intermediate_size": text_intermediate, "max_position_embeddings": 77, "vocab_size": len(tok),
+                     "eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id,
+                     "pad_token_id": tok.pad_token_id},
+        vision_config={"hidden_size": vision_hidden, "num_hidden_layers": vision_layers,
+                       "num_attention_heads": vision_heads, "intermediate_size": vision_intermediate,
+                       "image_size": image_size, "patch_size": patch_size},
+        projection_dim=projection_dim)
+    torch.manual_seed(0)
+    hf_dir = target / "hf"
+    CLIPModel(config).eval().save_pretrained(hf_dir)
+    CLIPProcessor(image_processor=CLIPImageProcessorPil(), tokenizer=tok).save_pretrained(hf_dir)
+    SentenceTransformer(modules=[Transformer(str(hf_dir))], device="cpu").save(str(target / "st"))
+    shutil.rmtree(hf_dir)
+    return str(target / "st")
