@@ -1197,3 +1197,84 @@ def add_unknown_module(model_dir: str | Path, type_name: str = "my_pkg.WeirdModu
     modules.append({"idx": idx, "name": str(idx), "path": folder.name, "type": type_name})
     path.write_text(json.dumps(modules, indent=2))
     return str(model_dir)
+
+
+# Dual encoders (images): CLIP and SigLIP, tiny towers at the real 224 px input
+
+
+def _clip_text_tokenizer():
+    """CLIP's shape: byte-level BPE with <s> ... </s>, cut at CLIP's 77 positions."""
+    tok = roberta_tokenizer()
+    tok.model_max_length = 77
+    return tok
+
+
+def build_clip(target: str | Path, layout: str = "st", normalize: bool = False, name: str | None = None) -> str:
+    """A tiny CLIP (text and vision towers, hidden 32, 2 layers, 224 px images in 32 px patches) with
+    transformers' PIL image processor, saved as `layout`: "st" (ST 6's Transformer module with its
+    modality config), "plain" (a transformers folder, no ST files) or "legacy" (the CLIPModel
+    module of older clip-ViT-* saves: a 0_CLIPModel folder with preprocessor_config.json); a
+    Normalize module after it when `normalize`."""
+    import torch
+    from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor
+
+    _seed()
+    tok = _clip_text_tokenizer()
+    towers = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    config = CLIPConfig(text_config=dict(vocab_size=len(tok), max_position_embeddings=77, eos_token_id=tok.eos_token_id,
+                                         bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id, **towers),
+                        vision_config=dict(image_size=224, patch_size=32, **towers), projection_dim=16)
+    with torch.no_grad():
+        model = CLIPModel(config).eval()
+    processor = CLIPProcessor(image_processor=CLIPImageProcessorPil(), tokenizer=tok)
+    return _save_dual_encoder(Path(target), name or f"clip-{layout}", model, processor, layout, normalize)
+
+
+def build_siglip(target: str | Path, name: str = "siglip") -> str:
+    """A tiny SigLIP (fixed 224 px, 16 px patches, no class token; mean/std 0.5) with a T5-style
+    Unigram tokenizer, saved by ST 6."""
+    import torch
+    from transformers import SiglipConfig, SiglipImageProcessorPil, SiglipModel, SiglipProcessor
+
+    _seed()
+    tok = t5_tokenizer()
+    tok.model_max_length = 64
+    towers = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    config = SiglipConfig(text_config=dict(vocab_size=len(tok), max_position_embeddings=64, pad_token_id=tok.pad_token_id,
+                                           eos_token_id=tok.eos_token_id, bos_token_id=None, **towers),
+                          vision_config=dict(image_size=224, patch_size=16, **towers))
+    with torch.no_grad():
+        model = SiglipModel(config).eval()
+    processor = SiglipProcessor(image_processor=SiglipImageProcessorPil(), tokenizer=tok)
+    return _save_dual_encoder(Path(target), name, model, processor, "st", False)
+
+
+def _save_dual_encoder(target: Path, name: str, model, processor, layout: str, normalize: bool) -> str:
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Normalize, Transformer
+
+    out = _fresh(target, name)
+    hf_dir = out / "hf" if layout != "plain" else out
+    model.save_pretrained(hf_dir)
+    processor.save_pretrained(hf_dir)
+    if layout == "plain":
+        return str(out)
+    if layout == "st":
+        modules = [Transformer(str(hf_dir))] + ([Normalize()] if normalize else [])
+        SentenceTransformer(modules=modules).save(str(out / "st"))
+        shutil.rmtree(hf_dir)
+        return str(out / "st")
+    # legacy: modules.json naming sentence_transformers.models.CLIPModel, preprocessor_config.json
+    legacy = out / "legacy"
+    shutil.copytree(hf_dir, legacy / "0_CLIPModel")
+    processor_config = legacy / "0_CLIPModel" / "processor_config.json"
+    (legacy / "0_CLIPModel" / "preprocessor_config.json").write_text(
+        json.dumps(json.loads(processor_config.read_text())["image_processor"], indent=2))
+    processor_config.unlink()
+    modules = [{"idx": 0, "name": "0", "path": "0_CLIPModel", "type": "sentence_transformers.models.CLIPModel"}]
+    if normalize:
+        (legacy / "1_Normalize").mkdir()
+        modules.append({"idx": 1, "name": "1", "path": "1_Normalize", "type": ST_TYPES_OLD["Normalize"]})
+    (legacy / "modules.json").write_text(json.dumps(modules, indent=2))
+    shutil.rmtree(hf_dir)
+    return str(legacy)

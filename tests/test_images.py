@@ -1,0 +1,236 @@
+"""Images: CLIP and SigLIP dual encoders equal sentence-transformers 6 (float32 on the CPU, within
+1e-5 per vector) for every input form ST takes and every test image (formats, modes, EXIF
+rotation, alpha, palette, 16-bit, CMYK); bad images are per-request errors; what the pipeline
+cannot serve is refused at start-up, naming it."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+from image_samples import build_broken_files, build_image_files
+from model_zoo import build_clip, build_siglip
+
+TOL = 1e-5
+TEXTS = ["a photo of a cat", "two dogs playing in the snow near a red house", "x", "an empty street at night " * 3]
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    return build_image_files(tmp_path_factory.mktemp("images"))
+
+
+@pytest.fixture(scope="module")
+def clip_dir(tmp_path_factory):
+    return build_clip(tmp_path_factory.mktemp("clip"), layout="st")
+
+
+@pytest.fixture(scope="module")
+def clip_st(clip_dir):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(clip_dir, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def clip_pipe(clip_dir):
+    from pooling_pipeline import Pipeline
+
+    with Pipeline(model=clip_dir, num_render_workers=1) as p:
+        yield p
+
+
+def vectors(pipe, inputs, **kwargs) -> np.ndarray:
+    return np.stack([o.embedding for o in pipe.embed(inputs, use_tqdm=False, **kwargs)])
+
+
+def data_uri(path) -> str:
+    kind = path.suffix.lstrip(".").replace("jpg", "jpeg")
+    return f"data:image/{kind};base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def test_every_image_file_in_every_form_equals_st(clip_pipe, clip_st, images):
+    """A path, a data URI, {"image": path}, {"image": bytes}: opened as transformers' load_image opens
+    them (EXIF rotation, RGB); a PIL image (opened lazily, or loaded) goes to the processor as it is."""
+    from PIL import Image
+
+    paths = [str(p) for p in images.values()]
+    by_path = clip_st.encode(paths)
+    opened = [Image.open(p) for p in paths]
+    by_pil = clip_st.encode([Image.open(p) for p in paths])
+    forms = {
+        "path": (paths, by_path),
+        "data URI": ([data_uri(p) for p in images.values()], by_path),
+        "{'image': path}": ([{"image": p} for p in paths], by_path),
+        "{'image': bytes}": ([{"image": p.read_bytes()} for p in images.values()], by_path),
+        "PIL (lazy)": (opened, by_pil),
+        "PIL (loaded)": ([im.copy() for im in (Image.open(p) for p in paths)], by_pil),
+    }
+    for form, (inputs, reference) in forms.items():
+        got = vectors(clip_pipe, inputs)
+        assert got.shape == reference.shape
+        worst = np.abs(got - reference).max(axis=1)
+        assert worst.max() <= TOL, f"{form}: {dict(zip(images, worst.round(7)))}"
+    # The forms differ where ST's do: a path's alpha is dropped, a PIL image's composited on white.
+    alpha = list(images).index("alpha.png")
+    assert np.abs(by_path[alpha] - by_pil[alpha]).max() > 1e-3
+
+
+def test_arrays_and_tensors_equal_st(clip_pipe, clip_st, images):
+    import torch
+    from PIL import Image
+
+    rgb = np.asarray(Image.open(images["photo.jpg"]).convert("RGB"))
+    inputs = [rgb, np.ascontiguousarray(rgb.transpose(2, 0, 1)), np.asarray(Image.open(images["alpha.png"])),
+              torch.from_numpy(rgb.copy())]
+    reference = np.concatenate([clip_st.encode([x]) for x in inputs])
+    assert np.abs(vectors(clip_pipe, inputs) - reference).max() <= TOL
+    single = clip_pipe.embed(rgb, use_tqdm=False)  # one image, not a list of rows
+    assert len(single) == 1 and np.abs(single[0].embedding - reference[0]).max() <= TOL
+    # A float array comes out of the processor's resize as floats, which ST rescales by 1/255 once
+    # more; the pipeline sends uint8 pixels, so it refuses such an array, naming it.
+    with pytest.raises(ValueError, match="request 0: .*dtype <f4 gives float32 pixels"):
+        clip_pipe.embed([rgb.astype(np.float32) / 255], use_tqdm=False)
+
+
+def test_texts_and_a_mixed_call_equal_st(clip_pipe, clip_st, images):
+    """Texts run the text tower; a call mixing texts and images routes each input (ST refuses such a
+    batch: each side here equals ST's encode of that modality)."""
+    text_ref = clip_st.encode(TEXTS)
+    assert np.abs(vectors(clip_pipe, TEXTS) - text_ref).max() <= TOL
+    image_ref = clip_st.encode([str(images["photo.jpg"]), str(images["palette.png"])])
+    mixed = vectors(clip_pipe, [TEXTS[0], str(images["photo.jpg"]), {"text": TEXTS[1]}, str(images["palette.png"])])
+    assert np.abs(mixed - np.stack([text_ref[0], image_ref[0], text_ref[1], image_ref[1]])).max() <= TOL
+    with pytest.raises(ValueError, match="mixes multiple modalities"):
+        clip_st.encode([TEXTS[0], str(images["photo.jpg"])])
+
+
+def test_score_and_similarity_between_texts_and_images_equal_st(clip_pipe, clip_st, clip_dir, images):
+    from pooling_pipeline.integrations.sentence_encoder import SentenceEncoder
+
+    pictures = [str(images["photo.jpg"]), str(images["rotated.jpg"])]
+    reference = clip_st.similarity(clip_st.encode(TEXTS[:2]), clip_st.encode(pictures)).numpy()
+    scores = [o.score for o in clip_pipe.score(TEXTS[:2], pictures, use_tqdm=False)]
+    assert np.abs(np.asarray(scores) - np.diag(reference)).max() <= TOL
+    encoder = SentenceEncoder(clip_dir, num_render_workers=1)
+    try:
+        got = encoder.similarity(encoder.encode(TEXTS[:2]), encoder.encode(pictures)).numpy()
+    finally:
+        encoder.close()
+    assert np.abs(got - reference).max() <= TOL
+
+
+def test_bad_images_are_per_request_errors(clip_pipe, clip_st, images, tmp_path):
+    """Each bad input fails alone, naming its request and why; the good ones in the call are intact."""
+    broken = build_broken_files(tmp_path, images["photo.jpg"])
+    good = str(images["photo.jpg"])
+    bad = {**{name: str(path) for name, path in broken.items()},
+           "url": "https://example.com/cat.jpg", "bad bytes": {"image": b"\x00garbage"},
+           "message": {"role": "user", "content": "a cat"}, "fused": {"image": good, "text": "a cat"},
+           "bad data URI": "data:image/png;base64,AAAA"}
+    why = {"truncated": "truncated", "not an image": "cannot identify", "empty": "cannot identify",
+           "bomb": "decompression bomb", "url": "not fetched", "bad bytes": "cannot identify",
+           "message": "chat-style", "fused": "fuses modalities", "bad data URI": "cannot"}
+    inputs = [good]
+    for value in bad.values():
+        inputs += [value, good]
+    outs = clip_pipe.embed(inputs, use_tqdm=False, errors="return")
+    reference = clip_st.encode([good])[0]
+    for k, out in enumerate(outs):
+        if k % 2 == 0:
+            assert out.error is None and np.abs(out.embedding - reference).max() <= TOL
+        else:
+            name = list(bad)[k // 2]
+            assert out.error is not None and f"request {k}" in out.error and why[name] in out.error, (name, out.error)
+    with pytest.raises(ValueError, match="request 1: .*truncated"):
+        clip_pipe.embed([good, str(broken["truncated"])], use_tqdm=False)
+    assert np.abs(vectors(clip_pipe, [good])[0] - reference).max() <= TOL  # the group serves on
+
+
+def test_a_text_model_refuses_image_inputs(pipe):
+    with pytest.raises(ValueError, match="request 0: an image input, but model .* takes text only"):
+        pipe.embed([{"image": b"x"}], use_tqdm=False)
+
+
+def test_unsupported_image_models_are_refused_at_start_up(clip_dir, tmp_path, monkeypatch):
+    import json
+    import shutil
+
+    from pooling_pipeline import Pipeline
+    from pooling_pipeline.core.model_folder import dual_encoder
+    from pooling_pipeline.core.model_folder.load import load_model_spec
+
+    vlm = tmp_path / "vlm"
+    shutil.copytree(clip_dir, vlm)
+    config = json.loads((vlm / "config.json").read_text())
+    (vlm / "config.json").write_text(json.dumps({**config, "model_type": "llava", "architectures": ["LlavaModel"]}))
+    with pytest.raises(ValueError, match="LlavaModel .*VLM embedders, ColPali"):
+        load_model_spec(vlm)
+    audio = tmp_path / "audio"
+    shutil.copytree(clip_dir, audio)
+    cfg = json.loads((audio / "sentence_bert_config.json").read_text())
+    cfg["modality_config"]["audio"] = {"method": "get_audio_features", "method_output_name": "pooler_output"}
+    (audio / "sentence_bert_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="modalities .*audio.*VLM embedders"):
+        load_model_spec(audio)
+    with pytest.raises(ValueError, match="backend='openvino' and quantize are not supported"):
+        Pipeline(model=clip_dir, backend="openvino")
+    real_find_spec = dual_encoder.importlib.util.find_spec
+    monkeypatch.setattr(dual_encoder.importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "torchvision" else real_find_spec(name, *a))
+    with pytest.raises(ValueError, match="torchvision is installed"):
+        load_model_spec(clip_dir)
+
+
+def test_engine_input_with_pixels_is_checked():
+    from pooling_pipeline.core.messages import EngineInputBatch, PoolingParams
+
+    def message(pixels, modality):
+        return EngineInputBatch(worker=0, call="c", indices=np.arange(2), lengths=np.array([3, 3]),
+                                token_ids=np.zeros(6, np.int32), tasks=["embed"], params=[PoolingParams()],
+                                columns={"modality": np.array(modality)}, pixels=pixels)
+
+    assert message(np.zeros((2, 3, 4, 4), np.uint8), [1, 1]).check() == [3, 3]
+    with pytest.raises(ValueError, match="pixels must be uint8"):
+        message(np.zeros((2, 3, 4, 4), np.float32), [1, 1]).check()
+    with pytest.raises(ValueError, match="images only"):
+        message(np.zeros((2, 3, 4, 4), np.uint8), [1, 0]).check()
+    with pytest.raises(ValueError, match="need their pixels"):
+        message(None, [1, 1]).check()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["legacy", "plain"])
+def test_legacy_clip_module_and_plain_folder_equal_st(layout, tmp_path, images):
+    from sentence_transformers import SentenceTransformer
+
+    from pooling_pipeline import Pipeline
+
+    path = build_clip(tmp_path, layout=layout, normalize=layout == "legacy")
+    st = SentenceTransformer(path, device="cpu")
+    inputs = [*TEXTS[:2], str(images["photo.jpg"]), str(images["cmyk.jpg"])]
+    reference = np.concatenate([st.encode(TEXTS[:2]), st.encode(inputs[2:])])
+    with Pipeline(model=path, num_render_workers=1) as p:
+        got = vectors(p, inputs)
+    assert np.abs(got - reference).max() <= TOL
+    if layout == "legacy":
+        assert np.allclose(np.linalg.norm(got, axis=1), 1, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_siglip_equals_st(tmp_path, images):
+    """SigLIP pools its text tower's last position, so ST's batched text results move with the
+    batch's padding; the pipeline gives each text ST's result for it encoded alone."""
+    from sentence_transformers import SentenceTransformer
+
+    from pooling_pipeline import Pipeline
+
+    path = build_siglip(tmp_path)
+    st = SentenceTransformer(path, device="cpu")
+    pictures = [str(images["photo.jpg"]), str(images["alpha.png"]), str(images["wide.png"])]
+    text_ref = np.stack([st.encode([t])[0] for t in TEXTS])
+    assert np.abs(st.encode(TEXTS) - text_ref).max() > 1e-3  # ST's batch differs from its single texts
+    with Pipeline(model=path, num_render_workers=1) as p:
+        assert np.abs(vectors(p, TEXTS) - text_ref).max() <= TOL
+        assert np.abs(vectors(p, pictures) - st.encode(pictures)).max() <= TOL
