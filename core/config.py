@@ -116,6 +116,10 @@ class ImageSpec(msgspec.Struct, kw_only=True):
     # The vision transformer's sequence per image (patches, plus a class token where it has one):
     # an image request counts this many tokens in the engine's step budget.
     tokens: int
+    # How the render workers open images (the caller's options, see PipelineOptions): JPEG draft
+    # decoding (opt-in), and the most pixels an image may have before it is decoded.
+    draft: bool = False
+    max_pixels: int = 89_478_485
 
 
 class ModelSpec(msgspec.Struct, kw_only=True):

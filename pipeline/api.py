@@ -23,6 +23,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
+import msgspec
 import numpy as np
 
 from pooling_pipeline.backends import (
@@ -534,13 +535,25 @@ def _model_spec(model: str | ModelSpec | None, opts: PipelineOptions) -> ModelSp
     """The model's spec: read from its folder, or as a caller read it (then `revision` and
     `trust_remote_code` were applied when it was read, and the options must not say otherwise)."""
     if not isinstance(model, ModelSpec):
-        return load_model_spec(model, trust_remote_code=opts.trust_remote_code, revision=opts.revision)
+        return with_image_options(load_model_spec(model, trust_remote_code=opts.trust_remote_code,
+                                                  revision=opts.revision), opts)
     if opts.revision is not None:
         raise ValueError("revision applies to a hub model id, not to a ModelSpec (read at its revision already)")
     if opts.trust_remote_code != model.trust_remote_code:
         raise ValueError(f"trust_remote_code={opts.trust_remote_code} but the ModelSpec was read with "
                          f"trust_remote_code={model.trust_remote_code}")
-    return model
+    return with_image_options(model, opts)
+
+
+def with_image_options(spec: ModelSpec, opts: PipelineOptions) -> ModelSpec:
+    """A dual encoder's spec with how its render workers open images; refused for any other model."""
+    if spec.image is None:
+        if opts.image_decode != "exact":
+            raise ValueError(f"image_decode={opts.image_decode!r} applies to a dual encoder (CLIP, SigLIP), and model "
+                             f"{spec.path!r} takes no images")
+        return spec
+    image = msgspec.structs.replace(spec.image, draft=opts.image_decode == "draft", max_pixels=opts.max_image_pixels)
+    return msgspec.structs.replace(spec, image=image)
 
 
 def _score_routes(spec, route, num_queries: int, num_docs: int):

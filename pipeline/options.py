@@ -107,6 +107,13 @@ class PipelineOptions(msgspec.Struct, frozen=True, kw_only=True):
         "seconds one piece of work (a batch, an engine step) may take before its process is taken "
         "for wedged")] = 600.0
     log_level: Annotated[str, described("the children's log level")] = "WARNING"
+    image_decode: Annotated[Literal["exact", "draft"], described(
+        "dual encoders: 'exact' decodes every image whole, as ST does; 'draft' (opt-in) decodes a JPEG at "
+        "a reduced DCT scale that still covers the model's input, then resizes: a fraction of the "
+        "cost for camera-size photos, slightly different pixels (README: its cosine to the exact path)")] = "exact"
+    max_image_pixels: Annotated[PositiveInt, described(
+        "dual encoders: an image of more pixels is a per-request error before it is decoded (a "
+        "decompression bomb); default PIL's warning threshold")] = 89_478_485
 
 
 # How many of PipelineOptions' fields `Pipeline(...)` also takes by position (after `model`).

@@ -20,10 +20,6 @@ import numpy as np
 from pooling_pipeline.core.config import ModelSpec
 from pooling_pipeline.core.messages import ImageData
 
-# An image of more pixels than this is refused before it is decoded (a decompression bomb): PIL's
-# own warning threshold (ST opens up to twice that, with a warning, then PIL refuses).
-DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
-
 
 class ImageError(ValueError):
     """An image that cannot be turned into pixels: the request's error."""
@@ -33,18 +29,21 @@ class ImageRenderer:
     """The model's image processor, loaded as ST loads it (its PIL backend, checked against the
     spec the frontend read), and the opening rules above."""
 
-    def __init__(self, spec: ModelSpec, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
+    def __init__(self, spec: ModelSpec) -> None:
         from PIL import Image  # (a worker of a text model never imports PIL)
         from transformers import AutoImageProcessor
         from transformers.image_utils import load_image
 
-        self.spec, self.max_pixels = spec.image, max_pixels
+        self.spec, self.max_pixels = spec.image, spec.image.max_pixels
         self._image, self._load_image = Image, load_image
         self.processor = AutoImageProcessor.from_pretrained(spec.path)
         name = type(self.processor).__name__
         if name != self.spec.processor_class:
             raise ValueError(f"{spec.path}: transformers loads image processor {name} here, the frontend expected "
                              f"{self.spec.processor_class}: this environment differs from the caller's")
+        # Draft decoding (opt-in) may shrink a JPEG while it decodes, never below what the resize needs.
+        size = self.processor.size
+        self.draft_side = max(v for k, v in dict(size).items() if k in ("shortest_edge", "height", "width") and v)
         probe = self.pixels(ImageData(pixels=np.zeros(48 * 64 * 3, np.uint8), dtype="|u1", shape=[48, 64, 3]))
         if probe.shape != (self.spec.channels, self.spec.height, self.spec.width):
             raise ValueError(f"{spec.path}: the image processor makes {probe.shape} pixels, the frontend expected "
@@ -86,6 +85,8 @@ class ImageRenderer:
                                      "(a decompression bomb?)")
                 if width == 0 or height == 0:
                     raise ImageError(f"{what} is empty ({width}x{height})")
+                if self.spec.draft and opened.format == "JPEG":
+                    opened.draft("RGB", (self.draft_side, self.draft_side))  # (both sides stay >= the model's input)
                 return self._load_image(opened)  # transformers' own: EXIF orientation, then RGB
         except ImageError:
             raise
