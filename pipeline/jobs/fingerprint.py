@@ -189,8 +189,10 @@ def _hash_sample(f, size: int, blocks: int, digest) -> None:
 
 def input_fingerprints(sources) -> list[dict]:
     """One entry per input; a stream (stdin, a FIFO) cannot be read ahead: its bytes are hashed as
-    they are read instead (records.RecordReader), and the manifest keeps that hash per chunk."""
-    return [{"path": s.path, "stream": True} if s.stream else file_fingerprint(s.path) for s in sources]
+    they are read instead (records.RecordReader), and the manifest keeps that hash per chunk. A
+    folder of images (image_records.ImageFolder) is fingerprinted by its listing."""
+    return [{"path": s.path, "stream": True} if s.stream else s.fingerprint() if hasattr(s, "fingerprint")
+            else file_fingerprint(s.path) for s in sources]
 
 
 def grown_since(then: dict, now: dict) -> bool:
@@ -209,6 +211,10 @@ def changed_input(then: list[dict], now: list[dict]) -> str | None:
         name = new.get("path")
         if old.get("path") != name:
             return f"input {name} is not the job's input {old.get('path')} (in that position)"
+        if "listing_sha256" in old or "listing_sha256" in new:  # a folder of images
+            if old.get("listing_sha256") != new.get("listing_sha256"):
+                return _changed_folder(name, old, new)
+            continue
         if grown_since(old, new):
             continue  # the job reads the bytes it began with (records.RecordReader's snapshot)
         for key, what in [("stream", "a stream"), ("size", "size"), ("mtime_ns", "modification time"),
@@ -219,3 +225,10 @@ def changed_input(then: list[dict], now: list[dict]) -> str | None:
                 return f"input {name} changed since the job began ({what} differs)"
     return None
 
+
+def _changed_folder(name: str, old: dict, new: dict) -> str:
+    then, now = old.get("images"), new.get("images")
+    how = (f"{then} image files then, {now} now" if then != now else
+           f"the same {now} image files in number, but one was added, removed, renamed or rewritten (its size or "
+           "modification time)")
+    return f"input folder {name} changed since the job began ({how})"

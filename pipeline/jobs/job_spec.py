@@ -25,7 +25,8 @@ PIPELINE_FLAGS = {"workers": "num_render_workers", "max_num_seqs": "max_num_seqs
                   "max_num_batched_tokens": "max_num_batched_tokens",
                   "data_parallel_size": "data_parallel_size", "device": "device", "dtype": "dtype",
                   "backend": "backend", "quantize": "quantize",
-                  "trust_remote_code": "trust_remote_code", "revision": "revision"}
+                  "trust_remote_code": "trust_remote_code", "revision": "revision",
+                  "image_decode": "image_decode", "max_image_pixels": "max_image_pixels"}
 CALL_FLAGS = {"truncate": "truncate_prompt_tokens", "long_inputs": "long_inputs", "prompt_name": "prompt_name",
               "prompt": "prompt", "route": "route"}  # --errors is the launcher's own: the API always gets errors="return"
 
@@ -40,6 +41,7 @@ class JobSpec:
     input_format: str
     text_field: str
     pair_field: str | None
+    image_field: str | None  # each record's image instead of a text (image_records.py)
     id_field: str | None  # None: 'id' when the first record has one, else file:line (--ray: 'id')
     keep_fields: tuple[str, ...]
     shard: tuple[int, int]  # (I, N): the records whose index % N == I
@@ -64,6 +66,8 @@ class JobSpec:
     dtype: str
     backend: str
     quantize: str | None
+    image_decode: str
+    max_image_pixels: int
     # what is written
     output: str
     precision: str

@@ -5,6 +5,8 @@
     pipeline-run --input 'dumps/*.jsonl' --output out-3/ --shard 3/8 --resume     # machine 3 of 8
     pipeline-run --input docs.jsonl --output out/ --format parquet --keep-fields title,url
     pipeline-run --ray --ray-address auto --input 'dumps/*.jsonl' --output out/   # a Ray cluster
+    pipeline-run --model clip/ --input photos/ --output out/     # a folder of images (a dual encoder)
+    pipeline-run --model clip/ --input pics.parquet --image-field image --output out/
     cat lines.txt | pipeline-run --input - --output out/
 
 Inputs are streamed, never loaded whole. Results go to chunked files with a manifest
@@ -36,10 +38,19 @@ import numpy as np
 from pooling_pipeline.backends import describe_backend
 from pooling_pipeline.call_stats import format_stats
 from pooling_pipeline.core.config import ModelSpec
+from pooling_pipeline.jobs.image_records import (
+    ImageRecordReader,
+    check_image_job,
+    check_image_model,
+    check_resumed_image_decode,
+    expand_job_inputs,
+    image_job,
+    image_params,
+)
 from pooling_pipeline.jobs.job_errors import EXIT_INPUT, EXIT_RUNTIME, EXIT_USAGE, InputError, UsageError
 from pooling_pipeline.jobs.job_spec import JobModel, JobSpec
 from pooling_pipeline.jobs.output_dir import OutputLock, check_output
-from pooling_pipeline.jobs.records import INPUT_FORMATS, RecordReader, expand_inputs
+from pooling_pipeline.jobs.records import INPUT_FORMATS, RecordReader
 from pooling_pipeline.jobs.results_store import CALIBRATION_ROWS, ERRORS, FORMATS, PRECISIONS, VECTOR_COLUMNS, ResultWriter
 from pooling_pipeline.jobs.summary import print_local_summary
 from pooling_pipeline.options import CallOptions, PipelineOptions, declared
@@ -108,8 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, width=100))
     d = " (default: %(default)s)"
     ap.add_argument("--input", nargs="+", default=[str(SAMPLE)], metavar="PATH",
-                    help="JSONL, text (one record per line) or Parquet files, directories (their files, sorted), "
-                         "globs, FIFOs such as <(cmd), or - for stdin (default: the bundled 500-record sample)")
+                    help="JSONL, text (one record per line) or Parquet files, directories (their files, sorted; "
+                         "for a model that takes images, a folder of image files: one record per image), globs, "
+                         "FIFOs such as <(cmd), or - for stdin (default: the bundled 500-record sample)")
     ap.add_argument("--input-format", default="auto", choices=INPUT_FORMATS,
                     help="auto: by suffix (.jsonl/.ndjson/.json, .parquet, anything else text; stdin is text); "
                          "or one format for every input" + d)
@@ -130,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pair-field", default=None, metavar="NAME",
                     help="--task classify: field or column holding each record's second text; the record is then "
                          "the pair (text, pair) of a cross-encoder such as an NLI model (default: single texts)")
+    ap.add_argument("--image-field", default=None, metavar="NAME",
+                    help="a dual encoder (CLIP, SigLIP): field or column holding each record's image instead of a "
+                         "text: a path (relative to the input file's folder), bytes, or a datasets Image struct "
+                         "{bytes, path} (default: texts)")
     ap.add_argument("--id-field", default=None, metavar="NAME",
                     help="field holding each record's id; every record must have it (default: 'id' when the "
                          "first record has one, then required of every record; otherwise ids are file:line)")
@@ -164,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     declared_flag(ap, "--dtype", PipelineOptions, "dtype")
     declared_flag(ap, "--backend", PipelineOptions, "backend")
     declared_flag(ap, "--quantize", PipelineOptions, "quantize")
+    declared_flag(ap, "--image-decode", PipelineOptions, "image_decode")
+    declared_flag(ap, "--max-image-pixels", PipelineOptions, "max_image_pixels", metavar="N")
     ap.add_argument("--chunk-rows", type=positive_int, default=65536, metavar="N", help="records per output chunk" + d)
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     ap.add_argument("--verbose", action="store_true",
@@ -249,21 +267,36 @@ def run(job: JobSpec, interrupt: Interrupt | None = None) -> int:
     if clash:
         raise UsageError(f"--keep-fields {sorted(clash)}: these names are the output's own columns")
     # Everything that can be checked without the model is, before it loads: inputs exist, the
-    # output directory is usable and ours alone, the fields match the records.
-    sources = expand_inputs(job.input, job.input_format)
+    # output directory is usable and ours alone, the fields match the records. The model's folder is
+    # read once (the job's description and its Pipeline both use it), early only where a folder
+    # holding images asks whether the model takes images.
+    models: list[JobModel] = []
+
+    def job_model() -> JobModel:
+        if not models:
+            models.append(JobModel.read(job))
+        return models[0]
+
+    sources = expand_job_inputs(job.input, job.input_format, job.image_field, lambda: job_model().spec.image is not None)
+    check_image_job(job, sources)
     out = check_output(job.output, job.input)
     lock = OutputLock(out)
     try:
-        reader = RecordReader(sources, job.text_field, job.id_field, job.keep_fields, job.pair_field)
+        if image_job(job, sources):
+            reader = ImageRecordReader(sources, job.image_field, job.id_field, job.keep_fields)
+        else:
+            reader = RecordReader(sources, job.text_field, job.id_field, job.keep_fields, job.pair_field)
         if job.ray:  # Ray Data reads the inputs itself, and needs an id field
             from pooling_pipeline.integrations.ray_job import run_ray  # (the ray extra: only when asked for)
 
             job = dataclasses.replace(job, id_field=job.id_field or "id")
-            return run_ray(job, describe_job(job, JobModel.read(job), sources, job.id_field), [s.path for s in sources])
+            return run_ray(job, describe_job(job, job_model(), sources, job.id_field), [s.path for s in sources])
         reader.probe()
         fingerprints = input_fingerprints(sources)
-        model = JobModel.read(job)  # once: the job's description and its Pipeline both use it
-        writer = ResultWriter(out, describe_job(job, model, sources, reader.id_field), resume=job.resume,
+        model = job_model()
+        description = describe_job(job, model, sources, reader.id_field)
+        check_resumed_image_decode(out, description["params"], job.resume)
+        writer = ResultWriter(out, description, resume=job.resume,
                               fingerprints=fingerprints, calibration_rows=job.int8_calibration_rows,
                               field_types=reader.kept_types())
         _say_grown_inputs(writer.manifest.get("input_fingerprints", []), fingerprints)
@@ -282,7 +315,7 @@ def run(job: JobSpec, interrupt: Interrupt | None = None) -> int:
 def _say_grown_inputs(then: list[dict], now: list[dict]) -> None:
     """A resume on inputs appended to since the job began reads what they held then: it says so."""
     for old, new in zip(then, now):
-        if not new.get("stream") and new["size"] > old["size"]:
+        if not new.get("stream") and "size" in new and new["size"] > old["size"]:
             print(f"pipeline-run: input {new['path']} has grown since the job began ({old['size']} bytes then, "
                   f"{new['size']} now); the job reads its first {old['size']} bytes, as it began (a new job in "
                   "another --output reads the rest)", file=sys.stderr)
@@ -317,6 +350,7 @@ def describe_job(job: JobSpec, model: JobModel, sources: list, id_field: str | N
     prompts = model_prompts(spec)  # ST's "query" / "document" placeholders among them
     if job.prompt_name is not None and job.prompt_name not in prompts:  # before the model loads
         raise UsageError(f"--prompt-name {job.prompt_name!r} is not among the model's prompts {sorted(prompts)}")
+    check_image_model(job, sources, spec)
     if job.pair_field is not None and spec.head != "sequence_classification":
         raise UsageError("--pair-field: pairs are classified by a sequence-classification model (a cross-encoder); "
                          f"{spec.path!r} has no such head")
@@ -335,7 +369,7 @@ def describe_job(job: JobSpec, model: JobModel, sources: list, id_field: str | N
                    "id_field": id_field, "keep_fields": list(job.keep_fields), "chunk_rows": job.chunk_rows,
                    "int8_calibration_rows": job.int8_calibration_rows,
                    "pooling": msgspec.to_builtins(spec.pooling), "normalize": spec.normalize,
-                   "prompt_name": job.prompt_name, "prompt": job.prompt, **pair,
+                   "prompt_name": job.prompt_name, "prompt": job.prompt, **pair, **image_params(job, sources),
                    # int8 weights give other vectors: a resume must not mix them (float32 backends agree
                    # within the stated tolerance, so the backend itself is not part of the job).
                    **({"quantize": job.quantize} if job.quantize else {})},

@@ -52,7 +52,7 @@ class Record:
     file: str                     # the input's name ("stdin" for -)
     line: int                     # line (text, JSONL) or row (Parquet) in that input, from 1
     id: str | None                # None only when the record has no usable id (then `error` says so)
-    text: str | tuple[str, str] | None  # None when `error` is set; (text, text_pair) with --pair-field
+    text: str | tuple[str, str] | dict | None  # None on `error`; (text, text_pair) with --pair-field; {"image": ...}
     error: str | None = None      # why this record cannot be embedded
     fields: dict | None = None    # --keep-fields values
     unit: str = "line"
@@ -330,6 +330,7 @@ class ParquetReader(FormatReader):
     suffixes = (".parquet",)
     unit = "row"
     cannot_stream = "Parquet is read from a file, not a stream (it is read from its end first)"
+    batch_rows: ClassVar[int] = 4096  # rows per batch read (image_records.py reads images in fewer)
 
     def probe(self, first: bool) -> None:
         names = _parquet_file(self.source.path).schema_arrow.names
@@ -352,7 +353,7 @@ class ParquetReader(FormatReader):
         columns = list(dict.fromkeys([f.text] + ([f.pair] if f.pair else []) + ([f.id] if f.id in names else [])
                                      + list(f.keep)))
         row = 0
-        for batch in pf.iter_batches(batch_size=4096, columns=columns):  # streamed, never loaded whole
+        for batch in pf.iter_batches(batch_size=self.batch_rows, columns=columns):  # streamed, never loaded whole
             values = {c: batch.column(c).to_pylist() for c in columns}
             for k in range(batch.num_rows):
                 row += 1
