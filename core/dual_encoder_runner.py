@@ -47,6 +47,10 @@ class DualEncoderRunner:
         self.scale = torch.tensor(scale, dtype=torch.float32, device=device)
         self.mean = torch.tensor(mean, dtype=torch.float32, device=device).view(1, -1, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+        # On a CPU: the same float32 arithmetic done once per (channel, value) -- a 256-entry table per
+        # channel, so an image costs one lookup per value instead of four passes (bitwise the same).
+        values = torch.arange(256, dtype=torch.float32, device=device).view(1, -1)
+        self.table = ((values * self.scale - self.mean.view(-1, 1)) / self.std.view(-1, 1)).cpu().numpy()
         self.backend_info: dict = {"backend": "torch", "model": f"dual encoder ({spec.model_type}: text and image towers)"}
 
     def step_cost(self, max_tokens: int) -> tuple[float, float]:
@@ -80,8 +84,8 @@ class DualEncoderRunner:
                 padded += ids.size
         if images.any():
             rows = np.flatnonzero(images)
-            pixels = torch.from_numpy(batch.pixels[rows] if len(rows) < len(batch) else batch.pixels).to(self.device)
-            values = (pixels.float() * self.scale - self.mean) / self.std
+            pixels = batch.pixels[rows] if len(rows) < len(batch) else batch.pixels
+            values = self._normalized(pixels)
             out = self.model.get_image_features(pixel_values=values.to(self.dtype))
             vectors[torch.from_numpy(rows).to(self.device)] = _pooled(out).float()
             padded += len(rows) * self.spec.image.tokens
@@ -102,6 +106,16 @@ class DualEncoderRunner:
             return out
 
         return PendingStep(padded, [vectors.cpu()], finish, started, None, None)
+
+    def _normalized(self, pixels: np.ndarray) -> torch.Tensor:
+        """(x * rescale_factor - mean) / std in float32, on the device: uint8 pixels travel there (a
+        quarter of the bytes) and are converted there; on a CPU through the per-channel table."""
+        if self.device.type != "cpu":
+            return (torch.from_numpy(pixels).to(self.device).float() * self.scale - self.mean) / self.std
+        out = np.empty(pixels.shape, np.float32)
+        for channel, table in enumerate(self.table):
+            np.take(table, pixels[:, channel], out=out[:, channel])
+        return torch.from_numpy(out)
 
     def finish(self, step: PendingStep) -> tuple[list, int, float]:
         results = step.finish([t.numpy() for t in step.host])
