@@ -642,9 +642,12 @@ def test_model_needing_remote_code_is_a_value_error_in_the_caller(tmp_path, mode
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
 
 
-def test_composite_clip_folder_is_refused_naming_its_architecture(tmp_path):
-    """A plain CLIP folder (text_config + vision_config, no hidden_size at the top): the error names
-    CLIPModel, not a missing hidden_size."""
+def test_composite_folders_are_refused_naming_what_is_missing(tmp_path):
+    """A CLIP folder is a dual encoder (tests/test_images.py), but one without an image processor
+    config is refused naming it; another composite model (text_config + vision_config, no
+    hidden_size at the top) is refused naming its architecture, not a missing hidden_size."""
+    import json
+
     from transformers import CLIPConfig, CLIPModel
 
     path = tmp_path / "clip"
@@ -655,8 +658,15 @@ def test_composite_clip_folder_is_refused_naming_its_architecture(tmp_path):
                         projection_dim=16)
     CLIPModel(config).save_pretrained(path)
     zoo.copy_wordpiece(path)
-    with pytest.raises(ValueError, match=r"CLIPModel.*'clip'"):
+    with pytest.raises(ValueError, match=r"/clip': a dual encoder without an image processor config"):
         Pipeline(model=str(path), num_render_workers=1)
+    blip = tmp_path / "blip"
+    blip.mkdir()
+    (blip / "config.json").write_text(json.dumps({"model_type": "blip", "architectures": ["BlipModel"],
+                                                  "text_config": {"hidden_size": 32}, "vision_config": {}}))
+    zoo.copy_wordpiece(blip)
+    with pytest.raises(ValueError, match=r"BlipModel \(model_type 'blip'\), a composite model"):
+        Pipeline(model=str(blip), num_render_workers=1)
 
 
 def test_unknown_module_type_refused_at_start(tmp_path):

@@ -113,12 +113,17 @@ def test_score_and_similarity_between_texts_and_images_equal_st(clip_pipe, clip_
     reference = clip_st.similarity(clip_st.encode(TEXTS[:2]), clip_st.encode(pictures)).numpy()
     scores = [o.score for o in clip_pipe.score(TEXTS[:2], pictures, use_tqdm=False)]
     assert np.abs(np.asarray(scores) - np.diag(reference)).max() <= TOL
+    from PIL import Image
+
     encoder = SentenceEncoder(clip_dir, num_render_workers=1)
     try:
         got = encoder.similarity(encoder.encode(TEXTS[:2]), encoder.encode(pictures)).numpy()
+        one = encoder.encode(Image.open(pictures[0]))  # one image, not a batch: a 1-D vector, as ST gives
     finally:
         encoder.close()
     assert np.abs(got - reference).max() <= TOL
+    reference_one = clip_st.encode(Image.open(pictures[0]))
+    assert one.shape == reference_one.shape == (16,) and np.abs(one - reference_one).max() <= TOL
 
 
 def test_bad_images_are_per_request_errors(clip_pipe, clip_st, images, tmp_path):

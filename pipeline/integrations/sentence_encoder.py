@@ -39,6 +39,7 @@ import numpy as np
 
 from pooling_pipeline.api import Pipeline
 from pooling_pipeline.core.messages import PoolingParams
+from pooling_pipeline.image_inputs import is_pil_image
 from pooling_pipeline.quantization import PRECISIONS, quantize_embeddings
 from pooling_pipeline.request_options import model_prompts
 from pooling_pipeline.similarity import similarity_matrix, similarity_pairwise
@@ -193,7 +194,7 @@ class SentenceEncoder:
             raise ValueError(f"truncate_dim must be a positive int or None, got {truncate_dim!r}")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        single = isinstance(sentences, str)
+        single = is_single_input(sentences)
         texts = [sentences] if single else sentences
         if not single and isinstance(texts, Sequence) and len(texts) == 0:
             return _empty(output_value, convert_to_tensor, convert_to_numpy)
@@ -332,6 +333,19 @@ def _empty(output_value: str, convert_to_tensor: bool, convert_to_numpy: bool):
 
         return torch.zeros(0, dtype=torch.float32)
     return np.array([])
+
+
+def is_single_input(inputs: object) -> bool:
+    """ST 6's rule (`is_singular_input`) for what is one input, not a batch: a str, a dict (an
+    `{"image": ...}` input, a message), one conversation (a list of role/content dicts), a PIL image,
+    an image array or tensor (3-D). Lists, tuples, arrays of strings and data-frame columns are
+    batches."""
+    if isinstance(inputs, (str, dict)) or is_pil_image(inputs):
+        return True
+    if isinstance(inputs, list) and inputs and isinstance(inputs[0], dict) and {"role", "content"} <= set(inputs[0]):
+        return True
+    return getattr(inputs, "ndim", None) == 3 and getattr(inputs, "dtype", None) is not None \
+        and getattr(inputs.dtype, "kind", "f") not in "UO"
 
 
 def _shaped(vectors: np.ndarray, single: bool, convert_to_tensor: bool, convert_to_numpy: bool):
