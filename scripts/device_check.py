@@ -13,7 +13,11 @@ Parts (each in its own subprocesses, with its own time budget inside one hard ov
               here and saved as a sentence-transformers folder) with texts all kept to 512 tokens:
               throughput and engine busy (target >= 95%);
 * loadtest -- scripts/loadtest.py with the real model on CUDA, one run per render-worker count: docs/s and
-              engine busy per count.
+              engine busy per count;
+* images   -- scripts/loadtest.py --regime images: a CLIP ViT-B/32-sized dual encoder (random weights, built
+              here: vision 12 x 768 at 224 px in 32 px patches, text 12 x 512, projection 512) in float16,
+              fed 100 generated web JPEGs (500x400, quality 85) by path with the most render workers given:
+              images/s and engine busy (informative: the render workers' CPU is expected to be the bottleneck).
 
 A part that runs out of time is reported as "timeout", one that fails with its error; the others still
 run and the table is always printed. A step's whole process group (its Pipelines included) is killed when
@@ -38,8 +42,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parent
-PARTS = ("dtype", "bench", "loadtest")
-DEFAULT_BUDGETS_S = {"dtype": 90.0, "bench": 150.0, "loadtest": 210.0}
+PARTS = ("dtype", "bench", "loadtest", "images")
+# Adding up to the 8 minutes: building the CLIP-B/32 model and the JPEGs takes ~20 s on a 16-core machine,
+# its one load-test run ~30 s (start-up, warm-up, IMAGES_MAX_SECONDS).
+DEFAULT_BUDGETS_S = {"dtype": 90.0, "bench": 150.0, "loadtest": 170.0, "images": 70.0}
 MAX_MINUTES = 8.0
 DEFAULT_WORKERS = (1, 2, 4, 8, 14)
 # A step started with less time than this left could not even load the model: it is reported as a timeout instead.
@@ -55,6 +61,9 @@ BENCH_DOCS = 2000
 BENCH_CHARS = (2400, 4000)  # ~600-1000 tokens of docstring text: every one kept to the model's 512
 LOADTEST_REQUESTS = 30_000
 LOADTEST_MAX_SECONDS = 12
+IMAGES_COUNT = 100  # distinct web JPEGs, cycled through
+IMAGES_REQUESTS = 20_000
+IMAGES_MAX_SECONDS = 8
 NO_CUDA = "no CUDA device: nothing to check"
 
 
@@ -181,9 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     # Only for the tests: run part (a)'s comparison on the CPU (float32 against float32), CUDA or not.
     ap.add_argument("--force-device", choices=["cpu"], default=None, help=argparse.SUPPRESS)
     # The steps this script runs as its own subprocesses.
-    ap.add_argument("--internal", choices=["dtype", "build-model"], default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--internal", choices=["dtype", "build-model", "build-clip"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--image-folder", default=None, help=argparse.SUPPRESS)
     return ap
 
 
@@ -194,8 +204,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--force-device: only the dtype part runs on a forced device (give --parts dtype)")
     if args.internal == "dtype" and not args.json:
         ap.error("--internal dtype needs --json")
-    if args.internal == "build-model" and not args.model_dir:
-        ap.error("--internal build-model needs --model-dir")
+    if args.internal in ("build-model", "build-clip") and not args.model_dir:
+        ap.error(f"--internal {args.internal} needs --model-dir")
+    if args.internal == "build-clip" and not args.image_folder:
+        ap.error("--internal build-clip needs --image-folder")
     return args
 
 
@@ -238,6 +250,18 @@ def make_plan(args: argparse.Namespace, work: Path) -> list[Part]:
                                      "--json", out),
                               out, "loadtest"))
         parts.append(Part("loadtest", budgets["loadtest"], steps, independent=True))
+    if "images" in args.parts:
+        model, folder, out = work / "clip-b32", work / "images", work / "images.json"
+        workers = max(args.workers)
+        parts.append(Part("images", budgets["images"], [
+            Step("images: building the CLIP-B/32 model and the JPEGs",
+                 python("device_check.py", "--internal", "build-clip", "--model-dir", model, "--image-folder", folder)),
+            Step(f"images: CLIP ViT-B/32 (random weights), float16, 224 px, {IMAGES_COUNT} web JPEGs by path, "
+                 f"{workers} render worker{'s' if workers > 1 else ''}",
+                 python("loadtest.py", "--regime", "images", "--model", clip_model_path(model), "--device", device,
+                        "--dtype", "float16", "--workers", workers, "--images", IMAGES_COUNT, "--image-folder", folder,
+                        "--requests", IMAGES_REQUESTS, "--max-seconds", IMAGES_MAX_SECONDS, "--json", out),
+                 out, "images")], cleanup=[model, folder]))
     return parts
 
 
@@ -316,7 +340,7 @@ def rows_of(step: Step) -> list[Row]:
         return [Row(**r) for r in record["rows"]]
     if step.rows_from == "bench":
         return bench_rows(record)
-    return loadtest_rows(record, step.label)
+    return loadtest_rows(record, step.label, "images" if step.rows_from == "images" else "docs")
 
 
 def model_shape(path: str | None) -> str:
@@ -344,11 +368,11 @@ def bench_rows(record: dict) -> list[Row]:
             Row(f"{name}: engine busy", f"{busy:.1%}", f">= {BUSY_TARGET:.0%}", "pass" if busy >= BUSY_TARGET else "FAIL")]
 
 
-def loadtest_rows(record: dict, label: str) -> list[Row]:
+def loadtest_rows(record: dict, label: str, unit: str = "docs") -> list[Row]:
     r = record["runs"][0]
-    figure = f"{r['requests_per_s']:,.0f} docs/s, engine busy {r['engine_busy']:.0%}"
+    figure = f"{r['requests_per_s']:,.0f} {unit}/s, engine busy {r['engine_busy']:.0%}"
     if not r["complete"]:
-        figure += f" ({r['requests']:,} docs: the run's time cap)"
+        figure += f" ({r['requests']:,} {unit}: the run's time cap)"
     return [Row(label, figure, "all results, in order", "pass")]  # loadtest.py exits non-zero on a broken order
 
 
@@ -504,6 +528,42 @@ def build_base_model(target: Path, hidden_size: int = 768, num_hidden_layers: in
     return str(target)
 
 
+def clip_model_path(model_dir: Path) -> Path:
+    """Where `build_clip_inputs` leaves the model in `model_dir` (tiny_models.build_clip saves it in st/)."""
+    return model_dir / "st"
+
+
+def build_clip_inputs(model_dir: Path, image_folder: Path, count: int = IMAGES_COUNT) -> str:
+    """The images part's inputs: a CLIP ViT-B/32-sized dual encoder (tiny_models.build_clip's defaults: vision
+    12 layers x 768, 12 heads, 3072 inner, 224 px in 32 px patches; text 12 x 512, 8 heads, 2048 inner, 77
+    positions; projection 512; random weights, saved by sentence-transformers) in `model_dir`, and `count` web
+    JPEGs (scripts/image_set.py: 500x400, quality 85) in `image_folder`, generated in a thread meanwhile."""
+    import threading
+
+    from image_set import build_image_set
+    from tiny_models import build_clip
+
+    failed: list[BaseException] = []
+
+    def images() -> None:
+        try:
+            build_image_set(image_folder, "web", count)
+        except BaseException as e:  # raised below, in the step
+            failed.append(e)
+
+    thread = threading.Thread(target=images)
+    thread.start()
+    try:
+        path = build_clip(model_dir)
+    finally:
+        thread.join()
+    if failed:
+        raise failed[0]
+    if Path(path) != clip_model_path(model_dir):
+        raise RuntimeError(f"build_clip saved the model in {path}, the plan expects {clip_model_path(model_dir)}")
+    return path
+
+
 # ---------------------------------------------------------------------------------------------- main
 
 def main(argv: list[str] | None = None) -> int:
@@ -515,6 +575,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.internal == "build-model":
         print(build_base_model(Path(args.model_dir)))
+        return 0
+    if args.internal == "build-clip":
+        print(build_clip_inputs(Path(args.model_dir), Path(args.image_folder)))
         return 0
     if args.dry_run:
         print(format_plan(make_plan(args, Path("<work>")), args.max_minutes))

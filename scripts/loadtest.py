@@ -5,6 +5,8 @@
     python scripts/loadtest.py --regime real --requests 3000
     python scripts/loadtest.py --workers 1 2 4 8 16 --threads 1 4 --png sweep.png   # a big machine
     python scripts/loadtest.py --regime real --device cuda --workers 1 4 14           # the real model on a GPU
+    python scripts/loadtest.py --regime sim-images --workers 1 2                      # images: cores per GPU
+    python scripts/loadtest.py --regime images --model DIR --device cuda --dtype float16 --workers 14
 
 Regimes: "tiny" -- a tiny BERT built on the fly, so tokenization and transport are the bottleneck
 (what a GPU engine looks like from the CPU side; it gets a GPU's batch shape too: 256 sequences,
@@ -21,6 +23,15 @@ On a machine with 16+ cores, sweep the workers and the engine threads, e.g.
 The tiny regime then shows how far render workers scale before the frontend or the engine's
 loop becomes the bottleneck; the real regime shows where adding workers stops paying because
 the model is the bottleneck (engine busy ~100%). The PNG needs matplotlib (`pip install -e ".[bench]"`).
+
+Image regimes: a CLIP dual encoder embeds web-size JPEG files given by path (--images distinct
+500x400 JPEGs, quality 85, built once by scripts/image_set.py into --image-folder and cycled
+through), so each render worker opens, decodes, resizes and crops every image (the engine counts an
+image as its vision sequence, 50 tokens for ViT-B/32 at 224). "images" -- a tiny CLIP built on the
+fly (or --model DIR) on the Pipeline's device (--device, --dtype); "sim-images" -- a tiny CLIP on the
+simulated device (--sim-device, default base-h100: a ViT-B/32 vision tower is BERT-base-shaped, 12
+layers x 768, ~85M parameters), and a capacity table: how many render-worker cores feed one GPU
+running CLIP-B/32.
 """
 
 from __future__ import annotations
@@ -39,12 +50,22 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import corpus
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
-from tiny_models import TINY_BATCH_SHAPE, build_tiny_model  # noqa: E402
+from image_set import build_image_set, default_folder, describe_set  # noqa: E402
+from tiny_models import TINY_BATCH_SHAPE, build_clip, build_tiny_model  # noqa: E402
 
 from pooling_pipeline import Pipeline  # noqa: E402
 from pooling_pipeline.call_stats import format_stats  # noqa: E402
 from pooling_pipeline.core.model_folder.model_path import default_model_path  # noqa: E402
 from pooling_pipeline.cpu_plan import available_cores  # noqa: E402
+
+IMAGE_REGIMES = ("images", "sim-images")
+# The simulated device each simulated regime runs on unless --sim-device names another.
+SIM_REGIMES = {"sim": "minilm-h100", "sim-images": "base-h100"}
+CLIP_SIZE = 224  # the tiny CLIP's image size and crop, as ViT-B/32's
+# ViT-B/32 at 224 px: 4.4 GMACs an image (timm's vit_base_patch32_224) = 8.8 GFLOPs, i.e.
+# 2 x ~86M parameters x 50 tokens (+ attention, small at 50 tokens): what `base-h100` charges, 50 tokens
+# at 2 x 85M FLOPs a token on an H100 at 40% of its 989 dense bf16 TFLOP/s.
+VIT_B32_GFLOPS = 8.8
 
 
 class Sampler:
@@ -215,9 +236,20 @@ def series(runs: list[dict]) -> dict[str, list[dict]]:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--regime", choices=["tiny", "real", "sim"], default="tiny",
-                    help="sim: the simulated accelerator (--sim-device) with the capacity table")
-    ap.add_argument("--sim-device", default="minilm-h100", help="a preset (minilm-h100, base-h100) or 'a,b' seconds")
+    ap.add_argument("--regime", choices=["tiny", "real", "sim", *IMAGE_REGIMES], default="tiny",
+                    help="sim / sim-images: the simulated accelerator (--sim-device) with a capacity table; "
+                         "images / sim-images: a CLIP embeds JPEG files")
+    ap.add_argument("--sim-device", default=None, help="a preset (minilm-h100, base-h100) or 'a,b' seconds "
+                    "(default: minilm-h100 for sim, base-h100 -- a ViT-B/32 vision tower's size -- for sim-images)")
+    ap.add_argument("--model", default=None, help="the model folder (default: the regime's; images: a tiny CLIP "
+                    "built on the fly)")
+    ap.add_argument("--dtype", default=None, help="the engine's dtype (default: the Pipeline's)")
+    ap.add_argument("--images", type=int, default=100, help="distinct 500x400 JPEGs the image regimes cycle through")
+    ap.add_argument("--image-folder", default=None,
+                    help="where the image set is built once (default: build/bench-images, scripts/image_set.py's)")
+    ap.add_argument("--gpu-images-per-s", type=float, default=None,
+                    help="sim-images' capacity table: one GPU's CLIP-B/32 images/s (default: the simulated "
+                         "device's rate in full steps)")
     ap.add_argument("--device", default=None, help="the engine's device for the tiny and real regimes "
                     "(default: the Pipeline's, auto: CUDA when there is one)")
     ap.add_argument("--data-parallel-size", type=int, default=1, help="engine cores (sim: one simulated device each)")
@@ -234,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=None, help="truncate_prompt_tokens for every request")
     ap.add_argument("--max-seconds", type=float, default=120)
     ap.add_argument("--repeats", type=int, default=None,
-                    help="runs of each setting; the tables show medians (default: 3 with --regime sim, else 1)")
+                    help="runs of each setting; the tables show medians (default: 3 with a simulated regime, else 1)")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: 256 tiny, the Pipeline's default real")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="default: 16384 tiny (a GPU's budget), the engine's default real")
@@ -246,21 +278,37 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> None:
     ap = build_parser()
     args = ap.parse_args()
-    if args.device is not None and args.regime == "sim":
-        ap.error("--device: the sim regime runs on the simulated device")
+    if args.device is not None and args.regime in SIM_REGIMES:
+        ap.error(f"--device: the {args.regime} regime runs on the simulated device")
+    images = args.regime in IMAGE_REGIMES
+    if images and args.inputs != "text":
+        ap.error(f"--inputs: the {args.regime} regime feeds image files")
+    if args.images < 1:
+        ap.error("--images: at least 1")
 
     cores = available_cores()
     workers_list = args.workers or list(range(1, cores + 1))
-    model = build_tiny_model() if args.regime in ("tiny", "sim") else None
-    n = args.requests or (2_000 if args.regime == "real" else 40_000)
+    model = args.model or regime_model(args.regime)
+    n = args.requests or (2_000 if args.regime == "real" or images else 40_000)
     pipeline_kwargs, sim = pipeline_settings(args)
-    texts, feeds = input_feeds(args, model, n)
+    if images:
+        paths = image_paths(args)
+        feeds, what = {"images": [paths[i % len(paths)] for i in range(n)]}, f"web JPEGs ({describe_set(paths)})"
+    else:
+        (texts, feeds), what = input_feeds(args, model, n), f"{args.texts} texts"
     batch_shape = batch_shape_of(args)
     runs = run_all(args, model, feeds, workers_list, batch_shape, pipeline_kwargs)
 
-    print(f"\nregime {args.regime}, {n:,} {args.texts} texts per run, {cores} cores, batch shape {batch_shape or 'default'}")
+    print(f"\nregime {args.regime}, {n:,} {what} per run, {cores} cores, batch shape {batch_shape or 'default'}")
     print_tables(runs)
-    if sim is not None:
+    if images:
+        print()
+        print("\n".join(image_table(runs)))
+        if sim is not None:
+            print()
+            print("\n".join(image_capacity_table(runs, sim, batch_shape["max_num_seqs"], pil_cost_us(paths),
+                                                 args.gpu_images_per_s)))
+    elif sim is not None:
         print()
         first = {kind: min((r for r in runs if r["inputs"] == kind), key=lambda r: r["workers"]) for kind in feeds}
         for line in capacity_table(first.get("text", first.get("ids")), sim, tokenizer_cost_us(texts[:5000]),
@@ -278,17 +326,133 @@ def pipeline_settings(args: argparse.Namespace) -> tuple[dict, object]:
     """(the Pipeline's keyword arguments the flags set, the simulated device or None)."""
     pipeline_kwargs = {}
     sim = None
-    if args.regime == "sim":
+    if args.regime in SIM_REGIMES:
         from pooling_pipeline.core.sim_device import resolve_sim_device
 
-        preset = args.sim_device
+        preset = args.sim_device or SIM_REGIMES[args.regime]
         sim = resolve_sim_device(tuple(float(x) for x in preset.split(",")) if "," in preset else preset)
         pipeline_kwargs = {"device": "sim", "sim_device": sim}
     if args.device is not None:
         pipeline_kwargs["device"] = args.device
+    if args.dtype is not None:
+        pipeline_kwargs["dtype"] = args.dtype
     if args.data_parallel_size != 1:
         pipeline_kwargs["data_parallel_size"] = args.data_parallel_size
     return pipeline_kwargs, sim
+
+
+def regime_model(regime: str) -> str | None:
+    """The model a regime runs when --model does not name one (None: the Pipeline's default)."""
+    if regime in IMAGE_REGIMES:
+        return build_tiny_clip()
+    return build_tiny_model() if regime in ("tiny", "sim") else None
+
+
+def build_tiny_clip() -> str:
+    """A CLIP dual encoder as small as its towers get (1 layer, 32 wide) with ViT-B/32's image shape
+    (224 px, 32 px patches: 50 tokens an image) and transformers' PIL image processor: the render
+    workers' work is the real model's, the engine's forward pass costs almost nothing."""
+    return build_clip(None, vision_hidden=32, vision_layers=1, vision_heads=4, vision_intermediate=64,
+                      image_size=CLIP_SIZE, patch_size=32, text_hidden=32, text_layers=1, text_heads=4,
+                      text_intermediate=64, projection_dim=16)
+
+
+def image_paths(args: argparse.Namespace) -> list[str]:
+    """--images distinct web JPEGs (500x400, quality 85: gradients, noise, shapes, photo crops, grain),
+    built once by scripts/image_set.py (a set built before is reused)."""
+    return build_image_set(args.image_folder or default_folder(), "web", args.images)
+
+
+def pil_open_resize(path: str) -> None:
+    """What a render worker cannot do with less: open, decode, RGB, shortest edge to 224 (bicubic, as
+    CLIP's processor sizes it), center crop 224."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        rgb = image.convert("RGB")
+    scale = CLIP_SIZE / min(rgb.size)
+    resized = rgb.resize((max(CLIP_SIZE, int(rgb.width * scale)), max(CLIP_SIZE, int(rgb.height * scale))),
+                         Image.BICUBIC)
+    left, top = (resized.width - CLIP_SIZE) // 2, (resized.height - CLIP_SIZE) // 2
+    resized.crop((left, top, left + CLIP_SIZE, top + CLIP_SIZE)).tobytes()
+
+
+def pil_cost_us(paths: list[str]) -> float:
+    """CPU microseconds per image of `pil_open_resize` in this process (one thread), best of 3 passes."""
+    best = float("inf")
+    for _ in range(3):
+        start = time.process_time()
+        for path in paths:
+            pil_open_resize(path)
+        best = min(best, time.process_time() - start)
+    return 1e6 * best / len(paths)
+
+
+def worker_us(run: dict) -> float:
+    """The render workers' CPU per request, all of them together (each request is one worker's)."""
+    return sum(v["cpu_us_per_request"] for k, v in run["processes"].items() if k.startswith("worker"))
+
+
+def image_table(runs: list[dict]) -> list[str]:
+    """Per worker count: images/s, what one worker feeds (measured, and its CPU bound), engine busy."""
+    lines = ["| workers | images/s | images/s per worker | worker CPU us/image | one worker core's bound (1e6 / CPU) "
+             "| engine busy | CPU us/image frontend / engine |", "|---|---|---|---|---|---|---|"]
+    for r in sorted(runs, key=lambda r: r["workers"]):
+        p, cpu = r["processes"], worker_us(r)
+        lines.append(f"| {r['workers']} | {r['requests_per_s']:,.0f} | {r['requests_per_s'] / r['workers']:,.0f} "
+                     f"| {cpu:,.0f} | {1e6 / cpu:,.0f} images/s | {r['engine_busy']:.1%} "
+                     f"| {p['frontend']['cpu_us_per_request']:,.0f} / {p['engine']['cpu_us_per_request']:,.0f} |")
+    return lines
+
+
+def image_capacity_table(runs: list[dict], sim, max_num_seqs: int, pil_us: float,
+                         gpu_rate: float | None = None) -> list[str]:
+    """How many render-worker cores feed GPUs running CLIP-B/32: a GPU's images/s (`gpu_rate`, or the
+    simulated device's rate in full steps of `max_num_seqs` images) over what one worker core feeds
+    (1e6 / its CPU per image, from the fewest-workers run). The frontend's and the engine core's CPU
+    per image come from the most-workers run (the nearest to saturation; an idle engine core uses ~0.1%
+    of a core, so its CPU per image is per-image work: taking in each image's pixels, 150 KB at 224 px).
+    Cores in all: the render workers, the frontends (one per core of CPU they need: several pipelines)
+    and one engine core per GPU; an engine core that would need more than one core caps its GPU."""
+    run, busiest = min(runs, key=lambda r: r["workers"]), max(runs, key=lambda r: r["workers"])
+    worker = worker_us(run)
+    frontend, engine = (busiest["processes"][k]["cpu_us_per_request"] for k in ("frontend", "engine"))
+    tokens = run["padded_tokens"] / max(run["requests"], 1)  # an image's vision sequence (no padding)
+    step = sim.step_s + sim.token_s * max_num_seqs * tokens
+    sim_rate = max_num_seqs / step
+    if gpu_rate is None:
+        gpu_rate, source = sim_rate, (
+            f"the simulated device {sim.name}: {max_num_seqs} images a step of {step * 1e3:.2f} ms "
+            f"(a = {sim.step_s * 1e6:.0f} us + b = {sim.token_s * 1e9:.1f} ns/token x {tokens:.0f} tokens x {max_num_seqs}), "
+            f"i.e. ViT-B/32 at 224 px = {VIT_B32_GFLOPS} GFLOPs an image (4.4 GMACs) on an H100 at 40% of its 989 dense "
+            f"fp16 TFLOP/s: {0.4 * 989e12 / (VIT_B32_GFLOPS * 1e9):,.0f} images/s before each step's fixed cost")
+    else:
+        source = f"--gpu-images-per-s (the simulated device {sim.name} would say {sim_rate:,.0f})"
+    feed = 1e6 / worker
+    lines = [f"CPU per image: render worker {worker:,.0f} us ({run['workers']} worker run; PIL alone, open + decode + RGB "
+             f"+ resize + crop in this process: {pil_us:,.0f} us, ratio {worker / pil_us:.2f}x); frontend {frontend:.0f} us, "
+             f"engine core {engine:.0f} us ({busiest['workers']} worker run, engine busy {busiest['engine_busy']:.1%})",
+             f"one render-worker core feeds {feed:,.0f} images/s (1e6 / its CPU per image)",
+             "",
+             f"GPU node capacity, CLIP ViT-B/32 at 224 px (50 tokens an image): one GPU = {gpu_rate:,.0f} images/s, from "
+             f"{source}. Render-worker cores = GPU images/s / {feed:,.0f}; cores in all = render workers + frontends "
+             "(as many as the CPU they need) + one engine core per GPU",
+             "",
+             "| GPUs | images/s | render-worker cores | frontend CPU (cores) | engine-core CPU per GPU (cores) "
+             "| cores in all |",
+             "|---|---|---|---|---|---|"]
+    engine_cores = gpu_rate * engine / 1e6
+    for gpus in (1, 2, 4, 8):
+        rate = gpus * gpu_rate
+        workers = int(np.ceil(rate / feed))
+        front_cores = rate * frontend / 1e6
+        total = workers + max(1, int(np.ceil(front_cores))) + gpus
+        lines.append(f"| {gpus} | {rate:,.0f} | {workers:,} | {front_cores:.1f} | {engine_cores:.1f} | {total:,} |")
+    if engine_cores > 1:
+        lines += ["", f"the engine core is the cap: at {engine:.0f} us of its CPU per image, one engine core (one per GPU) "
+                      f"takes in at most {1e6 / engine:,.0f} images/s, {1e6 / engine / gpu_rate:.0%} of the GPU's rate; "
+                      f"at that rate {int(np.ceil(1e6 / engine / feed))} render-worker cores per GPU suffice"]
+    return lines
 
 
 def input_feeds(args: argparse.Namespace, model: str | None, n: int) -> tuple[list[str], dict[str, list]]:
@@ -323,7 +487,7 @@ def run_all(args: argparse.Namespace, model: str | None, feeds: dict[str, list],
             batch_shape: dict, pipeline_kwargs: dict) -> list[dict]:
     """Every setting (input kind x engine threads x workers), each the median of its repeats."""
     runs = []
-    repeats = args.repeats or (3 if args.regime == "sim" else 1)
+    repeats = args.repeats or (3 if args.regime in SIM_REGIMES else 1)
     for kind, feed in feeds.items():
         for threads in args.threads or [None]:
             for workers in workers_list:

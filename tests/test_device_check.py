@@ -33,19 +33,24 @@ def test_dry_run_prints_every_part_with_its_commands_and_budget():
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "hard deadline 300 s" in out
-    assert "part dtype: budget 90 s" in out and "part bench: budget 33 s" in out and "part loadtest: budget 210 s" in out
+    assert "part dtype: budget 90 s" in out and "part bench: budget 33 s" in out and "part loadtest: budget 170 s" in out
+    assert "part images: budget 70 s" in out and "budgets 363 s in all" in out
     assert "device_check.py --internal dtype" in out
     assert "device_check.py --internal build-model" in out
     assert "bench_embed.py --device cuda --dtype float16 --model" in out and "--medium-chars 2400 4000" in out
     for w in (1, 3):
         assert f"loadtest.py --regime real --device cuda --workers {w} " in out
     assert "--workers 14" not in out
+    assert "device_check.py --internal build-clip --model-dir" in out
+    assert "loadtest.py --regime images --model" in out and "--device cuda --dtype float16 --workers 3 --images 100" in out
 
 
 def test_dry_run_of_some_parts_plans_only_those():
     out = run_script("--dry-run", "--parts", "loadtest,dtype").stdout
-    assert "part dtype" in out and "part loadtest" in out and "part bench" not in out
+    assert "part dtype" in out and "part loadtest" in out and "part bench" not in out and "part images" not in out
     assert out.index("part dtype") < out.index("part loadtest")  # run in their fixed order
+    out = run_script("--dry-run", "--parts", "images").stdout
+    assert "part images" in out and "part loadtest" not in out
 
 
 @pytest.mark.parametrize("args, names", [
@@ -62,6 +67,7 @@ def test_dry_run_of_some_parts_plans_only_those():
     (["--workers", "4,4"], ["--workers", "repeated"]),
     (["--texts", "0"], ["--texts"]),
     (["--force-device", "cpu"], ["--force-device", "--parts dtype"]),
+    (["--internal", "build-clip", "--model-dir", "m"], ["--image-folder"]),
 ])
 def test_a_bad_argument_is_exit_2_naming_it(args, names):
     result = run_script(*args, "--dry-run")
@@ -186,6 +192,8 @@ def test_loadtest_rows_say_when_the_run_was_cut_by_its_time_cap():
     assert (row.check, row.figure, row.result) == ("loadtest: 4 workers", "12,346 docs/s, engine busy 81%", "pass")
     (row,) = dc.loadtest_rows({"runs": [{**run, "complete": False, "requests": 9000}]}, "w")
     assert "9,000 docs: the run's time cap" in row.figure
+    (row,) = dc.loadtest_rows({"runs": [run]}, "images: 14 workers", "images")
+    assert row.figure == "12,346 images/s, engine busy 81%"
 
 
 def test_compare_rows_hold_cosine_and_abs_diff_to_their_targets():
@@ -280,5 +288,36 @@ def test_every_command_of_the_plan_is_accepted_by_its_script(tmp_path):
     bench = parsed["bench_embed.py"][0]
     assert (bench.device, bench.model, bench.medium_chars, bench.no_decoder) == ("cuda", str(tmp_path / "bert-base"),
                                                                                 [2400, 4000], True)
-    assert [(a.regime, a.device, a.workers) for a in parsed["loadtest.py"]] == [("real", "cuda", [1]), ("real", "cuda", [14])]
-    assert sorted(a.internal for a in parsed["device_check.py"]) == ["build-model", "dtype"]
+    assert [(a.regime, a.device, a.workers) for a in parsed["loadtest.py"]] == [("real", "cuda", [1]), ("real", "cuda", [14]),
+                                                                              ("images", "cuda", [14])]
+    images = parsed["loadtest.py"][-1]
+    assert (images.model, images.dtype, images.image_folder) == (str(tmp_path / "clip-b32" / "st"), "float16",
+                                                                 str(tmp_path / "images"))
+    assert sorted(a.internal for a in parsed["device_check.py"]) == ["build-clip", "build-model", "dtype"]
+
+
+def test_loadtest_image_capacity_is_a_gpus_images_per_s_over_what_one_worker_core_feeds():
+    import loadtest
+
+    from pooling_pipeline.core.sim_device import SIM_PRESETS
+
+    def run(workers, worker_us, engine_busy):
+        procs = {"frontend": {"cpu_us_per_request": 20.0}, "engine": {"cpu_us_per_request": 10.0},
+                 **{f"worker{i}": {"cpu_us_per_request": worker_us / workers} for i in range(workers)}}
+        return {"workers": workers, "requests": 1000, "padded_tokens": 50_000, "requests_per_s": 300.0 * workers,
+                "engine_busy": engine_busy, "processes": procs}
+
+    runs = [run(1, 4000.0, 0.01), run(2, 4000.0, 0.02)]
+    lines = loadtest.image_capacity_table(runs, SIM_PRESETS["base-h100"], 256, 2000.0, gpu_rate=10_000.0)
+    assert "one render-worker core feeds 250 images/s" in lines[1] and "ratio 2.00x" in lines[0]
+    assert "one GPU = 10,000 images/s, from --gpu-images-per-s" in lines[3]
+    # 10,000 / 250 = 40 worker cores, + 1 frontend (0.2 of a core) + 1 engine core (0.1).
+    assert lines[7] == "| 1 | 10,000 | 40 | 0.2 | 0.1 | 42 |"
+    assert lines[-1] == "| 8 | 80,000 | 320 | 1.6 | 0.1 | 330 |"  # 2 frontends, 8 engine cores
+    assert not any("the engine core is the cap" in line for line in lines)
+    modeled = loadtest.image_capacity_table(runs, SIM_PRESETS["base-h100"], 256, 2000.0)
+    assert "one GPU = 41,964 images/s, from the simulated device base-h100" in modeled[3]
+    # 10 us an image: 0.4 of a core at 41,964 images/s; at 200 us, 8.4 cores -- one engine core caps the GPU.
+    runs[1]["processes"]["engine"]["cpu_us_per_request"] = 200.0
+    capped = loadtest.image_capacity_table(runs, SIM_PRESETS["base-h100"], 256, 2000.0)
+    assert "takes in at most 5,000 images/s, 12% of the GPU's rate" in capped[-1] and "20 render-worker cores" in capped[-1]
