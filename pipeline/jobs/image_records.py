@@ -165,14 +165,19 @@ def image_job(job, sources: Sequence[Source]) -> bool:
     return job.image_field is not None or any(isinstance(s, ImageFolder) for s in sources)
 
 
+def check_image_field(job) -> None:
+    """--image-field names a record's content: not with --text-field or --pair-field."""
+    if job.image_field is None:
+        return
+    if job.pair_field is not None:
+        raise UsageError("--image-field and --pair-field: a record is an image or a pair of texts, not both")
+    if job.text_field != "text":
+        raise UsageError(f"--image-field {job.image_field!r} and --text-field {job.text_field!r}: a record's content "
+                         "is its image or its text; give one")
+
+
 def check_image_job(job, sources: Sequence[Source]) -> None:
     """What an image job refuses before the model loads: texts' options, other tasks, --ray."""
-    if job.image_field is not None:
-        if job.pair_field is not None:
-            raise UsageError("--image-field and --pair-field: a record is an image or a pair of texts, not both")
-        if job.text_field != "text":
-            raise UsageError(f"--image-field {job.image_field!r} and --text-field {job.text_field!r}: a record's content "
-                             "is its image or its text; give one")
     if not image_job(job, sources):
         return
     what = f"--image-field {job.image_field!r}" if job.image_field is not None else "a folder of images"

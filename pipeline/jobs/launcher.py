@@ -40,6 +40,7 @@ from pooling_pipeline.call_stats import format_stats
 from pooling_pipeline.core.config import ModelSpec
 from pooling_pipeline.jobs.image_records import (
     ImageRecordReader,
+    check_image_field,
     check_image_job,
     check_image_model,
     check_resumed_image_decode,
@@ -260,6 +261,7 @@ def run(job: JobSpec, interrupt: Interrupt | None = None) -> int:
     if job.ray and job.data_parallel_size != 1:
         raise UsageError("--data-parallel-size is for a run on one machine; with --ray each actor is one process "
                          "group on one GPU: use --ray-actors")
+    check_image_field(job)  # (before --pair-field's checks: it names both)
     _check_pair_field(job)
     if job.keep_fields and job.format != "parquet":
         raise UsageError("--keep-fields needs --format parquet (the columns go into the Parquet chunks)")
