@@ -87,8 +87,9 @@ def _read_later_module(layout: STLayout, module: Module, modules_path: Path, tru
         read_multi_vector_module(layout.multi_vector, module, modules_path, trust_remote_code)
         return
     if kind in ("Pooling", "SpladePooling") and (layout.static_dir is not None or layout.dual_encoder):
-        raise ValueError(f"{modules_path}: a {kind} module after a StaticEmbedding or a dual encoder is not "
-                         "supported (its output is a sentence embedding already)")
+        first = "StaticEmbedding" if layout.static_dir is not None else "a dual encoder (CLIP, SigLIP)"
+        raise ValueError(f"{modules_path}: a {kind} module after {first} is not supported (its output is a "
+                         "sentence embedding already)")
     if kind == "Pooling":
         if layout.pooling_module:
             raise ValueError(f"{modules_path}: more than one Pooling module")
