@@ -284,7 +284,8 @@ def cpu_name() -> str:
         return platform.processor() or platform.machine()
 
 
-def header_lines(args, model: str, built: bool, info: dict, image_sets: dict[str, list[str]], draft) -> list[str]:
+def header_lines(args, model: str, built: bool, info: dict, image_sets: dict[str, list[str]], draft,
+                 load: tuple[float, float]) -> list[str]:
     engine, plan = info["engine"], info["cpu_plan"]
     photos, missing = photo_sources()
     return [
@@ -300,6 +301,9 @@ def header_lines(args, model: str, built: bool, info: dict, image_sets: dict[str
                             "n/a (this Pipeline has no image_decode option)"),
         "worker CPU: the render workers' user+system seconds per image (psutil); PIL: open + decode + RGB + "
         "resize 224 bicubic + crop in this process",
+        # Each side is timed alone, so another program's load skews the ratios: the load says if there was any.
+        f"load average (1 min) at the start {load[0]:.2f}, at the end {load[1]:.2f} (this run alone keeps it "
+        f"near {info['cpu_plan']['engine_threads']})",
     ]
 
 
@@ -321,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     image_sets = {kind: build_image_set(args.images, kind, getattr(args, f"count_{kind}")) for kind in KINDS}
     work = Path(tempfile.mkdtemp(prefix="bench-images-"))
+    load_at_start = os.getloadavg()[0]
     try:
         model = args.model or build_model(work)
         exact, info = pipeline_sides(model, image_sets, args)
@@ -328,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         threads = int(info["engine"]["torch_threads"])
         st = None if args.skip_st else st_sides(model, image_sets, args.repeats, threads)
         pil = {kind: pil_cpu_per_image(paths, args.repeats) for kind, paths in image_sets.items()}
-        print_table(header_lines(args, model, args.model is None, info, image_sets, draft), image_sets, exact, st,
+        load = (load_at_start, os.getloadavg()[0])
+        print_table(header_lines(args, model, args.model is None, info, image_sets, draft, load), image_sets, exact, st,
                     draft, pil)
     finally:
         shutil.rmtree(work, ignore_errors=True)
