@@ -77,6 +77,22 @@ def test_every_image_file_in_every_form_equals_st(clip_pipe, clip_st, images):
     assert np.abs(by_path[alpha] - by_pil[alpha]).max() > 1e-3
 
 
+def test_files_open_as_load_image_opens_them(clip_dir, images):
+    """The worker's opening of a file is transformers' load_image without its copies: same mode,
+    size, pixels and info, for every test image (EXIF rotation, CMYK, palette, 16-bit, ...)."""
+    from PIL import Image
+    from transformers.image_utils import load_image
+
+    from pooling_pipeline.core.model_folder.load import load_model_spec
+    from pooling_pipeline.workers.images import ImageRenderer
+
+    renderer = ImageRenderer(load_model_spec(clip_dir))
+    for name, path in images.items():
+        expected, got = load_image(str(path)), renderer.upright_rgb(Image.open(path))
+        assert (got.mode, got.size, got.info) == (expected.mode, expected.size, expected.info), name
+        assert got.tobytes() == expected.tobytes(), name
+
+
 def test_arrays_and_tensors_equal_st(clip_pipe, clip_st, images):
     import torch
     from PIL import Image

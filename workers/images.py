@@ -30,12 +30,11 @@ class ImageRenderer:
     spec the frontend read), and the opening rules above."""
 
     def __init__(self, spec: ModelSpec) -> None:
-        from PIL import Image  # (a worker of a text model never imports PIL)
+        from PIL import Image, ImageOps  # (a worker of a text model never imports PIL)
         from transformers import AutoImageProcessor
-        from transformers.image_utils import load_image
 
         self.spec, self.max_pixels = spec.image, spec.image.max_pixels
-        self._image, self._load_image = Image, load_image
+        self._image, self._exif_transpose = Image, ImageOps.exif_transpose
         self.processor = AutoImageProcessor.from_pretrained(spec.path)
         name = type(self.processor).__name__
         if name != self.spec.processor_class:
@@ -90,13 +89,21 @@ class ImageRenderer:
                     raise ImageError(f"{what} is empty ({width}x{height})")
                 if self.spec.draft and opened.format == "JPEG":
                     opened.draft("RGB", (self.draft_side, self.draft_side))  # (both sides stay >= the model's input)
-                return self._load_image(opened)  # transformers' own: EXIF orientation, then RGB
+                return self.upright_rgb(opened)
         except ImageError:
             raise
         except FileNotFoundError:
             raise ImageError(f"{what} does not exist") from None
         except Exception as e:  # not an image, truncated, an unsupported mode, ...
             raise ImageError(f"{what} cannot be decoded: {type(e).__name__}: {e}") from None
+
+    def upright_rgb(self, opened):
+        """transformers' `load_image` on an opened file -- EXIF orientation applied, then
+        `convert("RGB")` -- without its two whole-image copies (`exif_transpose` copies an image it
+        does not turn, and `convert` to the image's own mode copies it): the same pixels and info,
+        ~25 ms less for a 12-megapixel photo. (tests/test_images.py compares it with load_image.)"""
+        self._exif_transpose(opened, in_place=True)
+        return opened if opened.mode == "RGB" else opened.convert("RGB")
 
     def _in_memory(self, image: ImageData):
         """A caller's PIL image (rebuilt from its raw pixels) or numpy array."""
