@@ -32,11 +32,13 @@ from pooling_pipeline.core.vectors import finish_sentence_embeddings
 class DualEncoderRunner:
     """A StepRunner (core/step_runner.py) for a dual encoder."""
 
-    def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype, backend: str = "torch",
+                 threads: int = 1) -> None:
         from transformers import AutoModel
 
         self.spec, self.device, self.dtype = spec, device, dtype
         self.model = AutoModel.from_pretrained(spec.path, dtype=dtype).to(device).eval()
+        self.image_tower = None  # backend "openvino": the image tower compiled by OpenVINO
         self.sentence_head = SentenceHead(spec.head_modules).to(device).eval() if spec.head_modules else None
         self.last_position_pooling = spec.model_type == "siglip"  # (see the module's docstring)
         image = spec.image
@@ -52,6 +54,14 @@ class DualEncoderRunner:
         values = torch.arange(256, dtype=torch.float32, device=device).view(1, -1)
         self.table = ((values * self.scale - self.mean.view(-1, 1)) / self.std.view(-1, 1)).cpu().numpy()
         self.backend_info: dict = {"backend": "torch", "model": f"dual encoder ({spec.model_type}: text and image towers)"}
+        if backend == "openvino":
+            from pooling_pipeline.core.openvino_image_tower import compile_image_tower
+
+            started = time.perf_counter()
+            self.image_tower, max_diff = compile_image_tower(self.model, spec.image, threads, self._normalized)
+            self.backend_info.update(backend="openvino", image_tower="openvino", text_tower="torch",
+                                     image_tower_max_diff=max_diff,
+                                     image_tower_convert_s=round(time.perf_counter() - started, 2))
 
     def step_cost(self, max_tokens: int) -> tuple[float, float]:
         token = min(1000, self.spec.vocab_size - 1)
@@ -86,8 +96,11 @@ class DualEncoderRunner:
             rows = np.flatnonzero(images)
             pixels = batch.pixels[rows] if len(rows) < len(batch) else batch.pixels
             values = self._normalized(pixels)
-            out = self.model.get_image_features(pixel_values=values.to(self.dtype))
-            vectors[torch.from_numpy(rows).to(self.device)] = _pooled(out).float()
+            if self.image_tower is not None:
+                embedded = torch.from_numpy(self.image_tower(values.numpy())[0])
+            else:
+                embedded = _pooled(self.model.get_image_features(pixel_values=values.to(self.dtype))).float()
+            vectors[torch.from_numpy(rows).to(self.device)] = embedded
             padded += len(rows) * self.spec.image.tokens
         if self.sentence_head is not None:
             vectors = self.sentence_head(vectors)

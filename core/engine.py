@@ -176,7 +176,8 @@ class EngineCore:
             from pooling_pipeline.core.model_runner import resolve_device, resolve_dtype
 
             device = resolve_device(cfg.device)
-            self.runner = DualEncoderRunner(cfg.model, device, resolve_dtype(cfg.dtype, device, "float32"))
+            self.runner = DualEncoderRunner(cfg.model, device, resolve_dtype(cfg.dtype, device, "float32"),
+                                            backend=cfg.backend, threads=cfg.torch_threads)
         else:
             self.runner = ModelRunner(cfg.model, cfg.device, cfg.dtype, backend=cfg.backend,
                                       threads=cfg.torch_threads, quantize=cfg.quantize)

@@ -171,7 +171,7 @@ class Pipeline:
 
             self._plugin = load_plugin(opts.io_processor)  # in the caller too, for post_process (errors early)
         if spec.input_module == "dual_encoder":
-            backend = dual_encoder_backend(opts.backend, opts.quantize)
+            backend = dual_encoder_backend(opts.backend, opts.quantize, device, DTYPE_ALIASES[opts.dtype])
         else:
             backend = engine_backend(opts.backend, opts.quantize, device, DTYPE_ALIASES[opts.dtype])
         if spec.input_module == "static_embedding":

@@ -50,14 +50,21 @@ def static_backend(backend: str, quantize: str | None, dtype: str) -> str:
     return "torch"
 
 
-def dual_encoder_backend(backend: str, quantize: str | None) -> str:
-    """A dual encoder (CLIP, SigLIP) runs on torch, in the dtype asked (float32 on a CPU by
-    default); the OpenVINO conversion and int8 quantization cover text transformers only, so asking
-    for them is refused, not ignored."""
-    if backend == "openvino" or quantize is not None:
-        raise ValueError("a dual encoder (CLIP, SigLIP) runs on torch: backend='openvino' and quantize are not "
-                         f"supported for it (got backend={backend!r}, quantize={quantize!r})")
-    return "torch"
+def dual_encoder_backend(backend: str, quantize: str | None, device: str, dtype: str) -> str:
+    """A dual encoder (CLIP, SigLIP) runs on torch (`auto` too), in the dtype asked (float32 on a
+    CPU by default); with backend="openvino" (opt-in, a CPU, float32) its image tower runs on
+    OpenVINO, converted at start-up and checked against torch there, its text tower on torch. int8
+    quantization covers text transformers only: refused, not ignored."""
+    if quantize is not None:
+        raise ValueError(f"quantize={quantize!r} is not supported for a dual encoder (CLIP, SigLIP)")
+    if backend != "openvino":
+        return "torch"
+    if device not in ("cpu", "auto") or dtype not in ("auto", "float32"):
+        raise ValueError("backend='openvino' runs a dual encoder's image tower on the CPU in float32: pass "
+                         f"device='cpu' and dtype float32 or auto (got device={device!r}, dtype={dtype!r})")
+    if importlib.util.find_spec("openvino") is None:
+        raise ValueError("backend='openvino' needs the 'openvino' extra: pip install 'pooling-pipeline[openvino]'")
+    return "openvino"
 
 
 def openvino_cpu_has_bfloat16() -> bool:

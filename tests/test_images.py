@@ -195,8 +195,8 @@ def test_unsupported_image_models_are_refused_at_start_up(clip_dir, tmp_path, mo
     (audio / "sentence_bert_config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="modalities .*audio.*VLM embedders"):
         load_model_spec(audio)
-    with pytest.raises(ValueError, match="backend='openvino' and quantize are not supported"):
-        Pipeline(model=clip_dir, backend="openvino")
+    with pytest.raises(ValueError, match="quantize='int8' is not supported for a dual encoder"):
+        Pipeline(model=clip_dir, quantize="int8")
     real_find_spec = dual_encoder.importlib.util.find_spec
     monkeypatch.setattr(dual_encoder.importlib.util, "find_spec",
                         lambda name, *a: object() if name == "torchvision" else real_find_spec(name, *a))
@@ -255,3 +255,18 @@ def test_siglip_equals_st(tmp_path, images):
     with Pipeline(model=path, num_render_workers=1) as p:
         assert np.abs(vectors(p, TEXTS) - text_ref).max() <= TOL
         assert np.abs(vectors(p, pictures) - st.encode(pictures)).max() <= TOL
+
+
+@pytest.mark.slow
+def test_openvino_image_tower_equals_st(clip_dir, clip_st, images):
+    """backend="openvino": the image tower compiled by OpenVINO (checked against torch at start-up),
+    the text tower on torch; both within 1e-5 of ST."""
+    from pooling_pipeline import Pipeline
+
+    pictures = [str(images["photo.jpg"]), str(images["alpha.png"]), str(images["wide.png"])]
+    with Pipeline(model=clip_dir, backend="openvino", num_render_workers=1) as p:
+        got = vectors(p, [*pictures, TEXTS[1]])
+        engine = p.stats()["engine"]
+    assert engine["backend"] == "openvino" and engine["image_tower"] == "openvino"
+    assert np.abs(got[:3] - clip_st.encode(pictures)).max() <= TOL
+    assert np.abs(got[3] - clip_st.encode(TEXTS[1])).max() <= TOL
