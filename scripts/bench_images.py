@@ -118,7 +118,7 @@ def build_model(work: Path) -> str:
 def open_pipeline(model: str, workers: int | None, **extra) -> Pipeline | None:
     """The pipeline, float32 on torch; None when it does not take `extra` (an option not there yet)."""
     try:
-        return Pipeline(model=model, dtype="float32", backend="torch", num_render_workers=workers, **extra)
+        return Pipeline(model=model, dtype="float32", num_render_workers=workers, **{"backend": "torch", **extra})
     except TypeError as e:
         if extra and "unexpected keyword" in str(e):
             return None
@@ -244,7 +244,20 @@ def draft_cells(kind: str, draft: dict[str, Side] | None, exact: Side, st: Side 
     return [f"{side.images_per_s:.2f}", ratio, f"{cos.mean():.6f} / {cos.min():.6f}"]
 
 
-def table_row(kind: str, exact: Side, st: Side | None, draft: dict[str, Side] | None, pil_s: float) -> str:
+def openvino_cells(kind: str, openvino: dict[str, Side] | None, st: Side | None) -> list[str]:
+    """The pipeline with backend="openvino" (its image tower compiled by OpenVINO, float32)."""
+    if openvino is None:
+        return ["n/a", "n/a", "n/a"]
+    side = openvino[kind]
+    if st is None:
+        return [f"{side.images_per_s:.2f}", "-", "-"]
+    diff = float(np.abs(side.vectors - st.vectors).max())
+    return [f"{side.images_per_s:.2f}", against(side.images_per_s / st.images_per_s, TARGET_VS_ST.get(kind)),
+            f"{diff:.1e} ({'ok' if diff <= MAX_ABS_DIFF else 'OVER 1e-5'})"]
+
+
+def table_row(kind: str, exact: Side, st: Side | None, draft: dict[str, Side] | None, pil_s: float,
+              openvino: dict[str, Side] | None = None) -> str:
     worker_s = exact.median("worker_cpu_s") / exact.images
     if st is not None:
         diff = float(np.abs(exact.vectors - st.vectors).max())
@@ -256,16 +269,17 @@ def table_row(kind: str, exact: Side, st: Side | None, draft: dict[str, Side] | 
              f"{worker_s * 1e3:.1f}", f"{pil_s * 1e3:.1f}",
              against(worker_s / pil_s, TARGET_WORKER_VS_PIL, at_least=False), engine_busy_cell(exact),
              f"{exact.peak_rss('worker'):.0f}", f"{exact.peak_rss('frontend'):.0f}",
-             *draft_cells(kind, draft, exact, st)]
+             *draft_cells(kind, draft, exact, st), *openvino_cells(kind, openvino, st)]
     return "| " + " | ".join(cells) + " |"
 
 
 TABLE_HEAD = ("| images | count | pipeline images/s | ST images/s | pipeline / ST | max abs diff vs ST | "
               "worker CPU ms/image | PIL ms/image | worker / PIL | engine busy | worker RSS MB | frontend RSS MB | "
-              "draft decode images/s | draft / ST | draft cos to exact (mean / min) |")
+              "draft decode images/s | draft / ST | draft cos to exact (mean / min) | "
+              "openvino images/s | openvino / ST | openvino max abs diff vs ST |")
 
 
-def print_table(header: list[str], image_sets, exact, st, draft, pil) -> None:
+def print_table(header: list[str], image_sets, exact, st, draft, pil, openvino=None) -> None:
     print()
     for line in header:
         print(line)
@@ -273,7 +287,7 @@ def print_table(header: list[str], image_sets, exact, st, draft, pil) -> None:
     print(TABLE_HEAD)
     print("|" + "---|" * TABLE_HEAD.count(" | ") + "---|")
     for kind in image_sets:
-        print(table_row(kind, exact[kind], st[kind] if st else None, draft, pil[kind]))
+        print(table_row(kind, exact[kind], st[kind] if st else None, draft, pil[kind], openvino))
 
 
 def cpu_name() -> str:
@@ -297,6 +311,8 @@ def header_lines(args, model: str, built: bool, info: dict, image_sets: dict[str
         *(f"{KINDS[kind]}: {describe_set(paths)}" for kind, paths in image_sets.items()),
         f"photographs in the sets: {', '.join(p.name for p in photos) or 'none'}"
         + (f" ({', '.join(missing)} not installed: none of theirs)" if missing else ""),
+        "pipeline and draft columns: torch backend; openvino columns: Pipeline(backend='openvino') (the image tower "
+        "compiled by OpenVINO, float32; the text tower on torch); ST: torch, float32",
         "draft decode: " + ("Pipeline(image_decode='draft')" if draft is not None else
                             "n/a (this Pipeline has no image_decode option)"),
         "worker CPU: the render workers' user+system seconds per image (psutil); PIL: open + decode + RGB + "
@@ -318,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workers", type=int, default=None, help="render workers (default: what Pipeline picks)")
     ap.add_argument("--skip-st", action="store_true", help="no sentence-transformers side (no ratios, no diff)")
+    ap.add_argument("--skip-openvino", action="store_true", help="no backend='openvino' side")
     return ap
 
 
@@ -330,12 +347,13 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model or build_model(work)
         exact, info = pipeline_sides(model, image_sets, args)
         draft, _ = pipeline_sides(model, image_sets, args, image_decode="draft")
+        openvino = None if args.skip_openvino else pipeline_sides(model, image_sets, args, backend="openvino")[0]
         threads = int(info["engine"]["torch_threads"])
         st = None if args.skip_st else st_sides(model, image_sets, args.repeats, threads)
         pil = {kind: pil_cpu_per_image(paths, args.repeats) for kind, paths in image_sets.items()}
         load = (load_at_start, os.getloadavg()[0])
         print_table(header_lines(args, model, args.model is None, info, image_sets, draft, load), image_sets, exact, st,
-                    draft, pil)
+                    draft, pil, openvino)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0
