@@ -18,7 +18,6 @@ ray = pytest.importorskip("ray", reason="the [ray] extra is not installed (pip i
 import corpus
 from helpers import ROOT, wait_gone
 from tiny_models import build_bert
-from transformers import BertForSequenceClassification, BertForTokenClassification  # noqa: E402
 
 from pooling_pipeline import Pipeline  # noqa: E402
 from pooling_pipeline.integrations.ray_data import PoolingBatches, _column, default_ray_init_kwargs  # noqa: E402
@@ -124,37 +123,30 @@ def test_map_batches_embed_matches_the_api(local_ray, records, expected, embed_m
     assert diff <= TOL
 
 
-@pytest.fixture(scope="module")
-def small_models(tmp_path_factory, model_path):
-    root = tmp_path_factory.mktemp("ray-models")
-    return {"cross": build_bert(root / "cross", BertForSequenceClassification, num_labels=1),
-            "classify3": build_bert(root / "classify3", BertForSequenceClassification, num_labels=3),
-            "token_cls": build_bert(root / "token_cls", BertForTokenClassification, num_labels=5)}
-
-
 @pytest.mark.slow
-def test_every_task_through_map_batches(local_ray, small_models):
+def test_every_task_through_map_batches(local_ray, bert_task_models, bert_task_pipe):
     """classify, score (two columns) and a token task, as pandas batches, with bad rows returned."""
     import pandas as pd
 
     texts = corpus.sentences(60, seed=83)
     docs = corpus.medium_texts(60, seed=84)
     frame = pd.DataFrame({"id": range(60), "text": texts, "doc": docs})
-    cases = [("classify", small_models["classify3"], {}, "probs"),
-             ("score", small_models["cross"], {"pair_column": "doc"}, "score"),
-             ("token_classify", small_models["token_cls"], {}, "token_probs")]
-    for task, model, extra, column in cases:
+    cases = [("classify", "classify3", {}, "probs"),
+             ("score", "cross", {"pair_column": "doc"}, "score"),
+             ("token_classify", "token_cls", {}, "token_probs")]
+    for task, name, extra, column in cases:
+        model = bert_task_models[name]
         ds = ray.data.from_pandas(frame).map_batches(
             PoolingBatches, fn_constructor_kwargs={"task": task, "model": model, **extra}, batch_size=25,
             num_cpus=1, compute=ray.data.ActorPoolStrategy(size=1), batch_format="pandas")
         got = ds.to_pandas().sort_values("id")
-        with Pipeline(model=model) as pipe:
-            if task == "score":
-                want = [o.score for o in pipe.score(texts, docs, use_tqdm=False)]
-                np.testing.assert_allclose(got[column].to_numpy(dtype=np.float64), want, atol=TOL, rtol=0)
-                continue
-            outs = pipe.classify(texts, use_tqdm=False) if task == "classify" else \
-                pipe.encode(texts, task, use_tqdm=False)
+        pipe = bert_task_pipe(name)  # the API's results: a Pipeline of the same model in this process
+        if task == "score":
+            want = [o.score for o in pipe.score(texts, docs, use_tqdm=False)]
+            np.testing.assert_allclose(got[column].to_numpy(dtype=np.float64), want, atol=TOL, rtol=0)
+            continue
+        outs = pipe.classify(texts, use_tqdm=False) if task == "classify" else \
+            pipe.encode(texts, task, use_tqdm=False)
         assert len(got) == 60
         for value, out in zip(got[column], outs):
             np.testing.assert_allclose(np.asarray(value, dtype=np.float32).reshape(out.data.shape), out.data,
