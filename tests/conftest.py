@@ -56,6 +56,53 @@ def pipe():
 
 
 @pytest.fixture(scope="session")
+def bert_task_models(tmp_path_factory) -> dict[str, str]:
+    """Small BERTs with a task head (transformers' own classes), built once for the session:
+    test_tasks and test_ray use the same three."""
+    from tiny_models import build_bert
+    from transformers import BertForSequenceClassification, BertForTokenClassification
+
+    root = tmp_path_factory.mktemp("bert-task-models")
+    return {"cross": build_bert(root / "cross", BertForSequenceClassification, num_labels=1),
+            "classify3": build_bert(root / "classify3", BertForSequenceClassification, num_labels=3),
+            "token_cls": build_bert(root / "token_cls", BertForTokenClassification, num_labels=5)}
+
+
+@pytest.fixture(scope="session")
+def bert_task_pipe(bert_task_models):
+    """bert_task_pipe(name): a Pipeline (default options) of that model, started on first use and
+    shared by the tests that only call it (test_tasks, test_ray's references); closed at the end."""
+    from pooling_pipeline import Pipeline
+
+    pipes = {}
+
+    def get(name: str):
+        if name not in pipes:
+            pipes[name] = Pipeline(model=bert_task_models[name])
+        return pipes[name]
+
+    yield get
+    for p in pipes.values():
+        p.close()
+
+
+@pytest.fixture(scope="session")
+def faulty_pipe(tmp_path_factory, model_path):
+    """A Pipeline (default options) of the bundled model made to raise when "zebra" is in a batch
+    (tiny_models.faulty_model_dir): for the tests that fail a step and then check that the next
+    call works (test_long_inputs, test_process_group). Returns (pipe, the trigger's token id)."""
+    from tiny_models import faulty_model_dir
+    from transformers import AutoTokenizer
+
+    from pooling_pipeline import Pipeline
+
+    trigger = AutoTokenizer.from_pretrained(model_path).convert_tokens_to_ids("zebra")
+    model = faulty_model_dir(tmp_path_factory.mktemp("faulty"), model_path, trigger)
+    with Pipeline(model=str(model), trust_remote_code=True) as p:
+        yield p, trigger
+
+
+@pytest.fixture(scope="session")
 def st_model(model_path):
     import torch
     from sentence_transformers import SentenceTransformer

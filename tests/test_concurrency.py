@@ -385,10 +385,11 @@ def _finishes(pipe, fn, timeout_s: float = 240.0):
     return got["result"]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def own_pipe():
     """A small window (32; 16 requests a message, 8 of reserve): an outer call holds it all after
-    two messages. Its own Pipeline: a deadlocked call would leave a shared one unusable."""
+    two messages. Its own Pipeline, not the module's: a deadlocked call would leave a shared one
+    unusable. The three tests of nested calls below share it (each ends with the group idle)."""
     with Pipeline(max_inflight=32, max_num_seqs=16, num_render_workers=1) as p:
         yield p
 

@@ -7,7 +7,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from tiny_models import build_bert, faulty_model_dir
+from tiny_models import build_bert
 
 from pooling_pipeline import Pipeline, PoolingParams, StepError
 from pooling_pipeline.inputs import MESSAGE_CHARS, build_requests
@@ -115,7 +115,7 @@ def test_chunk_mode_on_a_million_token_document_stays_bounded(tmp_path, model_pa
 
 @pytest.mark.slow
 @pytest.mark.parametrize("errors", ["raise", "return"])
-def test_a_failed_step_listing_two_chunks_of_one_document(tmp_path, model_path, st_model, errors):
+def test_a_failed_step_listing_two_chunks_of_one_document(faulty_pipe, errors):
     """A step can fail with several chunks of one document in it (the engine fails every waiting
     request when scheduling itself fails). The document fails once -- StepError, or one error
     output -- and everything else is unharmed."""
@@ -125,34 +125,33 @@ def test_a_failed_step_listing_two_chunks_of_one_document(tmp_path, model_path, 
 
     from pooling_pipeline.core import messages as m
 
-    trigger = st_model.tokenizer.convert_tokens_to_ids("zebra")
+    pipe, _ = faulty_pipe  # the session's (test_process_group's step failure uses it too)
     doc = corpus.long_document(400_000, seed=25)  # hundreds of chunks: still in flight after a second
-    with Pipeline(model=str(faulty_model_dir(tmp_path, model_path, trigger)), trust_remote_code=True) as pipe:
-        group = pipe._group
+    group = pipe._group
 
-        def fail_two_chunks_of_the_document() -> None:
-            time.sleep(1.0)
-            call = next(iter(pipe._dispatcher.calls.values()))
-            assert call._owns(0)  # the document, still in flight
-            sock = zmq.Context.instance().socket(zmq.PUSH)
-            sock.connect(group.endpoints["results"])
-            sock.send_multipart(group.encoder.encode(m.StepFailed(calls=[call.prefix, call.prefix], indices=[0, 0],
-                                                                  error="RuntimeError: boom")))
-            sock.close(linger=1000)
+    def fail_two_chunks_of_the_document() -> None:
+        time.sleep(1.0)
+        call = next(iter(pipe._dispatcher.calls.values()))
+        assert call._owns(0)  # the document, still in flight
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.connect(group.endpoints["results"])
+        sock.send_multipart(group.encoder.encode(m.StepFailed(calls=[call.prefix, call.prefix], indices=[0, 0],
+                                                              error="RuntimeError: boom")))
+        sock.close(linger=1000)
 
-        injector = threading.Thread(target=fail_two_chunks_of_the_document)
-        injector.start()
-        try:
-            if errors == "raise":
-                with pytest.raises(StepError, match="boom"):
-                    pipe.embed([doc, "short text"], long_inputs="chunk", use_tqdm=False)
-            else:
-                outs = pipe.embed([doc, "short text"], long_inputs="chunk", errors="return", use_tqdm=False)
-                assert "boom" in outs[0].error and outs[0].data is None
-                assert outs[1].error is None
-        finally:
-            injector.join()
-        assert pipe.embed(["the next call works"], use_tqdm=False)[0].error is None
+    injector = threading.Thread(target=fail_two_chunks_of_the_document)
+    injector.start()
+    try:
+        if errors == "raise":
+            with pytest.raises(StepError, match="boom"):
+                pipe.embed([doc, "short text"], long_inputs="chunk", use_tqdm=False)
+        else:
+            outs = pipe.embed([doc, "short text"], long_inputs="chunk", errors="return", use_tqdm=False)
+            assert "boom" in outs[0].error and outs[0].data is None
+            assert outs[1].error is None
+    finally:
+        injector.join()
+    assert pipe.embed(["the next call works"], use_tqdm=False)[0].error is None
 
 
 def _cjk_text(num_chars: int, seed: int) -> str:

@@ -12,7 +12,6 @@ import corpus
 import numpy as np
 import pytest
 from helpers import stream_until_killed, wait_gone
-from tiny_models import faulty_model_dir
 
 from pooling_pipeline import EngineDeadError, Pipeline, PipelineError, StepError
 
@@ -74,19 +73,18 @@ def test_caller_killed_with_sigkill_takes_the_group_down(tmp_path):
 
 
 @pytest.mark.slow
-def test_step_failure_raises_naming_the_requests_and_the_next_call_works(tmp_path, model_path, st_model):
-    trigger = st_model.tokenizer.convert_tokens_to_ids("zebra")
+def test_step_failure_raises_naming_the_requests_and_the_next_call_works(faulty_pipe, st_model):
+    pipe, _ = faulty_pipe  # the session's (test_long_inputs fails its steps too; each call's stats are its own)
     good = corpus.sentences(40, seed=41)
     bad = "A zebra walks into the engine core."
-    with Pipeline(model=str(faulty_model_dir(tmp_path, model_path, trigger)), trust_remote_code=True) as pipe:
-        with pytest.raises(StepError, match="fault token") as info:
-            pipe.embed(good + [bad] + good, use_tqdm=False)
-        assert 40 in info.value.indices  # the culprit is named among the aborted step's requests
-        assert len(info.value.request_ids) == len(info.value.indices) == len(set(info.value.request_ids))
-        assert str(info.value.request_ids[info.value.indices.index(40)]) in str(info.value)
-        outs = pipe.embed(good, use_tqdm=False)  # the engine kept no trace: the next call works
-        np.testing.assert_allclose(np.stack([o.embedding for o in outs]), st_model.encode(good), atol=1e-5, rtol=0)
-        assert pipe.stats()["requests"] == len(good)
+    with pytest.raises(StepError, match="fault token") as info:
+        pipe.embed(good + [bad] + good, use_tqdm=False)
+    assert 40 in info.value.indices  # the culprit is named among the aborted step's requests
+    assert len(info.value.request_ids) == len(info.value.indices) == len(set(info.value.request_ids))
+    assert str(info.value.request_ids[info.value.indices.index(40)]) in str(info.value)
+    outs = pipe.embed(good, use_tqdm=False)  # the engine kept no trace: the next call works
+    np.testing.assert_allclose(np.stack([o.embedding for o in outs]), st_model.encode(good), atol=1e-5, rtol=0)
+    assert pipe.stats()["requests"] == len(good)
 
 
 @pytest.mark.slow

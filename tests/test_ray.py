@@ -18,7 +18,6 @@ ray = pytest.importorskip("ray", reason="the [ray] extra is not installed (pip i
 import corpus
 from helpers import ROOT, wait_gone
 from tiny_models import build_bert
-from transformers import BertForSequenceClassification, BertForTokenClassification  # noqa: E402
 
 from pooling_pipeline import Pipeline  # noqa: E402
 from pooling_pipeline.integrations.ray_data import PoolingBatches, _column, default_ray_init_kwargs  # noqa: E402
@@ -35,8 +34,19 @@ def records():
 
 
 @pytest.fixture(scope="module")
-def expected(pipe, records):
-    outs = pipe.embed([r["text"] for r in records], use_tqdm=False)
+def embed_model(tmp_path_factory):
+    """The model of the 3000-record jobs: a small BERT (32 wide, 2 layers, 128 positions: the medium
+    texts are cut), so the Ray plumbing -- blocks, batches, actors, chunk offsets, every id once --
+    is what the time goes to, not MiniLM's forward passes (3000 records 3 times took ~70 s). The
+    bundled model itself goes through Ray in the other tests (the default model in the actors,
+    the killed actor's job)."""
+    return build_bert(tmp_path_factory.mktemp("ray-embed") / "embed")
+
+
+@pytest.fixture(scope="module")
+def expected(embed_model, records):
+    with Pipeline(model=embed_model) as pipe:
+        outs = pipe.embed([r["text"] for r in records], use_tqdm=False)
     return {r["id"]: o.embedding for r, o in zip(records, outs)}
 
 
@@ -63,7 +73,7 @@ def assert_no_group_left(timeout_s: float = 10.0) -> None:
 
 
 @pytest.mark.slow
-def test_pipeline_run_ray_matches_the_api(tmp_path, records, expected):
+def test_pipeline_run_ray_matches_the_api(tmp_path, records, expected, embed_model):
     """The launcher starts its own local Ray instance (2 CPUs), reads JSONL with Ray Data and
     writes the launcher's output format; load_results reads it back in input order."""
     src = tmp_path / "in.jsonl"
@@ -71,7 +81,8 @@ def test_pipeline_run_ray_matches_the_api(tmp_path, records, expected):
     out = tmp_path / "out"
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     proc = subprocess.run([sys.executable, "-m", "pooling_pipeline.jobs.launcher", "--ray", "--ray-num-cpus", "2",
-                           "--ray-batch-size", "256", "--input", str(src), "--output", str(out), "--quiet"],
+                           "--ray-batch-size", "256", "--model", embed_model, "--input", str(src), "--output", str(out),
+                           "--quiet"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"embedded {len(records)} records" in proc.stdout
@@ -83,9 +94,9 @@ def test_pipeline_run_ray_matches_the_api(tmp_path, records, expected):
     assert manifest["complete"] and manifest["rows"] == len(records) and manifest["ray"]["actors"] >= 1
     assert len(manifest["chunks"]) > 1  # several write tasks: the per-chunk offsets are exercised
     # A complete job is not redone.
-    again = subprocess.run([sys.executable, "-m", "pooling_pipeline.jobs.launcher", "--ray", "--resume", "--input", str(src),
-                            "--output", str(out), "--quiet"], cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=120)
+    again = subprocess.run([sys.executable, "-m", "pooling_pipeline.jobs.launcher", "--ray", "--resume", "--model", embed_model,
+                            "--input", str(src), "--output", str(out), "--quiet"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=120)
     assert again.returncode == 0 and "nothing to do" in again.stdout
     assert_no_group_left()
 
@@ -100,9 +111,10 @@ def local_ray():
 
 
 @pytest.mark.slow
-def test_map_batches_embed_matches_the_api(local_ray, records, expected):
+def test_map_batches_embed_matches_the_api(local_ray, records, expected, embed_model):
     ds = ray.data.from_items(records, override_num_blocks=8)
-    ds = ds.map_batches(PoolingBatches, fn_constructor_kwargs={"task": "embed"}, batch_size=200, num_cpus=1,
+    ds = ds.map_batches(PoolingBatches, fn_constructor_kwargs={"task": "embed", "model": embed_model}, batch_size=200,
+                        num_cpus=1,
                         compute=ray.data.ActorPoolStrategy(size=1), batch_format="numpy")
     rows = ds.take_all()
     ids = [r["id"] for r in rows]
@@ -111,37 +123,30 @@ def test_map_batches_embed_matches_the_api(local_ray, records, expected):
     assert diff <= TOL
 
 
-@pytest.fixture(scope="module")
-def small_models(tmp_path_factory, model_path):
-    root = tmp_path_factory.mktemp("ray-models")
-    return {"cross": build_bert(root / "cross", BertForSequenceClassification, num_labels=1),
-            "classify3": build_bert(root / "classify3", BertForSequenceClassification, num_labels=3),
-            "token_cls": build_bert(root / "token_cls", BertForTokenClassification, num_labels=5)}
-
-
 @pytest.mark.slow
-def test_every_task_through_map_batches(local_ray, small_models):
+def test_every_task_through_map_batches(local_ray, bert_task_models, bert_task_pipe):
     """classify, score (two columns) and a token task, as pandas batches, with bad rows returned."""
     import pandas as pd
 
     texts = corpus.sentences(60, seed=83)
     docs = corpus.medium_texts(60, seed=84)
     frame = pd.DataFrame({"id": range(60), "text": texts, "doc": docs})
-    cases = [("classify", small_models["classify3"], {}, "probs"),
-             ("score", small_models["cross"], {"pair_column": "doc"}, "score"),
-             ("token_classify", small_models["token_cls"], {}, "token_probs")]
-    for task, model, extra, column in cases:
+    cases = [("classify", "classify3", {}, "probs"),
+             ("score", "cross", {"pair_column": "doc"}, "score"),
+             ("token_classify", "token_cls", {}, "token_probs")]
+    for task, name, extra, column in cases:
+        model = bert_task_models[name]
         ds = ray.data.from_pandas(frame).map_batches(
             PoolingBatches, fn_constructor_kwargs={"task": task, "model": model, **extra}, batch_size=25,
             num_cpus=1, compute=ray.data.ActorPoolStrategy(size=1), batch_format="pandas")
         got = ds.to_pandas().sort_values("id")
-        with Pipeline(model=model) as pipe:
-            if task == "score":
-                want = [o.score for o in pipe.score(texts, docs, use_tqdm=False)]
-                np.testing.assert_allclose(got[column].to_numpy(dtype=np.float64), want, atol=TOL, rtol=0)
-                continue
-            outs = pipe.classify(texts, use_tqdm=False) if task == "classify" else \
-                pipe.encode(texts, task, use_tqdm=False)
+        pipe = bert_task_pipe(name)  # the API's results: a Pipeline of the same model in this process
+        if task == "score":
+            want = [o.score for o in pipe.score(texts, docs, use_tqdm=False)]
+            np.testing.assert_allclose(got[column].to_numpy(dtype=np.float64), want, atol=TOL, rtol=0)
+            continue
+        outs = pipe.classify(texts, use_tqdm=False) if task == "classify" else \
+            pipe.encode(texts, task, use_tqdm=False)
         assert len(got) == 60
         for value, out in zip(got[column], outs):
             np.testing.assert_allclose(np.asarray(value, dtype=np.float32).reshape(out.data.shape), out.data,

@@ -252,10 +252,10 @@ def test_forged_frames_with_the_calls_own_ids_cannot_replace_results(pipe, st_mo
 
 
 @pytest.mark.slow
-def test_stopping_the_whole_job_longer_than_the_heartbeat_timeout_is_not_death(tmp_path):
+def test_stopping_the_whole_job_longer_than_the_heartbeat_timeout_is_not_death(tmp_path, tiny_model):
     """Ctrl-Z (SIGSTOP of the process group), a pause longer than heartbeat_timeout_s, then
     SIGCONT: the job carries on; the silence happened while the frontend itself was stopped."""
-    model = build_tiny_model(tmp_path / "tiny")
+    model = tiny_model
     flag = tmp_path / "enough"
     script = tmp_path / "job.py"
     script.write_text(

@@ -1,6 +1,7 @@
 """classify, score (three kinds), token tasks, params, priorities, chat and plugins, each checked
 against transformers' own forward pass on small models built here with transformers' classes."""
 
+import contextlib
 import shutil
 import sys
 import textwrap
@@ -20,14 +21,12 @@ DOCS = corpus.medium_texts(3, seed=61)
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory, model_path):
+def models(tmp_path_factory, bert_task_models):
     root = tmp_path_factory.mktemp("models")
     return {
-        "cross": build_bert(root / "cross", BertForSequenceClassification, num_labels=1),
-        "classify3": build_bert(root / "classify3", BertForSequenceClassification, num_labels=3),
+        **bert_task_models,  # cross, classify3, token_cls: built once for the session (test_ray uses them too)
         "multilabel": build_bert(root / "multilabel", BertForSequenceClassification, num_labels=3,
                              problem_type="multi_label_classification"),
-        "token_cls": build_bert(root / "token_cls", BertForTokenClassification, num_labels=5),
         "colbert": build_bert(root / "colbert", BertModel, late_interaction=True,
                           matryoshka_dimensions=[16, 32]),
     }
@@ -51,11 +50,13 @@ def _token_vectors(model, tok, text, max_length=128):
 
 
 @pytest.mark.slow
-def test_classify_softmax_sigmoid_and_raw_logits(models):
+def test_classify_softmax_sigmoid_and_raw_logits(models, bert_task_pipe):
     texts = corpus.sentences(20, seed=62) + [corpus.long_document(5000, seed=1)]
     for name, activation in (("classify3", "softmax"), ("multilabel", "sigmoid")):
         model, tok = _hf(models[name], BertForSequenceClassification)
-        with Pipeline(model=models[name]) as pipe:
+        # classify3's Pipeline is the session's (shared with test_ray); multilabel's is this test's own.
+        own = name == "multilabel"
+        with Pipeline(model=models[name]) if own else contextlib.nullcontext(bert_task_pipe(name)) as pipe:
             outs = pipe.classify(texts, use_tqdm=False)
             raw = pipe.classify(texts, pooling_params=PoolingParams(use_activation=False), use_tqdm=False)
             with pytest.raises(ValueError, match="normalize applies to embedding tasks; use use_activation"):
@@ -72,9 +73,9 @@ def test_classify_softmax_sigmoid_and_raw_logits(models):
 
 
 @pytest.mark.slow
-def test_cross_encoder_scores_with_token_types_1to1_1toN_NtoN(models):
+def test_cross_encoder_scores_with_token_types_1to1_1toN_NtoN(models, bert_task_pipe):
     model, tok = _hf(models["cross"], BertForSequenceClassification)
-    with Pipeline(model=models["cross"]) as pipe:
+    with contextlib.nullcontext(bert_task_pipe("cross")) as pipe:  # the session's (shared with test_ray)
         one = pipe.score(QUERIES[0], DOCS[0], use_tqdm=False)
         one_to_n = pipe.score(QUERIES[0], DOCS, use_tqdm=False)
         n_to_n = pipe.score(QUERIES, DOCS, use_tqdm=False)
@@ -167,10 +168,10 @@ def test_token_embed_late_interaction_and_dimensions(models):
 
 
 @pytest.mark.slow
-def test_token_classify(models):
+def test_token_classify(models, bert_task_pipe):
     model, tok = _hf(models["token_cls"], BertForTokenClassification)
     texts = corpus.sentences(5, seed=64)
-    with Pipeline(model=models["token_cls"]) as pipe:
+    with contextlib.nullcontext(bert_task_pipe("token_cls")) as pipe:  # the session's (shared with test_ray)
         outs = pipe.encode(texts, task="token_classify", use_tqdm=False)
         raw = pipe.encode(texts[:1], task="token_classify", pooling_params=PoolingParams(use_activation=False),
                           use_tqdm=False)
