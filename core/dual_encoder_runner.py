@@ -54,14 +54,23 @@ class DualEncoderRunner:
         values = torch.arange(256, dtype=torch.float32, device=device).view(1, -1)
         self.table = ((values * self.scale - self.mean.view(-1, 1)) / self.std.view(-1, 1)).cpu().numpy()
         self.backend_info: dict = {"backend": "torch", "model": f"dual encoder ({spec.model_type}: text and image towers)"}
-        if backend == "openvino":
+        if backend == "openvino" or (backend == "auto" and device.type == "cpu" and dtype == torch.float32):
+            self._use_openvino_image_tower(backend, threads)
+
+    def _use_openvino_image_tower(self, backend: str, threads: int) -> None:
+        """The image tower on OpenVINO (core/openvino_image_tower.py), the text tower on torch. Under
+        "auto", where OpenVINO is not installed or cannot give torch's vectors, torch runs both
+        towers and the reason is in the start-up facts."""
+        try:
             from pooling_pipeline.core.openvino_image_tower import compile_image_tower
 
-            started = time.perf_counter()
-            self.image_tower, max_diff = compile_image_tower(self.model, spec.image, threads, self._normalized)
-            self.backend_info.update(backend="openvino", image_tower="openvino", text_tower="torch",
-                                     image_tower_max_diff=max_diff,
-                                     image_tower_convert_s=round(time.perf_counter() - started, 2))
+            self.image_tower, info = compile_image_tower(self.model, self.spec, threads, self._normalized)
+        except Exception as e:  # not installed, BackendUnavailable, or OpenVINO itself failing
+            if backend == "openvino":
+                raise ValueError(f"backend='openvino' cannot run the image tower of {self.spec.path!r}: {e}") from e
+            self.backend_info["openvino_refused"] = f"{type(e).__name__}: {e}"
+            return
+        self.backend_info.update(backend="openvino", image_tower="openvino", text_tower="torch", **info)
 
     def step_cost(self, max_tokens: int) -> tuple[float, float]:
         token = min(1000, self.spec.vocab_size - 1)

@@ -134,7 +134,7 @@ def to_openvino(model: torch.nn.Module, spec, *, output: str, base: bool, token_
     else:
         converted = _convert(ov, module, inputs, spec)
         info.update(conversion="converted", conversion_s=round(time.perf_counter() - started, 3))
-        if not _save(ov, converted, folder, key, warnings):
+        if not save_entry(ov, converted, folder, key, warnings):
             info["conversion_cache"] = "not cached (see the warning)"
         prune_cache(os.path.dirname(folder), MAX_CACHE_ENTRIES)
     if warnings:  # (start-up info is flat: one line each)
@@ -332,7 +332,7 @@ def _remove_damaged(folder: str, why: str) -> str:
     return message
 
 
-def _save(ov, converted, folder: str, key: str, warnings: list[str] | None = None) -> bool:
+def save_entry(ov, converted, folder: str, key: str, warnings: list[str] | None = None) -> bool:
     """Writes the conversion and its checksums beside its final place and renames it there: a
     reader sees a whole entry or none; a concurrent start that converted too keeps the first one.
     A cache that cannot be written (not a folder, read-only, full, past a file-size limit) still

@@ -51,19 +51,21 @@ def static_backend(backend: str, quantize: str | None, dtype: str) -> str:
 
 
 def dual_encoder_backend(backend: str, quantize: str | None, device: str, dtype: str) -> str:
-    """A dual encoder (CLIP, SigLIP) runs on torch (`auto` too), in the dtype asked (float32 on a
-    CPU by default); with backend="openvino" (opt-in, a CPU, float32) its image tower runs on
-    OpenVINO, converted at start-up and checked against torch there, its text tower on torch. int8
-    quantization covers text transformers only: refused, not ignored."""
+    """A dual encoder (CLIP, SigLIP): its text tower runs on torch; its image tower on OpenVINO
+    under backend="openvino" (a CPU, float32) and under "auto" on a CPU in float32 where OpenVINO is
+    installed and its compiled tower gives torch's vectors (checked at every start; else torch);
+    on torch otherwise, in the dtype asked. int8 quantization covers text transformers only:
+    refused, not ignored."""
     if quantize is not None:
         raise ValueError(f"quantize={quantize!r} is not supported for a dual encoder (CLIP, SigLIP)")
+    full_precision = dtype in ("auto", "float32")
     if backend != "openvino":
-        return "torch"
-    if device not in ("cpu", "auto") or dtype not in ("auto", "float32"):
+        return "torch" if device == "sim" or not full_precision or cuda_expected(device) else backend
+    if device not in ("cpu", "auto") or cuda_expected(device) or not full_precision:
         raise ValueError("backend='openvino' runs a dual encoder's image tower on the CPU in float32: pass "
                          f"device='cpu' and dtype float32 or auto (got device={device!r}, dtype={dtype!r})")
     if importlib.util.find_spec("openvino") is None:
-        raise ValueError("backend='openvino' needs the 'openvino' extra: pip install 'pooling-pipeline[openvino]'")
+        raise ValueError(f"backend='openvino' needs the openvino package: {INSTALL_HINT}")
     return "openvino"
 
 
@@ -99,7 +101,8 @@ def describe_backend(engine: dict) -> str:
         checked = f"checked against torch: {engine.get('verified_max_diff', 0):.1e}"
         if engine.get("precision") == "bf16":
             checked += f", in bfloat16 {engine.get('verified_bf16_max_diff', 0):.1e}"
-        return (f"backend openvino {engine.get('openvino_version', '').split('-')[0]} "
+        towers = " image tower (text tower on torch)" if engine.get("image_tower") == "openvino" else ""
+        return (f"backend openvino{towers} {engine.get('openvino_version', '').split('-')[0]} "
                 f"{'bfloat16' if engine.get('precision') == 'bf16' else 'float32'} ({how}; compiled in "
                 f"{engine.get('compile_s', 0):.1f} s; {checked})")
     extra = []

@@ -5,9 +5,11 @@ one table.
 A CLIP ViT-B/32-shaped dual encoder (random weights, built on the fly: scripts/tiny_models.py
 `build_clip`) embeds three image sets built by scripts/image_set.py: (a) web JPEGs (500x400),
 (b) camera JPEGs (4000x3000, 12 MP), (c) PNGs with alpha (500x400 RGBA). Both sides are given the
-files' paths, so both open and decode them; float32, torch, on the CPU. Per set:
+files' paths, so both open and decode them; float32 on the CPU. Per set:
 
-* images/s of `Pipeline.embed` and of ST's `encode(paths, batch_size=32)`, and their ratio;
+* images/s of `Pipeline.embed` (its default backend: on a CPU with the openvino extra, the image
+  tower compiled by OpenVINO, the text tower on torch) and of ST's `encode(paths, batch_size=32)`
+  (torch), and their ratio; the same for `Pipeline(backend="torch")`;
 * the largest |difference| between the two sides' vectors (they must agree within 1e-5);
 * the render workers' CPU seconds per image (psutil, before/after each pass) against PIL's own
   open + decode + convert("RGB") + resize-to-224 + crop per image, measured in this process;
@@ -20,7 +22,7 @@ Every figure is the median of --repeats passes after a short warm-up; each side 
 pipeline at a time, then ST, then the PIL reference), so the ratios hold on a noisy machine.
 
     python scripts/image_set.py && python scripts/bench_images.py
-    python scripts/bench_images.py --count-web 100 --repeats 5 --workers 2 --skip-st
+    python scripts/bench_images.py --count-web 100 --repeats 5 --workers 2 --skip-st --skip-torch
     python scripts/bench_images.py --model /tmp/clip/st          # a model built before (or a real CLIP)
 """
 
@@ -116,9 +118,10 @@ def build_model(work: Path) -> str:
 # ---- the pipeline ------------------------------------------------------------------------------------
 
 def open_pipeline(model: str, workers: int | None, **extra) -> Pipeline | None:
-    """The pipeline, float32 on torch; None when it does not take `extra` (an option not there yet)."""
+    """The pipeline, float32, its default backend unless `extra` names one; None when it does not
+    take `extra` (an option not there yet)."""
     try:
-        return Pipeline(model=model, dtype="float32", num_render_workers=workers, **{"backend": "torch", **extra})
+        return Pipeline(model=model, dtype="float32", num_render_workers=workers, **extra)
     except TypeError as e:
         if extra and "unexpected keyword" in str(e):
             return None
@@ -244,11 +247,12 @@ def draft_cells(kind: str, draft: dict[str, Side] | None, exact: Side, st: Side 
     return [f"{side.images_per_s:.2f}", ratio, f"{cos.mean():.6f} / {cos.min():.6f}"]
 
 
-def openvino_cells(kind: str, openvino: dict[str, Side] | None, st: Side | None) -> list[str]:
-    """The pipeline with backend="openvino" (its image tower compiled by OpenVINO, float32)."""
-    if openvino is None:
+def torch_cells(kind: str, on_torch: dict[str, Side] | None, st: Side | None) -> list[str]:
+    """The pipeline with backend="torch" (both towers on torch, float32), where the default runs the
+    image tower on OpenVINO."""
+    if on_torch is None:
         return ["n/a", "n/a", "n/a"]
-    side = openvino[kind]
+    side = on_torch[kind]
     if st is None:
         return [f"{side.images_per_s:.2f}", "-", "-"]
     diff = float(np.abs(side.vectors - st.vectors).max())
@@ -257,7 +261,7 @@ def openvino_cells(kind: str, openvino: dict[str, Side] | None, st: Side | None)
 
 
 def table_row(kind: str, exact: Side, st: Side | None, draft: dict[str, Side] | None, pil_s: float,
-              openvino: dict[str, Side] | None = None) -> str:
+              on_torch: dict[str, Side] | None = None) -> str:
     worker_s = exact.median("worker_cpu_s") / exact.images
     if st is not None:
         diff = float(np.abs(exact.vectors - st.vectors).max())
@@ -269,17 +273,17 @@ def table_row(kind: str, exact: Side, st: Side | None, draft: dict[str, Side] | 
              f"{worker_s * 1e3:.1f}", f"{pil_s * 1e3:.1f}",
              against(worker_s / pil_s, TARGET_WORKER_VS_PIL, at_least=False), engine_busy_cell(exact),
              f"{exact.peak_rss('worker'):.0f}", f"{exact.peak_rss('frontend'):.0f}",
-             *draft_cells(kind, draft, exact, st), *openvino_cells(kind, openvino, st)]
+             *draft_cells(kind, draft, exact, st), *torch_cells(kind, on_torch, st)]
     return "| " + " | ".join(cells) + " |"
 
 
 TABLE_HEAD = ("| images | count | pipeline images/s | ST images/s | pipeline / ST | max abs diff vs ST | "
               "worker CPU ms/image | PIL ms/image | worker / PIL | engine busy | worker RSS MB | frontend RSS MB | "
               "draft decode images/s | draft / ST | draft cos to exact (mean / min) | "
-              "openvino images/s | openvino / ST | openvino max abs diff vs ST |")
+              "torch images/s | torch / ST | torch max abs diff vs ST |")
 
 
-def print_table(header: list[str], image_sets, exact, st, draft, pil, openvino=None) -> None:
+def print_table(header: list[str], image_sets, exact, st, draft, pil, on_torch=None) -> None:
     print()
     for line in header:
         print(line)
@@ -287,7 +291,7 @@ def print_table(header: list[str], image_sets, exact, st, draft, pil, openvino=N
     print(TABLE_HEAD)
     print("|" + "---|" * TABLE_HEAD.count(" | ") + "---|")
     for kind in image_sets:
-        print(table_row(kind, exact[kind], st[kind] if st else None, draft, pil[kind], openvino))
+        print(table_row(kind, exact[kind], st[kind] if st else None, draft, pil[kind], on_torch))
 
 
 def cpu_name() -> str:
@@ -304,15 +308,17 @@ def header_lines(args, model: str, built: bool, info: dict, image_sets: dict[str
     photos, missing = photo_sources()
     return [
         f"bench_images: {'CLIP ViT-B/32 shape, random weights' if built else model}; precision float32 "
-        f"(the engine reports {engine.get('dtype')}), torch backend; CPU {cpu_name()}, "
+        f"(the engine reports {engine.get('dtype')}); CPU {cpu_name()}, "
         f"{os.cpu_count()} cores ({available_cores()} available); render workers {plan['render_workers']}, "
         f"engine threads {plan['engine_threads']} (ST gets the same torch threads); medians of {args.repeats} "
         f"repeats after a {WARMUP_IMAGES}-image warm-up",
         *(f"{KINDS[kind]}: {describe_set(paths)}" for kind, paths in image_sets.items()),
         f"photographs in the sets: {', '.join(p.name for p in photos) or 'none'}"
         + (f" ({', '.join(missing)} not installed: none of theirs)" if missing else ""),
-        "pipeline and draft columns: torch backend; openvino columns: Pipeline(backend='openvino') (the image tower "
-        "compiled by OpenVINO, float32; the text tower on torch); ST: torch, float32",
+        f"pipeline and draft columns: the default backend, which ran the image tower on "
+        f"{engine.get('image_tower', engine.get('backend'))} {engine.get('openvino_version', '').split('-')[0]}"
+        f"{' (' + engine['openvino_refused'] + ')' if engine.get('openvino_refused') else ''}, float32; torch "
+        "columns: Pipeline(backend='torch'); ST: torch, float32",
         "draft decode: " + ("Pipeline(image_decode='draft')" if draft is not None else
                             "n/a (this Pipeline has no image_decode option)"),
         "worker CPU: the render workers' user+system seconds per image (psutil); PIL: open + decode + RGB + "
@@ -334,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workers", type=int, default=None, help="render workers (default: what Pipeline picks)")
     ap.add_argument("--skip-st", action="store_true", help="no sentence-transformers side (no ratios, no diff)")
-    ap.add_argument("--skip-openvino", action="store_true", help="no backend='openvino' side")
+    ap.add_argument("--skip-torch", action="store_true", help="no backend='torch' side")
     return ap
 
 
@@ -347,13 +353,13 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model or build_model(work)
         exact, info = pipeline_sides(model, image_sets, args)
         draft, _ = pipeline_sides(model, image_sets, args, image_decode="draft")
-        openvino = None if args.skip_openvino else pipeline_sides(model, image_sets, args, backend="openvino")[0]
+        on_torch = None if args.skip_torch else pipeline_sides(model, image_sets, args, backend="torch")[0]
         threads = int(info["engine"]["torch_threads"])
         st = None if args.skip_st else st_sides(model, image_sets, args.repeats, threads)
         pil = {kind: pil_cpu_per_image(paths, args.repeats) for kind, paths in image_sets.items()}
         load = (load_at_start, os.getloadavg()[0])
         print_table(header_lines(args, model, args.model is None, info, image_sets, draft, load), image_sets, exact, st,
-                    draft, pil, openvino)
+                    draft, pil, on_torch)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -134,7 +134,7 @@ def test_a_failing_write_is_a_warning_not_a_failure(tmp_path, caplog):
         def save_model(*args, **kwargs):
             raise RuntimeError("basic_ios::clear: iostream error")
 
-    assert openvino_model._save(FailingWriter, object(), str(tmp_path / "openvino" / "entry"), "key") is False
+    assert openvino_model.save_entry(FailingWriter, object(), str(tmp_path / "openvino" / "entry"), "key") is False
     assert "basic_ios::clear" in caplog.text
     assert not (tmp_path / "openvino" / "entry").exists()
     assert not [p for p in (tmp_path / "openvino").iterdir() if p.name.startswith(".converting-")]

@@ -258,15 +258,59 @@ def test_siglip_equals_st(tmp_path, images):
 
 
 @pytest.mark.slow
-def test_openvino_image_tower_equals_st(clip_dir, clip_st, images):
-    """backend="openvino": the image tower compiled by OpenVINO (checked against torch at start-up),
-    the text tower on torch; both within 1e-5 of ST."""
+def test_openvino_image_tower_equals_st(clip_dir, clip_pipe, clip_st, images):
+    """The image tower compiled by OpenVINO (checked against torch at every start), the text tower on
+    torch, both within 1e-5 of ST: under the default backend ("auto", on this CPU with the extra
+    installed) and backend="openvino", which serves the conversion the first start cached."""
     from pooling_pipeline import Pipeline
 
     pictures = [str(images["photo.jpg"]), str(images["alpha.png"]), str(images["wide.png"])]
+    default = clip_pipe.stats()["engine"]
+    assert default["backend"] == "openvino" and default["image_tower"] == "openvino", default
+    assert default["verified_max_diff"] <= TOL
     with Pipeline(model=clip_dir, backend="openvino", num_render_workers=1) as p:
         got = vectors(p, [*pictures, TEXTS[1]])
         engine = p.stats()["engine"]
     assert engine["backend"] == "openvino" and engine["image_tower"] == "openvino"
+    assert engine["conversion"] == "cached" and engine["conversion_cache"] == default["conversion_cache"], engine
     assert np.abs(got[:3] - clip_st.encode(pictures)).max() <= TOL
     assert np.abs(got[3] - clip_st.encode(TEXTS[1])).max() <= TOL
+    np.testing.assert_allclose(got, vectors(clip_pipe, [*pictures, TEXTS[1]]), atol=TOL, rtol=0)
+
+
+def test_which_backend_runs_a_dual_encoder():
+    """The caller's decision: "auto" reaches the engine (which tries OpenVINO for the image tower on a
+    CPU in float32), torch where OpenVINO cannot apply, and what cannot be honoured is refused."""
+    from pooling_pipeline.backends import dual_encoder_backend
+
+    assert dual_encoder_backend("auto", None, "cpu", "auto") == "auto"
+    assert dual_encoder_backend("auto", None, "cpu", "bfloat16") == "torch"
+    assert dual_encoder_backend("auto", None, "sim", "auto") == "torch"
+    assert dual_encoder_backend("torch", None, "cpu", "float32") == "torch"
+    assert dual_encoder_backend("openvino", None, "cpu", "float32") == "openvino"
+    with pytest.raises(ValueError, match="float32"):
+        dual_encoder_backend("openvino", None, "cpu", "float16")
+    with pytest.raises(ValueError, match="not supported for a dual encoder"):
+        dual_encoder_backend("auto", "int8", "cpu", "auto")
+
+
+def test_auto_keeps_torch_when_openvino_cannot_serve_the_image_tower(clip_dir, monkeypatch):
+    """Under "auto" an image tower OpenVINO cannot convert or match runs on torch, the reason in the
+    start-up facts; backend="openvino" is refused naming it."""
+    import torch
+
+    from pooling_pipeline.core import openvino_image_tower
+    from pooling_pipeline.core.dual_encoder_runner import DualEncoderRunner
+    from pooling_pipeline.core.model_folder.load import load_model_spec
+    from pooling_pipeline.core.openvino_model import BackendUnavailable
+
+    def refuse(*args, **kwargs):
+        raise BackendUnavailable("differs from torch by 3.0e-02 on a probe batch")
+
+    monkeypatch.setattr(openvino_image_tower, "compile_image_tower", refuse)
+    spec = load_model_spec(clip_dir)
+    runner = DualEncoderRunner(spec, torch.device("cpu"), torch.float32, backend="auto")
+    assert runner.image_tower is None and runner.backend_info["backend"] == "torch"
+    assert "differs from torch" in runner.backend_info["openvino_refused"]
+    with pytest.raises(ValueError, match="backend='openvino' cannot run the image tower.*differs from torch"):
+        DualEncoderRunner(spec, torch.device("cpu"), torch.float32, backend="openvino")
