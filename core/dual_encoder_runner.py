@@ -26,7 +26,7 @@ from pooling_pipeline.core.options import TASKS
 from pooling_pipeline.core.pooling import SentenceHead
 from pooling_pipeline.core.step_cost import probe_step_cost
 from pooling_pipeline.core.step_runner import PendingStep
-from pooling_pipeline.core.vectors import finish_sentence_embeddings
+from pooling_pipeline.core.vectors import finish_grouped_sentence_embeddings
 
 
 class DualEncoderRunner:
@@ -117,15 +117,7 @@ class DualEncoderRunner:
         spec = self.spec
 
         def finish(arrays: list[np.ndarray]) -> list[np.ndarray] | np.ndarray:
-            out: list = [None] * len(batch)
-            for (_, dimensions, normalize), rows in groups:
-                finished = finish_sentence_embeddings(arrays[0][rows] if len(rows) < len(batch) else arrays[0],
-                                                      dimensions, normalize, spec.normalize, spec.truncate_dim)
-                if len(rows) == len(batch):
-                    return finished
-                for i, row in enumerate(rows.tolist()):
-                    out[row] = finished[i]
-            return out
+            return finish_grouped_sentence_embeddings(arrays[0], groups, spec)
 
         return PendingStep(padded, [vectors.cpu()], finish, started, None, None)
 

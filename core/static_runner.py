@@ -18,7 +18,7 @@ from pooling_pipeline.core.options import TASKS
 from pooling_pipeline.core.pooling import SentenceHead
 from pooling_pipeline.core.step_cost import probe_step_cost
 from pooling_pipeline.core.step_runner import PendingStep
-from pooling_pipeline.core.vectors import finish_sentence_embeddings
+from pooling_pipeline.core.vectors import finish_grouped_sentence_embeddings
 
 
 class StaticEmbeddingRunner:
@@ -68,15 +68,7 @@ class StaticEmbeddingRunner:
         spec = self.spec
 
         def finish(arrays: list[np.ndarray]) -> list[np.ndarray] | np.ndarray:
-            out: list = [None] * len(batch)
-            for (_, dimensions, normalize), rows in groups:
-                vectors = finish_sentence_embeddings(arrays[0][rows] if len(rows) < len(batch) else arrays[0],
-                                                     dimensions, normalize, spec.normalize, spec.truncate_dim)
-                if len(rows) == len(batch):
-                    return vectors
-                for i, row in enumerate(rows.tolist()):
-                    out[row] = vectors[i]
-            return out
+            return finish_grouped_sentence_embeddings(arrays[0], groups, spec)
 
         return PendingStep(int(lengths.sum()), [torch.from_numpy(values)], finish, started, None, None)
 

@@ -68,3 +68,19 @@ class ChunkSum:
         `finish_sentence_embeddings`."""
         mean = (self.total / max(self.tokens, 1)).astype(np.float32)
         return finish_sentence_embeddings(mean, dimensions, normalize, model_normalize, truncate_dim)
+
+
+def finish_grouped_sentence_embeddings(vectors: np.ndarray, groups: list, spec) -> list[np.ndarray] | np.ndarray:
+    """`finish_sentence_embeddings` over a step's rows [B, H] grouped by their options
+    (`core.columns.option_groups`: ((task, dimensions, normalize), rows) each): the [B, H'] array
+    itself where one group holds every row, else one vector per row in the step's order."""
+    out: list = [None] * len(vectors)
+    for (_, dimensions, normalize), rows in groups:
+        whole = len(rows) == len(vectors)
+        finished = finish_sentence_embeddings(vectors if whole else vectors[rows], dimensions, normalize,
+                                              spec.normalize, spec.truncate_dim)
+        if whole:
+            return finished
+        for i, row in enumerate(rows.tolist()):
+            out[row] = finished[i]
+    return out

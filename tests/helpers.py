@@ -92,3 +92,21 @@ def rewrite_in_place(path: Path, keep_mtime: bool = True) -> None:
     after = path.stat()
     assert (after.st_size, after.st_ino) == (before.st_size, before.st_ino)
     assert not keep_mtime or after.st_mtime_ns == before.st_mtime_ns
+
+
+class FakePipelineBase:
+    """What `pipeline-run` needs of a Pipeline, without a model: tests of the job runner's own logic
+    subclass it with an `encode_stream` that yields stand-in outputs."""
+
+    def __init__(self, **kw):
+        self.pids = {"engine": os.getpid(), "workers": []}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def stats(self):
+        return {"requests": 0, "prompt_tokens": 0, "engine_busy_fraction": 0, "padding_fraction": 0,
+                "padding_efficiency": 1, "batches": 0, "errors": 0, "cpu_plan": {}, "stages": {}, "queue_depths": {}}

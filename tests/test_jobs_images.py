@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from helpers import FakePipelineBase
 from image_samples import build_broken_files, build_image_files
 from model_zoo import build_clip
 
@@ -187,27 +188,14 @@ def test_a_resume_after_a_partial_run_equals_a_full_run(tmp_path, clip_dir, imag
 
 # -- without a model -------------------------------------------------------------------------------
 
-class FakePipeline:
+class FakePipeline(FakePipelineBase):
     """A stand-in for the model: one vector per image, from its path's length or its bytes' length."""
-
-    def __init__(self, **kw):
-        self.pids = {"engine": os.getpid(), "workers": []}
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
     def encode_stream(self, prompts, task, **kw):
         for i, prompt in enumerate(prompts):
             assert set(prompt) == {"image"}
             yield SimpleNamespace(data=np.full(4, len(prompt["image"]), np.float32), error=None, num_prompt_tokens=1,
                                   index=i)
-
-    def stats(self):
-        return {"requests": 0, "prompt_tokens": 0, "engine_busy_fraction": 0, "padding_fraction": 0,
-                "padding_efficiency": 1, "batches": 0, "errors": 0, "cpu_plan": {}, "stages": {}, "queue_depths": {}}
 
 
 @pytest.fixture

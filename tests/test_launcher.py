@@ -14,7 +14,7 @@ import time
 import corpus
 import numpy as np
 import pytest
-from helpers import SAMPLE
+from helpers import SAMPLE, FakePipelineBase
 
 from pooling_pipeline import load_results
 
@@ -335,20 +335,11 @@ def test_help_explains_every_option_with_its_default():
     assert "exit codes" in text and "130" in text
 
 
-class FakePipeline:
+class FakePipeline(FakePipelineBase):
     """Stands in for the model in runs that test the launcher's own logic: outputs a fixed vector
     per text, and dies (as an engine would) after `die_after` outputs."""
 
     die_after = None
-
-    def __init__(self, **kw):
-        self.pids = {"engine": os.getpid(), "workers": []}
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
     def encode_stream(self, texts, task, **kw):
         from types import SimpleNamespace
@@ -359,10 +350,6 @@ class FakePipeline:
             if i == self.die_after:
                 raise EngineDeadError("engine core died (a test's stand-in)")
             yield SimpleNamespace(data=np.full(4, i, np.float32), error=None, num_prompt_tokens=1, index=i)
-
-    def stats(self):
-        return {"requests": 0, "prompt_tokens": 0, "engine_busy_fraction": 0, "padding_fraction": 0,
-                "padding_efficiency": 1, "batches": 0, "errors": 0, "cpu_plan": {}, "stages": {}, "queue_depths": {}}
 
 
 def test_exit_codes_tell_usage_input_and_runtime_failures_apart(tmp_path, jsonl, monkeypatch, capsys):

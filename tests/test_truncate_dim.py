@@ -56,15 +56,23 @@ def raw_model(tmp_path_factory) -> str:
     return zoo.build_st(tmp_path_factory.mktemp("td"), "bert", name="st-bert-td8-raw", normalize=False, truncate_dim=8)
 
 
+# One process group per model, shared by this module's tests (each call sets its own options).
+@pytest.fixture(scope="module")
+def pipes(normalized_model, raw_model):
+    with Pipeline(model=normalized_model, num_render_workers=1) as norm, \
+            Pipeline(model=raw_model, num_render_workers=1) as raw:
+        yield {normalized_model: norm, raw_model: raw}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["normalized_model", "raw_model"])
-def test_encoder_truncate_dim_replaces_the_saved_one(request, which):
+def test_encoder_truncate_dim_replaces_the_saved_one(request, pipes, which):
     """Item 1: truncate_dim above (and below) the saved 8 gives that many values, equal to ST's,
     with and without normalize_embeddings."""
     path = request.getfixturevalue(which)
     st = st_model(path)
     assert st.encode(["x"]).shape == (1, 8)
-    with SentenceEncoder(path, num_render_workers=1) as enc:
+    with SentenceEncoder(pipeline=pipes[path]) as enc:
         for truncate_dim in (None, 4, 24, 32):
             for normalize in (False, True):
                 ref = st.encode(TEXTS, truncate_dim=truncate_dim, normalize_embeddings=normalize)
@@ -74,39 +82,37 @@ def test_encoder_truncate_dim_replaces_the_saved_one(request, which):
 
 
 @pytest.mark.slow
-def test_normalize_true_with_a_saved_truncate_dim_gives_unit_vectors(normalized_model, raw_model):
+def test_normalize_true_with_a_saved_truncate_dim_gives_unit_vectors(normalized_model, raw_model, pipes):
     """Item 2: normalize=True cuts to the saved truncate_dim, then normalizes (ST's
     normalize_embeddings=True); the default is ST's default output (Normalize on the full width,
     then the cut: not unit vectors); normalize=False is the raw cut."""
     for path in (normalized_model, raw_model):
-        st = st_model(path)
-        with Pipeline(model=path, num_render_workers=1) as pipe:
-            unit = vectors(pipe, normalize=True)
-            assert_close(unit, st.encode(TEXTS, normalize_embeddings=True), f"{path} normalize=True")
-            assert np.allclose(norms(unit), 1.0, atol=1e-6)
-            default = vectors(pipe)
-            assert_close(default, st.encode(TEXTS), f"{path} default")
-            raw_full = vectors(pipe, normalize=False, dimensions=32)
-            assert_close(vectors(pipe, normalize=False), raw_full[:, :8], f"{path} normalize=False")
+        st, pipe = st_model(path), pipes[path]
+        unit = vectors(pipe, normalize=True)
+        assert_close(unit, st.encode(TEXTS, normalize_embeddings=True), f"{path} normalize=True")
+        assert np.allclose(norms(unit), 1.0, atol=1e-6)
+        default = vectors(pipe)
+        assert_close(default, st.encode(TEXTS), f"{path} default")
+        raw_full = vectors(pipe, normalize=False, dimensions=32)
+        assert_close(vectors(pipe, normalize=False), raw_full[:, :8], f"{path} normalize=False")
         if path == normalized_model:  # ST's default output here is not a unit vector: the test can fail
             assert norms(default).max() < 0.99
 
 
 @pytest.mark.slow
-def test_dimensions_is_vllms(normalized_model, raw_model):
+def test_dimensions_is_vllms(normalized_model, raw_model, pipes):
     """Item 4: dimensions=k is the first k values of the full output, normalized when normalization
     is on: on a model without Normalize, ST's truncate_dim=k exactly (unnormalized); on a model with
     Normalize, ST's truncate_dim=k with normalize_embeddings=True (unit vectors)."""
     st_raw, st_norm = st_model(raw_model), st_model(normalized_model)
-    with Pipeline(model=raw_model, num_render_workers=1) as pipe:
-        for k in (4, 16, 32):
-            got = vectors(pipe, dimensions=k)
-            assert_close(got, st_raw.encode(TEXTS, truncate_dim=k), f"raw dimensions={k}")
-        assert norms(got).min() > 1.5  # unnormalized: the test tells the two apart
-        assert_close(vectors(pipe, dimensions=16, normalize=True),
-                     st_raw.encode(TEXTS, truncate_dim=16, normalize_embeddings=True), "raw dimensions=16 normalize")
-    with Pipeline(model=normalized_model, num_render_workers=1) as pipe:
-        for k in (4, 16):
-            got = vectors(pipe, dimensions=k)
-            assert_close(got, st_norm.encode(TEXTS, truncate_dim=k, normalize_embeddings=True), f"norm dimensions={k}")
-            assert np.allclose(norms(got), 1.0, atol=1e-6)
+    raw, norm = pipes[raw_model], pipes[normalized_model]
+    for k in (4, 16, 32):
+        got = vectors(raw, dimensions=k)
+        assert_close(got, st_raw.encode(TEXTS, truncate_dim=k), f"raw dimensions={k}")
+    assert norms(got).min() > 1.5  # unnormalized: the test tells the two apart
+    assert_close(vectors(raw, dimensions=16, normalize=True),
+                 st_raw.encode(TEXTS, truncate_dim=16, normalize_embeddings=True), "raw dimensions=16 normalize")
+    for k in (4, 16):
+        got = vectors(norm, dimensions=k)
+        assert_close(got, st_norm.encode(TEXTS, truncate_dim=k, normalize_embeddings=True), f"norm dimensions={k}")
+        assert np.allclose(norms(got), 1.0, atol=1e-6)
