@@ -9,8 +9,8 @@ float32, batches of 16-256 tokens): OpenVINO 1.2-1.4x the torch eager forward at
 torch.compile 1.16-1.21x after a 35 s first compile; ONNX Runtime (plain export) 0.86-1.34x.
 
 The cache never serves anything but a conversion of the model on disk: an entry is keyed by the
-whole content of every model file (`jobs.fingerprint.model_files`: a rewrite in place cannot keep
-the key), carries the sha256 of each file it wrote (`checksums.json`), checked when it is read; a
+whole content of every file that can shape the transformer's graph (`graph_files`, fingerprinted by
+`jobs.fingerprint.model_files`: a rewrite in place cannot keep the key), carries the sha256 of each file it wrote (`checksums.json`), checked when it is read; a
 damaged entry is removed and rebuilt, naming it; a cache that cannot be read or written never stops
 a run (the conversion is made in memory and served, with one warning naming the path). A converted
 model is also checked against the torch module (`verify`) -- padded rows, ids across the whole
@@ -39,7 +39,10 @@ from pooling_pipeline.jobs.fingerprint import cache_root, content_sha256, file_s
 log = logging.getLogger("engine")
 
 # Bumped when what is cached changes meaning (the wrapper's inputs or outputs, the key, the checksums).
-CACHE_LAYOUT = 2
+CACHE_LAYOUT = 3
+# The files of a transformer's folder that cannot shape its converted graph (see `graph_files`).
+NOT_IN_THE_GRAPH = ("tokenizer", "special_tokens_map", "added_tokens", "vocab.", "merges.txt", "spiece.model",
+                    "sentencepiece", "chat_template", "config_sentence_transformers.json", "modules.json")
 CHECKSUMS = "checksums.json"  # in each entry: its key, and {file name: sha256} of what was written
 VERIFIED = "verified.json"  # in each entry: the checks against the torch module it passed (VerifiedChecks)
 # Conversions kept; beyond this the least recently used go (a model deleted or changed leaves its
@@ -459,14 +462,33 @@ def default_cache_root() -> str:
 
 
 def cache_key(spec, openvino_version: str, **what) -> str:
-    """The conversion's identity: the whole content of every file of the model (as the job
-    fingerprint sees them), the libraries that shape the converted graph, and what was converted.
-    The start-up check backs it up."""
+    """The conversion's identity: the whole content of every file of the transformer that can shape
+    its graph (`graph_files`), what the spec makes of it, the libraries that shape the converted
+    graph, and what was converted. The start-up check backs it up. Not the folder's name: a copy,
+    a rename or another revision of the same files (a hub snapshot is named by its commit) reuses it."""
     import transformers
 
-    root = os.path.realpath(spec.path)
-    files = model_files(root)
-    identity = {"layout": CACHE_LAYOUT, "files": files, "openvino": openvino_version,
-                "torch": torch.__version__, "transformers": transformers.__version__, "what": what}
+    identity = {"layout": CACHE_LAYOUT, "files": graph_files(spec), "openvino": openvino_version,
+                "torch": torch.__version__, "transformers": transformers.__version__,
+                "module": {"model_type": spec.model_type, "architectures": list(spec.architectures),
+                           "model_class": spec.model_class, "head": spec.head, "num_labels": spec.num_labels,
+                           "trust_remote_code": spec.trust_remote_code},
+                "what": what}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
-    return f"{os.path.basename(root.rstrip(os.sep)) or 'model'}-{digest}"
+    return f"{spec.model_type or 'model'}-{digest}"
+
+
+def graph_files(spec) -> dict[str, str]:
+    """{file: sha256} of the transformer's folder, less what cannot shape the converted graph: the
+    tokenizer's files, sentence-transformers' prompts and similarity, and the subfolders (the other
+    modules' own: 1_Pooling/, 2_Dense/, ColBERT's and SPLADE's heads, a Router's routes, exported
+    onnx/ or openvino/ copies). So the same transformer under another pooling, head config or
+    prompt reuses its conversion (a 0.6B decoder converts in minutes). Its config, weights and
+    sentence_bert_config.json (model_args, config_args) stay in; which module class reads them
+    (modules.json) is in the key as the spec's model_class and head. A model that runs its own
+    code keeps every file (the code may read any of them)."""
+    files = model_files(os.path.realpath(spec.path))
+    if spec.trust_remote_code:
+        return files
+    return {name: digest for name, digest in files.items()
+            if "/" not in name and not name.lower().startswith(NOT_IN_THE_GRAPH)}

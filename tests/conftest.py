@@ -12,7 +12,13 @@ os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")  # chromadb (test_integra
 # session, removed at its end, never in the user's own cache.
 if "POOLING_PIPELINE_CACHE" not in os.environ:
     os.environ["POOLING_PIPELINE_CACHE"] = tempfile.mkdtemp(prefix="pooling-pipeline-test-cache-")
+    os.environ["POOLING_PIPELINE_TEST_CACHE"] = os.environ["POOLING_PIPELINE_CACHE"]
     atexit.register(shutil.rmtree, os.environ["POOLING_PIPELINE_CACHE"], True)
+# Under pytest-xdist each worker process has a cache of its own inside the session's (which the
+# controller removes): a test that asserts that a start converted must not find another worker's entry.
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("POOLING_PIPELINE_TEST_CACHE") == os.environ["POOLING_PIPELINE_CACHE"]:
+    os.environ["POOLING_PIPELINE_CACHE"] = os.path.join(os.environ["POOLING_PIPELINE_CACHE"], os.environ["PYTEST_XDIST_WORKER"])
+    os.makedirs(os.environ["POOLING_PIPELINE_CACHE"], exist_ok=True)
 
 import corpus
 import numpy as np

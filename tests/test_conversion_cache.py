@@ -109,6 +109,39 @@ def test_a_model_rewritten_in_place_is_converted_anew(cache, model):
     assert_close(got, want)
 
 
+@pytest.mark.slow
+def test_the_same_transformer_under_another_name_pooling_and_prompts_reuses_its_checked_conversion(cache, tmp_path):
+    """The key covers what shapes the transformer's graph -- its config, weights, model_args, the
+    module class -- not the folder's name, the tokenizer files, the prompts or the other modules'
+    own folders: the same weights under another pooling, with prompts, in a folder of another name,
+    start from the cached conversion and its remembered check (the torch module is not even built),
+    and give their own results (ST's, prompt included)."""
+    import model_zoo as zoo
+
+    first_model = zoo.build_bert_pooling(tmp_path / "a", "cls")
+    other = zoo.build_bert_prompts(tmp_path / "b", pooling_mode="max")
+    for name in ("config.json", "model.safetensors"):  # the same transformer (the zoo's seeded backbone)
+        assert (Path(first_model) / name).read_bytes() == (Path(other) / name).read_bytes()
+    assert Path(first_model).name != Path(other).name
+    first, _ = run(Path(first_model))
+    second, got = run(Path(other))
+    if not HAVE_OPENVINO:
+        assert first["backend"] == second["backend"] == "torch"
+    else:
+        assert first["conversion"] == "converted" and second["conversion"] == "cached"
+        assert second["conversion_cache"] == first["conversion_cache"] and second["torch_module"] == "not built"
+    assert_close(got, reference(Path(other)))
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(other, device="cpu")
+    name = "passage"  # (the default prompt is "query")
+    with Pipeline(model=other, num_render_workers=1) as pipe:
+        prompted = np.stack([o.embedding for o in pipe.embed(TEXTS, prompt_name=name, use_tqdm=False)])
+    want = st.encode(TEXTS, prompt_name=name)
+    assert float(np.abs(want - reference(Path(other))).max()) > 1e-3  # the prompt matters
+    assert_close(prompted, want)
+
+
 @pytest.mark.parametrize("how", ["cache is a file", "openvino folder is a file"])
 def test_an_unwritable_cache_never_stops_the_run(cache, model, caplog, how):
     if how == "cache is a file":
