@@ -10,14 +10,15 @@ torch.compile 1.16-1.21x after a 35 s first compile; ONNX Runtime (plain export)
 
 The cache never serves anything but a conversion of the model on disk: an entry is keyed by the
 whole content of every file that can shape the transformer's graph (`graph_files`, fingerprinted by
-`jobs.fingerprint.model_files`: a rewrite in place cannot keep the key), carries the sha256 of each file it wrote (`checksums.json`), checked when it is read; a
-damaged entry is removed and rebuilt, naming it; a cache that cannot be read or written never stops
-a run (the conversion is made in memory and served, with one warning naming the path). A converted
-model is also checked against the torch module (`verify`) -- padded rows, ids across the whole
-vocabulary, two shapes -- so a conversion that computes something else is refused (or, under
-backend="auto", the torch backend runs instead) rather than giving different results. The check's
-result is remembered in the entry for the library versions and CPU it ran with (`VerifiedChecks`),
-so a start from a cached entry whose checksums hold does not repeat it.
+`jobs.fingerprint.model_files`: a rewrite in place cannot keep the key), carries the sha256 of each
+file it wrote (`checksums.json`), checked when it is read; a damaged entry is removed and rebuilt,
+naming it; a cache that cannot be read or written never stops a run (the conversion is made in
+memory and served, with one warning naming the path). A converted model is also checked against the
+torch module (`verify`) -- padded rows, ids across the whole vocabulary, two shapes -- so a
+conversion that computes something else is refused (or, under backend="auto", the torch backend runs
+instead) rather than giving different results. The check's result is remembered in the entry for the
+library versions and CPU it ran with (`VerifiedChecks`), so a start from a cached entry whose
+checksums hold does not repeat it.
 """
 
 from __future__ import annotations

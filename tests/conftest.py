@@ -16,8 +16,9 @@ if "POOLING_PIPELINE_CACHE" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["POOLING_PIPELINE_CACHE"], True)
 # Under pytest-xdist each worker process has a cache of its own inside the session's (which the
 # controller removes): a test that asserts that a start converted must not find another worker's entry.
-if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("POOLING_PIPELINE_TEST_CACHE") == os.environ["POOLING_PIPELINE_CACHE"]:
-    os.environ["POOLING_PIPELINE_CACHE"] = os.path.join(os.environ["POOLING_PIPELINE_CACHE"], os.environ["PYTEST_XDIST_WORKER"])
+if (worker := os.environ.get("PYTEST_XDIST_WORKER")) and \
+        os.environ.get("POOLING_PIPELINE_TEST_CACHE") == os.environ["POOLING_PIPELINE_CACHE"]:
+    os.environ["POOLING_PIPELINE_CACHE"] = os.path.join(os.environ["POOLING_PIPELINE_CACHE"], worker)
     os.makedirs(os.environ["POOLING_PIPELINE_CACHE"], exist_ok=True)
 
 import corpus

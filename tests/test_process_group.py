@@ -266,21 +266,27 @@ def test_caller_killed_by_a_signal_leaves_no_socket_dir(tmp_path, sig):
     assert not os.path.exists(report["dir"])
 
 
-def test_too_few_file_descriptors_is_a_clear_error_not_an_abort(tmp_path):
+def test_too_few_file_descriptors_is_a_clear_error_not_an_abort():
     """Under `ulimit -n 24` libzmq used to abort the whole caller (exit code 134), leaving the
     ipc directory behind; the limit is checked before anything starts."""
+    import pathlib
     import resource
+    import shutil
+    import tempfile
 
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    script = "from pooling_pipeline import Pipeline, PipelineError\ntry:\n    Pipeline()\n" \
-             "except PipelineError as e:\n    print('refused:', e)\n"
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "TMPDIR": str(tmp)},
-                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (24, 24)))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "refused: too few file descriptors" in result.stdout and "ulimit -n" in result.stdout
-    assert list(tmp.iterdir()) == []
+    # A short TMPDIR of its own (pytest's tmp_path under an xdist worker is too long for a socket path).
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="pp-fd-"))
+    try:
+        script = "from pooling_pipeline import Pipeline, PipelineError\ntry:\n    Pipeline()\n" \
+                 "except PipelineError as e:\n    print('refused:', e)\n"
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                                env={**os.environ, "TMPDIR": str(tmp)},
+                                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (24, 24)))
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "refused: too few file descriptors" in result.stdout and "ulimit -n" in result.stdout
+        assert list(tmp.iterdir()) == []
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_a_temporary_directory_too_long_for_a_socket_path_is_a_clear_error(tmp_path, monkeypatch):

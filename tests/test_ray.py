@@ -51,15 +51,27 @@ def expected(embed_model, records):
 
 
 def group_processes() -> set[int]:
-    """Engine cores and render workers of this interpreter, not started by this test process."""
+    """Engine cores and render workers of this interpreter, not started by this test process nor by
+    another pytest-xdist worker (whose groups come and go while these tests run)."""
     mine = {p.pid for p in psutil.Process().children(recursive=True)}
     found = set()
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = p.info["cmdline"] or []
         if (cmd[:1] == [sys.executable] and ("pooling_pipeline.core.engine" in cmd or "pooling_pipeline.workers.main" in cmd)
-                and p.info["pid"] not in mine):
+                and p.info["pid"] not in mine and not another_test_workers(p)):
             found.add(p.info["pid"])
     return found
+
+
+def another_test_workers(p: psutil.Process) -> bool:
+    """A process of another xdist worker: its environment, inherited from that worker, names it. (A
+    Ray actor's groups inherit this worker's name through the launcher and the Ray instance it starts,
+    and keep it when orphaned.)"""
+    try:
+        theirs = p.environ().get("PYTEST_XDIST_WORKER")
+    except (psutil.Error, OSError):
+        return False
+    return theirs is not None and theirs != os.environ.get("PYTEST_XDIST_WORKER")
 
 
 BEFORE = group_processes()  # another run's groups on this machine are not ours to judge
