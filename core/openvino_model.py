@@ -488,8 +488,8 @@ def graph_files(spec) -> dict[str, str]:
     sentence_bert_config.json (model_args, config_args) stay in; which module class reads them
     (modules.json) is in the key as the spec's model_class and head. A model that runs its own
     code keeps every file (the code may read any of them)."""
-    files = model_files(os.path.realpath(spec.path))
+    # (The subfolders are not even read: an onnx/ export of several hundred MB is not hashed for nothing.)
+    files = model_files(spec.path, recursive=spec.trust_remote_code)
     if spec.trust_remote_code:
         return files
-    return {name: digest for name, digest in files.items()
-            if "/" not in name and not name.lower().startswith(NOT_IN_THE_GRAPH)}
+    return {name: digest for name, digest in files.items() if not name.lower().startswith(NOT_IN_THE_GRAPH)}

@@ -58,12 +58,12 @@ def group_processes() -> set[int]:
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = p.info["cmdline"] or []
         if (cmd[:1] == [sys.executable] and ("pooling_pipeline.core.engine" in cmd or "pooling_pipeline.workers.main" in cmd)
-                and p.info["pid"] not in mine and not another_test_workers(p)):
+                and p.info["pid"] not in mine and not of_another_test_worker(p)):
             found.add(p.info["pid"])
     return found
 
 
-def another_test_workers(p: psutil.Process) -> bool:
+def of_another_test_worker(p: psutil.Process) -> bool:
     """A process of another xdist worker: its environment, inherited from that worker, names it. (A
     Ray actor's groups inherit this worker's name through the launcher and the Ray instance it starts,
     and keep it when orphaned.)"""

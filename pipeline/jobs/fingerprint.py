@@ -34,8 +34,9 @@ REMEMBERED_HASH_BYTES = 1 << 20
 MAX_REMEMBERED_HASHES = 4096
 
 
-def model_files(model_dir: str) -> dict[str, str]:
-    """{path relative to the model directory: fingerprint} for every file that can shape the output.
+def model_files(model_dir: str, recursive: bool = True) -> dict[str, str]:
+    """{path relative to the model directory: fingerprint} for every file that can shape the output
+    (with `recursive=False`, the directory's own files only: its subfolders are not read at all).
 
     Symlinks are followed (a Hugging Face cache snapshot is links into blobs/): what counts is the
     content under its name in the model, never the link or the blob's name."""
@@ -48,7 +49,7 @@ def model_files(model_dir: str) -> dict[str, str]:
             dirs[:] = []
             continue
         seen_dirs.add(real)
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in IGNORED_MODEL_DIRS)
+        dirs[:] = sorted(d for d in dirs if recursive and not d.startswith(".") and d not in IGNORED_MODEL_DIRS)
         for name in names:
             path = os.path.join(top, name)
             if _shapes_output(name) and os.path.isfile(path):
