@@ -1,7 +1,8 @@
 """A dual encoder's image tower (`get_image_features`) compiled by OpenVINO for the CPU, float32:
 what runs a CLIP / SigLIP image tower under backend="openvino", and under "auto" on a CPU where
 OpenVINO is installed (1.2-1.3x the torch forward of a ViT-B/32 on this project's 2-core CPU, batches
-of 8-64, max |diff| ~5e-6). Converted from the loaded torch module with a dynamic batch and cached
+of 8-64, max |diff| ~5e-6; a CLIP tower converts without the last layer's unread positions,
+core/image_features.py, another 7%). Converted from the loaded torch module with a dynamic batch and cached
 on disk like the text transformers' conversions (core/openvino_model.py: keyed by the model's files
 and the library versions, checksummed, a damaged entry removed and rebuilt); every start -- from the
 cache too -- checks the compiled tower against torch on a probe batch of real pixel values (the torch
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from pooling_pipeline.core.config import ImageSpec
+from pooling_pipeline.core.image_features import ImageFeatures, image_features_module
 from pooling_pipeline.core.openvino_model import (
     BackendUnavailable,
     cache_key,
@@ -30,18 +32,6 @@ TOLERANCE = 1e-5
 PROBE_IMAGES = 4
 
 
-class _ImageFeatures(torch.nn.Module):
-    """get_image_features' pooler_output as a module of one input, for the converter."""
-
-    def __init__(self, model) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        out = self.model.get_image_features(pixel_values=pixel_values)
-        return out if isinstance(out, torch.Tensor) else out.pooler_output
-
-
 def compile_image_tower(model, spec, threads: int, normalized) -> tuple[object, dict]:
     """(the compiled image tower: called with [n, C, H, W] float32 values, its [0] the vectors; the
     start-up facts: conversion cached or converted, times, the max difference to torch on the
@@ -53,19 +43,20 @@ def compile_image_tower(model, spec, threads: int, normalized) -> tuple[object, 
     rng = np.random.default_rng(0)
     pixels = rng.integers(0, 256, (PROBE_IMAGES, image.channels, image.height, image.width), dtype=np.uint8)
     values = normalized(pixels)
-    wrapper = _ImageFeatures(model).eval()
-    with torch.inference_mode():
-        expected = wrapper(values).float().numpy()
+    with torch.inference_mode():  # the reference: the whole tower, as sentence-transformers runs it
+        expected = ImageFeatures(model).eval()(values).float().numpy()
+    converted_module, graph = image_features_module(model)
     shape = [image.channels, image.height, image.width]
-    key = cache_key(spec, ov.__version__, output="image_features", input=shape)
+    key = cache_key(spec, ov.__version__, output="image_features", input=shape, graph=graph)
     folder = os.path.join(default_cache_root(), "openvino", key)
     warnings: list[str] = []
     started = time.perf_counter()
     converted = read_entry(ov, folder, key, warnings)
-    info: dict = {"conversion": "cached" if converted is not None else "converted", "conversion_cache": folder}
+    info: dict = {"conversion": "cached" if converted is not None else "converted", "conversion_cache": folder,
+                  "image_graph": graph}
     if converted is None:
         try:
-            converted = ov.convert_model(wrapper, example_input=(values,), input=[ov.PartialShape([-1, *shape])])
+            converted = ov.convert_model(converted_module.eval(), example_input=(values,), input=[ov.PartialShape([-1, *shape])])
         except Exception as e:  # a tower the converter cannot trace
             raise BackendUnavailable(f"OpenVINO could not convert the image tower: {type(e).__name__}: {e}") from e
         save_entry(ov, converted, folder, key, warnings)

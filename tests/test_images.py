@@ -80,6 +80,8 @@ def test_every_image_file_in_every_form_equals_st(clip_pipe, clip_st, images):
 def test_files_open_as_load_image_opens_them(clip_dir, images):
     """The worker's opening of a file is transformers' load_image without its copies: same mode,
     size, pixels and info, for every test image (EXIF rotation, CMYK, palette, 16-bit, ...)."""
+    import platform
+
     from PIL import Image
     from transformers.image_utils import load_image
 
@@ -87,6 +89,8 @@ def test_files_open_as_load_image_opens_them(clip_dir, images):
     from pooling_pipeline.workers.images import ImageRenderer
 
     renderer = ImageRenderer(load_model_spec(clip_dir))
+    # (glibc's malloc keeps what a worker freed for the next image: nothing else to tune elsewhere)
+    assert renderer.malloc_tuned == (platform.libc_ver()[0] == "glibc")
     for name, path in images.items():
         expected, got = load_image(str(path)), renderer.upright_rgb(Image.open(path))
         assert (got.mode, got.size, got.info) == (expected.mode, expected.size, expected.info), name
@@ -221,6 +225,28 @@ def test_engine_input_with_pixels_is_checked():
         message(None, [1, 1]).check()
 
 
+def test_a_worker_sends_images_to_the_engine_a_few_at_a_time():
+    """A batch of images is rendered and sent in parts (the engine starts on the first part, not
+    after the whole batch); a batch of texts, or of a few images, goes whole."""
+    from pooling_pipeline.core import messages as m
+    from pooling_pipeline.workers.main import IMAGE_ROWS_PER_PART, parts_to_send_as_rendered
+
+    options = m.RenderOptions(task="embed", max_tokens=77, params=m.PoolingParams())
+    n = 2 * IMAGE_ROWS_PER_PART + 3
+    items = [m.RenderParams(options=options, image=m.ImageData(path=f"/images/{k}.jpg", nbytes=1)) if k % 5
+             else m.RenderParams(options=options, prompt=f"text {k}") for k in range(n)]
+    batch = m.RenderBatch(call="c", indices=np.arange(100, 100 + n), items=items, engine=1)
+    parts = parts_to_send_as_rendered(batch)
+    assert [len(part.items) for part in parts] == [IMAGE_ROWS_PER_PART, IMAGE_ROWS_PER_PART, 3]
+    assert np.concatenate([part.indices for part in parts]).tolist() == batch.indices.tolist()
+    assert [item for part in parts for item in part.items] == items
+    assert all(part.call == "c" and part.engine == 1 and part.check() == len(part.items) for part in parts)
+    texts = m.RenderBatch(call="c", indices=np.arange(n), items=[m.RenderParams(options=options, prompt="t")] * n)
+    assert parts_to_send_as_rendered(texts) == [texts]
+    few = m.RenderBatch(call="c", indices=np.arange(3), items=items[1:4])
+    assert parts_to_send_as_rendered(few) == [few]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["legacy", "plain"])
 def test_legacy_clip_module_and_plain_folder_equal_st(layout, tmp_path, images):
@@ -255,6 +281,9 @@ def test_siglip_equals_st(tmp_path, images):
     with Pipeline(model=path, num_render_workers=1) as p:
         assert np.abs(vectors(p, TEXTS) - text_ref).max() <= TOL
         assert np.abs(vectors(p, pictures) - st.encode(pictures)).max() <= TOL
+        engine = p.stats()["engine"]
+    # SigLIP's attention-pooling head reads every position: its tower converts whole.
+    assert engine["image_tower"] == "openvino" and engine["image_graph"] == "whole tower", engine
 
 
 @pytest.mark.slow
@@ -267,6 +296,7 @@ def test_openvino_image_tower_equals_st(clip_dir, clip_pipe, clip_st, images):
     pictures = [str(images["photo.jpg"]), str(images["alpha.png"]), str(images["wide.png"])]
     default = clip_pipe.stats()["engine"]
     assert default["backend"] == "openvino" and default["image_tower"] == "openvino", default
+    assert default["image_graph"] == "class position"  # (core/image_features.py)
     assert default["verified_max_diff"] <= TOL
     with Pipeline(model=clip_dir, backend="openvino", num_render_workers=1) as p:
         got = vectors(p, [*pictures, TEXTS[1]])
@@ -276,6 +306,36 @@ def test_openvino_image_tower_equals_st(clip_dir, clip_pipe, clip_st, images):
     assert np.abs(got[:3] - clip_st.encode(pictures)).max() <= TOL
     assert np.abs(got[3] - clip_st.encode(TEXTS[1])).max() <= TOL
     np.testing.assert_allclose(got, vectors(clip_pipe, [*pictures, TEXTS[1]]), atol=TOL, rtol=0)
+
+
+def test_the_class_position_tower_is_clips_whole_tower_and_only_clips(clip_dir, tmp_path):
+    """CLIP's image vector reads the last layer's class position only, so the converted tower runs
+    that layer there alone: the whole tower's vectors within float32 rounding. A subclass, a
+    forward hook or another tower (SigLIP) is converted whole."""
+    import torch
+    from transformers import AutoModel, CLIPModel
+
+    from pooling_pipeline.core.image_features import ClassPositionCLIP, ImageFeatures, image_features_module
+
+    model = AutoModel.from_pretrained(clip_dir).eval()
+    module, graph = image_features_module(model)
+    assert isinstance(module, ClassPositionCLIP) and graph == "class position"
+    pixels = torch.randn(5, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        whole, trimmed = ImageFeatures(model)(pixels), module(pixels)
+    assert whole.shape == trimmed.shape == (5, model.config.projection_dim)
+    assert float((whole - trimmed).abs().max()) <= 1e-6 * max(1.0, float(whole.abs().max()))
+
+    class Custom(CLIPModel):
+        pass
+
+    assert image_features_module(Custom(model.config).eval())[1] == "whole tower"
+    handle = model.vision_model.encoder.layers[-1].mlp.register_forward_hook(lambda *args: None)
+    assert image_features_module(model)[1] == "whole tower"
+    handle.remove()
+    assert image_features_module(model.train())[1] == "whole tower"
+    siglip = AutoModel.from_pretrained(build_siglip(tmp_path)).eval()
+    assert image_features_module(siglip)[1] == "whole tower"
 
 
 def test_which_backend_runs_a_dual_encoder():

@@ -20,6 +20,16 @@ import numpy as np
 from pooling_pipeline.core.config import ModelSpec
 from pooling_pipeline.core.messages import ImageData
 
+# glibc's malloc hands a freed block over 128 kB back to the kernel, and trims the heap's free top
+# past a threshold that grows only as far as the largest freed block, so a stream of images maps
+# fresh pages for each decode, resize and message and faults them in again: ~70 page faults and
+# ~0.2 ms of system time per 0.2-megapixel JPEG, a tenth of its cost. An image worker keeps what
+# it freed for the next image instead, up to these bounds (a 12-megapixel photo's 48 MB decode still
+# goes back): blocks under MMAP_BELOW come from the heap, and the heap keeps up to KEEP_FREE_TOP of
+# free memory at its top.
+MALLOC_MMAP_BELOW = 32 << 20  # (glibc's largest allowed value on 64-bit)
+MALLOC_KEEP_FREE_TOP = 64 << 20
+
 
 class ImageError(ValueError):
     """An image that cannot be turned into pixels: the request's error."""
@@ -35,6 +45,7 @@ class ImageRenderer:
 
         self.spec, self.max_pixels = spec.image, spec.image.max_pixels
         self._image, self._exif_transpose = Image, ImageOps.exif_transpose
+        self.malloc_tuned = keep_freed_memory()
         self.processor = AutoImageProcessor.from_pretrained(spec.path)
         name = type(self.processor).__name__
         if name != self.spec.processor_class:
@@ -119,6 +130,19 @@ class ImageRenderer:
             return rebuilt
         except Exception as e:
             raise ImageError(f"the in-memory image cannot be rebuilt: {type(e).__name__}: {e}") from None
+
+
+def keep_freed_memory() -> bool:
+    """glibc's malloc set to keep freed memory for the next image (see MALLOC_MMAP_BELOW); False
+    where the C library is not glibc (nothing to tune there) or refuses a value."""
+    import ctypes
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    mallopt = ctypes.CDLL(None).mallopt
+    m_trim_threshold, m_mmap_threshold = -1, -3  # (malloc.h)
+    return bool(mallopt(m_mmap_threshold, MALLOC_MMAP_BELOW)) and bool(mallopt(m_trim_threshold, MALLOC_KEEP_FREE_TOP))
 
 
 class DirectResize:

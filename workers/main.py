@@ -42,6 +42,7 @@ from pooling_pipeline.core.runtime import (
 from pooling_pipeline.core.serial import Decoder, Encoder
 
 POLL_MS = 500
+IMAGE_ROWS_PER_PART = 8  # (see parts_to_send_as_rendered)
 
 
 def main(argv: list[str]) -> int:
@@ -113,15 +114,17 @@ def serve(cfg: WorkerConfig, renderer, work: zmq.Socket, to_engines: list[zmq.So
             dropped(ValueError(f"RenderBatch.engine={msg.engine} is outside [0, {len(to_engines)})"))
             return True
         to_engine = to_engines[msg.engine]
-        with clock:
-            rows, failed = renderer.render(msg)
-            batches, refused = rows.messages(cfg.index, msg.call, cfg.max_message_items, cfg.model.vocab_size)
-        render_s += clock.last_s
-        if batches:  # the time rides on the next message to the engine
-            batches[0].render_s, render_s = render_s, 0.0
-        for batch in batches:  # chunk mode can make many inputs
-            to_engine.send_multipart(encoder.encode(batch))
-        failed += refused
+        failed = []
+        for part in parts_to_send_as_rendered(msg):
+            with clock:
+                rows, part_failed = renderer.render(part)
+                batches, refused = rows.messages(cfg.index, msg.call, cfg.max_message_items, cfg.model.vocab_size)
+            render_s += clock.last_s
+            if batches:  # the time rides on the next message to the engine
+                batches[0].render_s, render_s = render_s, 0.0
+            for batch in batches:  # chunk mode can make many inputs
+                to_engine.send_multipart(encoder.encode(batch))
+            failed += part_failed + refused
         if failed:
             to_front.send_multipart(encoder.encode(m.RenderFailed(
                 call=msg.call, indices=[index for index, _ in failed], errors=[error for _, error in failed])))
@@ -137,6 +140,19 @@ def serve(cfg: WorkerConfig, renderer, work: zmq.Socket, to_engines: list[zmq.So
                 return
         finally:
             count.finished += 1
+
+def parts_to_send_as_rendered(batch: m.RenderBatch) -> list[m.RenderBatch]:
+    """The batch, or for images its parts of IMAGE_ROWS_PER_PART: an image costs 2-100 ms to
+    decode and resize, so a batch of 64 would hold the engine idle for up to seconds at a call's
+    start; each part goes to the engine as soon as it is rendered (the engine still batches what
+    has arrived under its token budget)."""
+    items = batch.items
+    if items is None or len(items) <= IMAGE_ROWS_PER_PART or all(item.image is None for item in items):
+        return [batch]
+    return [msgspec.structs.replace(batch, indices=batch.indices[start:start + IMAGE_ROWS_PER_PART],
+                                    items=items[start:start + IMAGE_ROWS_PER_PART])
+            for start in range(0, len(items), IMAGE_ROWS_PER_PART)]
+
 
 if __name__ == "__main__":
     exit_process(main(sys.argv))
