@@ -49,10 +49,6 @@ class DualEncoderRunner:
         self.scale = torch.tensor(scale, dtype=torch.float32, device=device)
         self.mean = torch.tensor(mean, dtype=torch.float32, device=device).view(1, -1, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32, device=device).view(1, -1, 1, 1)
-        # On a CPU: the same float32 arithmetic done once per (channel, value) -- a 256-entry table per
-        # channel, so an image costs one lookup per value instead of four passes (bitwise the same).
-        values = torch.arange(256, dtype=torch.float32, device=device).view(1, -1)
-        self.table = ((values * self.scale - self.mean.view(-1, 1)) / self.std.view(-1, 1)).cpu().numpy()
         self.backend_info: dict = {"backend": "torch", "model": f"dual encoder ({spec.model_type}: text and image towers)"}
         if backend == "openvino" or (backend == "auto" and device.type == "cpu" and dtype == torch.float32):
             self._use_openvino_image_tower(backend, threads)
@@ -64,7 +60,8 @@ class DualEncoderRunner:
         try:
             from pooling_pipeline.core.openvino_image_tower import compile_image_tower
 
-            self.image_tower, info = compile_image_tower(self.model, self.spec, threads, self._normalized)
+            self.image_tower, info = compile_image_tower(self.model, self.spec, threads, self._normalized,
+                                                         (self.scale, self.mean, self.std))
         except Exception as e:  # not installed, BackendUnavailable, or OpenVINO itself failing
             if backend == "openvino":
                 raise ValueError(f"backend='openvino' cannot run the image tower of {self.spec.path!r}: {e}") from e
@@ -104,10 +101,10 @@ class DualEncoderRunner:
         if images.any():
             rows = np.flatnonzero(images)
             pixels = batch.pixels[rows] if len(rows) < len(batch) else batch.pixels
-            values = self._normalized(pixels)
-            if self.image_tower is not None:
-                embedded = torch.from_numpy(self.image_tower(values.numpy())[0])
+            if self.image_tower is not None:  # (it rescales and normalizes the pixels itself)
+                embedded = torch.from_numpy(self.image_tower(np.ascontiguousarray(pixels))[0])
             else:
+                values = self._normalized(pixels)
                 embedded = _pooled(self.model.get_image_features(pixel_values=values.to(self.dtype))).float()
             vectors[torch.from_numpy(rows).to(self.device)] = embedded
             padded += len(rows) * self.spec.image.tokens
@@ -123,13 +120,9 @@ class DualEncoderRunner:
 
     def _normalized(self, pixels: np.ndarray) -> torch.Tensor:
         """(x * rescale_factor - mean) / std in float32, on the device: uint8 pixels travel there (a
-        quarter of the bytes) and are converted there; on a CPU through the per-channel table."""
-        if self.device.type != "cpu":
-            return (torch.from_numpy(pixels).to(self.device).float() * self.scale - self.mean) / self.std
-        out = np.empty(pixels.shape, np.float32)
-        for channel, table in enumerate(self.table):
-            np.take(table, pixels[:, channel], out=out[:, channel])
-        return torch.from_numpy(out)
+        quarter of the bytes) and are converted there. (On a CPU the torch backend's; OpenVINO's
+        graph does the same arithmetic itself.)"""
+        return (torch.from_numpy(pixels).to(self.device).float() * self.scale - self.mean) / self.std
 
     def finish(self, step: PendingStep) -> tuple[list, int, float]:
         results = step.finish([t.numpy() for t in step.host])

@@ -61,6 +61,22 @@ def _class_position_of_layer(layer, hidden: torch.Tensor) -> torch.Tensor:
     return first + layer.mlp(layer.layer_norm2(first))
 
 
+class FromPixels(torch.nn.Module):
+    """`tower` on uint8 pixels: (x * scale - mean) / std in float32 first, the image processor's
+    rescale and normalize (as the engine does them on a device), inside the converted graph, where
+    OpenVINO fuses them into the first layer instead of a pass over every value in numpy."""
+
+    def __init__(self, tower: torch.nn.Module, scale: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> None:
+        super().__init__()
+        self.tower = tower
+        self.register_buffer("scale", scale.detach().clone())
+        self.register_buffer("mean", mean.detach().clone())  # [1, C, 1, 1]
+        self.register_buffer("std", std.detach().clone())
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.tower((pixels.float() * self.scale - self.mean) / self.std)
+
+
 def image_features_module(model) -> tuple[torch.nn.Module, str]:
     """(the module to convert, what it computes: "class position" or "whole tower")."""
     if _is_plain_clip(model):

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from pooling_pipeline.core.config import ImageSpec
-from pooling_pipeline.core.image_features import ImageFeatures, image_features_module
+from pooling_pipeline.core.image_features import FromPixels, ImageFeatures, image_features_module
 from pooling_pipeline.core.openvino_model import (
     BackendUnavailable,
     cache_key,
@@ -32,22 +32,25 @@ TOLERANCE = 1e-5
 PROBE_IMAGES = 4
 
 
-def compile_image_tower(model, spec, threads: int, normalized) -> tuple[object, dict]:
-    """(the compiled image tower: called with [n, C, H, W] float32 values, its [0] the vectors; the
+def compile_image_tower(model, spec, threads: int, normalized, normalization: tuple) -> tuple[object, dict]:
+    """(the compiled image tower: called with [n, C, H, W] uint8 pixels, its [0] the vectors; the
     start-up facts: conversion cached or converted, times, the max difference to torch on the
-    probe). `normalized` turns uint8 pixels into the tower's values. Raises BackendUnavailable when
-    OpenVINO cannot convert the tower or the result differs from torch."""
+    probe). The graph starts with the processor's rescale and normalize, `normalization` = (scale,
+    mean, std) tensors; `normalized` is the engine's own (the reference's input). Raises
+    BackendUnavailable when OpenVINO cannot convert the tower or the result differs from torch."""
     import openvino as ov
 
     image: ImageSpec = spec.image
     rng = np.random.default_rng(0)
     pixels = rng.integers(0, 256, (PROBE_IMAGES, image.channels, image.height, image.width), dtype=np.uint8)
-    values = normalized(pixels)
     with torch.inference_mode():  # the reference: the whole tower, as sentence-transformers runs it
-        expected = ImageFeatures(model).eval()(values).float().numpy()
-    converted_module, graph = image_features_module(model)
+        expected = ImageFeatures(model).eval()(normalized(pixels)).float().numpy()
+    tower, graph = image_features_module(model)
+    converted_module = FromPixels(tower, *normalization).eval()
     shape = [image.channels, image.height, image.width]
-    key = cache_key(spec, ov.__version__, output="image_features", input=shape, graph=graph)
+    constants = [t.flatten().tolist() for t in normalization]
+    key = cache_key(spec, ov.__version__, output="image_features", input=["uint8", *shape], graph=graph,
+                    normalization=constants)
     folder = os.path.join(default_cache_root(), "openvino", key)
     warnings: list[str] = []
     started = time.perf_counter()
@@ -56,7 +59,8 @@ def compile_image_tower(model, spec, threads: int, normalized) -> tuple[object, 
                   "image_graph": graph}
     if converted is None:
         try:
-            converted = ov.convert_model(converted_module.eval(), example_input=(values,), input=[ov.PartialShape([-1, *shape])])
+            converted = ov.convert_model(converted_module, example_input=(torch.from_numpy(pixels),),
+                                         input=[(ov.PartialShape([-1, *shape]), ov.Type.u8)])
         except Exception as e:  # a tower the converter cannot trace
             raise BackendUnavailable(f"OpenVINO could not convert the image tower: {type(e).__name__}: {e}") from e
         save_entry(ov, converted, folder, key, warnings)
@@ -64,7 +68,7 @@ def compile_image_tower(model, spec, threads: int, normalized) -> tuple[object, 
     started = time.perf_counter()
     compiled = compile_for_cpu(ov, converted, threads, "f32")
     info["compile_s"] = round(time.perf_counter() - started, 3)
-    got = compiled(values.numpy())[0]
+    got = compiled(pixels)[0]
     max_diff = float(np.abs(got - expected).max()) if got.shape == expected.shape else float("inf")
     bound = TOLERANCE * max(1.0, float(np.abs(expected).max()))
     if not max_diff <= bound:
