@@ -24,11 +24,12 @@ from pooling_pipeline.core.messages import ImageData
 # past a threshold that grows only as far as the largest freed block, so a stream of images maps
 # fresh pages for each decode, resize and message and faults them in again: ~70 page faults and
 # ~0.2 ms of system time per 0.2-megapixel JPEG, a tenth of its cost. An image worker keeps what
-# it freed for the next image instead, up to these bounds (a 12-megapixel photo's 48 MB decode still
-# goes back): blocks under MMAP_BELOW come from the heap, and the heap keeps up to KEEP_FREE_TOP of
-# free memory at its top.
-MALLOC_MMAP_BELOW = 32 << 20  # (glibc's largest allowed value on 64-bit)
-MALLOC_KEEP_FREE_TOP = 64 << 20
+# it freed for the next image instead, up to these bounds: blocks under MMAP_BELOW come from the
+# heap, and the heap keeps up to KEEP_FREE_TOP of free memory at its top. (PIL allocates a large
+# image in 16 MB blocks, so a 12-megapixel photo's 48 MB decode still goes back to the kernel: a
+# worker holds ~85 MB RSS after a stream of them, not their peak.)
+MALLOC_MMAP_BELOW = 16 << 20
+MALLOC_KEEP_FREE_TOP = 32 << 20
 
 
 class ImageError(ValueError):
