@@ -18,12 +18,17 @@ files' paths, so both open and decode them; float32 on the CPU. Per set:
   where the worker runs as alone as PIL's reference does -- the like-for-like figure, which the
   target is held to (cache and core contention with the engine's threads inflate the first);
 * the engine's busy fraction (the pipeline's call stats), the render workers' peak RSS and this
-  process's (the frontend's; measured before ST is loaded here);
+  process's (the frontend's: ST runs in a child process);
 * the opt-in fast decode, `Pipeline(..., image_decode="draft")` (JPEG draft decoding), where the
   pipeline has it: images/s, ratio to ST, and cosine to the exact path's vectors (mean, min).
 
-Every figure is the median of --repeats passes after a short warm-up; each side runs alone (one
-pipeline at a time, then ST, then the PIL reference), so the ratios hold on a noisy machine.
+Every figure is the median of --repeats passes after a short warm-up, and each pass runs alone (one
+pipeline at a time; ST in a child process, idle meanwhile). The two ratios the targets name are
+taken pass by pass, side by side: each pass of the default pipeline is followed by one of ST on the
+same set, each pass of the worker-alone side by one of PIL's reference, and the table gives the
+median of those pairs' ratios -- this shared machine's speed drifts by 10% over the minutes the run
+takes, which two medians measured minutes apart would carry into the ratio. (The draft and torch
+columns are set against ST's median.)
 
     python scripts/image_set.py && python scripts/bench_images.py
     python scripts/bench_images.py --count-web 100 --repeats 5 --workers 2 --skip-st --skip-torch
@@ -33,6 +38,7 @@ pipeline at a time, then ST, then the PIL reference), so the ratios hold on a no
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shutil
@@ -153,48 +159,96 @@ def pipeline_pass(pipe: Pipeline, paths: list[str]) -> Pass:
                         "frontend": sampled["frontend"]["rss_mb"]})
 
 
-def measure_pipeline(pipe: Pipeline, image_sets: dict[str, list[str]], repeats: int) -> dict[str, Side]:
+def measure_pipeline(pipe: Pipeline, image_sets: dict[str, list[str]], repeats: int, reference=None
+                     ) -> dict[str, Side]:
+    """The pipeline's passes over each set; with `reference(kind, paths)`, a pass of the reference
+    right after each of the pipeline's, so the two are timed side by side (the ratio of each pair,
+    not of two medians taken minutes apart: this machine's speed drifts by 10% over minutes)."""
     sides = {}
     for kind, paths in image_sets.items():
         pipe.embed(paths[:WARMUP_IMAGES], use_tqdm=False)
-        sides[kind] = Side(len(paths), [pipeline_pass(pipe, paths) for _ in range(repeats)])
+        passes = []
+        for _ in range(repeats):
+            passes.append(pipeline_pass(pipe, paths))
+            if reference is not None:
+                reference(kind, paths)
+        sides[kind] = Side(len(paths), passes)
         print(f"  {kind}: {sides[kind].images_per_s:.2f} images/s", flush=True)
     return sides
 
 
-def pipeline_sides(model: str, image_sets: dict[str, list[str]], args, **extra) -> tuple[dict[str, Side] | None, dict]:
-    """The pipeline's sides over every set, and its engine and CPU plan; (None, {}) when it does not
-    take `extra`. One pipeline at a time: nothing else runs while it is timed."""
+def pipeline_sides(model: str, image_sets: dict[str, list[str]], args, reference=None, **extra
+                   ) -> tuple[dict[str, Side] | None, dict]:
+    """The pipeline's sides over every set (each pass followed by one of `reference`, which is
+    given the pipeline's start-up facts first), and its engine and CPU plan; (None, {}) when it
+    does not take `extra`. One pipeline at a time: nothing else runs while it is timed."""
     pipe = open_pipeline(model, args.workers, **extra)
     if pipe is None:
         return None, {}
     with pipe:
+        info = {"engine": pipe.stats()["engine"], "cpu_plan": pipe.cpu_plan.as_dict()}
         print(f"pipeline{' ' + str(extra) if extra else ''}:", flush=True)
-        sides = measure_pipeline(pipe, image_sets, args.repeats)
-        return sides, {"engine": pipe.stats()["engine"], "cpu_plan": pipe.cpu_plan.as_dict()}
+        sides = measure_pipeline(pipe, image_sets, args.repeats, reference and reference(info))
+        return sides, info
 
 
 # ---- the references ------------------------------------------------------------------------------------
 
-def st_sides(model: str, image_sets: dict[str, list[str]], repeats: int, threads: int) -> dict[str, Side]:
-    """ST 6's `encode` on the same paths, with the engine's torch threads."""
+class STChild:
+    """sentence-transformers 6 in a child process (this one stays free of torch, so its RSS is a
+    frontend's), idle while the pipeline runs: `encode_pass` times one `encode(paths,
+    batch_size=32)` there, with the engine's torch threads. Its passes, by set, make its sides."""
+
+    def __init__(self, model: str, threads: int, work: Path) -> None:
+        code = f"import bench_images; bench_images.serve_st({model!r}, {threads})"
+        self.work = work
+        self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parent, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.passes: dict[str, list[Pass]] = {}
+        self.warm: set[str] = set()
+        if not self.proc.stdout.readline():  # loaded before anything is timed
+            raise RuntimeError("the sentence-transformers child process did not start")
+
+    def _ask(self, paths: list[str]) -> tuple[float, np.ndarray]:
+        out = self.work / "st-vectors.npy"
+        self.proc.stdin.write(json.dumps({"paths": paths, "out": str(out)}) + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        if not answer:
+            raise RuntimeError("the sentence-transformers child process ended")
+        return float(json.loads(answer)["seconds"]), np.load(out)
+
+    def encode_pass(self, kind: str, paths: list[str]) -> None:
+        if kind not in self.warm:
+            self._ask(paths[:WARMUP_IMAGES])
+            self.warm.add(kind)
+        seconds, vectors = self._ask(paths)
+        self.passes.setdefault(kind, []).append(Pass(seconds, vectors))
+
+    def sides(self) -> dict[str, Side]:
+        return {kind: Side(len(passes[0].vectors), passes) for kind, passes in self.passes.items()}
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def serve_st(model: str, threads: int) -> None:
+    """The child's loop: a JSON line {"paths", "out"} in, the vectors saved to `out`, a JSON line
+    {"seconds"} out; until stdin closes."""
     import torch
     from sentence_transformers import SentenceTransformer
 
     torch.set_num_threads(threads)
     st = SentenceTransformer(model, device="cpu")
-    sides = {}
-    print("sentence-transformers:", flush=True)
-    for kind, paths in image_sets.items():
-        st.encode(paths[:WARMUP_IMAGES], batch_size=32)
-        passes = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            vectors = st.encode(paths, batch_size=32)
-            passes.append(Pass(time.perf_counter() - started, vectors))
-        sides[kind] = Side(len(paths), passes)
-        print(f"  {kind}: {sides[kind].images_per_s:.2f} images/s", flush=True)
-    return sides
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        started = time.perf_counter()
+        vectors = st.encode(request["paths"], batch_size=32)
+        seconds = time.perf_counter() - started
+        np.save(request["out"], vectors)
+        print(json.dumps({"seconds": seconds}), flush=True)
 
 
 def pil_open_resize(path: str) -> Image.Image:
@@ -210,15 +264,21 @@ def pil_open_resize(path: str) -> Image.Image:
     return resized.crop((left, top, left + CLIP_SIZE, top + CLIP_SIZE))
 
 
-def pil_cpu_per_image(paths: list[str], repeats: int) -> float:
-    """CPU seconds per image of `pil_open_resize`, in this process (one thread), median of passes."""
-    per_pass = []
-    for _ in range(repeats):
+class PILReference:
+    """CPU seconds per image of `pil_open_resize`, in this process (one thread): a pass after each
+    of the worker-alone side's, by set."""
+
+    def __init__(self) -> None:
+        self.per_image: dict[str, list[float]] = {}
+
+    def measure_pass(self, kind: str, paths: list[str]) -> None:
         started = time.process_time()
         for path in paths:
             pil_open_resize(path)
-        per_pass.append((time.process_time() - started) / len(paths))
-    return statistics.median(per_pass)
+        self.per_image.setdefault(kind, []).append((time.process_time() - started) / len(paths))
+
+    def median(self, kind: str) -> float:
+        return statistics.median(self.per_image[kind])
 
 
 def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -267,19 +327,26 @@ def torch_cells(kind: str, on_torch: dict[str, Side] | None, st: Side | None) ->
             f"{diff:.1e} ({'ok' if diff <= MAX_ABS_DIFF else 'OVER 1e-5'})"]
 
 
-def table_row(kind: str, exact: Side, st: Side | None, draft: dict[str, Side] | None, pil_s: float,
+def paired_ratio(numerators: list[float], denominators: list[float]) -> float:
+    """The median of the ratios of passes timed side by side."""
+    return statistics.median(a / b for a, b in zip(numerators, denominators, strict=True))
+
+
+def table_row(kind: str, exact: Side, st: Side | None, draft: dict[str, Side] | None, pil: PILReference,
               on_torch: dict[str, Side] | None = None, alone: dict[str, Side] | None = None) -> str:
-    worker_s = exact.median("worker_cpu_s") / exact.images
-    alone_s = alone[kind].median("worker_cpu_s") / alone[kind].images if alone else float("nan")
+    worker_s, pil_s = exact.median("worker_cpu_s") / exact.images, pil.median(kind)
+    alone_s = alone[kind].median("worker_cpu_s") / alone[kind].images
+    alone_vs_pil = paired_ratio([p.worker_cpu_s / alone[kind].images for p in alone[kind].passes], pil.per_image[kind])
     if st is not None:
         diff = float(np.abs(exact.vectors - st.vectors).max())
-        st_cells = [f"{st.images_per_s:.2f}", against(exact.images_per_s / st.images_per_s, TARGET_VS_ST.get(kind)),
+        speedup = paired_ratio([p.seconds for p in st.passes], [p.seconds for p in exact.passes])
+        st_cells = [f"{st.images_per_s:.2f}", against(speedup, TARGET_VS_ST.get(kind)),
                     f"{diff:.1e} ({'ok' if diff <= MAX_ABS_DIFF else 'OVER 1e-5'})"]
     else:
         st_cells = ["skipped"] * 3
     cells = [KINDS[kind], str(exact.images), f"{exact.images_per_s:.2f}", *st_cells,
              f"{worker_s * 1e3:.1f}", f"{alone_s * 1e3:.1f}", f"{pil_s * 1e3:.1f}", f"{worker_s / pil_s:.2f}x",
-             against(alone_s / pil_s, TARGET_WORKER_VS_PIL, at_least=False), engine_busy_cell(exact),
+             against(alone_vs_pil, TARGET_WORKER_VS_PIL, at_least=False), engine_busy_cell(exact),
              f"{exact.peak_rss('worker'):.0f}", f"{exact.peak_rss('frontend'):.0f}",
              *draft_cells(kind, draft, exact, st), *torch_cells(kind, on_torch, st)]
     return "| " + " | ".join(cells) + " |"
@@ -300,7 +367,7 @@ def print_table(header: list[str], image_sets, exact, st, draft, pil, on_torch=N
     print(TABLE_HEAD)
     print("|" + "---|" * TABLE_HEAD.count(" | ") + "---|")
     for kind in image_sets:
-        print(table_row(kind, exact[kind], st[kind] if st else None, draft, pil[kind], on_torch, alone))
+        print(table_row(kind, exact[kind], st[kind] if st else None, draft, pil, on_torch, alone))
 
 
 def cpu_name() -> str:
@@ -332,7 +399,8 @@ def header_lines(args, model: str, built: bool, info: dict, image_sets: dict[str
                             "n/a (this Pipeline has no image_decode option)"),
         "worker CPU: the render workers' user+system seconds per image (psutil), in the timed run and alone "
         f"(device='sim', {WORKER_ALONE_DEVICE}: no forward pass on this CPU); PIL: open + decode + RGB + resize 224 "
-        "bicubic + crop in this process, alone",
+        "bicubic + crop in this process, alone; pipeline / ST and worker alone / PIL: medians of the ratios of "
+        "passes timed side by side (draft / ST and torch / ST: against ST's median)",
         # Each side is timed alone, so another program's load skews the ratios: the load says if there was any.
         f"load average (1 min) at the start {load[0]:.2f}, at the end {load[1]:.2f} (this run alone keeps it "
         f"near {info['cpu_plan']['engine_threads']})",
@@ -361,13 +429,25 @@ def main(argv: list[str] | None = None) -> int:
     load_at_start = os.getloadavg()[0]
     try:
         model = args.model or build_model(work)
-        exact, info = pipeline_sides(model, image_sets, args)
-        draft, _ = pipeline_sides(model, image_sets, args, image_decode="draft")
-        on_torch = None if args.skip_torch else pipeline_sides(model, image_sets, args, backend="torch")[0]
-        alone, _ = pipeline_sides(model, image_sets, args, device="sim", sim_device=WORKER_ALONE_DEVICE)
-        threads = int(info["engine"]["torch_threads"])
-        st = None if args.skip_st else st_sides(model, image_sets, args.repeats, threads)
-        pil = {kind: pil_cpu_per_image(paths, args.repeats) for kind, paths in image_sets.items()}
+        st_child: list[STChild] = []
+
+        def st_beside(info: dict):  # ST's passes, each right after one of the exact side's
+            if args.skip_st:
+                return None
+            st_child.append(STChild(model, int(info["engine"]["torch_threads"]), work))
+            return st_child[0].encode_pass
+
+        pil = PILReference()
+        try:
+            exact, info = pipeline_sides(model, image_sets, args, reference=st_beside)
+            draft, _ = pipeline_sides(model, image_sets, args, image_decode="draft")
+            on_torch = None if args.skip_torch else pipeline_sides(model, image_sets, args, backend="torch")[0]
+            alone, _ = pipeline_sides(model, image_sets, args, reference=lambda info: pil.measure_pass, device="sim",
+                                      sim_device=WORKER_ALONE_DEVICE)
+        finally:
+            for child in st_child:
+                child.close()
+        st = st_child[0].sides() if st_child else None
         load = (load_at_start, os.getloadavg()[0])
         print_table(header_lines(args, model, args.model is None, info, image_sets, draft, load), image_sets, exact, st,
                     draft, pil, on_torch, alone)
