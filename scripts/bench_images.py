@@ -395,6 +395,10 @@ def header_lines(args, model: str, built: bool, info: dict, image_sets: dict[str
         f"{engine.get('image_tower', engine.get('backend'))} {engine.get('openvino_version', '').split('-')[0]}"
         f"{' (' + engine['openvino_refused'] + ')' if engine.get('openvino_refused') else ''}, float32; torch "
         "columns: Pipeline(backend='torch'); ST: torch, float32",
+        "image tower start-up: " + (f"{engine.get('image_graph')}, conversion {engine.get('conversion')} in "
+                                    f"{engine.get('conversion_s')} s, compiled in {engine.get('compile_s')} s, max diff to "
+                                    f"torch on the start-up probe {engine.get('verified_max_diff', float('nan')):.1e}"
+                                    if engine.get("image_tower") == "openvino" else "torch"),
         "draft decode: " + ("Pipeline(image_decode='draft')" if draft is not None else
                             "n/a (this Pipeline has no image_decode option)"),
         "worker CPU: the render workers' user+system seconds per image (psutil), in the timed run and alone "

@@ -297,6 +297,8 @@ def test_openvino_image_tower_equals_st(clip_dir, clip_pipe, clip_st, images):
     default = clip_pipe.stats()["engine"]
     assert default["backend"] == "openvino" and default["image_tower"] == "openvino", default
     assert default["image_graph"] == "class position"  # (core/image_features.py)
+    # A step's images split between two streams (in order: the 3 pictures below are one step)
+    assert default["image_streams"] == (2 if int(default["torch_threads"]) >= 2 else 1)
     assert default["verified_max_diff"] <= TOL
     with Pipeline(model=clip_dir, backend="openvino", num_render_workers=1) as p:
         got = vectors(p, [*pictures, TEXTS[1]])
