@@ -173,6 +173,51 @@ def test_bad_images_are_per_request_errors(clip_pipe, clip_st, images, tmp_path)
     assert np.abs(vectors(clip_pipe, [good])[0] - reference).max() <= TOL  # the group serves on
 
 
+@pytest.mark.slow
+def test_a_worker_killed_amid_a_batch_of_images_loses_and_doubles_nothing(clip_dir, clip_st, tmp_path):
+    """A worker sends a batch's images to the engine in parts as it renders them; one killed amid a
+    batch is replaced, what it left unanswered comes again from the other worker, and each image
+    comes back once, equal to ST's vector (an answer from a part it had already sent, arriving after
+    the re-send, is a duplicate the frontend drops)."""
+    import os
+    import signal
+    import time
+
+    from PIL import Image
+
+    from pooling_pipeline import Pipeline
+
+    rng = np.random.default_rng(5)
+    files = []
+    for k in range(4):  # photo-sized, so a batch takes a worker a while to decode
+        path = tmp_path / f"photo{k}.jpg"
+        Image.fromarray(rng.integers(0, 256, (1200, 1600, 3), dtype=np.uint8)).save(path, quality=90)
+        files.append(str(path))
+    inputs = [files[k % len(files)] for k in range(160)]
+    reference = dict(zip(files, clip_st.encode(files)))
+
+    def killing_at(position: int, victim: int):
+        for k, path in enumerate(inputs):  # (drawn as the window frees: the kill lands mid-call)
+            if k == position:
+                os.kill(victim, signal.SIGKILL)
+            yield path
+
+    with Pipeline(model=clip_dir, num_render_workers=2, max_num_seqs=16) as pipe:
+        restarts = 0
+        for position in (60, 110):
+            victim = pipe.pids["workers"][0]
+            outs = list(pipe.embed_stream(killing_at(position, victim)))
+            assert [o.index for o in outs] == list(range(len(inputs)))  # none lost, none doubled
+            got = np.stack([o.embedding for o in outs])
+            assert np.abs(got - np.stack([reference[path] for path in inputs])).max() <= TOL
+            restarts += pipe.stats()["worker_restarts"]
+            deadline = time.monotonic() + 10  # replaced, by this call or by the group's monitor
+            while time.monotonic() < deadline and victim in pipe.pids["workers"]:
+                time.sleep(0.1)
+            assert victim not in pipe.pids["workers"] and len(pipe.pids["workers"]) == 2
+        assert restarts >= 1  # at least one death was seen and handled inside a running call
+
+
 def test_a_text_model_refuses_image_inputs(pipe):
     with pytest.raises(ValueError, match="request 0: an image input, but model .* takes text only"):
         pipe.embed([{"image": b"x"}], use_tqdm=False)
