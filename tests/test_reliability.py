@@ -152,6 +152,21 @@ def test_hostile_frames_on_every_socket_are_dropped(pipe, st_model):
             return [valid[: rng.randrange(len(valid))]]
         return list(rng.choice(valid_wrong_type))
 
+    def send_when_there_is_room(sock, routing_id: bytes, frames: list) -> None:
+        """As the frontend sends: a child slowed by a loaded machine fills its queue (zmq.Again),
+        and the sender waits for room. (The group's own sockets, under the lock the frontend's
+        threads share.)"""
+        deadline = time.monotonic() + 60
+        while True:
+            with group.send_lock:
+                try:
+                    send_to(sock, routing_id, frames)
+                    return
+                except zmq.Again:
+                    pass
+            assert time.monotonic() < deadline, "a child took no message for 60 s"
+            time.sleep(0.01)
+
     ctx = zmq.Context.instance()
     to_results = ctx.socket(zmq.PUSH)
     to_results.connect(group.endpoints["results"])
@@ -165,9 +180,8 @@ def test_hostile_frames_on_every_socket_are_dropped(pipe, st_model):
             to_results.send_multipart(frames)
             to_engine.send_multipart(frames)
             if not (len(frames) == 1 and frames[0] == valid_wrong_type[0][0]):
-                with group.send_lock:  # the group's own sockets, shared with the frontend's threads
-                    send_to(group.control, group.control_ids[0], frames if i % 2 else [frames[0]])
-                    send_to(group.work[0], group.worker_ids[0], frames)
+                send_when_there_is_room(group.control, group.control_ids[0], frames if i % 2 else [frames[0]])
+                send_when_there_is_room(group.work[0], group.worker_ids[0], frames)
         time.sleep(1.5)
     finally:
         to_results.close(0)
