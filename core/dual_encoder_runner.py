@@ -60,8 +60,7 @@ class DualEncoderRunner:
         try:
             from pooling_pipeline.core.openvino_image_tower import compile_image_tower
 
-            self.image_tower, info = compile_image_tower(self.model, self.spec, threads, self._normalized,
-                                                         (self.scale, self.mean, self.std))
+            self.image_tower, info = compile_image_tower(self.model, self.spec, threads, (self.scale, self.mean, self.std))
         except Exception as e:  # not installed, BackendUnavailable, or OpenVINO itself failing
             if backend == "openvino":
                 raise ValueError(f"backend='openvino' cannot run the image tower of {self.spec.path!r}: {e}") from e
@@ -102,7 +101,7 @@ class DualEncoderRunner:
             rows = np.flatnonzero(images)
             pixels = batch.pixels[rows] if len(rows) < len(batch) else batch.pixels
             if self.image_tower is not None:  # (it rescales and normalizes the pixels itself)
-                embedded = torch.from_numpy(self.image_tower(np.ascontiguousarray(pixels))[0])
+                embedded = torch.from_numpy(self.image_tower(pixels)[0])
             else:
                 values = self._normalized(pixels)
                 embedded = _pooled(self.model.get_image_features(pixel_values=values.to(self.dtype))).float()

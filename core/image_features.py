@@ -73,8 +73,12 @@ class FromPixels(torch.nn.Module):
         self.register_buffer("mean", mean.detach().clone())  # [1, C, 1, 1]
         self.register_buffer("std", std.detach().clone())
 
+    def values(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The processor's float values of uint8 pixels (what the engine's torch backend computes)."""
+        return (pixels.float() * self.scale - self.mean) / self.std
+
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        return self.tower((pixels.float() * self.scale - self.mean) / self.std)
+        return self.tower(self.values(pixels))
 
 
 def image_features_module(model) -> tuple[torch.nn.Module, str]:

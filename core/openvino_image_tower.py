@@ -2,8 +2,8 @@
 what runs a CLIP / SigLIP image tower under backend="openvino", and under "auto" on a CPU where
 OpenVINO is installed (1.2-1.3x the torch forward of a ViT-B/32 on this project's 2-core CPU, batches
 of 8-64, max |diff| ~5e-6; a CLIP tower converts without the last layer's unread positions,
-core/image_features.py, another 7%). Converted from the loaded torch module with a dynamic batch and cached
-on disk like the text transformers' conversions (core/openvino_model.py: keyed by the model's files
+core/image_features.py, another 7%). Converted from the loaded torch module with a dynamic batch and
+cached on disk like the text transformers' conversions (core/openvino_model.py: keyed by the model's files
 and the library versions, checksummed, a damaged entry removed and rebuilt); every start -- from the
 cache too -- checks the compiled tower against torch on a probe batch of real pixel values (the torch
 module is loaded anyway: the text tower runs on it), and a difference above the project's float32
@@ -22,6 +22,7 @@ from pooling_pipeline.core.image_features import FromPixels, ImageFeatures, imag
 from pooling_pipeline.core.openvino_model import (
     BackendUnavailable,
     cache_key,
+    compile_for_cpu,
     default_cache_root,
     read_entry,
     save_entry,
@@ -31,21 +32,21 @@ TOLERANCE = 1e-5
 PROBE_IMAGES = 4
 
 
-def compile_image_tower(model, spec, threads: int, normalized, normalization: tuple) -> tuple[object, dict]:
+def compile_image_tower(model, spec, threads: int, normalization: tuple) -> tuple[object, dict]:
     """(the compiled image tower: called with [n, C, H, W] uint8 pixels, its [0] the vectors; the
     start-up facts: conversion cached or converted, times, the max difference to torch on the
     probe). The graph starts with the processor's rescale and normalize, `normalization` = (scale,
-    mean, std) tensors; `normalized` is the engine's own (the reference's input). Raises
-    BackendUnavailable when OpenVINO cannot convert the tower or the result differs from torch."""
+    mean, std) tensors. Raises BackendUnavailable when OpenVINO cannot convert the tower or the
+    result differs from torch."""
     import openvino as ov
 
     image: ImageSpec = spec.image
     rng = np.random.default_rng(0)
     pixels = rng.integers(0, 256, (PROBE_IMAGES, image.channels, image.height, image.width), dtype=np.uint8)
-    with torch.inference_mode():  # the reference: the whole tower, as sentence-transformers runs it
-        expected = ImageFeatures(model).eval()(normalized(pixels)).float().numpy()
     tower, graph = image_features_module(model)
     converted_module = FromPixels(tower, *normalization).eval()
+    with torch.inference_mode():  # the reference: the whole tower, as sentence-transformers runs it
+        expected = ImageFeatures(model).eval()(converted_module.values(torch.from_numpy(pixels))).float().numpy()
     shape = [image.channels, image.height, image.width]
     constants = [t.flatten().tolist() for t in normalization]
     key = cache_key(spec, ov.__version__, output="image_features", input=["uint8", *shape], graph=graph,
@@ -80,7 +81,6 @@ def compile_image_tower(model, spec, threads: int, normalized, normalization: tu
     return compiled, info
 
 
-
 class StreamedTower:
     """The compiled tower, a step's images split between STREAMS independent inference streams
     that run at once, each on its share of the engine's threads.
@@ -99,10 +99,7 @@ class StreamedTower:
 
     def __init__(self, ov, converted, threads: int) -> None:
         self.streams = self.STREAMS if threads >= self.STREAMS else 1
-        self.compiled = ov.Core().compile_model(converted, "CPU", {
-            "PERFORMANCE_HINT": "THROUGHPUT", "NUM_STREAMS": self.streams, "INFERENCE_NUM_THREADS": max(1, threads),
-            "INFERENCE_PRECISION_HINT": "f32",  # (never OpenVINO's bfloat16 default on such a CPU)
-        })
+        self.compiled = compile_for_cpu(ov, converted, threads, "f32", streams=self.streams)
         self.requests = [self.compiled.create_infer_request() for _ in range(self.streams)]
 
     def __call__(self, pixels: np.ndarray) -> list[np.ndarray]:
@@ -113,4 +110,4 @@ class StreamedTower:
             request.start_async({0: np.ascontiguousarray(part)})
         for request in busy:
             request.wait()
-        return [np.concatenate([request.get_output_tensor(0).data.copy() for request in busy])]
+        return [np.concatenate([request.get_output_tensor(0).data for request in busy])]  # (a copy)

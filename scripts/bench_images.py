@@ -203,7 +203,7 @@ class STChild:
         code = f"import bench_images; bench_images.serve_st({model!r}, {threads})"
         self.work = work
         self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parent, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # (its errors: on stderr)
         self.passes: dict[str, list[Pass]] = {}
         self.warm: set[str] = set()
         if not self.proc.stdout.readline():  # loaded before anything is timed

@@ -141,6 +141,7 @@ def serve(cfg: WorkerConfig, renderer, work: zmq.Socket, to_engines: list[zmq.So
         finally:
             count.finished += 1
 
+
 def parts_to_send_as_rendered(batch: m.RenderBatch) -> list[m.RenderBatch]:
     """The batch, or for images its parts of IMAGE_ROWS_PER_PART: an image costs 2-100 ms to
     decode and resize, so a batch of 64 would hold the engine idle for up to seconds at a call's
