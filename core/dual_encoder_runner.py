@@ -22,10 +22,11 @@ import torch
 
 from pooling_pipeline.core.columns import Requests, option_groups, probe_batch
 from pooling_pipeline.core.config import ModelSpec
+from pooling_pipeline.core.device_copies import start_events, to_device, to_host, wait_for_device
 from pooling_pipeline.core.options import TASKS
 from pooling_pipeline.core.pooling import SentenceHead
 from pooling_pipeline.core.step_cost import probe_step_cost
-from pooling_pipeline.core.step_runner import PendingStep
+from pooling_pipeline.core.step_runner import PendingStep, host_seconds
 from pooling_pipeline.core.vectors import finish_grouped_sentence_embeddings
 
 
@@ -84,6 +85,7 @@ class DualEncoderRunner:
         if tasks - {"embed", "score"}:
             raise ValueError(f"a dual encoder gives embeddings only, not {sorted(tasks - {'embed', 'score'})}")
         images = batch.modality == 1
+        begin, end = start_events(self.device)  # (on CUDA: the step runs on while the engine goes on)
         vectors = torch.empty((len(batch), self.spec.hidden_size), dtype=torch.float32, device=self.device)
         padded = 0
         if not images.all():
@@ -93,9 +95,9 @@ class DualEncoderRunner:
             for rows in groups:
                 texts = batch.select(rows) if len(rows) < len(batch) else batch
                 ids, mask = texts.padded(0)  # (the mask hides the pad id; CLIP's argmax pooling never picks 0)
-                out = self.model.get_text_features(input_ids=torch.from_numpy(ids).to(self.device),
-                                                   attention_mask=torch.from_numpy(mask).to(self.device, torch.long))
-                vectors[torch.from_numpy(rows).to(self.device)] = _pooled(out).float()
+                out = self.model.get_text_features(input_ids=to_device(ids, self.device),
+                                                   attention_mask=to_device(mask, self.device).long())
+                vectors[to_device(rows, self.device)] = _pooled(out).float()
                 padded += ids.size
         if images.any():
             rows = np.flatnonzero(images)
@@ -105,7 +107,7 @@ class DualEncoderRunner:
             else:
                 values = self._normalized(pixels)
                 embedded = _pooled(self.model.get_image_features(pixel_values=values.to(self.dtype))).float()
-            vectors[torch.from_numpy(rows).to(self.device)] = embedded
+            vectors[to_device(rows, self.device)] = embedded
             padded += len(rows) * self.spec.image.tokens
         if self.sentence_head is not None:
             vectors = self.sentence_head(vectors)
@@ -115,17 +117,22 @@ class DualEncoderRunner:
         def finish(arrays: list[np.ndarray]) -> list[np.ndarray] | np.ndarray:
             return finish_grouped_sentence_embeddings(arrays[0], groups, spec)
 
-        return PendingStep(padded, [vectors.cpu()], finish, started, None, None)
+        host = [to_host(vectors)]
+        if end is not None:
+            end.record()
+        return PendingStep(padded, host, finish, started, begin, end)
 
     def _normalized(self, pixels: np.ndarray) -> torch.Tensor:
         """(x * rescale_factor - mean) / std in float32, on the device: uint8 pixels travel there (a
         quarter of the bytes) and are converted there. (On a CPU the torch backend's; OpenVINO's
         graph does the same arithmetic itself.)"""
-        return (torch.from_numpy(pixels).to(self.device).float() * self.scale - self.mean) / self.std
+        return (to_device(pixels, self.device).float() * self.scale - self.mean) / self.std
 
     def finish(self, step: PendingStep) -> tuple[list, int, float]:
+        finish_started = time.perf_counter()
+        device_s = wait_for_device(step)
         results = step.finish([t.numpy() for t in step.host])
-        return results, step.padded, time.perf_counter() - step.started
+        return results, step.padded, host_seconds(step, finish_started) if device_s is None else device_s
 
 
 def _pooled(output) -> torch.Tensor:

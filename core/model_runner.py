@@ -12,12 +12,13 @@ import torch
 from pooling_pipeline.core.checkpoint_precision import checkpoint_distance, half_checkpoint_dtype
 from pooling_pipeline.core.columns import Requests, option_groups, probe_batch
 from pooling_pipeline.core.config import ENCODER_ONLY_CLASSES, ModelSpec
+from pooling_pipeline.core.device_copies import start_events, to_device, to_host, wait_for_device
 from pooling_pipeline.core.openvino_model import clear_padding
 from pooling_pipeline.core.options import TASKS
 from pooling_pipeline.core.pooling import SentenceHead, apply_activation, pool, splade
 from pooling_pipeline.core.static_runner import StaticEmbeddingRunner
 from pooling_pipeline.core.step_cost import probe_step_cost
-from pooling_pipeline.core.step_runner import PendingStep
+from pooling_pipeline.core.step_runner import PendingStep, host_seconds
 from pooling_pipeline.core.vectors import finish_embeddings, finish_sentence_embeddings
 
 log = logging.getLogger("engine")
@@ -224,7 +225,6 @@ class ModelRunner:
         if self.routes is not None:
             return self._launch_routes(batch)
         started = time.perf_counter()
-        on_cuda = self.device.type == "cuda"
         ids, real = batch.padded(self.pad_token_id)  # one masked assignment, no loop over requests
         lengths_np = np.ascontiguousarray(batch.lengths)
         max_len = ids.shape[1]
@@ -232,10 +232,7 @@ class ModelRunner:
         if self.uses_token_types:
             starts = batch.token_type_start[:, None]  # zeros, then ones from the start (a pair's second text)
             types = ((np.arange(max_len)[None, :] >= starts) & (starts >= 0) & real).astype(np.int64)
-        begin = end = None
-        if on_cuda:
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
+        begin, end = start_events(self.device)
         input_ids = self._to_device(ids)
         lengths = self._to_device(lengths_np)
         mask = (torch.arange(max_len, device=self.device)[None, :] < lengths[:, None]).long()
@@ -258,33 +255,20 @@ class ModelRunner:
         else:
             tensors, finish = self._from_logits(output.logits, lengths_np, batch)
         # Copies back start now and overlap whatever the host does next (pinned memory on CUDA).
-        host = [self._to_host(t) for t in tensors]
-        if on_cuda:
+        host = [to_host(t) for t in tensors]
+        if end is not None:
             end.record()
         return PendingStep(len(batch) * max_len, host, finish, started, begin, end)
 
     def finish(self, step: PendingStep) -> tuple[list, int, float]:
         """Waits for a launched step: (results, padded tokens, device seconds it took)."""
-        if step.end is not None:
-            step.end.synchronize()
-            device_s = step.begin.elapsed_time(step.end) / 1000
-        arrays = [t.numpy() for t in step.host]
-        results = step.finish(arrays)
-        if step.end is None:
-            device_s = time.perf_counter() - step.started
-        return results, step.padded, device_s
+        finish_started = time.perf_counter()
+        device_s = wait_for_device(step)
+        results = step.finish([t.numpy() for t in step.host])
+        return results, step.padded, host_seconds(step, finish_started) if device_s is None else device_s
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        if self.device.type != "cuda":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
-
-    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.device.type == "cpu":
-            return tensor
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        return host.copy_(tensor, non_blocking=True)
+        return to_device(array, self.device)
 
     def _from_hidden(self, hidden: torch.Tensor, mask, lengths: torch.Tensor, lengths_np: np.ndarray,
                      batch: Requests):
@@ -376,7 +360,7 @@ class ModelRunner:
         self.routes = []
         for route in spec.route_specs:
             if route.input_module == "sparse_static_embedding":
-                self.routes.append(StaticEmbeddingRoute(route, self.device, self._to_host))
+                self.routes.append(StaticEmbeddingRoute(route, self.device))
                 continue
             if route.input_module == "static_embedding":
                 self.routes.append(StaticEmbeddingRunner(route, self.device))
@@ -399,10 +383,7 @@ class ModelRunner:
         if (route == route[0]).all():  # the usual case: one route for the whole batch
             return self.routes[int(route[0])].launch(batch)
         started = time.perf_counter()
-        begin = end = None
-        if self.device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
+        begin, end = start_events(self.device)
         groups = [np.flatnonzero(route == r) for r in np.unique(route).tolist()]
         steps = [self.routes[int(route[rows[0]])].launch(batch.select(rows)) for rows in groups]
         if end is not None:
@@ -558,30 +539,26 @@ class StaticEmbeddingRoute:
     """ST's SparseStaticEmbedding as a route: each token id present in the request (once or more)
     gets its saved weight, every other id 0 -- no transformer runs."""
 
-    def __init__(self, spec: ModelSpec, device: torch.device, to_host) -> None:
+    def __init__(self, spec: ModelSpec, device: torch.device) -> None:
         from pooling_pipeline.core.pooling import _load_weights
 
         self.spec = spec
         self.device = device
         self.weight = _load_weights(spec.path)["weight"].float().to(device)
-        self.to_host = to_host
 
     @torch.inference_mode()
     def launch(self, batch: Requests) -> PendingStep:
         started = time.perf_counter()
-        begin = end = None
-        if self.device.type == "cuda":  # (the copies back are waited for through these events)
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-        ids = torch.from_numpy(batch.token_ids.astype(np.int64)).to(self.device)
-        rows = torch.from_numpy(np.repeat(np.arange(len(batch)), batch.lengths)).to(self.device)
+        begin, end = start_events(self.device)  # (the copies back are waited for through these events)
+        ids = to_device(batch.token_ids.astype(np.int64), self.device)
+        rows = to_device(np.repeat(np.arange(len(batch)), batch.lengths), self.device)
         # The tokens before a row's pool_start do not count (an empty text's placeholder token).
-        counted = torch.from_numpy(np.arange(len(ids)) - np.repeat(batch.starts, batch.lengths)
-                                   >= np.repeat(batch.pool_start, batch.lengths)).to(self.device)
+        counted = to_device(np.arange(len(ids)) - np.repeat(batch.starts, batch.lengths)
+                            >= np.repeat(batch.pool_start, batch.lengths), self.device)
         presence = torch.zeros(len(batch), self.weight.shape[0], device=self.device)
         presence[rows[counted], ids[counted]] = 1.0
         tensors, finish = sparse_outputs(presence * self.weight, self.spec.max_active_dims)
-        host = [self.to_host(t) for t in tensors]
+        host = [to_host(t) for t in tensors]
         if end is not None:
             end.record()
         return PendingStep(int(batch.lengths.sum()), host, finish, started, begin, end)

@@ -13,11 +13,12 @@ import torch
 
 from pooling_pipeline.core.columns import Requests, option_groups, probe_batch
 from pooling_pipeline.core.config import ModelSpec
+from pooling_pipeline.core.device_copies import start_events, to_device, to_host, wait_for_device
 from pooling_pipeline.core.model_folder.static_embedding import load_static_weights
 from pooling_pipeline.core.options import TASKS
 from pooling_pipeline.core.pooling import SentenceHead
 from pooling_pipeline.core.step_cost import probe_step_cost
-from pooling_pipeline.core.step_runner import PendingStep
+from pooling_pipeline.core.step_runner import PendingStep, host_seconds
 from pooling_pipeline.core.vectors import finish_grouped_sentence_embeddings
 
 
@@ -59,19 +60,24 @@ class StaticEmbeddingRunner:
         ids = batch.token_ids[position >= np.repeat(skipped, lengths)].astype(np.int64)
         counts = lengths - skipped
         offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-        pooled = torch.nn.functional.embedding_bag(torch.from_numpy(ids).to(self.device), self.weight,
-                                                   torch.from_numpy(offsets).to(self.device), mode="mean")
+        begin, end = start_events(self.device)  # (on CUDA: the step runs on while the engine goes on)
+        pooled = torch.nn.functional.embedding_bag(to_device(ids, self.device), self.weight,
+                                                   to_device(offsets, self.device), mode="mean")
         if self.sentence_head is not None:
             pooled = self.sentence_head(pooled)
-        values = pooled.cpu().numpy()
+        host = [to_host(pooled)]
+        if end is not None:
+            end.record()
         groups = option_groups(batch, batch.normalize)
         spec = self.spec
 
         def finish(arrays: list[np.ndarray]) -> list[np.ndarray] | np.ndarray:
             return finish_grouped_sentence_embeddings(arrays[0], groups, spec)
 
-        return PendingStep(int(lengths.sum()), [torch.from_numpy(values)], finish, started, None, None)
+        return PendingStep(int(lengths.sum()), host, finish, started, begin, end)
 
     def finish(self, step) -> tuple[list, int, float]:
+        finish_started = time.perf_counter()
+        device_s = wait_for_device(step)
         results = step.finish([t.numpy() for t in step.host])
-        return results, step.padded, time.perf_counter() - step.started
+        return results, step.padded, host_seconds(step, finish_started) if device_s is None else device_s

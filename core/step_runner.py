@@ -8,6 +8,7 @@ collates the next batch meanwhile; on a CPU (and OpenVINO) it returns when the w
 
 from __future__ import annotations
 
+import time
 from typing import Any, Protocol
 
 import numpy as np
@@ -34,10 +35,19 @@ class StepRunner(Protocol):
 
 class PendingStep:
     """A launched step: the host copies of its results (filled when the device is done), what
-    turns them into per-request results, and (on CUDA) events timing it on the device."""
+    turns them into per-request results, and (on CUDA) events timing it on the device. It is made
+    at the end of `launch`: `launched` is when that returned."""
 
-    __slots__ = ("padded", "host", "finish", "started", "begin", "end")
+    __slots__ = ("padded", "host", "finish", "started", "launched", "begin", "end")
 
     def __init__(self, padded: int, host: list, finish, started: float, begin, end) -> None:
         self.padded, self.host, self.finish = padded, host, finish
-        self.started, self.begin, self.end = started, begin, end
+        self.started, self.launched, self.begin, self.end = started, time.perf_counter(), begin, end
+
+
+def host_seconds(step: PendingStep, finish_started: float) -> float:
+    """How long a step without device events (a CPU step, done when launched) kept the engine: its
+    launch and its finish, not the time between them -- where the engine launches the next step
+    first (launch-ahead), that step's work is its own, and counting it twice would put the engine's
+    busy fraction over 1."""
+    return (step.launched - step.started) + (time.perf_counter() - finish_started)

@@ -238,7 +238,7 @@ def make_plan(args: argparse.Namespace, work: Path) -> list[Part]:
             Step("bench: BERT-base, 512 tokens, bench_embed.py",
                  python("bench_embed.py", "--device", device, "--dtype", "float16", "--model", model, "--cases", "b",
                         "--n-medium", BENCH_DOCS, "--medium-chars", *BENCH_CHARS, "--repeats", 3, "--no-decoder",
-                        "--out", out),
+                        "--no-static", "--out", out),
                  out / "bench_embed.json", "bench")], cleanup=[model]))
     if "loadtest" in args.parts:
         steps = []
@@ -373,6 +373,8 @@ def loadtest_rows(record: dict, label: str, unit: str = "docs") -> list[Row]:
     figure = f"{r['requests_per_s']:,.0f} {unit}/s, engine busy {r['engine_busy']:.0%}"
     if not r["complete"]:
         figure += f" ({r['requests']:,} {unit}: the run's time cap)"
+    if not 0 <= r["engine_busy"] <= 1:  # the engine's steps counted twice: an accounting bug
+        return [Row(label, figure, "all results, in order; engine busy within 100%", "FAIL")]
     return [Row(label, figure, "all results, in order", "pass")]  # loadtest.py exits non-zero on a broken order
 
 

@@ -194,6 +194,9 @@ def test_loadtest_rows_say_when_the_run_was_cut_by_its_time_cap():
     assert "9,000 docs: the run's time cap" in row.figure
     (row,) = dc.loadtest_rows({"runs": [run]}, "images: 14 workers", "images")
     assert row.figure == "12,346 images/s, engine busy 81%"
+    # The first run on a GPU read "engine busy 170%" for images (each step counted twice): a failed row.
+    (row,) = dc.loadtest_rows({"runs": [{**run, "engine_busy": 1.7}]}, "images: 14 workers", "images")
+    assert (row.figure, row.result) == ("12,346 images/s, engine busy 170%", "FAIL")
 
 
 def test_compare_rows_hold_cosine_and_abs_diff_to_their_targets():

@@ -147,3 +147,33 @@ def test_the_probe_is_remembered_per_identity_and_only_seeds(tmp_path):
     blocked = tmp_path / "a-file"
     blocked.write_text("")
     assert remembered_probe(identity, probe, str(blocked))[2] == "measured"  # a cache it cannot write: no error
+
+
+@pytest.mark.parametrize("kind", ["text", "dual encoder", "static"])
+def test_each_step_is_counted_once_in_the_busy_fraction_when_launching_ahead(kind, model_path, tmp_path, monkeypatch):
+    """With launch-ahead (CUDA's loop, forced here on a CPU) the engine launches the next step before
+    it finishes the last; a step timed on the host counts its launch and its finish only, so the
+    busy fraction stays within 1 (it read 1.66-1.81 when the next step's launch was counted too) and
+    the results are those of the loop without launch-ahead."""
+    import corpus
+    from model_zoo import build_clip, build_static
+
+    from pooling_pipeline.core.engine import LAUNCH_AHEAD_ENV
+
+    rng = np.random.default_rng(3)
+    if kind == "dual encoder":
+        model = build_clip(tmp_path / "clip")
+        inputs = [rng.integers(0, 256, (48, 64, 3), dtype=np.uint8) for _ in range(96)] + corpus.sentences(96, seed=8)
+    else:
+        model = model_path if kind == "text" else build_static(tmp_path / "static")
+        inputs = corpus.sentences(400, seed=8)
+    vectors = {}
+    for ahead in ("1", "0"):
+        monkeypatch.setenv(LAUNCH_AHEAD_ENV, ahead)
+        with Pipeline(model=model, backend="torch", num_render_workers=1, max_num_seqs=8) as pipe:
+            assert pipe.stats()["engine"]["launch_ahead"] is (ahead == "1")
+            vectors[ahead] = np.stack([o.embedding for o in pipe.embed(inputs, use_tqdm=False)])
+            stats = pipe.stats()
+        assert stats["batches"] >= len(inputs) // 8, stats
+        assert 0 < stats["engine_busy_fraction"] <= 1, (ahead, stats["engine_busy_fraction"])
+    np.testing.assert_allclose(vectors["1"], vectors["0"], rtol=0, atol=1e-6)

@@ -1,0 +1,47 @@
+"""What lets a step run on a CUDA device while the engine goes on: pinned, non-blocking copies
+between the host and the device, and the events that time the step there. A runner's `launch`
+queues its copies, its kernels and an end event and returns; its `finish` waits on that event
+alone (the engine collates the next batch meanwhile, see core/engine.py's launch-ahead). On a
+CPU each is a no-op: tensors stay where they are and a step is timed on the host
+(core/step_runner.py's `host_seconds`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`array` on `device`; on CUDA through pinned memory, so the copy does not hold up the host."""
+    tensor = torch.from_numpy(array)
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of `tensor` (itself on a CPU), queued into pinned memory: valid once the step's
+    end event has completed (`wait_for_device`)."""
+    if tensor.device.type == "cpu":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
+def start_events(device: torch.device) -> tuple[torch.cuda.Event | None, torch.cuda.Event | None]:
+    """On CUDA: an event recorded now, before the step's work is queued, and one to record after it
+    (its copies back included). Elsewhere (None, None)."""
+    if device.type != "cuda":
+        return None, None
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    return begin, end
+
+
+def wait_for_device(step) -> float | None:
+    """Waits until a launched step's work (its copies back included) is done on the device: the
+    seconds it took there, or None for a step without events (a CPU step, done when launched)."""
+    if step.end is None:
+        return None
+    step.end.synchronize()
+    return step.begin.elapsed_time(step.end) / 1000
