@@ -133,7 +133,7 @@ def to_openvino(model: torch.nn.Module, spec, *, output: str, base: bool, token_
     warnings: list[str] = []  # told to the caller at start-up (this process's log is not the caller's)
     converted = read_entry(ov, folder, key, warnings)
     if converted is not None:
-        _touch(folder)
+        touch_entry(folder)
         info.update(conversion="cached", conversion_s=0.0, load_s=round(time.perf_counter() - started, 3))
     else:
         converted = _convert(ov, module, inputs, spec)
@@ -263,7 +263,7 @@ def checked_cached_conversion(spec, *, output: str, threads: int, precision: str
     converted = read_entry(ov, folder, key, warnings)
     if converted is None:  # damaged (and removed, named in `warnings`): the caller converts anew
         return None
-    _touch(folder)
+    touch_entry(folder)
     info: dict = {"backend": "openvino", "openvino_version": ov.__version__, "conversion_cache": folder,
                   "conversion": "cached", "conversion_s": 0.0, "load_s": round(time.perf_counter() - started, 3)}
     started = time.perf_counter()
@@ -373,7 +373,7 @@ def save_entry(ov, converted, folder: str, key: str, warnings: list[str] | None 
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def _touch(folder: str) -> None:
+def touch_entry(folder: str) -> None:
     try:
         os.utime(folder)  # when it was last used: what prune_cache goes by
     except OSError:

@@ -421,3 +421,41 @@ def test_auto_keeps_torch_when_openvino_cannot_serve_the_image_tower(clip_dir, m
     assert "differs from torch" in runner.backend_info["openvino_refused"]
     with pytest.raises(ValueError, match="backend='openvino' cannot run the image tower.*differs from torch"):
         DualEncoderRunner(spec, torch.device("cpu"), torch.float32, backend="openvino")
+
+
+def test_an_image_tower_read_from_the_cache_counts_as_used(clip_dir, tmp_path, monkeypatch):
+    """The conversion cache keeps its MAX_CACHE_ENTRIES most recently used entries. An image tower
+    read from it is marked used, and converting one prunes, as for the text transformers. (Read and
+    never marked, a tower in daily use was evicted by newer conversions of other models: the full
+    suite once saw the second start of a model convert its tower again.)"""
+    import os
+
+    import torch
+
+    from pooling_pipeline.core.dual_encoder_runner import DualEncoderRunner
+    from pooling_pipeline.core.model_folder.load import load_model_spec
+    from pooling_pipeline.core.openvino_model import MAX_CACHE_ENTRIES
+
+    monkeypatch.setenv("POOLING_PIPELINE_CACHE", str(tmp_path))
+    spec = load_model_spec(clip_dir)
+
+    def start() -> dict:
+        return DualEncoderRunner(spec, torch.device("cpu"), torch.float32, backend="openvino", threads=1).backend_info
+
+    first = start()
+    assert first["conversion"] == "converted", first
+    folder = first["conversion_cache"]
+    parent = os.path.dirname(folder)
+    os.utime(folder, (1, 1))  # last used long ago ...
+    for i in range(MAX_CACHE_ENTRIES):  # ... and as many entries of other models used since
+        os.makedirs(os.path.join(parent, f"other-{i}"))
+    second = start()
+    assert second["conversion"] == "cached" and second["conversion_cache"] == folder, second
+    assert os.stat(folder).st_mtime > 1
+    # The next conversion of any model keeps the most recently used: this tower among them.
+    os.utime(os.path.join(parent, "other-0"), (2, 2))
+    os.rename(folder, folder + "-moved")  # (this tower's entry away, so the next start converts and prunes)
+    third = start()
+    assert third["conversion"] == "converted", third
+    left = sorted(e.name for e in os.scandir(parent))
+    assert len(left) == MAX_CACHE_ENTRIES and "other-0" not in left and os.path.basename(folder) in left, left
