@@ -336,6 +336,8 @@ def test_openvino_image_tower_equals_st(clip_dir, clip_pipe, clip_st, images):
     """The image tower compiled by OpenVINO (checked against torch at every start), the text tower on
     torch, both within 1e-5 of ST: under the default backend ("auto", on this CPU with the extra
     installed) and backend="openvino", which serves the conversion the first start cached."""
+    import os
+
     from pooling_pipeline import Pipeline
 
     pictures = [str(images["photo.jpg"]), str(images["alpha.png"]), str(images["wide.png"])]
@@ -349,7 +351,10 @@ def test_openvino_image_tower_equals_st(clip_dir, clip_pipe, clip_st, images):
         got = vectors(p, [*pictures, TEXTS[1]])
         engine = p.stats()["engine"]
     assert engine["backend"] == "openvino" and engine["image_tower"] == "openvino"
-    assert engine["conversion"] == "cached" and engine["conversion_cache"] == default["conversion_cache"], engine
+    facts = ("conversion", "conversion_cache", "warnings", "image_graph")
+    why = {"default": {k: default.get(k) for k in facts}, "second": {k: engine.get(k) for k in facts},
+           "cache entries now": sorted(os.listdir(os.path.dirname(engine["conversion_cache"])))}
+    assert engine["conversion"] == "cached" and engine["conversion_cache"] == default["conversion_cache"], why
     assert np.abs(got[:3] - clip_st.encode(pictures)).max() <= TOL
     assert np.abs(got[3] - clip_st.encode(TEXTS[1])).max() <= TOL
     np.testing.assert_allclose(got, vectors(clip_pipe, [*pictures, TEXTS[1]]), atol=TOL, rtol=0)
