@@ -3,12 +3,16 @@ between the host and the device, and the events that time the step there. A runn
 queues its copies, its kernels and an end event and returns; its `finish` waits on that event
 alone (the engine collates the next batch meanwhile, see core/engine.py's launch-ahead). On a
 CPU each is a no-op: tensors stay where they are and a step is timed on the host
-(core/step_runner.py's `host_seconds`)."""
+(`finish_step`)."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
+
+from pooling_pipeline.core.step_runner import PendingStep, host_seconds
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -38,10 +42,20 @@ def start_events(device: torch.device) -> tuple[torch.cuda.Event | None, torch.c
     return begin, end
 
 
-def wait_for_device(step) -> float | None:
+def wait_for_device(step: PendingStep) -> float | None:
     """Waits until a launched step's work (its copies back included) is done on the device: the
     seconds it took there, or None for a step without events (a CPU step, done when launched)."""
     if step.end is None:
         return None
     step.end.synchronize()
     return step.begin.elapsed_time(step.end) / 1000
+
+
+def finish_step(step: PendingStep) -> tuple[list, int, float]:
+    """A runner's `finish`: waits for a launched step, then turns its host copies into per-request
+    results -> (results, padded tokens, seconds the step took: on the device where it has events,
+    else its launch and this finish on the host)."""
+    finish_started = time.perf_counter()
+    device_s = wait_for_device(step)
+    results = step.finish([t.numpy() for t in step.host])
+    return results, step.padded, host_seconds(step, finish_started) if device_s is None else device_s

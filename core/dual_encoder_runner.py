@@ -22,11 +22,11 @@ import torch
 
 from pooling_pipeline.core.columns import Requests, option_groups, probe_batch
 from pooling_pipeline.core.config import ModelSpec
-from pooling_pipeline.core.device_copies import start_events, to_device, to_host, wait_for_device
+from pooling_pipeline.core.device_copies import finish_step, start_events, to_device, to_host
 from pooling_pipeline.core.options import TASKS
 from pooling_pipeline.core.pooling import SentenceHead
 from pooling_pipeline.core.step_cost import probe_step_cost
-from pooling_pipeline.core.step_runner import PendingStep, host_seconds
+from pooling_pipeline.core.step_runner import PendingStep
 from pooling_pipeline.core.vectors import finish_grouped_sentence_embeddings
 
 
@@ -129,10 +129,7 @@ class DualEncoderRunner:
         return (to_device(pixels, self.device).float() * self.scale - self.mean) / self.std
 
     def finish(self, step: PendingStep) -> tuple[list, int, float]:
-        finish_started = time.perf_counter()
-        device_s = wait_for_device(step)
-        results = step.finish([t.numpy() for t in step.host])
-        return results, step.padded, host_seconds(step, finish_started) if device_s is None else device_s
+        return finish_step(step)
 
 
 def _pooled(output) -> torch.Tensor:

@@ -12,13 +12,13 @@ import torch
 from pooling_pipeline.core.checkpoint_precision import checkpoint_distance, half_checkpoint_dtype
 from pooling_pipeline.core.columns import Requests, option_groups, probe_batch
 from pooling_pipeline.core.config import ENCODER_ONLY_CLASSES, ModelSpec
-from pooling_pipeline.core.device_copies import start_events, to_device, to_host, wait_for_device
+from pooling_pipeline.core.device_copies import finish_step, start_events, to_device, to_host
 from pooling_pipeline.core.openvino_model import clear_padding
 from pooling_pipeline.core.options import TASKS
 from pooling_pipeline.core.pooling import SentenceHead, apply_activation, pool, splade
 from pooling_pipeline.core.static_runner import StaticEmbeddingRunner
 from pooling_pipeline.core.step_cost import probe_step_cost
-from pooling_pipeline.core.step_runner import PendingStep, host_seconds
+from pooling_pipeline.core.step_runner import PendingStep
 from pooling_pipeline.core.vectors import finish_embeddings, finish_sentence_embeddings
 
 log = logging.getLogger("engine")
@@ -233,14 +233,14 @@ class ModelRunner:
             starts = batch.token_type_start[:, None]  # zeros, then ones from the start (a pair's second text)
             types = ((np.arange(max_len)[None, :] >= starts) & (starts >= 0) & real).astype(np.int64)
         begin, end = start_events(self.device)
-        input_ids = self._to_device(ids)
-        lengths = self._to_device(lengths_np)
+        input_ids = to_device(ids, self.device)
+        lengths = to_device(lengths_np, self.device)
         mask = (torch.arange(max_len, device=self.device)[None, :] < lengths[:, None]).long()
         if self.spec.multi_vector is not None:
             mask = self._attended(mask, batch)
         kwargs = {"input_ids": input_ids, "attention_mask": mask}
         if types is not None:
-            kwargs["token_type_ids"] = self._to_device(types)
+            kwargs["token_type_ids"] = to_device(types, self.device)
         output = self.model(**kwargs) if self.logit_rows is None else None
         if output is not None and getattr(self.model, "undefined_padding", False):
             clear_padding(getattr(output, self.model.output), torch.from_numpy(real))
@@ -262,13 +262,7 @@ class ModelRunner:
 
     def finish(self, step: PendingStep) -> tuple[list, int, float]:
         """Waits for a launched step: (results, padded tokens, device seconds it took)."""
-        finish_started = time.perf_counter()
-        device_s = wait_for_device(step)
-        results = step.finish([t.numpy() for t in step.host])
-        return results, step.padded, host_seconds(step, finish_started) if device_s is None else device_s
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return to_device(array, self.device)
+        return finish_step(step)
 
     def _from_hidden(self, hidden: torch.Tensor, mask, lengths: torch.Tensor, lengths_np: np.ndarray,
                      batch: Requests):
@@ -315,7 +309,7 @@ class ModelRunner:
         if not (starts >= 0).any():
             return mask
         ends = np.where(starts >= 0, starts, batch.lengths)
-        ends_t = self._to_device(np.ascontiguousarray(ends))
+        ends_t = to_device(np.ascontiguousarray(ends), self.device)
         return (torch.arange(mask.shape[1], device=self.device)[None, :] < ends_t[:, None]).long()
 
     def _token_vectors(self, hidden: torch.Tensor, ids: np.ndarray, real: np.ndarray, batch: Requests):
