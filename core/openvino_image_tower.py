@@ -20,15 +20,12 @@ import torch
 from pooling_pipeline.core.config import ImageSpec
 from pooling_pipeline.core.image_features import FromPixels, ImageFeatures, image_features_module
 from pooling_pipeline.core.openvino_model import (
-    MAX_CACHE_ENTRIES,
+    NOT_CACHED,
     BackendUnavailable,
     cache_key,
+    cached_conversion,
     compile_for_cpu,
     default_cache_root,
-    prune_cache,
-    read_entry,
-    save_entry,
-    touch_entry,
 )
 
 TOLERANCE = 1e-5
@@ -57,19 +54,17 @@ def compile_image_tower(model, spec, threads: int, normalization: tuple) -> tupl
     folder = os.path.join(default_cache_root(), "openvino", key)
     warnings: list[str] = []
     started = time.perf_counter()
-    converted = read_entry(ov, folder, key, warnings)
-    info: dict = {"conversion": "cached" if converted is not None else "converted", "conversion_cache": folder,
-                  "image_graph": graph}
-    if converted is not None:
-        touch_entry(folder)  # used now: the cache keeps its most recently used entries
-    else:
+
+    def convert():
         try:
-            converted = ov.convert_model(converted_module, example_input=(torch.from_numpy(pixels),),
-                                         input=[(ov.PartialShape([-1, *shape]), ov.Type.u8)])
+            return ov.convert_model(converted_module, example_input=(torch.from_numpy(pixels),),
+                                    input=[(ov.PartialShape([-1, *shape]), ov.Type.u8)])
         except Exception as e:  # a tower the converter cannot trace
             raise BackendUnavailable(f"OpenVINO could not convert the image tower: {type(e).__name__}: {e}") from e
-        save_entry(ov, converted, folder, key, warnings)
-        prune_cache(os.path.dirname(folder), MAX_CACHE_ENTRIES)
+
+    converted, cached, saved = cached_conversion(ov, folder, key, convert, warnings)
+    info: dict = {"conversion": "cached" if cached else "converted", "conversion_cache": folder if saved else NOT_CACHED,
+                  "image_graph": graph}
     info["conversion_s"] = round(time.perf_counter() - started, 3)
     started = time.perf_counter()
     compiled = StreamedTower(ov, converted, threads)

@@ -131,16 +131,14 @@ def to_openvino(model: torch.nn.Module, spec, *, output: str, base: bool, token_
     info: dict = {"backend": "openvino", "openvino_version": ov.__version__, "conversion_cache": folder}
     started = time.perf_counter()
     warnings: list[str] = []  # told to the caller at start-up (this process's log is not the caller's)
-    converted = read_entry(ov, folder, key, warnings)
-    if converted is not None:
-        touch_entry(folder)
-        info.update(conversion="cached", conversion_s=0.0, load_s=round(time.perf_counter() - started, 3))
+    converted, cached, saved = cached_conversion(ov, folder, key, lambda: _convert(ov, module, inputs, spec), warnings)
+    seconds = round(time.perf_counter() - started, 3)
+    if cached:
+        info.update(conversion="cached", conversion_s=0.0, load_s=seconds)
     else:
-        converted = _convert(ov, module, inputs, spec)
-        info.update(conversion="converted", conversion_s=round(time.perf_counter() - started, 3))
-        if not save_entry(ov, converted, folder, key, warnings):
-            info["conversion_cache"] = "not cached (see the warning)"
-        prune_cache(os.path.dirname(folder), MAX_CACHE_ENTRIES)
+        info.update(conversion="converted", conversion_s=seconds)
+    if not saved:
+        info["conversion_cache"] = NOT_CACHED
     if warnings:  # (start-up info is flat: one line each)
         info["warnings"] = "\n".join(warnings)
     started = time.perf_counter()
@@ -303,6 +301,23 @@ def _convert(ov, module: torch.nn.Module, inputs: list[str], spec):
                                     input=[(name, ov.PartialShape([-1, -1]), ov.Type.i64) for name in inputs])
     except Exception as e:  # a family the converter cannot trace
         raise BackendUnavailable(f"OpenVINO could not convert model {spec.path!r}: {type(e).__name__}: {e}") from e
+
+
+NOT_CACHED = "not cached (see the warning)"  # a start-up's conversion_cache when the cache cannot be written
+
+
+def cached_conversion(ov, folder: str, key: str, convert, warnings: list[str]) -> tuple[object, bool, bool]:
+    """The conversion for `key`: read from `folder` (and marked used) or made by `convert()`,
+    saved there and the cache pruned to its MAX_CACHE_ENTRIES most recently used entries ->
+    (the converted model, whether it came from the cache, whether the cache holds it now)."""
+    converted = read_entry(ov, folder, key, warnings)
+    if converted is not None:
+        touch_entry(folder)  # used now: what prune_cache keeps
+        return converted, True, True
+    converted = convert()
+    saved = save_entry(ov, converted, folder, key, warnings)
+    prune_cache(os.path.dirname(folder), MAX_CACHE_ENTRIES)
+    return converted, False, saved
 
 
 def read_entry(ov, folder: str, key: str, warnings: list[str]):
