@@ -28,13 +28,13 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
+from pooling_pipeline.core import staging as staging_folders
 from pooling_pipeline.jobs.fingerprint import cache_root, content_sha256, file_sha256, model_files
 
 log = logging.getLogger("engine")
@@ -309,11 +309,13 @@ NOT_CACHED = "not cached (see the warning)"  # a start-up's conversion_cache whe
 def cached_conversion(ov, folder: str, key: str, convert, warnings: list[str]) -> tuple[object, bool, bool]:
     """The conversion for `key`: read from `folder` (and marked used) or made by `convert()`,
     saved there and the cache pruned to its MAX_CACHE_ENTRIES most recently used entries ->
-    (the converted model, whether it came from the cache, whether the cache holds it now)."""
+    (the converted model, whether it came from the cache, whether the cache holds it now). A
+    conversion starts by removing the staging folders of writers that died mid-save (core/staging.py)."""
     converted = read_entry(ov, folder, key, warnings)
     if converted is not None:
         touch_entry(folder)  # used now: what prune_cache keeps
         return converted, True, True
+    staging_folders.remove_stale_staging(os.path.dirname(folder))
     converted = convert()
     saved = save_entry(ov, converted, folder, key, warnings)
     prune_cache(os.path.dirname(folder), MAX_CACHE_ENTRIES)
@@ -358,12 +360,14 @@ def save_entry(ov, converted, folder: str, key: str, warnings: list[str] | None 
     """Writes the conversion and its checksums beside its final place and renames it there: a
     reader sees a whole entry or none; a concurrent start that converted too keeps the first one.
     A cache that cannot be written (not a folder, read-only, full, past a file-size limit) still
-    serves this run from memory: False, with one warning naming the path."""
+    serves this run from memory: False, with one warning naming the path. The staging folder is
+    named for this process (core/staging.py), so one left by a writer killed mid-save is removed
+    by the next conversion or prune in this cache."""
     parent = os.path.dirname(folder)
     staging = None
     try:
         os.makedirs(parent, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=".converting-", dir=parent)
+        staging = staging_folders.make_staging(parent)
         ov.save_model(converted, os.path.join(staging, "model.xml"), compress_to_fp16=False)
         checksums = {name: file_sha256(os.path.join(staging, name)) for name in ("model.xml", "model.bin")}
         with open(os.path.join(staging, CHECKSUMS), "w", encoding="utf-8") as f:
@@ -372,9 +376,11 @@ def save_entry(ov, converted, folder: str, key: str, warnings: list[str] | None 
             os.fsync(f.fileno())
         try:
             os.rename(staging, folder)
+            staging_folders.release(staging)
             staging = None
-        except OSError:  # another process got there first
-            pass
+        except OSError:
+            if not os.path.isdir(folder):  # not another process that got there first: it failed
+                raise
         return True
     except Exception as e:  # OSError, or OpenVINO's RuntimeError from a failed write
         message = (f"could not cache the OpenVINO conversion in {folder} ({type(e).__name__}: {e}): this run serves "
@@ -386,6 +392,7 @@ def save_entry(ov, converted, folder: str, key: str, warnings: list[str] | None 
     finally:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
+            staging_folders.release(staging)
 
 
 def touch_entry(folder: str) -> None:
@@ -396,13 +403,14 @@ def touch_entry(folder: str) -> None:
 
 
 def prune_cache(parent: str, keep: int) -> list[str]:
-    """Removes all but the `keep` most recently used conversions in `parent`; -> the removed names."""
+    """Removes all but the `keep` most recently used conversions in `parent`, and the staging folders
+    of writers that died mid-save (core/staging.py); -> the removed names."""
+    removed = staging_folders.remove_stale_staging(parent)
     try:
         entries = [e for e in os.scandir(parent) if e.is_dir() and not e.name.startswith(".")]
     except OSError:
-        return []
+        return removed
     entries.sort(key=lambda e: e.stat().st_mtime_ns, reverse=True)
-    removed = []
     for entry in entries[keep:]:
         shutil.rmtree(entry.path, ignore_errors=True)
         removed.append(entry.name)
@@ -505,9 +513,18 @@ def graph_files(spec) -> dict[str, str]:
     prompt reuses its conversion (a 0.6B decoder converts in minutes). Its config, weights and
     sentence_bert_config.json (model_args, config_args) stay in; which module class reads them
     (modules.json) is in the key as the spec's model_class and head. A model that runs its own
-    code keeps every file (the code may read any of them)."""
+    code keeps every file (the code may read any of them). A PEFT adapter's files are in (its weights
+    are merged into what is converted), and so are its base model's where they are a folder of their own."""
+    files = _graph_files_in(spec.path, spec.trust_remote_code)
+    if spec.adapter is not None and spec.adapter.base_path != spec.path:
+        files.update({f"adapter-base/{name}": digest
+                      for name, digest in _graph_files_in(spec.adapter.base_path, spec.trust_remote_code).items()})
+    return files
+
+
+def _graph_files_in(folder: str, trust_remote_code: bool) -> dict[str, str]:
     # (The subfolders are not even read: an onnx/ export of several hundred MB is not hashed for nothing.)
-    files = model_files(spec.path, recursive=spec.trust_remote_code)
-    if spec.trust_remote_code:
+    files = model_files(folder, recursive=trust_remote_code)
+    if trust_remote_code:
         return files
     return {name: digest for name, digest in files.items() if not name.lower().startswith(NOT_IN_THE_GRAPH)}

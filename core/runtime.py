@@ -13,6 +13,8 @@ import time
 
 import zmq
 
+from pooling_pipeline.core.staging import remove_own_staging
+
 PARENT_CHECK_INTERVAL_S = 0.5
 HEARTBEAT_INTERVAL_S = 1.0
 # The group's random key reaches the children in their environment (never on a command line,
@@ -47,7 +49,9 @@ def take_group_key() -> bytes:
 def exit_with_parent(parent_pid: int, socket_dir: str | None = None) -> None:
     """Ends this process soon after the frontend's process is gone, even if it was SIGKILLed or
     SIGTERMed, removing the group's private socket directory on the way (a frontend killed that
-    way never runs its own clean-up; whichever child notices first removes it).
+    way never runs its own clean-up; whichever child notices first removes it), and this process's
+    unfinished staging folders of the conversion cache (an engine saving a conversion then: its
+    `finally` never runs; the cache's sweep of dead writers, core/staging.py, is what guarantees it).
 
     Polling the parent pid works from any thread of the parent and on every POSIX system, where
     PR_SET_PDEATHSIG fires when the *thread* that spawned us exits.
@@ -56,6 +60,7 @@ def exit_with_parent(parent_pid: int, socket_dir: str | None = None) -> None:
     def leave() -> None:
         if socket_dir:
             shutil.rmtree(socket_dir, ignore_errors=True)
+        remove_own_staging()
         os._exit(0)
 
     def watch() -> None:
