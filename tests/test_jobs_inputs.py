@@ -183,3 +183,92 @@ def test_the_progress_estimate_counts_records_across_formats(tmp_path):
     assert 120 + rest == len(lines) + 301
     assert reader.estimated_total() == (len(lines) + 301, True)  # all read: exact
     assert reader.estimated_total((1, 2)) == ((len(lines) + 301) // 2, True)
+
+
+# -- a resume reads the records done again and checks them (issue 48, item 8) ------------------
+
+def _write_input(path, fmt, texts):
+    """`texts` as one input of format `fmt`; Parquet uncompressed and without dictionaries, so two
+    rows of equal length swap places with the file's size kept."""
+    if fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"id": [t.split()[0] for t in texts], "text": texts}), path, compression="none",
+                       use_dictionary=False)
+    elif fmt == "jsonl":
+        path.write_text("".join(json.dumps({"id": t.split()[0], "text": t}) + "\n" for t in texts))
+    else:
+        path.write_text("".join(t + "\n" for t in texts))
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "text", "parquet"])
+@pytest.mark.parametrize("shard", [(0, 1), (1, 3)])
+def test_a_resume_reads_the_records_done_again_and_refuses_them_changed(tmp_path, fmt, shard):
+    """Every record carries the hash of all that was read up to it; a resume at record K reads the
+    first K again and goes on only when they hash the same: with the records that follow exactly,
+    never one twice or one lost. Two records swapped in place (the size kept, so no other check
+    sees it) are refused when the resume is asked for, before anything is computed."""
+    from pooling_pipeline.jobs.fingerprint import input_fingerprints
+
+    texts = [f"r{i:03d} the text of record {i:03d}" for i in range(60)]
+    first, second = tmp_path / f"a.{fmt}", tmp_path / f"b.{fmt}"
+    _write_input(first, fmt, texts[:30])
+    _write_input(second, fmt, texts[30:])
+    sources = expand_inputs([str(tmp_path / f"*.{fmt}")], fmt)
+    snapshot = input_fingerprints(sources)
+    whole = list(RecordReader(sources).records(shard, snapshot=snapshot))
+    assert [r.text for r in whole] == texts[shard[0]::shard[1]]
+    for k in (1, 9, len(whole) - 1, len(whole)):  # a resume point in the first file, in the second, at the end
+        rest = RecordReader(sources).records(shard, skip=k, resume_sha256=whole[k - 1].read_sha256, snapshot=snapshot)
+        assert [(r.index, r.id, r.text, r.read_sha256) for r in rest] == \
+            [(r.index, r.id, r.text, r.read_sha256) for r in whole[k:]]
+    size = first.stat().st_size
+    swapped = list(texts[:30])
+    swapped[3], swapped[27] = swapped[27], swapped[3]  # record 3 lies in what any shard's first 9 records read
+    _write_input(first, fmt, swapped)
+    assert first.stat().st_size == size
+    with pytest.raises(InputError, match=r"the inputs differ from the ones the job began with: what it read for its "
+                                         r"first 9 records of this shard \(read up to .* (line|row) \d+\) hashes "
+                                         "differently now"):
+        RecordReader(sources).records(shard, skip=9, resume_sha256=whole[8].read_sha256, snapshot=snapshot)
+
+
+def test_a_stream_is_checked_as_it_always_was(monkeypatch):
+    """A stream's records hash as its bytes (what an older run committed for streams, so its
+    resumes still check); another stream's first records are refused, naming it a stream."""
+    import hashlib
+
+    lines = [json.dumps({"id": f"s{i}", "text": f"text {i}"}) + "\n" for i in range(20)]
+
+    def stdin_records(text, **kw):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text.encode())))
+        return RecordReader(expand_inputs(["-"], "jsonl")).records(**kw)
+
+    whole = list(stdin_records("".join(lines)))
+    assert whole[4].read_sha256 == hashlib.sha256("".join(lines[:5]).encode()).hexdigest()
+    assert [r.id for r in stdin_records("".join(lines), skip=5, resume_sha256=whole[4].read_sha256)] == \
+        [f"s{i}" for i in range(5, 20)]
+    with pytest.raises(InputError, match="the input stream differs from the one the job began with"):
+        stdin_records("".join(reversed(lines)), skip=5, resume_sha256=whole[4].read_sha256)
+
+
+def test_an_image_folder_resumes_at_its_records_and_keeps_its_listing_check(tmp_path):
+    """A folder of images: a resume goes on at the images it had not done (their names are in the
+    running hash); what it checks of the images themselves stays the folder's listing."""
+    from pooling_pipeline.jobs.fingerprint import changed_input, input_fingerprints
+    from pooling_pipeline.jobs.image_records import ImageRecordReader, expand_job_inputs
+
+    folder = tmp_path / "photos"
+    (folder / "a").mkdir(parents=True)
+    names = ["a/1.png", "a/2.jpg", "b.png", "c.webp", "d.png"]
+    for n, name in enumerate(names):
+        (folder / name).write_bytes(b"not decoded here %d" % n)
+    sources = expand_job_inputs([str(folder)], "auto", None, lambda: True)
+    snapshot = input_fingerprints(sources)
+    whole = list(ImageRecordReader(sources, None).records(snapshot=snapshot))
+    assert [r.id for r in whole] == names
+    rest = ImageRecordReader(sources, None).records(skip=2, resume_sha256=whole[1].read_sha256, snapshot=snapshot)
+    assert [(r.id, r.text) for r in rest] == [(r.id, r.text) for r in whole[2:]]
+    (folder / "a" / "2.jpg").write_bytes(b"rewritten")
+    assert "input folder" in changed_input(snapshot, input_fingerprints(sources))

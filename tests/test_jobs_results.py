@@ -749,3 +749,241 @@ def test_kept_parquet_columns_keep_the_input_type_null_first_rows_included(tmp_p
     got = pads.dataset(out).to_table().sort_by("index")
     assert got.schema.field("v").type == pa.int32() and got.schema.field("when").type == pa.timestamp("us")
     assert got.column("v").to_pylist() == values and got.column("when").to_pylist() == stamps
+
+
+# -- a resume re-reads the records already done and checks their hash (issue 48, item 8) --------
+
+FIXED_WIDTH_RECORDS = 3000
+
+
+def _fixed_width_line(i: int) -> bytes:
+    """One record of a fixed-width JSONL (every line 200 bytes): two lines swap in place, size kept."""
+    line = json.dumps({"id": f"r{i:05d}", "text": f"record {i:05d} " + "x" * 150})
+    return (line + " " * (199 - len(line)) + "\n").encode()
+
+
+def _fixed_width_jsonl(path: Path, records=range(FIXED_WIDTH_RECORDS)) -> Path:
+    path.write_bytes(b"".join(_fixed_width_line(i) for i in records))
+    return path
+
+
+def _unsampled_line(path: Path, lines: range) -> int:
+    """A line (0-based) among `lines` that lies wholly outside the blocks the input fingerprint
+    samples (fingerprint.SAMPLE_BLOCKS blocks of SAMPLE_BYTES): a change there passes the sample."""
+    from pooling_pipeline.jobs.fingerprint import SAMPLE_BLOCKS, SAMPLE_BYTES
+
+    size = path.stat().st_size
+    last = size - SAMPLE_BYTES
+    blocks = [(last * k // (SAMPLE_BLOCKS - 1), last * k // (SAMPLE_BLOCKS - 1) + SAMPLE_BYTES) for k in range(SAMPLE_BLOCKS)]
+    width = len(_fixed_width_line(0))
+    for n in lines:
+        if all(n * width >= end or (n + 1) * width <= start for start, end in blocks):
+            return n
+    raise AssertionError(f"no line of {lines} lies outside the sampled blocks {blocks}")
+
+
+def _swap_lines_in_place(path: Path, a: int, b: int) -> None:
+    """Swaps two lines of equal length in place: the same size and inode; the sampled blocks untouched."""
+    width = len(_fixed_width_line(0))
+    with open(path, "r+b") as f:
+        f.seek(a * width)
+        line_a = f.read(width)
+        f.seek(b * width)
+        line_b = f.read(width)
+        f.seek(a * width)
+        f.write(line_b)
+        f.seek(b * width)
+        f.write(line_a)
+
+
+def _append_lines(path: Path) -> None:
+    with path.open("ab") as f:
+        f.write(b"".join(_fixed_width_line(i) for i in range(FIXED_WIDTH_RECORDS, FIXED_WIDTH_RECORDS + 10)))
+
+
+def _put_the_mtime_back(path: Path, before: os.stat_result) -> None:
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert path.stat().st_mtime_ns == before.st_mtime_ns and path.stat().st_size == before.st_size
+
+
+def _not_started(*args, **kwargs):
+    raise AssertionError("the model was started")
+
+
+@pytest.mark.parametrize("then", ["append", "utime"])
+def test_a_resume_refuses_lines_swapped_in_place_outside_the_sampled_blocks(tmp_path, no_model, then, capsys):
+    """The issue's case: --limit 1000, then one finished and one unfinished line of equal length
+    swap places in the file (outside the blocks the fingerprint samples), then lines are appended
+    (the "grown" path) or the modification time is put back. The resume used to exit 0 with one
+    record twice and another missing; now it re-reads the records done, finds that they hash
+    differently from when they were read, and refuses (exit 3) before adding anything."""
+    import pooling_pipeline
+    from pooling_pipeline.jobs.launcher import main
+
+    path = _fixed_width_jsonl(tmp_path / "docs.jsonl")
+    out = tmp_path / "out"
+    argv = ["--input", str(path), "--output", str(out), "--quiet", "--chunk-rows", "250"]
+    assert main([*argv, "--limit", "1000"]) == 0
+    done, undone = _unsampled_line(path, range(300, 1000)), _unsampled_line(path, range(1000, FIXED_WIDTH_RECORDS))
+    before = path.stat()
+    _swap_lines_in_place(path, done, undone)
+    if then == "append":
+        _append_lines(path)
+    else:
+        _put_the_mtime_back(path, before)
+    capsys.readouterr()
+    no_model.setattr(pooling_pipeline, "Pipeline", _not_started)  # refused before the model starts
+    assert main([*argv, "--resume"]) == 3
+    err = capsys.readouterr().err
+    assert "input error: --resume: the inputs differ from the ones the job began with" in err, err
+    assert f"its first 1000 records of this shard (read up to {path} line 1000)" in err, err
+    assert "Traceback" not in err
+    manifest = manifest_of(out)
+    assert manifest["records_done"] == 1000 and not manifest["complete"]  # nothing added to the old job
+    ids, _ = load_results(out, allow_partial=True)
+    assert ids == [f"r{i:05d}" for i in range(1000)]
+
+
+def test_an_untouched_resume_and_one_after_an_append_finish_exactly(tmp_path, no_model, capsys):
+    """What a run commits is the sha256 of exactly the bytes it consumed (every line up to its last
+    record done), and the check costs a correct resume nothing but the reading: untouched, the job
+    finishes with every record once; appended to (its first bytes unchanged), it finishes on the
+    records it began with and says so."""
+    import hashlib
+
+    from pooling_pipeline.jobs.launcher import main
+
+    everything = [f"r{i:05d}" for i in range(FIXED_WIDTH_RECORDS)]
+    for name, change in [("untouched", None), ("appended", _append_lines)]:
+        path = _fixed_width_jsonl(tmp_path / f"{name}.jsonl")
+        out = tmp_path / f"out-{name}"
+        argv = ["--input", str(path), "--output", str(out), "--quiet", "--chunk-rows", "250"]
+        assert main([*argv, "--limit", "1000"]) == 0
+        assert main([*argv, "--limit", "1700", "--resume"]) == 0  # a second resume point, mid-chunk
+        consumed = b"".join(_fixed_width_line(i) for i in range(1700))
+        assert manifest_of(out)["read_sha256"] == hashlib.sha256(consumed).hexdigest()
+        if change is not None:
+            change(path)
+        capsys.readouterr()
+        assert main([*argv, "--resume"]) == 0
+        assert ("has grown since the job began" in capsys.readouterr().err) == (change is not None)
+        assert manifest_of(out)["complete"]
+        assert load_results(out)[0] == everything, name  # no record twice, none missing
+
+
+def test_a_resume_checks_every_file_of_a_glob_under_a_shard(tmp_path, no_model, capsys):
+    """Several files (a glob), --shard I/2: two lines swapped in place in the first file, which both
+    shards finished, are refused by each shard's resume (each would have held the other's record);
+    the files as they were resume, and the shards together are the whole input exactly."""
+    from pooling_pipeline.jobs.launcher import main
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    _fixed_width_jsonl(folder / "a.jsonl", range(0, 3000))
+    _fixed_width_jsonl(folder / "b.jsonl", range(3000, 6000))
+    outs = [tmp_path / f"out-{i}" for i in (0, 1)]
+    argvs = [["--input", str(folder / "*.jsonl"), "--output", str(out), "--quiet", "--chunk-rows", "100",
+              "--shard", f"{i}/2"] for i, out in enumerate(outs)]
+    for argv in argvs:
+        assert main([*argv, "--limit", "1600"]) == 0  # shard i: half of a.jsonl, and b.jsonl's first lines
+    kept = tmp_path / "kept"
+    shutil.copytree(folder, kept)  # (copy2: the modification times too)
+    before = (folder / "a.jsonl").stat()
+    _swap_lines_in_place(folder / "a.jsonl", _unsampled_line(folder / "a.jsonl", range(300, 700)),
+                         _unsampled_line(folder / "a.jsonl", range(701, 1400, 2)))  # one line of each shard
+    _put_the_mtime_back(folder / "a.jsonl", before)
+    capsys.readouterr()
+    for argv in argvs:
+        assert main([*argv, "--resume"]) == 3
+        assert f"(read up to {folder / 'b.jsonl'} line {199 + argv[-1].startswith('1')})" in capsys.readouterr().err
+    shutil.rmtree(folder)
+    kept.rename(folder)
+    for argv in argvs:
+        assert main([*argv, "--resume"]) == 0
+    ids, _ = load_results(*outs)
+    assert ids == [f"r{i:05d}" for i in range(6000)]
+
+
+@pytest.mark.parametrize("change", ["gains", "renames"])
+def test_a_glob_that_now_matches_other_files_is_a_changed_input(tmp_path, no_model, change, capsys):
+    """A glob that gains a file, or one whose file was renamed, is an input changed since the job
+    began: exit 3 (it was 2, a usage error), naming the files added and removed."""
+    from pooling_pipeline.jobs.launcher import main
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    _fixed_width_jsonl(folder / "a.jsonl", range(0, 100))
+    _fixed_width_jsonl(folder / "b.jsonl", range(100, 200))
+    out = tmp_path / "out"
+    argv = ["--input", str(folder / "*.jsonl"), "--output", str(out), "--quiet", "--chunk-rows", "10"]
+    assert main([*argv, "--limit", "50"]) == 0
+    if change == "gains":
+        _fixed_width_jsonl(folder / "c.jsonl", range(200, 210))
+        how = f"2 files then, 3 now; added: {folder / 'c.jsonl'}"
+    else:
+        (folder / "b.jsonl").rename(folder / "c.jsonl")
+        how = f"2 files then, 2 now; added: {folder / 'c.jsonl'}; removed: {folder / 'b.jsonl'}"
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 3
+    err = capsys.readouterr().err
+    assert f"input error: --resume: the input files are not the job's ({how})" in err, err
+    assert manifest_of(out)["records_done"] == 50
+
+
+def test_a_resume_refuses_parquet_rows_swapped_in_place_outside_the_sampled_blocks(tmp_path, no_model, capsys):
+    """The same for Parquet: two text values of equal length swap places (uncompressed, no
+    dictionary: the size is kept, and both changes lie outside the sampled blocks), the time put
+    back. The resume reads the rows done again and refuses (exit 3)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pooling_pipeline.jobs.fingerprint import SAMPLE_BLOCKS, SAMPLE_BYTES
+    from pooling_pipeline.jobs.launcher import main
+
+    texts = [f"record {i:05d} " + "x" * 150 for i in range(FIXED_WIDTH_RECORDS)]
+    path = tmp_path / "rows.parquet"
+
+    def write(values):
+        pq.write_table(pa.table({"text": values}), path, compression="none", use_dictionary=False)
+
+    write(texts)
+    out = tmp_path / "out"
+    argv = ["--input", str(path), "--output", str(out), "--quiet", "--chunk-rows", "250"]
+    assert main([*argv, "--limit", "1000"]) == 0
+    before, data = path.stat(), path.read_bytes()
+    last = len(data) - SAMPLE_BYTES
+    blocks = [(last * k // (SAMPLE_BLOCKS - 1), last * k // (SAMPLE_BLOCKS - 1) + SAMPLE_BYTES) for k in range(SAMPLE_BLOCKS)]
+
+    def unsampled(rows):
+        for i in rows:
+            start = data.find(texts[i].encode())
+            if all(start >= end or start + len(texts[i]) <= begin for begin, end in blocks):
+                return i
+        raise AssertionError(f"no row of {rows} lies outside the sampled blocks {blocks}")
+
+    done, undone = unsampled(range(300, 1000)), unsampled(range(1000, FIXED_WIDTH_RECORDS))
+    texts[done], texts[undone] = texts[undone], texts[done]
+    write(texts)
+    _put_the_mtime_back(path, before)
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 3
+    err = capsys.readouterr().err
+    assert f"first 1000 records of this shard (read up to {path} row 1000) hashes differently now" in err, err
+    assert manifest_of(out)["records_done"] == 1000
+
+
+def test_a_job_begun_by_an_older_pipeline_run_is_refused_on_resume(tmp_path, no_model, capsys):
+    """A job whose manifest holds no hash of what it read (an older pipeline-run checked files by
+    samples only) cannot be checked: its resume is refused (exit 2), saying why, as one whose model
+    fingerprint was sampled is; done, it still says it is complete."""
+    from pooling_pipeline.jobs.launcher import main
+
+    path = _fixed_width_jsonl(tmp_path / "docs.jsonl", range(100))
+    out = tmp_path / "out"
+    argv = ["--input", str(path), "--output", str(out), "--quiet", "--chunk-rows", "10"]
+    assert main([*argv, "--limit", "50"]) == 0
+    _edit_manifest(out, lambda m: m.pop("read_sha256"))
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 2
+    assert "was begun by an older pipeline-run that checked its input files by samples" in capsys.readouterr().err
+    assert manifest_of(out)["records_done"] == 50

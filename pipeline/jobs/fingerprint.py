@@ -160,8 +160,12 @@ def changed_model_files(then: dict[str, str], now: dict[str, str]) -> str:
     return "; ".join(parts) or "the same files, fingerprinted differently"
 
 
-# A file's fingerprint reads at most SAMPLE_BLOCKS blocks of SAMPLE_BYTES (start, end and evenly
-# between), so checking a 100 GB input on --resume costs ~320 KiB of reading, not the whole file.
+# An input file's fingerprint (size, modification time, a hash of SAMPLE_BLOCKS blocks of SAMPLE_BYTES:
+# start, end and evenly between) is the quick check, made before anything else is read: most changes
+# are refused at once, naming what changed (the size, the time). It is not the guarantee: a rewrite
+# in place between the blocks, its time put back, passes it. The guarantee is the running hash of
+# everything the job read (records.RecordReader.records), committed with each chunk: a resume reads
+# the records done again and refuses when they hash differently.
 SAMPLE_BYTES = 64 * 1024
 SAMPLE_BLOCKS = 5
 
@@ -189,19 +193,34 @@ def _hash_sample(f, size: int, blocks: int, digest) -> None:
 
 
 def input_fingerprints(sources) -> list[dict]:
-    """One entry per input; a stream (stdin, a FIFO) cannot be read ahead: its bytes are hashed as
-    they are read instead (records.RecordReader), and the manifest keeps that hash per chunk. A
-    folder of images (image_records.ImageFolder) is fingerprinted by its listing."""
+    """One entry per input; a stream (stdin, a FIFO) cannot be read ahead: it has none (its bytes
+    are in the running hash of what was read, as every input's are: records.RecordReader). A folder
+    of images (image_records.ImageFolder) is fingerprinted by its listing."""
     return [{"path": s.path, "stream": True} if s.stream else s.fingerprint() if hasattr(s, "fingerprint")
             else file_fingerprint(s.path) for s in sources]
 
 
 def grown_since(then: dict, now: dict) -> bool:
-    """Whether a file was only appended to since `then`: larger now, its first then["size"] bytes
-    (their sample) the same."""
+    """Whether a file looks only appended to since `then`: larger now, its first then["size"] bytes
+    (their sample) the same. (Its modification time moved, so whether the bytes the job read are
+    unchanged is what the resume's re-reading checks.)"""
     if then.get("stream") or now.get("stream") or now.get("size", 0) <= then.get("size", 0):
         return False
     return file_fingerprint(now["path"], then["size"])["sample_sha256"] == then.get("sample_sha256")
+
+
+def changed_files(then: list[str], now: list[str]) -> str | None:
+    """Why a job's list of input files (a glob's or a directory's, expanded) is not the one it began
+    with, naming the files added and removed; None when it is the same."""
+    if then == now:
+        return None
+    added, removed = [p for p in now if p not in then], [p for p in then if p not in now]
+    parts = [f"{len(then)} files then, {len(now)} now"]
+    parts += [f"{what}: {', '.join(names[:5])}" + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+              for what, names in (("added", added), ("removed", removed)) if names]
+    if not added and not removed:
+        parts = [f"the same {len(now)} files, in another order"]
+    return f"the input files are not the job's ({'; '.join(parts)})"
 
 
 def changed_input(then: list[dict], now: list[dict]) -> str | None:

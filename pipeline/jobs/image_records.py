@@ -93,8 +93,11 @@ class ImageFolderReader(FormatReader):
         return len(self.source.files), True
 
     def units(self, digest, snapshot: dict | None = None):
+        """The folder's image files as listed; their names go into `digest` (what a resume re-reads and
+        checks; the images' sizes and modification times are the folder's fingerprint, `ImageFolder.fingerprint`)."""
         for number, rel in enumerate(self.source.files, start=1):
             self.done_units += 1
+            digest.update(rel.encode("utf-8", "surrogateescape") + b"\0")
             yield number, rel
 
     def parse(self, raw: str):

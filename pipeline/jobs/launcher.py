@@ -314,6 +314,23 @@ def run(job: JobSpec, interrupt: Interrupt | None = None) -> int:
         lock.release()
 
 
+def resume_sha256(writer: ResultWriter, sources: list) -> str | None:
+    """The hash of all the job read up to its last committed record, which a resume checks its
+    inputs against (RecordReader.records); None when nothing is done yet. A job begun by an older
+    pipeline-run kept none for files (only samples of them, which a rewrite in place can pass): its
+    resume is refused, as one whose model fingerprint was sampled is."""
+    manifest = writer.manifest
+    if not writer.records_done:
+        return None
+    if manifest.get("read_sha256") is not None:
+        return manifest["read_sha256"]
+    if manifest.get("stream_sha256") is not None and all(s.stream for s in sources):
+        return manifest["stream_sha256"]  # an older run's hash of its streams: the same bytes, hashed alike
+    raise UsageError(f"--resume: the job in {writer.dir} was begun by an older pipeline-run that checked its input "
+                     "files by samples (which a rewrite in place can pass), so whether the records it has done are "
+                     "still the ones its inputs hold cannot be told; start a new job in another --output")
+
+
 def _say_grown_inputs(then: list[dict], now: list[dict]) -> None:
     """A resume on inputs appended to since the job began reads what they held then: it says so."""
     for old, new in zip(then, now):
@@ -437,10 +454,14 @@ class Job:
 
     def run(self) -> int:
         job, writer = self.job, self.writer
+        if writer.records_done and not job.quiet:
+            print(f"pipeline-run: --resume: reading the {writer.records_done} records already done again, to check "
+                  "that the inputs still hold them", file=sys.stderr)
         # The inputs as the job began (the fingerprinted sizes): what a file gains while it is read,
-        # or between runs, is not this job's.
+        # or between runs, is not this job's. The records done are read (and checked) here, before
+        # the model starts.
         records = self.reader.records(job.shard, skip=writer.records_done,
-                                      resume_stream_sha256=writer.manifest.get("stream_sha256"),
+                                      resume_sha256=resume_sha256(writer, self.reader.sources),
                                       snapshot=writer.manifest.get("input_fingerprints"))
         remaining = None if job.limit is None else job.limit - writer.records_done
         stats: dict | None = None

@@ -5,7 +5,8 @@ One reader class per format behind the small `FormatReader` interface; `FORMATS`
 of which suffix is which format (the Ray job reads it too). `RecordReader` strings a job's inputs
 together and numbers every record in the whole input (inputs in the order given, a directory's
 files sorted), so shards (index % N == I) and resumes (skip the first K of this shard) are
-deterministic. A record that cannot be embedded is yielded with its `error` set, in its place.
+deterministic; everything it reads goes into one running hash, which a resume checks the records it
+skips against (`RecordReader.records`). A record that cannot be embedded is yielded with its `error` set, in its place.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class Record:
     error: str | None = None      # why this record cannot be embedded
     fields: dict | None = None    # --keep-fields values
     unit: str = "line"
-    stream_sha256: str | None = None  # hash of the stream bytes read up to this record (resume check)
+    read_sha256: str | None = None  # sha256 of all the job read up to this record (RecordReader.records)
 
     @property
     def where(self) -> str:
@@ -163,8 +164,10 @@ class FormatReader:
             return None
 
     def units(self, digest, snapshot: dict | None = None) -> Iterator[tuple[int, object]]:
-        """`snapshot`: the input's fingerprint when the job began (fingerprint.file_fingerprint); the
-        records are those of its first `snapshot["size"]` bytes, whatever was appended since."""
+        """(line or row number, raw unit) of each record; everything read goes into `digest` (the
+        running hash a resume checks: see RecordReader.records). `snapshot`: the input's fingerprint
+        when the job began (fingerprint.file_fingerprint); the records are those of its first
+        `snapshot["size"]` bytes, whatever was appended since."""
         raise NotImplementedError
 
     def parse(self, raw):
@@ -189,7 +192,8 @@ class _LineReader(FormatReader):
         self._replay: list[bytes] = []
 
     def units(self, digest, snapshot: dict | None = None) -> Iterator[tuple[int, bytes]]:
-        """(line number, line without its end) for each record line; a stream's bytes go into `digest`."""
+        """(line number, line without its end) for each record line; every byte read goes into
+        `digest`, blank lines, byte order mark and line ends included."""
         source = self.source
         if source.stream:
             lines = _chain(self._replay, self._open_stream())
@@ -200,8 +204,7 @@ class _LineReader(FormatReader):
             in_snapshot = lines if source.stream or snapshot is None else _snapshot_lines(lines, source, snapshot)
             for line_no, raw in enumerate(in_snapshot, start=1):
                 self.done_units += len(raw)
-                if digest is not None and source.stream:
-                    digest.update(raw)
+                digest.update(raw)
                 if line_no == 1 and raw.startswith(BOM):
                     raw = raw[len(BOM):]
                 raw = raw[:-1] if raw.endswith(b"\n") else raw
@@ -358,7 +361,9 @@ class ParquetReader(FormatReader):
             for k in range(batch.num_rows):
                 row += 1
                 self.done_units += 1
-                yield row, {c: values[c][k] for c in columns}
+                unit = {c: values[c][k] for c in columns}
+                digest_values(digest, unit.values())  # a row has no bytes of its own: its values are hashed
+                yield row, unit
         if snapshot is not None:  # a file rewritten while it was read is not the one the job began with
             _check_size(self.source, snapshot)
 
@@ -483,46 +488,75 @@ class RecordReader:
                                      f"{reader.source.name}: an output column has one type")
         return {name: kind for name, (kind, _) in types.items()}
 
-    def records(self, shard: tuple[int, int] = (0, 1), skip: int = 0,
-                resume_stream_sha256: str | None = None, snapshot: list[dict] | None = None) -> Iterator[Record]:
+    def records(self, shard: tuple[int, int] = (0, 1), skip: int = 0, resume_sha256: str | None = None,
+                snapshot: list[dict] | None = None) -> Iterator[Record]:
         """The records of this shard, after the first `skip` of them (done by an earlier run).
 
-        Records of other shards and skipped ones are not parsed. The bytes read from streams are
-        hashed as they go: at the end of the skipped records that hash must equal the one the job
-        recorded, or the stream is not the one the job began with. `snapshot`, the inputs'
+        Everything read -- every byte of a line input, blank lines and line ends included; the
+        values of a Parquet row's columns the job reads; an image folder's file names -- goes into
+        one running sha256 over the whole input, in order, and each record carries it as it stood
+        after that record (`read_sha256`; the writer commits the last one of each chunk). The
+        `skip` records are read again before this returns (before the model starts, on --resume):
+        after the last of them the hash must be `resume_sha256`, the one committed with them, or
+        the records the job has done are not the ones the inputs now hold, and it is refused
+        (InputError) -- whatever the files' sizes and modification times say. So a resume can
+        never hold one record twice and miss another. It costs reading the done part again
+        (streamed, O(1) memory), far less than embedding it did.
+
+        Records of other shards and skipped ones are not parsed. `snapshot`, the inputs'
         fingerprints when the job began (one per source): each file is read up to the size it had
         then, so a file appended to while the job runs gives the same records on every run.
         """
         if not self.probed:
             self.probe()
-        shard_i, shard_n = shard
-        index = mine = 0
-        digest = hashlib.sha256() if any(s.stream for s in self.sources) else None
+        if skip and resume_sha256 is None:
+            raise RuntimeError("a resume without the hash of the records it has done: this is a bug")
         snapshots = snapshot if snapshot is not None else [None] * len(self.readers)
         if len(snapshots) != len(self.readers):
             raise RuntimeError(f"{len(snapshots)} input fingerprints for {len(self.readers)} inputs: this is a bug")
-        self._sizes = [reader.size(None if fingerprint is None or fingerprint.get("stream") else fingerprint)
-                       for reader, fingerprint in zip(self.readers, snapshots)]
+        snapshots = [None if s is None or s.get("stream") else s for s in snapshots]
+        self._sizes = [reader.size(s) for reader, s in zip(self.readers, snapshots)]
+        digest = hashlib.sha256()
+        units = self._shard_units(shard, snapshots, digest)
+        if skip:
+            self._skip_done(units, skip, digest, resume_sha256)
+        return (self._record(reader, index, line_no, raw, digest) for reader, index, line_no, raw in units)
+
+    def _shard_units(self, shard: tuple[int, int], snapshots: list[dict | None], digest) -> Iterator[tuple]:
+        """(reader, index in the whole input, line or row number, raw unit) of this shard's records;
+        every input's units are read (and hashed), only this shard's are yielded."""
+        shard_i, shard_n = shard
+        index = 0
         for reader, fingerprint in zip(self.readers, snapshots):
-            for line_no, raw in reader.units(digest, None if fingerprint is None or fingerprint.get("stream")
-                                             else fingerprint):
+            for line_no, raw in reader.units(digest, fingerprint):
                 ours = index % shard_n == shard_i
                 index += 1
                 reader.done_records += 1
-                if not ours:
-                    continue
-                mine += 1
-                if mine < skip:
-                    continue
-                if mine == skip:
-                    self._check_resumed_stream(digest, resume_stream_sha256, skip)
-                    continue
-                yield self._record(reader, index - 1, line_no, raw, digest)
+                if ours:
+                    yield reader, index - 1, line_no, raw
+        for reader in self.readers:
+            reader.close()
+
+    def _skip_done(self, units: Iterator[tuple], skip: int, digest, expected: str) -> None:
+        """Reads the `skip` records done by earlier runs and checks what was read against their hash."""
+        mine, last = 0, None
+        while mine < skip:
+            last = next(units, None)
+            if last is None:
+                break
+            mine += 1
         if mine < skip:
             raise InputError(f"--resume: the inputs now hold {mine} records of this shard, but the job had already "
                              f"done {skip}: an input changed since the job began")
-        for reader in self.readers:
-            reader.close()
+        if digest.hexdigest() != expected:
+            reader, _, line_no, _ = last
+            read = self.readers[:self.readers.index(reader) + 1]
+            what = "input stream differs from the one" if any(r.source.stream for r in read) else "inputs differ from the ones"
+            raise InputError(f"--resume: the {what} the job began with: what it read for its first "
+                             f"{skip} records of this shard (read up to {reader.source.name} {reader.unit} {line_no}) "
+                             "hashes differently now, so an input was rewritten since (its size and modification time "
+                             "may not show it). Resuming would double some records and miss others; start a new job "
+                             "in another --output")
 
     def estimated_total(self, shard: tuple[int, int] = (0, 1)) -> tuple[int, bool] | None:
         """This shard's records in all, as far as can be told while `records()` runs: (count, exact).
@@ -550,19 +584,38 @@ class RecordReader:
                 exact = False
         return len(range(shard_i, max(total, 1), shard_n)) or 1, exact
 
-    @staticmethod
-    def _check_resumed_stream(digest, expected: str | None, skip: int) -> None:
-        if digest is not None and expected is not None and digest.hexdigest() != expected:
-            raise InputError(f"--resume: the input stream differs from the one the job began with (its first {skip} "
-                             "records hash differently); start a new job in another --output")
-
     def _record(self, reader: FormatReader, index: int, line_no: int, raw, digest) -> Record:
         source = reader.source
         rid, text, fields, error = reader.parse(raw)
         if rid is None and self.fields.id is None:
             rid = f"{source.name}:{line_no}"
         return Record(index, source.name, line_no, rid, text if error is None else None, error, fields, source.unit,
-                      digest.hexdigest() if digest is not None else None)
+                      digest.hexdigest())
+
+
+def digest_values(digest, values) -> None:
+    """Feeds values read from a Parquet row (what `to_pylist` gives: None, bool, int, float, str,
+    bytes, dates, decimals, and lists and dicts of them) into a running hash, unambiguously: each
+    value is a type tag, a length and its content, so ("ab", "c") and ("a", "bc") differ. Strings
+    and bytes go in as they are (an image column's bytes are not copied into a repr); other scalars
+    as their repr, which is exact for them (a float's repr reads back as the same float)."""
+    for value in values:
+        if isinstance(value, str):
+            data, tag = value.encode("utf-8", "surrogatepass"), b"s"
+        elif isinstance(value, (bytes, bytearray, memoryview)):
+            data, tag = bytes(value), b"b"
+        elif isinstance(value, dict):
+            digest.update(b"d%d:" % len(value))
+            digest_values(digest, (x for item in value.items() for x in item))
+            continue
+        elif isinstance(value, (list, tuple)):
+            digest.update(b"l%d:" % len(value))
+            digest_values(digest, value)
+            continue
+        else:
+            data, tag = repr(value).encode(), b"r"
+        digest.update(b"%s%d:" % (tag, len(data)))
+        digest.update(data)
 
 
 def _snapshot_lines(f, source: Source, snapshot: dict) -> Iterator[bytes]:

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from pooling_pipeline.core.options import TOKEN_TASKS
-from pooling_pipeline.jobs.fingerprint import changed_input, changed_model_files, sampled_fingerprints
+from pooling_pipeline.jobs.fingerprint import changed_files, changed_input, changed_model_files, sampled_fingerprints
 from pooling_pipeline.jobs.job_errors import InputError, UsageError
 from pooling_pipeline.jobs.kept_fields import KeptColumns
 from pooling_pipeline.jobs.output_dir import META_DIR
@@ -48,8 +48,10 @@ MANIFEST = f"{META_DIR}/manifest.json"
 COMMITS = f"{META_DIR}/commits.jsonl"
 # The log is folded into the manifest once it holds max(COMPACT_MIN, chunks in the manifest) lines.
 COMPACT_MIN = 1000
-# What a commit line may change in the manifest besides its chunk and the counts.
-COMMIT_STATE_KEYS = ("stream_sha256", "int8", "dim")
+# What a commit line may change in the manifest besides its chunk and the counts. `read_sha256`: the
+# hash of all the job read up to the chunk's last record, which a resume checks its inputs against
+# (records.RecordReader.records); `stream_sha256` is an older run's (it hashed the bytes of streams only).
+COMMIT_STATE_KEYS = ("read_sha256", "stream_sha256", "int8", "dim")
 ERRORS = f"{META_DIR}/errors.jsonl"
 # int8 ranges come from this many vector rows (or the whole input, when shorter): calibrating on the
 # first chunk made --chunk-rows 1 give 499/500 rows a cosine < 0.9 to float32.
@@ -143,10 +145,13 @@ class ResultWriter:
             self.manifest, self.folded, self.logged, log_bytes = _read_state(self.dir)
             _check_same_model(self.dir, self.manifest, job)
             for key, value in job.items():
-                if self.manifest.get(key) != value:
+                # (the input files are compared below, with their fingerprints: a glob that now matches
+                # other files is an input changed since the job began, not another job)
+                if key != "inputs" and self.manifest.get(key) != value:
                     raise UsageError(f"--resume: the existing job in {self.dir} has a different {key!r} "
                                      f"({self.manifest.get(key)!r} there, {value!r} now)")
-            reason = changed_input(self.manifest.get("input_fingerprints", []), fingerprints or [])
+            reason = changed_files(self.manifest.get("inputs") or [], job["inputs"]) or \
+                changed_input(self.manifest.get("input_fingerprints", []), fingerprints or [])
             if reason:
                 raise InputError(f"--resume: {reason}; the results in {self.dir} would mix two inputs. Start a new "
                                  "job in another --output")
@@ -164,7 +169,7 @@ class ResultWriter:
         keep = job["params"].get("keep_fields") or []
         # Parquet: later chunks keep the first chunk's column types (kept_fields.py)
         self.kept = KeptColumns(keep, field_types, _first_schema(self.dir, self.manifest)) if keep else None
-        # Records handed in but not committed: (index, id, data, error entry, kept fields, stream hash, where).
+        # Records handed in but not committed: (index, id, data, error entry, kept fields, read hash, where).
         self.pending: list[tuple] = []
         self.pending_rows = 0  # vector rows among them (a token task has one per token)
 
@@ -183,7 +188,7 @@ class ResultWriter:
             if self.kept is not None:  # refused before it is added: the records before it are kept
                 self.kept.check(record.fields or {}, record.where)
             self.pending_rows += len(data) if data.ndim == 2 else 1
-        self.pending.append((record.index, record.id, data, entry, record.fields, record.stream_sha256, record.where))
+        self.pending.append((record.index, record.id, data, entry, record.fields, record.read_sha256, record.where))
         if len(self.pending) >= self.chunk_rows:
             self._write_ready(end_of_input=False, final=False)
 
@@ -227,8 +232,8 @@ class ResultWriter:
             state["dim"] = int(ok[0][2].shape[-1])
         if self.quantize.calibration is not None and "int8" not in self.manifest:
             state["int8"] = self.quantize.calibration
-        if group[-1][5] is not None:  # the stream's hash up to here: a resume checks its input against it
-            state["stream_sha256"] = group[-1][5]
+        if group[-1][5] is not None:  # the hash of all read up to here: a resume checks its inputs against it
+            state["read_sha256"] = group[-1][5]
         commit = {"seq": len(self.manifest["chunks"]), "chunk": chunk, "state": state}
         _apply_commit(self.manifest, commit)
         if self.folded is None or self.logged >= max(COMPACT_MIN, self.folded):
