@@ -2,11 +2,18 @@
 sample's modality, and each image as the `ImageData` a render worker opens.
 
 ST's rule (`sentence_transformers.base.modality.infer_modality`, for a model that takes images): a
-PIL image is an image; a 3-D numpy array or torch tensor is one; a string is one when it is a
-`data:image/` URI, or an existing file (or an http(s) URL) whose name ends in an image extension;
-`{"image": x}` is x. Everything else a text model takes stays text. The pipeline adds
-`{"image": bytes}` (an image file's bytes). A URL is refused (nothing is fetched), and so are what
-ST refuses for these models: chat-style messages and fused {"text", "image"} inputs.
+PIL image is an image; a numpy array or torch tensor of numbers is one input (never a batch), an
+image when it is 3-D and audio (1-D, 2-D) or video (4-D, 5-D) otherwise, which these models do not
+take; a string is an image when it is a `data:image/` URI, or an existing file (or an http(s) URL)
+whose name ends in an image extension; `{"image": x}` is x, where a string is a file, a data URI or
+raw base64 (transformers' `load_image`). Everything else a text model takes stays text. The
+pipeline adds `{"image": bytes}` (an image file's bytes). A URL is refused (nothing is fetched), and
+so are what ST refuses for these models: chat-style messages and fused {"text", "image"} inputs.
+
+Arrays hold what ST's processor reads as pixel values: booleans are 0/1, an object array its
+numbers, a complex array its real part when every imaginary part is 0 (as ST, which drops it);
+anything else (a complex image, a dtype numpy has no type for, such as torch.bfloat16) is refused
+naming the request.
 
 The frontend reads nothing but a file's size (and the raw pixels of an image already in memory):
 opening, decoding and resizing are the render workers' work.
@@ -15,6 +22,7 @@ opening, decoding and resizing are the render workers' work.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from urllib.parse import urlparse
 
@@ -28,6 +36,9 @@ MODALITY_KEYS = frozenset({"text", "image", "audio", "video"})  # ST's multimoda
 # its size is unknown (a data URI's share is its length): a message then holds a few images, so a
 # worker sends the first ones to the engine while it decodes the rest.
 MIN_IMAGE_BYTES = 32 << 10
+# What base64 data may hold (`base64.decodebytes`, which load_image uses, skips anything else, so a
+# string with other characters is a missing file's name far more often than an image's data).
+BASE64_TEXT = re.compile(r"[A-Za-z0-9+/=\s]+")
 
 
 def _looks_like_url(text: str) -> bool:
@@ -66,9 +77,15 @@ def image_input(prompt: object, index: int) -> ImageData | None:
         return _image_dict(prompt, index)
     if is_pil_image(prompt):
         return _pil_image(prompt, index)
-    if isinstance(prompt, np.ndarray) or _is_tensor(prompt):
-        return _array_image(prompt, index) if prompt.ndim == 3 else None
+    if isinstance(prompt, np.ndarray) or _is_tensor(prompt):  # (its dimensions decide, whatever it holds)
+        return _array_image(prompt, index)
     return None
+
+
+def is_numeric_array(value: object) -> bool:
+    """A torch tensor, or a numpy array that is not of strings or objects: one input to ST, which
+    decides its modality by its dimensions (an array of strings or objects is a batch to it)."""
+    return _is_tensor(value) or (isinstance(value, np.ndarray) and value.dtype.kind not in "OUSV")
 
 
 def _image_string(text: str, index: int) -> ImageData:
@@ -105,16 +122,23 @@ def _image_dict(prompt: dict, index: int) -> ImageData | None:
             raise ValueError(f"request {index}: the image's bytes are empty")
         return ImageData(encoded=data, nbytes=max(len(data), MIN_IMAGE_BYTES))
     if isinstance(value, str):
-        if is_image_string(value) or os.path.isfile(value):
+        if is_image_string(value) or os.path.isfile(value) or _looks_like_url(value):
             return _image_string(value, index)
-        if _looks_like_url(value):
-            return _image_string(value, index)
-        raise ValueError(f"request {index}: image {value[:200]!r} is neither an existing file nor a data:image/ URI")
+        return _base64_image(value, index)
     image = image_input(value, index) if not isinstance(value, dict) else None
     if image is None:
-        raise TypeError(f"request {index}: {{'image': ...}} must hold a path, bytes, a data:image/ URI, a PIL image "
-                        f"or a 3-D array, got {type(value).__name__}")
+        raise TypeError(f"request {index}: {{'image': ...}} must hold a path, bytes, a data:image/ URI, base64 data, a "
+                        f"PIL image or a 3-D array, got {type(value).__name__}")
     return image
+
+
+def _base64_image(text: str, index: int) -> ImageData:
+    """`{"image": "<base64>"}`: an image file's bytes in base64, without a `data:` prefix, as
+    transformers' load_image takes a string that is neither a URL nor a file. The worker decodes it."""
+    if not text or BASE64_TEXT.fullmatch(text) is None:
+        raise ValueError(f"request {index}: image {text[:200]!r} is neither an existing file, a data:image/ URI nor "
+                         "base64 data")
+    return ImageData(uri=text, nbytes=max(len(text) * 3 // 4, MIN_IMAGE_BYTES))
 
 
 def _pil_image(image, index: int) -> ImageData:
@@ -138,15 +162,51 @@ def _pil_image(image, index: int) -> ImageData:
 
 
 def _array_image(array, index: int) -> ImageData:
-    if _is_tensor(array):
-        array = array.detach().cpu().numpy()
-    if array.dtype.kind not in "uif" or array.dtype.itemsize > 8:
-        raise TypeError(f"request {index}: an image array must hold integers or floats, got {array.dtype}")
+    """A numpy array or torch tensor: an image when it is 3-D, as ST decides (its other shapes are
+    audio or video); its values as ST's processor reads them (see the module's docstring)."""
+    if array.ndim != 3:
+        kind = "audio" if array.ndim in (1, 2) else "video" if array.ndim in (4, 5) else "no modality"
+        raise ValueError(f"request {index}: a {array.ndim}-D array (shape {tuple(array.shape)}) is {kind} to "
+                         "sentence-transformers, which this model does not take: an image is a 3-D array, (H, W, C) or "
+                         "(C, H, W) (a grey image as img[..., None]), a PIL image, a file or its bytes")
+    array = _pixel_values(_as_numpy(array, index), index)
     if array.size == 0:
         raise ValueError(f"request {index}: the image array is empty (shape {array.shape})")
     data = np.ascontiguousarray(array)  # (a copy where needed: the caller may change its array later)
     return ImageData(pixels=data.view(np.uint8).reshape(-1).copy(), dtype=data.dtype.str, shape=list(data.shape),
                      nbytes=data.nbytes)
+
+
+def _as_numpy(array, index: int) -> np.ndarray:
+    """A torch tensor as a numpy array (its own values); one with no numpy dtype is refused."""
+    if not _is_tensor(array):
+        return array
+    try:
+        return array.detach().cpu().numpy()
+    except (TypeError, RuntimeError) as e:  # torch.bfloat16, float8, ...: numpy has no such type
+        raise TypeError(f"request {index}: a {array.dtype} tensor cannot be read as an image ({e}; "
+                        "sentence-transformers cannot take it either): convert it, e.g. with .float() or "
+                        ".to(torch.uint8)") from None
+
+
+def _pixel_values(array: np.ndarray, index: int) -> np.ndarray:
+    """The array in a dtype the worker takes, with the values ST's processor reads from it."""
+    kind = array.dtype.kind
+    if kind == "b":
+        return array.view(np.uint8)  # 0/1 (ST's processor reads them so: a near-black image)
+    if kind == "O":  # numbers in objects: the processor reads their values (ints, floats, bools)
+        values = np.array(array.tolist())
+        if values.shape != array.shape or values.dtype.kind not in "biufc":
+            raise TypeError(f"request {index}: an object array must hold numbers to be an image, got "
+                            f"{type(array.flat[0]).__name__ if array.size else 'nothing'}")
+        return _pixel_values(values, index)
+    if kind == "c":
+        if np.any(array.imag):
+            raise ValueError(f"request {index}: a complex array with non-zero imaginary parts is not an image")
+        return array.real  # (ST's processor drops the imaginary part)
+    if kind not in "uif" or array.dtype.itemsize > 8:
+        raise TypeError(f"request {index}: an image array must hold numbers, got {array.dtype}")  # (strings, ...)
+    return array
 
 
 def prompt_size(prompt: object) -> int:

@@ -18,7 +18,7 @@ import numpy as np
 from pooling_pipeline.core.config import ModelSpec
 from pooling_pipeline.core.messages import PoolingParams, RenderBatch, RenderOptions, RenderParams
 from pooling_pipeline.core.schema import ids_out_of_range
-from pooling_pipeline.image_inputs import image_input, is_image_string, is_pil_image, prompt_size
+from pooling_pipeline.image_inputs import image_input, is_image_string, is_numeric_array, is_pil_image, prompt_size
 from pooling_pipeline.options import CallOptions  # (declared there, with every option's default)
 from pooling_pipeline.request_options import (
     RequestValues,
@@ -53,7 +53,7 @@ def build_requests(prompts: object, opts: CallOptions, spec: ModelSpec, tokeniza
     elif opts.plugin:
         items = _plugin_items(prompts)
     else:
-        items = as_prompt_iterable(prompts)
+        items = as_prompt_iterable(prompts, images=spec.image is not None)
     count = len(items) if isinstance(items, (list, tuple)) else None
     values = RequestValues(opts, spec, count)
     side = opts.truncation_side or tokenization.truncation_side
@@ -172,8 +172,8 @@ class RequestSource:
             if not joined.isascii() and not _valid_unicode(joined):
                 return None
             return self._batch(indices, self.shared, texts=prompts)
-        if kinds != {np.ndarray}:
-            return None
+        if kinds != {np.ndarray} or self.spec.image is not None:
+            return None  # (arrays are images, or refused, for a model that takes images: each checked alone)
         try:
             flat = np.concatenate(prompts)  # (a copy: the caller may change its arrays later)
         except ValueError:  # arrays of no or of different dimensions
@@ -377,9 +377,16 @@ def is_single_prompt(prompts: object) -> bool:
     return False
 
 
-def as_prompt_iterable(prompts: object, what: str = "prompts") -> Iterable:
+def as_prompt_iterable(prompts: object, what: str = "prompts", images: bool = False) -> Iterable:
+    """The call's prompts as an iterable. `images`: a model that takes images, for which a numeric
+    array or tensor is one input whatever its shape, as ST's `is_singular_input` decides (a 2-D
+    array is not rows of token ids there: it is audio, refused naming the request)."""
     if prompts is None:
         raise TypeError(f"{what} must be a prompt or an iterable of prompts, got None")
+    if images and is_numeric_array(prompts):
+        return [prompts]
+    if images and isinstance(prompts, np.ndarray):  # strings or objects: a batch of their rows, as ST
+        return prompts.tolist() if prompts.ndim == 1 else list(prompts)
     prompts = from_column(prompts)
     if is_single_prompt(prompts):
         return [prompts]

@@ -19,6 +19,7 @@ import numpy as np
 
 from pooling_pipeline.core.config import ModelSpec
 from pooling_pipeline.core.messages import ImageData
+from pooling_pipeline.workers.crop_window import MAX_RESIZED_PIXELS, CropWindow
 
 # glibc's malloc hands a freed block over 128 kB back to the kernel, and trims the heap's free top
 # past a threshold that grows only as far as the largest freed block, so a stream of images maps
@@ -37,8 +38,9 @@ class ImageError(ValueError):
 
 
 class ImageRenderer:
-    """The model's image processor, loaded as ST loads it (its PIL backend, checked against the
-    spec the frontend read), and the opening rules above."""
+    """The model's image processor, loaded as ST loads it -- the class the frontend read from the
+    model's files, on the backend transformers picks in this environment (PIL, or torchvision
+    where it is installed, as in ST's own process) -- and the opening rules above."""
 
     def __init__(self, spec: ModelSpec) -> None:
         from PIL import Image, ImageOps  # (a worker of a text model never imports PIL)
@@ -48,14 +50,15 @@ class ImageRenderer:
         self._image, self._exif_transpose = Image, ImageOps.exif_transpose
         self.malloc_tuned = keep_freed_memory()
         self.processor = AutoImageProcessor.from_pretrained(spec.path)
-        name = type(self.processor).__name__
-        if name != self.spec.processor_class:
-            raise ValueError(f"{spec.path}: transformers loads image processor {name} here, the frontend expected "
-                             f"{self.spec.processor_class}: this environment differs from the caller's")
+        self.backend = processor_backend(self.processor)
+        check_processor(self.processor, spec)
         # Draft decoding (opt-in) may shrink a JPEG while it decodes, never below what the resize needs.
         size = self.processor.size
         self.draft_side = max(getattr(size, k) or 0 for k in ("shortest_edge", "height", "width"))
-        self.direct = DirectResize(self.processor)
+        # The shortcuts reproduce Pillow's resize, each checked against the processor here: a
+        # torchvision processor runs every image itself.
+        self.direct = DirectResize(self.processor) if self.backend == "pil" else None
+        self.window = CropWindow(self.processor)
         probe = self.pixels(ImageData(pixels=np.zeros(48 * 64 * 3, np.uint8), dtype="|u1", shape=[48, 64, 3]))
         if probe.shape != (self.spec.channels, self.spec.height, self.spec.width):
             raise ValueError(f"{spec.path}: the image processor makes {probe.shape} pixels, the frontend expected "
@@ -64,10 +67,16 @@ class ImageRenderer:
     def pixels(self, image: ImageData) -> np.ndarray:
         """The image as uint8 [channels, height, width], resized and cropped by the processor."""
         opened = self.open(image)
-        if self.direct.takes(opened):
-            return self.direct(opened)
         try:
+            sizes = self.window.resized_size(opened)
+            if sizes is not None and self.window.takes(sizes):
+                return self.window(opened)  # an extreme aspect ratio: the crop alone, in bounded memory
+            self._check_resized_size(sizes)
+            if self.direct is not None and self.direct.takes(opened):
+                return self.direct(opened)
             out = self.processor([opened], do_rescale=False, do_normalize=False, return_tensors="np")["pixel_values"]
+        except ImageError:
+            raise
         except Exception as e:
             raise ImageError(f"the image processor cannot take this image: {type(e).__name__}: {e}") from None
         if out.dtype != np.uint8:  # (an array input of floats: rescaled by its caller, say)
@@ -75,18 +84,29 @@ class ImageRenderer:
                              "(or a PIL image)")
         return out[0]
 
+    @staticmethod
+    def _check_resized_size(sizes) -> None:
+        """An image whose resize the crop window does not compute is refused where that resize
+        would take more memory than MAX_RESIZED_PIXELS allows."""
+        if sizes is not None and sizes[1][0] * sizes[1][1] > MAX_RESIZED_PIXELS:
+            (height, width), (new_height, new_width) = sizes
+            raise ImageError(f"an image of {width}x{height} pixels would be resized to {new_width}x{new_height} "
+                             f"before its crop, more than the {MAX_RESIZED_PIXELS} pixels a worker resizes at once "
+                             "(an extreme aspect ratio); crop or pad it first")
+
     def open(self, image: ImageData):
         """The image as ST hands it to the processor: a PIL image (loaded) or a numpy array."""
         if image.pixels is not None:
             return self._in_memory(image)
         if image.path is not None:
             source, what = image.path, f"image file {image.path!r}"
-        elif image.uri is not None:
+        elif image.uri is not None:  # a data:image/ URI, or raw base64: load_image's reading of either
+            data_uri = image.uri.startswith("data:image/")
+            what = "the data URI's image" if data_uri else "the base64 data's image"
             try:
-                source = io.BytesIO(base64.decodebytes(image.uri.split(",", 1)[1].encode()))
+                source = io.BytesIO(base64.decodebytes((image.uri.split(",")[1] if data_uri else image.uri).encode()))
             except Exception as e:
-                raise ImageError(f"the data URI's base64 data cannot be decoded: {e}") from None
-            what = "the data URI's image"
+                raise ImageError(f"{what} cannot be decoded from base64: {e}") from None
         else:
             source, what = io.BytesIO(image.encoded), "the image bytes"
         try:
@@ -131,6 +151,34 @@ class ImageRenderer:
             return rebuilt
         except Exception as e:
             raise ImageError(f"the in-memory image cannot be rebuilt: {type(e).__name__}: {e}") from None
+
+
+def processor_backend(processor) -> str:
+    """"pil" or "torchvision": which library an image processor resizes with (transformers 5 says
+    so; before it, a torchvision processor's class ends in "Fast")."""
+    backend = getattr(processor, "backend", None)
+    if backend is None:
+        backend = "torchvision" if type(processor).__name__.endswith("Fast") else "pil"
+    return str(backend)
+
+
+def check_processor(processor, spec: ModelSpec) -> None:
+    """The processor transformers loads here is the one the frontend read from the model's files,
+    and rescales and normalizes as the engine will (the engine does those two steps itself)."""
+    name = type(processor).__name__.removesuffix("Pil").removesuffix("Fast")
+    image = spec.image
+    if name != image.processor_class:
+        raise ValueError(f"{spec.path}: transformers loads image processor {type(processor).__name__} here, the "
+                         f"frontend read {image.processor_class}: this environment differs from the caller's")
+    mean, std = processor.image_mean, processor.image_std
+    loaded = (bool(processor.do_rescale), float(processor.rescale_factor), bool(processor.do_normalize),
+              [float(v) for v in (mean if isinstance(mean, (list, tuple)) else [mean] * 3)],
+              [float(v) for v in (std if isinstance(std, (list, tuple)) else [std] * 3)])
+    read = (image.do_rescale, image.rescale_factor, image.do_normalize, image.mean, image.std)
+    if not np.allclose(np.array(loaded[3] + loaded[4] + [loaded[1]]), np.array(read[3] + read[4] + [read[1]]),
+                       rtol=1e-7, atol=0) or loaded[0] != read[0] or loaded[2] != read[2]:
+        raise ValueError(f"{spec.path}: the image processor rescales and normalizes with {loaded}, the frontend read "
+                         f"{read} from the model's files: this is a bug")
 
 
 def keep_freed_memory() -> bool:

@@ -12,7 +12,6 @@ start-up. Anything else that carries images is refused here, naming it.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 from pooling_pipeline.core.config import ImageSpec, ModelSpec, PoolingSpec
@@ -95,17 +94,11 @@ def _image_spec(path: Path, family: dict, vision: dict) -> ImageSpec:
     if not saved:
         raise ValueError(f"{str(path)!r}: a dual encoder without an image processor config "
                          "(processor_config.json or preprocessor_config.json)")
-    name = str(saved.get("image_processor_type", "")).removesuffix("Fast").removesuffix("Pil")
+    name = processor_class_name(saved, family)
     if name not in family["processors"]:
-        raise ValueError(f"{str(path)!r}: image processor {saved.get('image_processor_type')!r} is not supported "
-                         f"for this model (supported: {', '.join(family['processors'])})")
-    if importlib.util.find_spec("torchvision") is not None:
-        # With torchvision installed transformers (and so ST) picks its torchvision processors, whose
-        # resizing differs from the PIL ones the render workers run; refused rather than different.
-        raise ValueError(f"{str(path)!r}: torchvision is installed, so transformers would preprocess images with its "
-                         "torchvision image processor, which the pipeline does not reproduce; uninstall torchvision "
-                         "(transformers then uses the PIL processor, as the pipeline does)")
-    facts = {**PROCESSOR_DEFAULTS[name], **saved}
+        raise ValueError(f"{str(path)!r}: image processor {name!r} is not supported for this model (supported: "
+                         f"{', '.join(family['processors'])})")
+    facts = {**PROCESSOR_DEFAULTS[name], **_standard_sizes(saved)}
     if facts.get("do_center_crop"):
         shape = facts["crop_size"]
     elif facts.get("do_resize", True) and "height" in facts["size"] and "width" in facts["size"]:
@@ -122,7 +115,37 @@ def _image_spec(path: Path, family: dict, vision: dict) -> ImageSpec:
     mean, std = facts["image_mean"], facts["image_std"]
     mean = [float(mean)] * 3 if isinstance(mean, (int, float)) else [float(v) for v in mean]
     std = [float(std)] * 3 if isinstance(std, (int, float)) else [float(v) for v in std]
-    return ImageSpec(processor_class=name + "Pil", channels=3, height=height, width=width,
+    return ImageSpec(processor_class=name, channels=3, height=height, width=width,
                      do_rescale=bool(facts.get("do_rescale", True)), rescale_factor=float(facts.get("rescale_factor", 1 / 255)),
                      do_normalize=bool(facts.get("do_normalize", True)), mean=mean, std=std,
                      tokens=(height // patch) * (width // patch) + (1 if family["class_token"] else 0))
+
+
+def processor_class_name(saved: dict, family: dict) -> str:
+    """The image processor's class as transformers' AutoImageProcessor resolves it from the saved
+    config, without its backend suffix ("Pil" or, before transformers 5, "Fast"): the config's
+    `image_processor_type`, else its 2021-era `feature_extractor_type` ("CLIPFeatureExtractor" is
+    CLIPImageProcessor), else the family's own. Which backend runs it -- PIL, or torchvision where
+    that is installed -- is transformers' choice in the render workers, as it is in ST's process."""
+    declared = saved.get("image_processor_type")
+    if declared is None and saved.get("feature_extractor_type") is not None:
+        declared = str(saved["feature_extractor_type"]).replace("FeatureExtractor", "ImageProcessor")
+    if declared is None:
+        return family["processors"][0]
+    return str(declared).removesuffix("Fast").removesuffix("Pil")
+
+
+def _standard_sizes(saved: dict) -> dict:
+    """`size` and `crop_size` in the form transformers' processors standardize them to (its
+    `get_size_dict`, as these classes call it): an int `size` is the shortest edge, a (height,
+    width) pair or an int `crop_size` the exact size. Older configs saved the ints."""
+    facts = dict(saved)
+    for key, square in (("size", False), ("crop_size", True)):
+        value = facts.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            facts[key] = {"height": value, "width": value} if square else {"shortest_edge": value}
+        elif isinstance(value, (list, tuple)) and len(value) == 2:
+            facts[key] = {"height": value[0], "width": value[1]}
+        elif value is not None and not isinstance(value, dict):
+            raise ValueError(f"image processor {key} {value!r} is not a size transformers reads")
+    return facts
