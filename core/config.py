@@ -122,8 +122,18 @@ class ImageSpec(msgspec.Struct, kw_only=True):
     max_pixels: int = 89_478_485
 
 
+class AdapterSpec(msgspec.Struct, kw_only=True):
+    """A PEFT adapter in the transformer's folder (`ModelSpec.path`: adapter_config.json and its
+    weights, beside the tokenizer): the engine loads the base model from `base_path` and merges the
+    adapter into its weights once, at load (core/peft_merge.py), where sentence-transformers with
+    peft runs it unmerged. Read by model_folder/peft_adapter.py."""
+
+    peft_type: str  # adapter_config.json's peft_type: one peft merges exactly (MERGEABLE_TYPES there)
+    base_path: str  # the base model's folder (its config.json and weights): `ModelSpec.path` itself when it holds them
+
+
 class ModelSpec(msgspec.Struct, kw_only=True):
-    path: str  # the transformer's directory (config, weights, tokenizer)
+    path: str  # the transformer's directory (config, weights, tokenizer; under a PEFT adapter: see `adapter`)
     model_type: str
     architectures: list[str]
     hidden_size: int  # the transformer's output width
@@ -176,6 +186,13 @@ class ModelSpec(msgspec.Struct, kw_only=True):
     add_special_tokens: bool = True
     static_truncate_left: bool = False  # a StaticEmbedding's tokenizer.json truncates from the left
     multi_vector: MultiVectorSpec | None = None  # ST's MultiVectorEncoder (ColBERT, PyLate layouts)
+    adapter: AdapterSpec | None = None  # a PEFT adapter on the transformer, merged at load
+
+    @property
+    def base_path(self) -> str:
+        """Where the transformer's config.json and weights load from: a PEFT adapter's base model,
+        else `path` (the tokenizer is always read from `path`, as sentence-transformers reads it)."""
+        return self.adapter.base_path if self.adapter is not None else self.path
 
     @property
     def longest_transformer_input(self) -> int:

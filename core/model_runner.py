@@ -59,6 +59,17 @@ def _model_class(spec: ModelSpec):
             "token_classification": transformers.AutoModelForTokenClassification}[spec.head]
 
 
+def load_transformer(spec: ModelSpec, config, dtype: torch.dtype) -> torch.nn.Module:
+    """The transformers module sentence-transformers would load, in `dtype`; a PEFT adapter merged
+    into its weights (core/peft_merge.py)."""
+    if spec.adapter is not None:
+        from pooling_pipeline.core.peft_merge import load_merged
+
+        return load_merged(_model_class(spec), spec, config, dtype)
+    return _model_class(spec).from_pretrained(spec.path, config=config, dtype=dtype,
+                                              trust_remote_code=spec.trust_remote_code)
+
+
 def tokenizer_makes_token_types(spec: ModelSpec) -> bool:
     """Whether the model's tokenizer, as transformers loads it (the render workers' too), makes
     token_type_ids: they are among its model_input_names (its class's, or tokenizer_config.json's)."""
@@ -84,7 +95,7 @@ class ModelRunner:
             return
         self.spec = spec
         self.device = resolve_device(device)
-        config = AutoConfig.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
+        config = AutoConfig.from_pretrained(spec.base_path, trust_remote_code=spec.trust_remote_code)
         self.dtype = resolve_dtype(dtype, self.device, getattr(config, "dtype", None))
         openvino_precision = self._openvino_precision(backend, quantize)
         self._cache_warnings: list[str] = []  # a damaged cache entry met on the way: told to the caller
@@ -96,10 +107,8 @@ class ModelRunner:
             # No attention implementation is forced: transformers picks SDPA where the model supports
             # it and its own otherwise (MPNet has no SDPA), as sentence-transformers does. OpenVINO
             # converts (and checks against) the float32 module, whatever precision it compiles for.
-            self.model = shared_model if shared_model is not None else _model_class(spec).from_pretrained(
-                spec.path, config=config, dtype=torch.float32 if openvino_precision else self.dtype,
-                trust_remote_code=spec.trust_remote_code,
-            ).to(self.device).eval()
+            self.model = shared_model if shared_model is not None else load_transformer(
+                spec, config, torch.float32 if openvino_precision else self.dtype).to(self.device).eval()
         # Dense / LayerNorm modules after pooling run in float32, as the pooled vector is.
         self.sentence_head = SentenceHead(spec.head_modules).to(self.device).eval() if spec.head_modules else None
         self.token_head = self.skip_ids = None
@@ -132,6 +141,9 @@ class ModelRunner:
         elif openvino_precision is not None:
             self._use_openvino(backend, threads, reuse=shared_model, precision=openvino_precision)
             self.backend_info.update(precision_note)
+        if spec.adapter is not None and shared_model is None:  # said at start-up: a PEFT adapter is in the weights
+            self.backend_info["adapter"] = (f"{spec.adapter.peft_type} merged into {spec.adapter.base_path}"
+                                            + (" (the cached conversion of the merge)" if cached is not None else ""))
         if self._cache_warnings:  # (start-up info is flat: one line each)
             told = [self.backend_info["warnings"]] if self.backend_info.get("warnings") else []
             self.backend_info["warnings"] = "\n".join(self._cache_warnings + told)

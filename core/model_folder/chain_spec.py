@@ -9,6 +9,7 @@ from pathlib import Path
 from pooling_pipeline.core.config import ENCODER_ONLY_CLASSES, ModelSpec, PoolingSpec
 from pooling_pipeline.core.model_folder.dual_encoder import dual_encoder_spec
 from pooling_pipeline.core.model_folder.multi_vector import with_multi_vector
+from pooling_pipeline.core.model_folder.peft_adapter import adapter_files, read_adapter
 from pooling_pipeline.core.model_folder.st_files import dense_chain_width
 from pooling_pipeline.core.model_folder.st_layout import STLayout
 from pooling_pipeline.core.model_folder.static_embedding import STATIC_MAX_TOKENS, static_folder_facts
@@ -30,9 +31,13 @@ def spec_of_layout(root: Path, st: STLayout, trust_remote_code: bool) -> ModelSp
     if st.static_dir is not None:
         return _static_spec(st)
     if st.dual_encoder:
+        if adapter_files(st.transformer_dir):  # (ST would load it; the image tower's conversion has no merge)
+            raise ValueError(f"{st.transformer_dir}: a PEFT adapter ({', '.join(adapter_files(st.transformer_dir))}) "
+                             "on a dual encoder (CLIP, SigLIP) is not supported")
         return dual_encoder_spec(st)
     path = st.transformer_dir
-    config = transformer_config(path)
+    adapter = read_adapter(path)
+    config = transformer_config(path, Path(adapter.base_path) if adapter is not None else None)
     model_type = str(config.get("model_type", ""))
     check_remote_code(config, model_type, path, trust_remote_code)
     check_text_model(config, model_type, path)
@@ -76,6 +81,7 @@ def spec_of_layout(root: Path, st: STLayout, trust_remote_code: bool) -> ModelSp
         trust_remote_code=trust_remote_code,
         logit_score=st.logit_score,
         chat_pairs=st.chat_pairs,
+        adapter=adapter,
     )
     return with_multi_vector(spec, st, path)
 

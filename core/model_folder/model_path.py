@@ -47,9 +47,7 @@ def _hub_snapshot(text: str, revision: str | None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    # The environment as it is now (huggingface_hub reads it once, at its import).
-    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
-    cache_dir = os.environ.get("HF_HUB_CACHE") or os.path.join(home, "hub")
+    cache_dir = hub_cache_dir()
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
     try:
         return Path(snapshot_download(repo_id=text, revision=revision, cache_dir=cache_dir, local_files_only=offline))
@@ -62,6 +60,27 @@ def _hub_snapshot(text: str, revision: str | None) -> Path:
                          f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '')!r}): {e}") from None
     except (HfHubHTTPError, OSError, ValueError) as e:
         raise ValueError(f"model {text!r} could not be resolved on the hub: {type(e).__name__}: {e}") from None
+
+
+def hub_cache_dir() -> str:
+    """The Hugging Face cache folder, from the environment as it is now (huggingface_hub reads it
+    once, at its import)."""
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return os.environ.get("HF_HUB_CACHE") or os.path.join(home, "hub")
+
+
+def cached_hub_snapshot(repo_id: str) -> Path | None:
+    """A hub id's snapshot (its main revision) in the local Hugging Face cache, or None where the
+    cache has none: nothing is downloaded."""
+    if not HUB_ID.match(repo_id):
+        return None
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id=repo_id, cache_dir=hub_cache_dir(), local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        return None
 
 
 def _cache_snapshot(repo_dir: Path) -> Path:

@@ -15,13 +15,15 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer.model", "spiece.mod
 OFFSET_POSITION_FAMILIES = ("roberta", "xlm-roberta", "camembert", "longformer", "mpnet")
 
 
-def transformer_config(path: Path) -> dict:
-    """The transformer's config.json, from a directory that holds a tokenizer too."""
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model directory {str(path)!r} has no config.json")
+def transformer_config(path: Path, base: Path | None = None) -> dict:
+    """The transformer's config.json, from a directory that holds a tokenizer too (or from `base`,
+    a PEFT adapter's base model, while the tokenizer stays in `path`)."""
+    config_dir = base or path
+    if not (config_dir / "config.json").is_file():
+        raise ValueError(f"model directory {str(config_dir)!r} has no config.json")
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"model directory {str(path)!r} has no tokenizer (expected one of {', '.join(TOKENIZER_FILES)})")
-    return read_json(path / "config.json")
+    return read_json(config_dir / "config.json")
 
 
 # transformers' attribute_map of the common families whose config.json names a size otherwise

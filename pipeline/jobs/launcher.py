@@ -356,16 +356,29 @@ def _check_pair_field(job: JobSpec) -> None:
                          f"--long-inputs {job.long_inputs} is not supported for pairs")
 
 
+def model_fingerprint_files(model: JobModel) -> dict[str, str]:
+    """{file: fingerprint} of all that shapes the job's output: the whole model directory, not only
+    the transformer's folder (spec.path) -- ST's modules after it (1_Pooling/, 2_Dense/, a Router's
+    routes) shape the output too --, and a PEFT adapter's base model where it is a folder of its
+    own (its weights are merged with the adapter's)."""
+    from pooling_pipeline.jobs.fingerprint import model_files
+
+    files = model_files(str(model.root))
+    bases = dict.fromkeys(part.adapter.base_path for part in (model.spec, *model.spec.route_specs)
+                          if part.adapter is not None and part.adapter.base_path != part.path)
+    for k, base in enumerate(bases):
+        files.update({f"adapter-base{k or ''}/{name}": digest for name, digest in model_files(base).items()})
+    return files
+
+
 def describe_job(job: JobSpec, model: JobModel, sources: list, id_field: str | None) -> dict:
     """What identifies a job: a resume must match it, and load_results reads shards of one job only."""
     from pooling_pipeline import __version__
-    from pooling_pipeline.jobs.fingerprint import model_files, model_hash
+    from pooling_pipeline.jobs.fingerprint import model_hash
     from pooling_pipeline.request_options import model_prompts
 
-    # The whole model directory is fingerprinted, not only the transformer's folder (spec.path):
-    # ST's modules after it (1_Pooling/, 2_Dense/, a Router's routes) shape the output too.
     spec = model.spec
-    files = model_files(str(model.root))
+    files = model_fingerprint_files(model)
     prompts = model_prompts(spec)  # ST's "query" / "document" placeholders among them
     if job.prompt_name is not None and job.prompt_name not in prompts:  # before the model loads
         raise UsageError(f"--prompt-name {job.prompt_name!r} is not among the model's prompts {sorted(prompts)}")
