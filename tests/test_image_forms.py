@@ -347,3 +347,25 @@ def test_a_processor_that_differs_from_the_model_files_is_refused(clip_dir, tmp_
     (other / "processor_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="rescales and normalizes with"):
         check_processor(AutoImageProcessor.from_pretrained(other), spec)
+
+
+def test_an_image_worker_keeps_torch_importable_where_torchvision_is_installed(clip_dir, monkeypatch):
+    """transformers picks its torchvision processors only where torch imports too; a worker hides
+    torch while it loads transformers (190 MB it never uses for text), so an image model's worker
+    keeps torch where torchvision is installed -- or it would run the PIL processor while ST, in
+    the caller's process, runs the torchvision one (4e-4 apart on a test CLIP)."""
+    import importlib.util
+
+    from pooling_pipeline.core.model_folder.load import load_model_spec
+    from pooling_pipeline.workers.render import image_processor_imports
+
+    spec = load_model_spec(clip_dir)
+    real_find_spec = importlib.util.find_spec
+    installed = importlib.util.find_spec("torchvision") is not None
+    assert image_processor_imports(spec) == (("PIL", "torch") if installed else ("PIL",))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "torchvision" else real_find_spec(name, *a))
+    assert image_processor_imports(spec) == ("PIL", "torch")
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torchvision" else real_find_spec(name, *a))
+    assert image_processor_imports(spec) == ("PIL",)

@@ -176,7 +176,7 @@ class CropWindow:
         size = self.processor.size
         if not (self.processor.do_resize and size.shortest_edge and not size.longest_edge):
             return None
-        if isinstance(image, np.ndarray):
+        if hasattr(image, "ndim"):  # an array, or the tensor a torchvision processor decoded
             if image.ndim != 3:
                 return None
             height, width = self._image_size(image, self._channels(image, num_channels=(1, 3, 4)))

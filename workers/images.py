@@ -121,6 +121,9 @@ class ImageRenderer:
                     raise ImageError(f"{what} is empty ({width}x{height})")
                 if self.spec.draft and opened.format == "JPEG":
                     opened.draft("RGB", (self.draft_side, self.draft_side))  # (both sides stay >= the model's input)
+                elif self.backend != "pil":
+                    opened.close()  # (read for its size only)
+                    return self.processor.fetch_images(_as_load_image_source(image))
                 return self.upright_rgb(opened)
         except ImageError:
             raise
@@ -128,6 +131,12 @@ class ImageRenderer:
             raise ImageError(f"{what} does not exist") from None
         except Exception as e:  # not an image, truncated, an unsupported mode, ...
             raise ImageError(f"{what} cannot be decoded: {type(e).__name__}: {e}") from None
+
+    # A file, a data URI or an image's bytes reach the processor as ST hands them (a path or a
+    # string): a PIL processor's caller opens them with transformers' `load_image` (`upright_rgb`
+    # below does the same, without its copies); a torchvision processor decodes them itself, with
+    # its own decoder (`fetch_images`: torchcodec or torchvision, the EXIF orientation applied), so
+    # a worker hands them to it after checking the size in the file's header.
 
     def upright_rgb(self, opened):
         """transformers' `load_image` on an opened file -- EXIF orientation applied, then
@@ -151,6 +160,16 @@ class ImageRenderer:
             return rebuilt
         except Exception as e:
             raise ImageError(f"the in-memory image cannot be rebuilt: {type(e).__name__}: {e}") from None
+
+
+def _as_load_image_source(image: ImageData) -> str:
+    """The string transformers' loaders take for an image file: its path, its data URI or raw base64
+    (an image's bytes as base64, which they decode to the very bytes)."""
+    if image.path is not None:
+        return image.path
+    if image.uri is not None:
+        return image.uri
+    return base64.b64encode(image.encoded).decode()
 
 
 def processor_backend(processor) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import json
 import logging
 import sys
@@ -33,7 +34,7 @@ def load_hf_tokenizer(spec: ModelSpec):
     if spec.input_module == "static_embedding":
         return static_tokenizer(spec)
     # (remote tokenizer code may import anything; a dual encoder's image processor needs PIL)
-    with unused_imports_hidden(unless=spec.trust_remote_code, keep=("PIL",) if spec.image is not None else ()):
+    with unused_imports_hidden(unless=spec.trust_remote_code, keep=image_processor_imports(spec)):
         from transformers import AutoTokenizer
 
         hf = AutoTokenizer.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
@@ -62,6 +63,15 @@ def static_tokenizer(spec: ModelSpec):
 # client takes it when installed, for async transports -- a worker reads local files only) and
 # PIL (~1.5 MB; transformers' image helpers). Each is an optional import for those libraries.
 HIDDEN_WHILE_LOADING = ("torch", "trio", "PIL")
+
+
+def image_processor_imports(spec: ModelSpec) -> tuple[str, ...]:
+    """What a dual encoder's image processor imports, kept importable in its worker: PIL, and torch
+    where torchvision is installed -- transformers picks its torchvision processors only where it
+    finds torch too (as in ST's process), and they run on torch tensors."""
+    if spec.image is None:
+        return ()
+    return ("PIL", "torch") if importlib.util.find_spec("torchvision") is not None else ("PIL",)
 
 
 @contextlib.contextmanager
