@@ -14,10 +14,14 @@ Parts (each in its own subprocesses, with its own time budget inside one hard ov
               throughput and engine busy (target >= 95%);
 * loadtest -- scripts/loadtest.py with the real model on CUDA, one run per render-worker count: docs/s and
               engine busy per count;
-* images   -- scripts/loadtest.py --regime images: a CLIP ViT-B/32-sized dual encoder (random weights, built
-              here: vision 12 x 768 at 224 px in 32 px patches, text 12 x 512, projection 512) in float16,
-              fed 100 generated web JPEGs (500x400, quality 85) by path with the most render workers given:
-              images/s and engine busy (informative: the render workers' CPU is expected to be the bottleneck).
+* images   -- a CLIP ViT-B/32-sized dual encoder (random weights, built here: vision 12 x 768 at 224 px in
+              32 px patches, text 12 x 512, projection 512) and 100 generated web JPEGs (500x400, quality 85):
+              first the pipeline against sentence-transformers in this environment (float32 on the CPU, the
+              JPEGs by path, as PIL images and as arrays: max |diff| <= 1e-5), which checks that the workers
+              run the image processor ST runs here -- the torchvision one where torchvision is installed, as
+              on most GPU machines, and its own decoder for files; then scripts/loadtest.py --regime images
+              in float16 by path with the most render workers given: images/s and engine busy (informative:
+              the render workers' CPU is expected to be the bottleneck).
 
 A part that runs out of time is reported as "timeout", one that fails with its error; the others still
 run and the table is always printed. A step's whole process group (its Pipelines included) is killed when
@@ -45,7 +49,8 @@ SCRIPTS = Path(__file__).resolve().parent
 PARTS = ("dtype", "bench", "loadtest", "images")
 # Adding up to the 8 minutes: building the CLIP-B/32 model and the JPEGs takes ~20 s on a 16-core machine,
 # its one load-test run ~30 s (start-up, warm-up, IMAGES_MAX_SECONDS).
-DEFAULT_BUDGETS_S = {"dtype": 90.0, "bench": 150.0, "loadtest": 170.0, "images": 70.0}
+# The images part's comparison with ST adds ~25 s (two CPU loads of the model, 3 x 24 images each way).
+DEFAULT_BUDGETS_S = {"dtype": 90.0, "bench": 150.0, "loadtest": 145.0, "images": 95.0}
 MAX_MINUTES = 8.0
 DEFAULT_WORKERS = (1, 2, 4, 8, 14)
 # A step started with less time than this left could not even load the model: it is reported as a timeout instead.
@@ -64,6 +69,10 @@ LOADTEST_MAX_SECONDS = 12
 IMAGES_COUNT = 100  # distinct web JPEGs, cycled through
 IMAGES_REQUESTS = 20_000
 IMAGES_MAX_SECONDS = 8
+IMAGES_ST_COUNT = 24  # JPEGs compared with sentence-transformers, in each of three forms
+# The pipeline against ST, both float32 on the CPU with torch: the same arithmetic, so any difference is
+# the image processor's (the PIL and torchvision resizes differ by ~4e-4 on a test CLIP).
+IMAGES_ST_MAX_DIFF = 1e-5
 NO_CUDA = "no CUDA device: nothing to check"
 
 
@@ -190,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     # Only for the tests: run part (a)'s comparison on the CPU (float32 against float32), CUDA or not.
     ap.add_argument("--force-device", choices=["cpu"], default=None, help=argparse.SUPPRESS)
     # The steps this script runs as its own subprocesses.
-    ap.add_argument("--internal", choices=["dtype", "build-model", "build-clip"], default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--internal", choices=["dtype", "build-model", "build-clip", "images-st"], default=None,
+                    help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--image-folder", default=None, help=argparse.SUPPRESS)
@@ -206,8 +216,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--internal dtype needs --json")
     if args.internal in ("build-model", "build-clip") and not args.model_dir:
         ap.error(f"--internal {args.internal} needs --model-dir")
-    if args.internal == "build-clip" and not args.image_folder:
-        ap.error("--internal build-clip needs --image-folder")
+    if args.internal in ("build-clip", "images-st") and not args.image_folder:
+        ap.error(f"--internal {args.internal} needs --image-folder")
+    if args.internal == "images-st" and not (args.model_dir and args.json):
+        ap.error("--internal images-st needs --model-dir and --json")
     return args
 
 
@@ -256,6 +268,11 @@ def make_plan(args: argparse.Namespace, work: Path) -> list[Part]:
         parts.append(Part("images", budgets["images"], [
             Step("images: building the CLIP-B/32 model and the JPEGs",
                  python("device_check.py", "--internal", "build-clip", "--model-dir", model, "--image-folder", folder)),
+            Step(f"images: the pipeline against ST in this environment, float32 on the CPU, {IMAGES_ST_COUNT} JPEGs "
+                 "in three forms",
+                 python("device_check.py", "--internal", "images-st", "--model-dir", clip_model_path(model),
+                        "--image-folder", folder, "--json", work / "images-st.json"),
+                 work / "images-st.json", "rows"),
             Step(f"images: CLIP ViT-B/32 (random weights), float16, 224 px, {IMAGES_COUNT} web JPEGs by path, "
                  f"{workers} render worker{'s' if workers > 1 else ''}",
                  python("loadtest.py", "--regime", "images", "--model", clip_model_path(model), "--device", device,
@@ -566,6 +583,44 @@ def build_clip_inputs(model_dir: Path, image_folder: Path, count: int = IMAGES_C
     return path
 
 
+def images_st_check(model: Path, image_folder: Path, json_path: Path) -> None:
+    """The images part's first step: the pipeline's image vectors against sentence-transformers' in this
+    environment, with the image processor transformers picks here (which the row names): JPEGs by path (the
+    processor's own decoder where it has one), as PIL images and as arrays. Both float32 on the CPU with
+    torch, so a difference is the preprocessing's."""
+    import numpy as np
+    from image_set import build_image_set
+    from PIL import Image
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoImageProcessor
+
+    from pooling_pipeline import Pipeline
+
+    rows: list[Row] = []
+    processor = AutoImageProcessor.from_pretrained(model)
+    versions = []
+    for package in ("torchvision", "torchcodec", "pillow"):
+        try:
+            versions.append(f"{package} {importlib.metadata.version(package)}")
+        except importlib.metadata.PackageNotFoundError:
+            versions.append(f"no {package}")
+    rows.append(Row("images: the image processor here", f"{type(processor).__name__} "
+                    f"({getattr(processor, 'backend', 'pil')}); {', '.join(versions)}", "-", "info"))
+    json_path.write_text(json.dumps({"rows": [r.__dict__ for r in rows]}))
+    paths = build_image_set(image_folder, "web", IMAGES_ST_COUNT)  # (the first of the set built before)
+    forms = {"by path": paths, "PIL images": [Image.open(p) for p in paths],
+             "arrays": [np.asarray(Image.open(p).convert("RGB")) for p in paths]}
+    st = SentenceTransformer(str(model), device="cpu")
+    with Pipeline(model=str(model), device="cpu", dtype="float32", backend="torch", num_render_workers=4) as pipe:
+        for form, inputs in forms.items():
+            reference = st.encode(inputs, batch_size=8)
+            got = np.stack([o.embedding for o in pipe.embed(inputs, use_tqdm=False)])
+            diff = float(np.abs(got - reference).max())
+            rows.append(Row(f"images: {len(inputs)} JPEGs {form}, pipeline vs ST (float32, CPU)", f"max |diff| {diff:.2e}",
+                            f"<= {IMAGES_ST_MAX_DIFF:.0e}", "pass" if diff <= IMAGES_ST_MAX_DIFF else "FAIL"))
+            json_path.write_text(json.dumps({"rows": [r.__dict__ for r in rows]}))
+
+
 # ---------------------------------------------------------------------------------------------- main
 
 def main(argv: list[str] | None = None) -> int:
@@ -580,6 +635,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.internal == "build-clip":
         print(build_clip_inputs(Path(args.model_dir), Path(args.image_folder)))
+        return 0
+    if args.internal == "images-st":
+        images_st_check(Path(args.model_dir), Path(args.image_folder), Path(args.json))
         return 0
     if args.dry_run:
         print(format_plan(make_plan(args, Path("<work>")), args.max_minutes))

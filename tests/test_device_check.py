@@ -3,9 +3,11 @@ part (a)'s comparison run on the CPU (float32 against float32), so a GPU session
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import device_check as dc
 import psutil
@@ -33,8 +35,8 @@ def test_dry_run_prints_every_part_with_its_commands_and_budget():
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "hard deadline 300 s" in out
-    assert "part dtype: budget 90 s" in out and "part bench: budget 33 s" in out and "part loadtest: budget 170 s" in out
-    assert "part images: budget 70 s" in out and "budgets 363 s in all" in out
+    assert "part dtype: budget 90 s" in out and "part bench: budget 33 s" in out and "part loadtest: budget 145 s" in out
+    assert "part images: budget 95 s" in out and "budgets 363 s in all" in out
     assert "device_check.py --internal dtype" in out
     assert "device_check.py --internal build-model" in out
     assert "bench_embed.py --device cuda --dtype float16 --model" in out and "--medium-chars 2400 4000" in out
@@ -296,7 +298,7 @@ def test_every_command_of_the_plan_is_accepted_by_its_script(tmp_path):
     images = parsed["loadtest.py"][-1]
     assert (images.model, images.dtype, images.image_folder) == (str(tmp_path / "clip-b32" / "st"), "float16",
                                                                  str(tmp_path / "images"))
-    assert sorted(a.internal for a in parsed["device_check.py"]) == ["build-clip", "build-model", "dtype"]
+    assert sorted(a.internal for a in parsed["device_check.py"]) == ["build-clip", "build-model", "dtype", "images-st"]
 
 
 def test_loadtest_image_capacity_is_a_gpus_images_per_s_over_what_one_worker_core_feeds():
@@ -324,3 +326,22 @@ def test_loadtest_image_capacity_is_a_gpus_images_per_s_over_what_one_worker_cor
     runs[1]["processes"]["engine"]["cpu_us_per_request"] = 200.0
     capped = loadtest.image_capacity_table(runs, SIM_PRESETS["base-h100"], 256, 2000.0)
     assert "takes in at most 5,000 images/s, 12% of the GPU's rate" in capped[-1] and "20 render-worker cores" in capped[-1]
+
+
+@pytest.mark.slow
+def test_the_images_comparison_with_st_runs_on_a_cpu(tmp_path, monkeypatch):
+    """The images part's first step (the pipeline against ST with the image processor transformers
+    picks in the environment), on a tiny CLIP and a few JPEGs: its rows name the processor and pass."""
+    from image_set import build_image_set
+    from model_zoo import build_clip
+
+    monkeypatch.setattr(dc, "IMAGES_ST_COUNT", 3)
+    model = build_clip(tmp_path / "clip", layout="st")
+    build_image_set(tmp_path / "images", "web", 4)
+    out = tmp_path / "images-st.json"
+    dc.images_st_check(Path(model), tmp_path / "images", out)
+    rows = [dc.Row(**r) for r in json.loads(out.read_text())["rows"]]
+    assert rows[0].result == "info" and "CLIPImageProcessor" in rows[0].figure
+    assert [r.check.split(", ")[0] for r in rows[1:]] == ["images: 3 JPEGs by path", "images: 3 JPEGs PIL images",
+                                                          "images: 3 JPEGs arrays"]
+    assert all(r.result == "pass" for r in rows[1:]), rows
