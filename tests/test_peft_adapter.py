@@ -186,6 +186,7 @@ def test_cross_encoder_with_adapter_equals_sentence_transformers(tmp_path, layou
     assert float(np.abs(want - plain).max()) > 1e-3
     with Pipeline(model=model_dir, num_render_workers=1) as pipe:
         got = np.array([o.score for o in pipe.score(queries, docs, use_tqdm=False)])
+        assert pipe.stats()["engine"]["adapter"].startswith("LORA merged into")
     assert float(np.abs(got - want).max()) <= TOL
 
 
@@ -201,6 +202,7 @@ def test_decoder_embedder_with_adapter_equals_sentence_transformers(tmp_path):
     want = SentenceTransformer(model_dir, device="cpu").encode(TEXTS, prompt_name="query")
     with Pipeline(model=model_dir, num_render_workers=1) as pipe:
         got = np.stack([o.embedding for o in pipe.embed(TEXTS, prompt_name="query", use_tqdm=False)])
+        assert pipe.stats()["engine"]["adapter"] == f"LORA merged into {Path(base).resolve()}"
     assert_close(got, want)
 
 
