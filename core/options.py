@@ -35,10 +35,14 @@ Quantize = Literal["int8"]
 EngineDtype = Literal["auto", "float32", "float16", "bfloat16"]
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
-NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
-Seconds = Annotated[float, msgspec.Meta(gt=0, le=1e9)]
+# A count of tokens a caller sets (tokens kept of a prompt, of a query or a document, shared by
+# chunks). Far beyond any model's max length (the longest pooling models take 32K-128K tokens; a
+# model's own maximum is checked where it is known), and within the int32 lengths messages carry.
+MAX_TOKENS = 1 << 24
+TokenCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
 
 S = typing.TypeVar("S", bound=msgspec.Struct)
+MAX_SHOWN_CHARS = 200  # of a refused value, in its error
 
 
 def checked(struct_type: type[S], values: dict[str, Any], where: str = "") -> S:
@@ -61,7 +65,10 @@ def _readable(error: msgspec.ValidationError, struct_type: type, values: dict, w
     fields = {f.name: f.type for f in msgspec.inspect.type_info(struct_type).fields}
     what = describe(fields[name]) if name in fields else "valid"
     kind = TypeError if ", got `" in message else ValueError
-    return kind(f"{where}{name} must be {what}, got {values[name]!r}")
+    given = repr(values[name])
+    if len(given) > MAX_SHOWN_CHARS:  # (a 1 MB template is not printed whole)
+        given = f"{given[:MAX_SHOWN_CHARS]}... ({len(given)} characters)"
+    return kind(f"{where}{name} must be {what}, got {given}")
 
 
 def describe(t: msgspec.inspect.Type) -> str:
@@ -78,11 +85,21 @@ def describe(t: msgspec.inspect.Type) -> str:
     if isinstance(t, mi.BoolType):
         return "a bool"
     if isinstance(t, mi.IntType):
+        if t.le is not None:
+            return f"an int in [{t.ge if t.ge is not None else '...'}, {t.le}]"
         return {1: "a positive int", 0: "a non-negative int"}.get(t.ge, "an int" + (f" >= {t.ge}" if t.ge is not None else ""))
     if isinstance(t, mi.FloatType):
+        if t.le is not None:
+            low = f"({t.gt:g}" if t.gt is not None else f"[{t.ge:g}" if t.ge is not None else "(..."
+            return f"a number in {low}, {t.le:g}]"
         return "a positive number" if t.gt == 0 else "a number"
     if isinstance(t, mi.StrType):
-        return f"a str matching {t.pattern!r}" if t.pattern else "a str"
+        if t.pattern:
+            return f"a str matching {t.pattern!r}"
+        if t.max_length is not None:
+            return (f"a str of {t.min_length} to {t.max_length} characters" if t.min_length
+                    else f"a str of at most {t.max_length} characters")
+        return "a str"
     if isinstance(t, mi.StructType):
         return f"a {t.cls.__name__}"
     if isinstance(t, mi.ListType):

@@ -46,6 +46,8 @@ from pooling_pipeline.inputs import Tokenization, build_requests
 from pooling_pipeline.options import (
     CALL_OPTIONS,
     DTYPE_ALIASES,
+    MAX_ENGINE_WINDOW,
+    MAX_INFLIGHT,
     PIPELINE_POSITIONAL,
     CallOptions,
     OptionsSignature,
@@ -157,8 +159,9 @@ class Pipeline:
         # short sentences). The frontend keeps twice that in flight so the workers stay ahead
         # of the engine while finished results wait in the reorder buffer (inside the bound too);
         # with several engine cores, twice all their windows.
-        self.max_inflight = opts.max_inflight or 16 * max_num_seqs * engines
-        self.engine_window = opts.engine_window or max(1, self.max_inflight // (2 * engines))
+        # (Derived defaults stay within the bounds the options declare: options.MAX_INFLIGHT, MAX_ENGINE_WINDOW.)
+        self.max_inflight = opts.max_inflight or min(MAX_INFLIGHT, 16 * max_num_seqs * engines)
+        self.engine_window = opts.engine_window or min(MAX_ENGINE_WINDOW, max(1, self.max_inflight // (2 * engines)))
         # Requests per message to a worker (and from it to the engine): per-message costs (a
         # socket round, a decode, a thread's wake-up and its GIL hand-offs) are paid once per this
         # many. 64 measured 12% faster than 16 with a tokenizer-bound load; with a fast device

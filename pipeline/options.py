@@ -25,15 +25,14 @@ from typing import Annotated, Any, Literal, NamedTuple
 import msgspec
 
 from pooling_pipeline.core.options import (
+    MAX_TOKENS,
     REQUEST_OPTIONS,
     Backend,
     ErrorsMode,
     LongInputs,
-    NonNegativeInt,
-    PositiveInt,
     Quantize,
-    Seconds,
     Task,
+    TokenCount,
     TruncationSide,
 )
 
@@ -60,22 +59,73 @@ DTYPE_ALIASES = {"auto": "auto", "float32": "float32", "float": "float32", "fp32
                  "bfloat16": "bfloat16", "bf16": "bfloat16"}
 Dtype = Literal["auto", "float32", "float", "fp32", "float16", "half", "fp16", "bfloat16", "bf16"]
 # "sim": the simulated accelerator (core/sim_device.py), a measurement instrument.
-Device = Annotated[str, Meta(pattern=r"^(auto|cpu|sim|cuda(:\d+)?)$")]
+Device = Annotated[str, Meta(pattern=r"^(auto|cpu|sim|cuda(:\d{1,3})?)$")]
+LogLevel = Annotated[str, Meta(pattern=r"^(?i:debug|info|warning|warn|error|critical)$")]
+
+
+# ---- ranges -------------------------------------------------------------------------------------
+# Every option has a range, declared with its type and checked in the caller before any process
+# starts (`core.options.checked`: a ValueError naming the option and its range). The bounds are
+# what the processes can hold, far above what a machine needs:
+#
+# A render worker is a process of ~100 MB and 5 file descriptors: 256 of them take ~25 GB (the
+# plan gives a GPU engine at most 16).
+MAX_RENDER_WORKERS = 256
+# A step of more sequences is never formed under the largest default token budget (16,384 padded
+# tokens on a GPU); the windows derived from it (8x, 16x) stay within their own bounds.
+MAX_NUM_SEQS = 1 << 14
+# One step's activations grow with its padded tokens (a 1024-wide model: 4 GB of hidden states
+# at this bound); it is 8x the longest max length of the pooling models people run (128K).
+MAX_BATCHED_TOKENS = 1 << 20
+# Requests in flight, all calls together. A call's reorder ring grows with the requests it holds
+# (~49 bytes a slot: ~51 MB at this bound), and each holds its text until answered (bounded apart:
+# frontend/call.py's MAX_INFLIGHT_CHARS).
+MAX_INFLIGHT = 1 << 20
+# An engine core allocates its request table for its whole window at start: 36 MB at this bound
+# (measured: core.columns.RequestTable(1 << 18)), and a full window holds a dict entry a request.
+MAX_ENGINE_WINDOW = 1 << 18
+# Each engine core is a process holding the whole model: one per GPU (a node has 8-16), or a
+# share of the CPU's threads.
+MAX_DATA_PARALLEL = 64
+# torch threads beyond the hardware's only oversubscribe (the largest machines have 384-512);
+# each costs its stack (4096 start here in +70 MB; 10**6 cannot be created and the import dies).
+MAX_ENGINE_THREADS = 1024
+# An image's decoded pixels cost 3 bytes each in a render worker: 3 GB at this bound.
+MAX_IMAGE_PIXELS = 1 << 30
+# Heartbeats come every second (core.runtime.HEARTBEAT_INTERVAL_S): a child silent for less than
+# two of them is on time. A step's time is seen in those heartbeats: a shorter limit is not measured.
+MIN_HEARTBEAT_TIMEOUT_S, MIN_STEP_TIMEOUT_S = 2.0, 1.0
+# A child's start (an interpreter, its imports, a model) takes more than a second.
+MIN_STARTUP_TIMEOUT_S = 1.0
+# Longer is "never" (about 31 years), which threading's waits cannot take (threading.TIMEOUT_MAX).
+MAX_SECONDS = 1e9
+# A chat template is Jinja text of a few KB; it travels with every message of a call.
+MAX_TEMPLATE_CHARS = 1 << 20
+
+
+def up_to(high: int, low: int = 1) -> Any:
+    """An int option's range: [low, high]."""
+    return Annotated[int, Meta(ge=low, le=high)]
+
+
+def seconds(low: float) -> Any:
+    """A duration option's range: [low, MAX_SECONDS] seconds."""
+    return Annotated[float, Meta(ge=low, le=MAX_SECONDS)]
 
 
 class PipelineOptions(msgspec.Struct, frozen=True, kw_only=True):
     """How the process group is shaped, checked once when a Pipeline is built. The first six are
     also `Pipeline`'s positional parameters (after `model`), in this order."""
 
-    num_render_workers: Annotated[PositiveInt | None, described(
+    num_render_workers: Annotated[up_to(MAX_RENDER_WORKERS) | None, described(
         "render worker processes (default: planned from the cores)")] = None
-    max_num_seqs: Annotated[PositiveInt, described("sequences per engine step")] = 64
-    max_num_batched_tokens: Annotated[PositiveInt | None, described(
+    max_num_seqs: Annotated[up_to(MAX_NUM_SEQS), described("sequences per engine step")] = 64
+    max_num_batched_tokens: Annotated[up_to(MAX_BATCHED_TOKENS) | None, described(
         "padded tokens in one engine step, at least the model's max length (default: by device, "
         "2048 on CPU, 16384 on GPU)")] = None
-    max_inflight: Annotated[PositiveInt | None, described(
+    max_inflight: Annotated[up_to(MAX_INFLIGHT) | None, described(
         "requests issued and not yet handed back, all calls together (default: 16 x max_num_seqs "
-        "per engine core)")] = None
+        f"per engine core, at most {MAX_INFLIGHT})")] = None
     device: Annotated[Device, described("auto, cpu, cuda, cuda:N, or sim (the simulated accelerator)")] = "auto"
     dtype: Annotated[Dtype, described("model dtype (float, fp32, half, fp16 and bf16 are aliases)")] = "auto"
     backend: Annotated[Backend, described(
@@ -84,34 +134,38 @@ class PipelineOptions(msgspec.Struct, frozen=True, kw_only=True):
     quantize: Annotated[Quantize | None, described(
         "int8: the transformer's Linear layers dynamically quantized (torch backend, CPU); opt-in, it changes "
         "results (README: cosine and top-10 agreement)")] = None
-    data_parallel_size: Annotated[PositiveInt, described(
+    data_parallel_size: Annotated[up_to(MAX_DATA_PARALLEL), described(
         "engine cores on this machine, fed by the same render workers: one GPU each (cuda:0 .. "
         "cuda:N-1), or a share of the CPU threads; across machines use Ray")] = 1
-    engine_window: Annotated[PositiveInt | None, described(
-        "requests admitted in each engine core (default: 8 x max_num_seqs)")] = None
-    engine_threads: Annotated[PositiveInt | None, described(
+    engine_window: Annotated[up_to(MAX_ENGINE_WINDOW) | None, described(
+        f"requests admitted in each engine core (default: 8 x max_num_seqs, at most {MAX_ENGINE_WINDOW})")] = None
+    engine_threads: Annotated[up_to(MAX_ENGINE_THREADS) | None, described(
         "torch threads of each CPU engine core (default: planned from the cores)")] = None
+    # (io_processor and sim_device are checked by what reads them: workers.render.load_plugin,
+    # core.sim_device.resolve_sim_device, in the caller too)
     io_processor: Annotated[str | None, described(
         "a plugin 'package.module:ClassName' for task 'plugin' (its render runs in the workers, its "
         "post_process in the caller)")] = None
     trust_remote_code: Annotated[bool, described(
         "allow a model's own code (auto_map, custom activations); opt-in")] = False
-    revision: Annotated[str | None, described("hub revision of a hub model id (a branch, tag or commit)")] = None
+    revision: Annotated[Annotated[str, Meta(min_length=1, max_length=255)] | None, described(
+        "hub revision of a hub model id (a branch, tag or commit)")] = None
     sim_device: Annotated[Any, described(
         "device='sim' only: the simulated device, a preset name or (a, b) seconds (default: the "
         "minilm-h100 preset)", shown="str | tuple[float, float] | SimDevice | None")] = None
-    startup_timeout_s: Annotated[Seconds, described("seconds the children may take to load and start")] = 300.0
-    heartbeat_timeout_s: Annotated[Seconds, described(
+    startup_timeout_s: Annotated[seconds(MIN_STARTUP_TIMEOUT_S), described(
+        "seconds the children may take to load and start")] = 300.0
+    heartbeat_timeout_s: Annotated[seconds(MIN_HEARTBEAT_TIMEOUT_S), described(
         "seconds without a heartbeat after which a child is taken for stopped or wedged")] = 30.0
-    step_timeout_s: Annotated[Seconds, described(
+    step_timeout_s: Annotated[seconds(MIN_STEP_TIMEOUT_S), described(
         "seconds one piece of work (a batch, an engine step) may take before its process is taken "
         "for wedged")] = 600.0
-    log_level: Annotated[str, described("the children's log level")] = "WARNING"
+    log_level: Annotated[LogLevel, described("the children's log level (a logging level's name)")] = "WARNING"
     image_decode: Annotated[Literal["exact", "draft"], described(
         "dual encoders: 'exact' decodes every image whole, as ST does; 'draft' (opt-in) decodes a JPEG at "
         "a reduced DCT scale that still covers the model's input, then resizes: a fraction of the "
         "cost for camera-size photos, slightly different pixels (README: its cosine to the exact path)")] = "exact"
-    max_image_pixels: Annotated[PositiveInt, described(
+    max_image_pixels: Annotated[up_to(MAX_IMAGE_PIXELS), described(
         "dual encoders: an image of more pixels is a per-request error before it is decoded (a "
         "decompression bomb); default PIL's warning threshold")] = 89_478_485
 
@@ -128,23 +182,23 @@ class CallOptions(msgspec.Struct, frozen=True, kw_only=True):
     plugin: bool = False  # prompts are raw items for the io_processor plugin
     pairs: bool = False  # prompts are (query, document) pairs for a cross-encoder
     pooling_params: per_request("pooling_params") = None
-    truncate_prompt_tokens: Annotated[Annotated[int, Meta(ge=-1)] | None, described(
+    truncate_prompt_tokens: Annotated[up_to(MAX_TOKENS, low=-1) | None, described(
         "tokens kept of each prompt, special tokens included; -1: the model's maximum (default: "
         "the PoolingParams' own, else the model's max_seq_length)")] = None
     use_tqdm: Annotated[bool, described("show a progress bar")] = True
     priority: per_request("priority") = None
-    chat_template: Annotated[str | None, described(
+    chat_template: Annotated[Annotated[str, Meta(max_length=MAX_TEMPLATE_CHARS)] | None, described(
         "the chat template conversations are rendered with (default: the tokenizer's)")] = None
     long_inputs: Annotated[LongInputs, described(
         "a text longer than the tokens kept: 'truncate' cuts it, 'error' fails it (naming it and its token "
         "count), 'chunk' embeds it in chunks pooled into one normalized, token-weighted mean (embed only)")] = "truncate"
-    chunk_overlap: Annotated[NonNegativeInt, described(
+    chunk_overlap: Annotated[up_to(MAX_TOKENS, low=0), described(
         "long_inputs='chunk': tokens shared by neighbouring chunks")] = 0
     truncation_side: Annotated[TruncationSide | None, described(
         "'right' keeps the first tokens, 'left' the last (default: the tokenizer's side)")] = None
-    max_tokens_per_query: Annotated[PositiveInt | None, described(
+    max_tokens_per_query: Annotated[TokenCount | None, described(
         "cross-encoder pairs: content tokens kept of the query (before the pair's own truncation)")] = None
-    max_tokens_per_doc: Annotated[PositiveInt | None, described(
+    max_tokens_per_doc: Annotated[TokenCount | None, described(
         "cross-encoder pairs: content tokens kept of the document")] = None
     errors: Annotated[ErrorsMode, described(
         "'raise': the first bad request raises, naming it, and the rest of the call is aborted; "

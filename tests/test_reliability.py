@@ -466,7 +466,7 @@ def test_odd_answers_with_the_groups_key_leave_a_running_call_exact(pipe, st_mod
         stream = pipe.embed_stream(iter(texts))
         outs = [next(stream) for _ in range(1200)]
         call = next(iter(pipe._dispatcher.calls.values()))
-        capacity = call.mask + 1
+        capacity = call.ring.mask + 1
         fake = np.full((1, 384), 1 / np.sqrt(384), np.float32)
         odd = [m.OutputBatch(calls=[call.prefix], indices=np.zeros(0, np.int64),
                              num_prompt_tokens=np.zeros(0, np.int64), busy_s=0.0, padded_tokens=0, in_core=0, call_of=None,

@@ -107,7 +107,6 @@ class Call:
         self.stats = CallStats(engines=dispatcher.num_engines)
         self.ring = Ring(dispatcher.max_inflight, prefix, self.result_type, self.stats,
                          default_normalize=default_normalize, truncate_dim=truncate_dim, keep_all=keep_all)
-        self.mask = self.ring.mask
         self.tickets: dict[int, Ticket] = {}
         self.next_ticket = 0
         self.engines_used: set[int] = set()
@@ -298,6 +297,8 @@ class Call:
                 self.granted = ledger.grant(self, batch_items)
                 if not self.granted:
                     break
+                # The ring holds what the call holds: its slots issued and those just granted.
+                ring.make_room(self.issued, self.issued + self.granted)
             room = MAX_INFLIGHT_CHARS - ledger.chars
             if room <= 0:  # the text held for requests in flight is at its bound
                 ledger.wait(self)
@@ -395,7 +396,7 @@ class Call:
         self.engines_used.add(engine)
         ring = self.ring
         indices = batch.indices
-        slots = indices & self.mask
+        slots = indices & ring.mask
         ring.out_index[slots] = indices
         ring.ticket_of[slots] = number
         ring.size_of[slots] = sizes
@@ -472,7 +473,7 @@ class Call:
             self.progress.set_postfix_str(f"{stats.prompt_tokens / max(wall, 1e-9):,.0f} tok/s", refresh=False)
 
     def _options_of(self, index: int) -> m.RenderOptions:
-        batch = self.tickets[int(self.ring.ticket_of[index & self.mask])].batch
+        batch = self.tickets[int(self.ring.ticket_of[index & self.ring.mask])].batch
         return batch.options_of(batch.position_of(index))
 
     def _owns(self, index: int) -> bool:
@@ -499,7 +500,7 @@ class Call:
     def fail_request(self, index: int, error: str) -> None:
         """errors="return": request `index`'s output carries `error`; the call goes on."""
         ring = self.ring
-        slot = index & self.mask
+        slot = index & ring.mask
         number = int(ring.ticket_of[slot])
         ticket = self.tickets[number]
         options = ticket.batch.options_of(ticket.batch.position_of(index))
@@ -530,7 +531,7 @@ class Call:
         for number in lost:
             ticket = self.tickets.pop(number)
             indices = ticket.batch.indices
-            slots = indices & self.mask
+            slots = indices & ring.mask
             out = (ring.out_index[slots] == indices) & (ring.ticket_of[slots] == number)
             positions = np.flatnonzero(out).tolist()
             if not positions:

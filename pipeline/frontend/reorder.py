@@ -1,8 +1,11 @@
 """A call's reorder ring: answers stored by request index as they arrive, in any order, and handed
 back as results in input order.
 
-One slot per request in flight or answered and not yet handed back; the in-flight bound keeps them
-within `capacity` of each other, so `index & mask` is a slot of its own. The columns are numpy
+One slot per request in flight or answered and not yet handed back, so `index & mask` is a slot of
+its own. The ring is sized by what the call holds, not by the in-flight bound: it starts small and
+doubles (`make_room`) before the call draws requests its slots cannot hold, so a one-prompt call
+costs about a kilobyte under any `max_inflight`, and a stream at most ~49 bytes a slot of its
+share of the bound. The columns are numpy
 arrays written for a whole message at once (the usual answer, one vector per request, is one fancy
 assignment); answers that are not one vector each -- errors, per-token arrays, sparse vectors, a
 long document pooled from its chunks (`core.vectors.ChunkSum`) -- are result objects in `special`.
@@ -20,6 +23,9 @@ from pooling_pipeline.core import messages as m
 from pooling_pipeline.core.vectors import ChunkSum
 from pooling_pipeline.outputs import PoolingRequestOutput
 
+# A new call's ring: enough for a few prompts (16 slots: ~800 bytes of columns).
+MIN_CAPACITY = 16
+
 
 class Ring:
     """The slots of one call's requests (see the module docstring). The call writes the columns of
@@ -27,8 +33,7 @@ class Ring:
 
     def __init__(self, max_inflight: int, prefix: str, result_type: type, stats: CallStats, *,
                  default_normalize: bool, truncate_dim: int | None = None, keep_all: bool) -> None:
-        capacity = 1 << max(4, (max_inflight - 1).bit_length())
-        self.mask = capacity - 1
+        self.max_inflight = max_inflight  # what the call may hold at most (a larger ring is a bug)
         self.prefix = prefix
         self.result_type = result_type
         self.stats = stats
@@ -38,6 +43,15 @@ class Ring:
         # array; in a stream each result gets a copy of its own row, so that keeping a few of
         # them does not keep their neighbours' memory too.
         self.keep_all = keep_all
+        self.special: dict[int, PoolingRequestOutput] = {}  # answered otherwise, by index
+        self.chunks: dict[int, ChunkSum] = {}  # chunk mode: documents with chunks still out, by index
+        self.ready_count = 0  # answered and not handed back (the reorder buffer)
+        self.next_index = 0  # results before it are handed back
+        self._allocate(MIN_CAPACITY)
+
+    def _allocate(self, capacity: int) -> None:
+        """Fresh columns of `capacity` slots (a power of two)."""
+        self.mask = capacity - 1
         self.out_index = np.full(capacity, -1, np.int64)  # slot -> the index sent and not answered
         self.ticket_of = np.zeros(capacity, np.int64)  # slot -> the call's ticket it was sent in
         self.size_of = np.zeros(capacity, np.int64)  # slot -> its text's size (the text budget)
@@ -45,10 +59,28 @@ class Ring:
         self.tokens = np.zeros(capacity, np.int64)
         self.scratch = np.zeros(capacity, np.int64)  # (for _live_rows)
         self.vectors: list = [None] * capacity  # slot -> its answer's own vector (the usual outputs)
-        self.special: dict[int, PoolingRequestOutput] = {}  # answered otherwise, by index
-        self.chunks: dict[int, ChunkSum] = {}  # chunk mode: documents with chunks still out, by index
-        self.ready_count = 0  # answered and not handed back (the reorder buffer)
-        self.next_index = 0  # results before it are handed back
+
+    def make_room(self, issued: int, end: int) -> None:
+        """Room for the indices `next_index` .. `end` - 1 (the call's slots: issued before `issued`,
+        the rest about to be drawn): the ring doubles until they fit, the slots of those issued
+        moved to their places in the larger one. They are at most the slots the call holds,
+        within the in-flight bound."""
+        needed = end - self.next_index
+        capacity = self.mask + 1
+        if needed <= capacity:
+            return
+        if needed > max(MIN_CAPACITY, self.max_inflight):
+            raise RuntimeError(f"a call's reorder ring was asked for {needed} slots, more than the in-flight bound "
+                               f"{self.max_inflight} (this is a bug)")
+        old_mask, columns, vectors = self.mask, (self.out_index, self.ticket_of, self.size_of, self.answered,
+                                                 self.tokens), self.vectors
+        self._allocate(1 << (needed - 1).bit_length())
+        live = np.arange(self.next_index, issued, dtype=np.int64)
+        old, new = live & old_mask, live & self.mask
+        for mine, theirs in zip((self.out_index, self.ticket_of, self.size_of, self.answered, self.tokens), columns):
+            mine[new] = theirs[old]
+        for slot, moved in zip(new.tolist(), old.tolist()):
+            self.vectors[slot] = vectors[moved]
 
     def owns(self, index: int) -> bool:
         """Whether request `index` is out now (an answer for it is not a duplicate)."""
