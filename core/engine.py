@@ -597,9 +597,9 @@ def main(argv: list[str]) -> int:
         engine = EngineCore(cfg, log, key)
     except Exception as e:
         log.exception("engine core failed to start")
-        to_front.send_multipart(Encoder(key).encode(m.Ready(role="engine", index=cfg.index, pid=os.getpid(),
-                                                             error=f"{type(e).__name__}: {e}")))
-        to_front.close(linger=2000)
+        to_front.send_multipart(Encoder(key).encode(m.Ready.failed("engine", cfg.index, os.getpid(), e)))
+        # (sent before the process ends: exit_process skips the interpreter's teardown)
+        ctx.destroy(linger=2000)
         return 1
     run_maybe_profiled(lambda: engine.serve(ctx, to_front), "engine")
     log.info("shutting down")

@@ -20,7 +20,7 @@ Flow:  frontend --RenderBatch--> render worker --EngineInputBatch--> engine core
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 import numpy as np
@@ -362,14 +362,29 @@ class Shutdown(msgspec.Struct, kw_only=True, tag=True, array_like=True):
     pass
 
 
+# A child's start-up failure that is a refusal -- the model or an option refused, as a check in the
+# caller would have refused it -- is raised in the caller as the error it is; any other failure is
+# the child's crash (EngineDeadError, WorkerStartError).
+Refusal = Literal["ValueError", "TypeError"]
+
+
 class Ready(msgspec.Struct, kw_only=True, tag=True, array_like=True, omit_defaults=True):
-    """Sent once by each child when it is ready to serve (or failed to start)."""
+    """Sent once by each child when it is ready to serve (or failed to start: `Ready.failed`)."""
 
     role: str  # "engine" or "worker"
     index: int
     pid: int
-    error: str | None = None
+    error: str | None = None  # why it could not start: the exception's message
     info: dict[str, str | int | float | bool | None] = {}
+    error_type: str | None = None  # the exception's type, by name
+    refusal: Refusal | None = None  # the exception is this refusal (an instance of it)
+
+    @classmethod
+    def failed(cls, role: str, index: int, pid: int, error: BaseException) -> Ready:
+        """The report of a start that raised `error`."""
+        refusal = next((kind.__name__ for kind in (ValueError, TypeError) if isinstance(error, kind)), None)
+        return cls(role=role, index=index, pid=pid, error=str(error) or type(error).__name__,
+                   error_type=type(error).__name__, refusal=refusal)
 
 
 class Heartbeat(msgspec.Struct, kw_only=True, tag=True, array_like=True):

@@ -97,6 +97,7 @@ ROUTING_ID_BYTES = 16
 # microseconds; two heartbeats keep a worker that was stopped with the message in its queue (and
 # whose heartbeat thread woke first) from being taken for one that lost it.
 LOST_WORK_GRACE_S = 2.0
+REFUSALS: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": TypeError}  # (m.Refusal)
 
 
 def endpoint_names(num_workers: int, num_engines: int = 1) -> list[str]:
@@ -381,8 +382,10 @@ class ProcessGroup:
     # ---- start-up --------------------------------------------------------------------
 
     def wait_ready(self) -> None:
-        """Waits (up to startup_timeout_s) for a Ready from every child; raises with the child's
-        own log if one fails."""
+        """Waits (up to startup_timeout_s) for a Ready from every child. A child that refused the
+        model or an option at start-up raises its ValueError / TypeError here, with its message;
+        one that failed otherwise is an EngineDeadError / WorkerStartError naming it and its error.
+        (The caller closes the group.)"""
         timeout_s = self.startup_timeout_s
         pending = {("engine", k) for k in range(self.num_engines)} | {("worker", i) for i in range(len(self.workers))}
         deadline = time.monotonic() + timeout_s
@@ -390,18 +393,31 @@ class ProcessGroup:
             if time.monotonic() > deadline:
                 raise EngineDeadError(f"process group not ready after {timeout_s:.0f} s; waiting for {sorted(pending)}")
             self.clock.tick()
-            self.check_alive()
-            if not self.results.poll(200):
-                continue
-            msg = self.recv()
-            if not isinstance(msg, m.Ready) or (msg.role, msg.index) not in pending:
-                continue
-            if msg.error:
-                child = self.engines[msg.index] if msg.role == "engine" else self.workers[msg.index]
-                kind = EngineDeadError if msg.role == "engine" else WorkerStartError
-                raise kind(f"{child.name} failed to start: {msg.error}")
-            (self.engine_infos[msg.index] if msg.role == "engine" else self.worker_info).update(msg.info)
-            pending.discard((msg.role, msg.index))
+            try:
+                self.check_alive()
+            except EngineDeadError:
+                # An engine core that reported why it could not start exits right after: its report,
+                # already here, says more than its exit code.
+                while (msg := self.recv(zmq.NOBLOCK)) is not None:
+                    self._started(msg, pending)
+                raise
+            if self.results.poll(200):
+                self._started(self.recv(), pending)
+
+    def _started(self, msg, pending: set[tuple[str, int]]) -> None:
+        """A message during start-up: a pending child's Ready takes it off `pending`, or raises its failure."""
+        if not isinstance(msg, m.Ready) or (msg.role, msg.index) not in pending:
+            return
+        if msg.error is not None:
+            child = self.engines[msg.index] if msg.role == "engine" else self.workers[msg.index]
+            if msg.refusal is not None:  # the model or an option refused: raised as the error it is
+                refusal = REFUSALS[msg.refusal](msg.error)
+                refusal.add_note(f"(raised by the {child.name} at start-up)")
+                raise refusal
+            kind = EngineDeadError if msg.role == "engine" else WorkerStartError
+            raise kind(f"{child.name} failed to start: {msg.error_type}: {msg.error}")
+        (self.engine_infos[msg.index] if msg.role == "engine" else self.worker_info).update(msg.info)
+        pending.discard((msg.role, msg.index))
 
     # ---- messages ----------------------------------------------------------------------
 

@@ -101,6 +101,78 @@ def test_engine_that_cannot_start_is_a_clear_error(tmp_path, model_path):
     # Nothing of that group is left (checked again by the session's orphan check).
 
 
+@pytest.fixture
+def spawned(monkeypatch) -> list[int]:
+    """The pids of every child the process groups of a test start."""
+    from pooling_pipeline.process_group import ProcessGroup
+
+    pids: list[int] = []
+    spawn = ProcessGroup._spawn
+
+    def recorded(self, *args, **kwargs):
+        child = spawn(self, *args, **kwargs)
+        pids.append(child.proc.pid)
+        return child
+
+    monkeypatch.setattr(ProcessGroup, "_spawn", recorded)
+    return pids
+
+
+@pytest.mark.slow
+def test_a_refusal_the_engine_finds_at_start_up_is_raised_as_the_value_error_it_is(monkeypatch, model_path, spawned):
+    """device='cuda' where no GPU is visible: only the engine's torch can tell (the caller never
+    imports torch), and it refuses with a ValueError. The caller raises that ValueError with the
+    engine's message (not an EngineDeadError), and no child outlives the failed start."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # (the children inherit it: no GPU on any machine)
+    with pytest.raises(ValueError) as info:
+        Pipeline(model_path, device="cuda", num_render_workers=1)
+    assert str(info.value) == "device 'cuda' was asked for but CUDA is not available"  # the engine's own words
+    assert not isinstance(info.value, EngineDeadError)
+    assert info.value.__notes__ == ["(raised by the engine core at start-up)"]
+    assert len(spawned) == 2 and wait_gone(spawned) == []
+
+
+def _bidirectional_gemma3(target) -> str:
+    """EmbeddingGemma's shape, tiny: a Gemma 3 text model with bidirectional attention, mean pooled,
+    saved by sentence-transformers."""
+    import torch
+    import transformers as tf
+    from model_zoo import qwen_tokenizer
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+
+    tok = qwen_tokenizer()
+    eot = tok.convert_tokens_to_ids("<|endoftext|>")
+    torch.manual_seed(0)
+    config = tf.Gemma3TextConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=512,
+                                 pad_token_id=eot, eos_token_id=eot, bos_token_id=eot, sliding_window=16,
+                                 use_bidirectional_attention=True)
+    hf_dir = target / "hf-gemma3"
+    tf.Gemma3TextModel(config).save_pretrained(hf_dir)
+    tok.save_pretrained(hf_dir)
+    path = target / "st-gemma3-bidirectional"
+    SentenceTransformer(modules=[Transformer(str(hf_dir)), Pooling(32, "mean")], device="cpu").save(str(path))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_a_model_openvino_cannot_convert_is_a_value_error_at_start_up(tmp_path, monkeypatch, spawned):
+    """The issue's case: backend='openvino' on EmbeddingGemma's bidirectional Gemma 3, which OpenVINO
+    cannot convert (only trying tells): a ValueError naming the backend and the model, as the docs
+    promise, and no child left. (Without the openvino package the caller refuses it before any start.)"""
+    import importlib.util
+
+    monkeypatch.setenv("POOLING_PIPELINE_CACHE", str(tmp_path / "cache"))
+    model = _bidirectional_gemma3(tmp_path)
+    have_openvino = importlib.util.find_spec("openvino") is not None
+    with pytest.raises(ValueError, match="^backend='openvino' cannot run model .*st-gemma3-bidirectional.*: OpenVINO "
+                       if have_openvino else "needs the openvino package"):
+        Pipeline(model, backend="openvino", num_render_workers=1)
+    assert wait_gone(spawned) == []
+
+
 @pytest.mark.slow
 def test_a_model_description_larger_than_a_command_line_argument_starts(tmp_path, model_path, st_model):
     """A 200 KB prompt in config_sentence_transformers.json: each child's config (the whole model

@@ -66,9 +66,9 @@ def main(argv: list[str]) -> int:
         release_free_memory()
     except Exception as e:
         log.exception("cannot load the tokenizer")
-        to_front.send_multipart(encoder.encode(m.Ready(role="worker", index=cfg.index, pid=os.getpid(),
-                                                       error=f"{type(e).__name__}: {e}")))
-        to_front.close(linger=2000)
+        to_front.send_multipart(encoder.encode(m.Ready.failed("worker", cfg.index, os.getpid(), e)))
+        # (sent before the process ends: exit_process skips the interpreter's teardown)
+        ctx.destroy(linger=2000)
         return 1
 
     work = addressed_socket(ctx, cfg.work_endpoint, cfg.routing_id)
