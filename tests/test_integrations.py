@@ -59,6 +59,57 @@ def test_langchain_vector_store_takes_the_encoder_as_it_is(encoder, st_model):
     assert np.abs(np.asarray(query_async) - np.asarray(encoder.embed_query(QUERIES[0]))).max() <= TOL
 
 
+@pytest.mark.slow
+def test_langchain_code_that_checks_types_takes_the_encoder(encoder, st_model):
+    """A pydantic field typed `Embeddings`, as LangChain's contextual-compression filter declares its
+    own (EmbeddingsFilter), takes the encoder, and the vectors it gets are ST's; an object that only
+    has the methods is refused there (the check is real) (issue 48, item 13)."""
+    import pydantic
+    from langchain_core.embeddings import Embeddings
+
+    class EmbeddingsFilter(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(arbitrary_types_allowed=True)
+        embeddings: Embeddings
+        similarity_threshold: float = 0.5
+
+    assert isinstance(encoder, Embeddings)
+    kept = EmbeddingsFilter(embeddings=encoder)
+    assert kept.embeddings is encoder
+    got = np.asarray(kept.embeddings.embed_documents(DOCS[:4]))
+    assert np.abs(got - st_model.encode_document(DOCS[:4])).max() <= TOL
+    with pytest.raises(pydantic.ValidationError, match="Embeddings"):
+        EmbeddingsFilter(embeddings=STEmbeddings(st_model))
+
+
+# Each in a fresh interpreter: LangChain imported before the encoder, or after it (the encoder then
+# imports no LangChain); or LangChain not installed (its import blocked).
+IMPORT_ORDERS = {
+    "langchain first": "from langchain_core.embeddings import Embeddings\n"
+                       "from pooling_pipeline import SentenceEncoder\n"
+                       "assert issubclass(SentenceEncoder, Embeddings)\n",
+    "pooling_pipeline first": "from pooling_pipeline import SentenceEncoder\n"
+                              "assert not [m for m in sys.modules if m.startswith('langchain')]\n"
+                              "from langchain_core.embeddings import Embeddings\n"
+                              "assert issubclass(SentenceEncoder, Embeddings)\n"
+                              "from pooling_pipeline.integrations import langchain_embeddings as hook\n"
+                              "assert not [f for f in sys.meta_path if isinstance(f, hook._RegisterOnImport)]\n",
+    "no langchain": "sys.modules['langchain_core'] = None\n"
+                    "from pooling_pipeline import SentenceEncoder\n"
+                    "from pooling_pipeline.integrations import langchain_embeddings as hook\n"
+                    "assert not [f for f in sys.meta_path if isinstance(f, hook._RegisterOnImport)]\n",
+}
+
+
+@pytest.mark.parametrize("order", sorted(IMPORT_ORDERS))
+def test_the_encoder_is_a_langchain_embeddings_whichever_is_imported_first(order, tmp_path):
+    import subprocess
+    import sys
+
+    code = "import sys\n" + IMPORT_ORDERS[order] + "print('checked')\n"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "checked", run.stderr[-2000:]
+
+
 def test_keybert_gives_sentence_transformers_keywords(encoder, st_model):
     from keybert import KeyBERT
 

@@ -40,6 +40,7 @@ import numpy as np
 from pooling_pipeline.api import Pipeline
 from pooling_pipeline.core.messages import PoolingParams
 from pooling_pipeline.image_inputs import is_pil_image
+from pooling_pipeline.integrations.langchain_embeddings import register_as_embeddings
 from pooling_pipeline.quantization import PRECISIONS, quantize_embeddings
 from pooling_pipeline.request_options import model_prompts
 from pooling_pipeline.similarity import similarity_matrix, similarity_pairwise
@@ -84,7 +85,7 @@ class SentenceEncoder:
     # ---- LangChain's Embeddings (langchain_core.embeddings): the same object, no wrapper --------
     # (InMemoryVectorStore.from_texts(docs, embedding=model) and every vector store that takes an
     # Embeddings call these four; documents and queries take the model's prompts, as encode_document
-    # / encode_query do.)
+    # / encode_query do. Code that checks the type sees an Embeddings: integrations/langchain_embeddings.py.)
 
     def embed_documents(self, texts: list[str]) -> list[list[float]]:
         """The documents' vectors (the model's document prompt), as lists of floats."""
@@ -358,3 +359,7 @@ def _shaped(vectors: np.ndarray, single: bool, convert_to_tensor: bool, convert_
             return tensor[0] if single else tensor
         return tensor[0] if single else list(tensor)
     return vectors[0] if single else vectors
+
+
+# A LangChain Embeddings where langchain-core is installed (registered now, or when LangChain is imported).
+register_as_embeddings(SentenceEncoder)
