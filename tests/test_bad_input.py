@@ -110,7 +110,7 @@ def test_huge_string_is_truncated_not_an_error(pipe):
 @pytest.mark.parametrize("kwargs,exc,message", [
     (dict(model="/no/such/model/dir"), ValueError, "does not exist"),
     (dict(model=42), TypeError, "model must be a local directory, a hub id or None"),
-    (dict(max_num_seqs=0), ValueError, "max_num_seqs must be a positive int"),
+    (dict(max_num_seqs=0), ValueError, "max_num_seqs must be an int in [1, "),
     (dict(max_inflight=-1), ValueError, "max_inflight"),
     (dict(device="tpu"), ValueError, "device must be"),
     (dict(dtype="float8"), ValueError, "dtype must be one of"),
