@@ -168,7 +168,7 @@ class CropWindow:
                            and size.shortest_edge and not size.longest_edge and processor.do_center_crop
                            and crop is not None and crop.height <= size.shortest_edge and crop.width <= size.shortest_edge
                            and self.resample in FILTERS)
-        self.usable = self.usable and all(self._matches_processor(shape) for shape in self.PROBE_SHAPES)
+        self.usable = self.usable and all(gives_processors_bytes(self, processor, shape) for shape in self.PROBE_SHAPES)
 
     def resized_size(self, image) -> tuple[tuple[int, int], tuple[int, int]] | None:
         """(height, width) of the image and of its resize, or None where the processor does not
@@ -209,11 +209,15 @@ class CropWindow:
         out = resized_crop(hwc.astype(np.uint8), (int(new[0]), int(new[1])), (crop.height, crop.width), self.resample)
         return np.ascontiguousarray(out.transpose(2, 0, 1))
 
-    def _matches_processor(self, shape: tuple[int, int]) -> bool:
-        from PIL import Image
 
-        rng = np.random.default_rng(sum(shape))
-        image = Image.fromarray(rng.integers(0, 256, (shape[1], shape[0], 3), dtype=np.uint8))
-        expected = self.processor([image], do_rescale=False, do_normalize=False, return_tensors="np")["pixel_values"][0]
-        got = self(image)
-        return got.shape == expected.shape and got.dtype == expected.dtype and bool((got == expected).all())
+def gives_processors_bytes(shortcut, processor, shape: tuple[int, int]) -> bool:
+    """Whether `shortcut` (a callable on a PIL image) gives the processor's very uint8 pixels for a
+    random RGB image of `shape` (width, height): how each of a worker's shortcuts past the
+    processor is checked when the worker starts."""
+    from PIL import Image
+
+    rng = np.random.default_rng(sum(shape))
+    image = Image.fromarray(rng.integers(0, 256, (shape[1], shape[0], 3), dtype=np.uint8))
+    expected = processor([image], do_rescale=False, do_normalize=False, return_tensors="np")["pixel_values"][0]
+    got = shortcut(image)
+    return got.shape == expected.shape and got.dtype == expected.dtype and bool((got == expected).all())

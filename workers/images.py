@@ -19,7 +19,7 @@ import numpy as np
 
 from pooling_pipeline.core.config import ModelSpec
 from pooling_pipeline.core.messages import ImageData
-from pooling_pipeline.workers.crop_window import MAX_RESIZED_PIXELS, CropWindow
+from pooling_pipeline.workers.crop_window import MAX_RESIZED_PIXELS, CropWindow, gives_processors_bytes
 
 # glibc's malloc hands a freed block over 128 kB back to the kernel, and trims the heap's free top
 # past a threshold that grows only as far as the largest freed block, so a stream of images maps
@@ -233,7 +233,7 @@ class DirectResize:
         size = processor.size
         self.usable = bool(processor.do_resize and processor.do_convert_rgb and not getattr(processor, "do_pad", False)
                            and (size.shortest_edge and not size.longest_edge or size.height and size.width))
-        self.usable = self.usable and all(self._matches_processor(shape) for shape in self.PROBE_SHAPES)
+        self.usable = self.usable and all(gives_processors_bytes(self, processor, shape) for shape in self.PROBE_SHAPES)
 
     def takes(self, image) -> bool:
         return self.usable and getattr(image, "mode", None) == "RGB" and "transparency" not in image.info
@@ -254,12 +254,3 @@ class DirectResize:
                                                           data_format=self._channels.FIRST,
                                                           input_data_format=self._channels.LAST))
         return np.ascontiguousarray(resized.transpose(2, 0, 1))
-
-    def _matches_processor(self, shape: tuple[int, int]) -> bool:
-        from PIL import Image
-
-        rng = np.random.default_rng(sum(shape))
-        image = Image.fromarray(rng.integers(0, 256, (shape[1], shape[0], 3), dtype=np.uint8))
-        expected = self.processor([image], do_rescale=False, do_normalize=False, return_tensors="np")["pixel_values"][0]
-        got = self(image)
-        return got.shape == expected.shape and got.dtype == expected.dtype and bool((got == expected).all())
