@@ -37,7 +37,11 @@ def start_events(device: torch.device) -> tuple[torch.cuda.Event | None, torch.c
     (its copies back included). Elsewhere (None, None)."""
     if device.type != "cuda":
         return None, None
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    # blocking: the engine's wait for a step's end sleeps in the driver instead of spinning on a
+    # core (a spinning wait read as "engine busy 100%" on the first GPU run, the host waiting on
+    # the device counted as work, and took a core from the render workers).
+    begin = torch.cuda.Event(enable_timing=True, blocking=True)
+    end = torch.cuda.Event(enable_timing=True, blocking=True)
     begin.record()
     return begin, end
 

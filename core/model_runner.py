@@ -9,6 +9,7 @@ import time
 import numpy as np
 import torch
 
+from pooling_pipeline.core.attention_mask import choose_mask
 from pooling_pipeline.core.checkpoint_precision import checkpoint_distance, half_checkpoint_dtype
 from pooling_pipeline.core.columns import Requests, option_groups, probe_batch
 from pooling_pipeline.core.config import ENCODER_ONLY_CLASSES, ModelSpec
@@ -16,9 +17,11 @@ from pooling_pipeline.core.device_copies import finish_step, start_events, to_de
 from pooling_pipeline.core.openvino_model import clear_padding
 from pooling_pipeline.core.options import TASKS
 from pooling_pipeline.core.pooling import SentenceHead, apply_activation, pool, splade
+from pooling_pipeline.core.sparse_outputs import sparse_outputs
 from pooling_pipeline.core.static_runner import StaticEmbeddingRunner
 from pooling_pipeline.core.step_cost import probe_step_cost
 from pooling_pipeline.core.step_runner import PendingStep
+from pooling_pipeline.core.step_shapes import bucket_shape, padded_to
 from pooling_pipeline.core.vectors import finish_embeddings, finish_sentence_embeddings
 
 log = logging.getLogger("engine")
@@ -83,15 +86,19 @@ class ModelRunner:
     routes: list | None = None  # a Router model: a runner per route, in ModelSpec.routes order
 
     def __init__(self, spec: ModelSpec, device: str, dtype: str, shared_model=None, *, backend: str = "torch",
-                 threads: int = 1, quantize: str | None = None) -> None:
+                 threads: int = 1, quantize: str | None = None, device_steps: bool | None = None) -> None:
         """`backend`: "torch", "openvino" (the transformer compiled by OpenVINO; refused clearly
         when it cannot run this model) or "auto" (OpenVINO on a CPU where it runs this model
         within its check, else torch); `quantize`: None, or "int8" (the transformer's Linear layers
-        dynamically quantized; torch backend only)."""
+        dynamically quantized; torch backend only). `device_steps`: run steps as on an accelerator
+        -- shapes from buckets (core/step_shapes.py), a 4-D mask where the model takes it
+        (core/attention_mask.py), nothing read back from the device before a step's end -- by
+        default where the device is not the CPU (the tests turn it on for a CPU)."""
         from transformers import AutoConfig
 
         if spec.route_specs:
-            self._init_routes(spec, device, dtype, backend=backend, threads=threads, quantize=quantize)
+            self._init_routes(spec, device, dtype, backend=backend, threads=threads, quantize=quantize,
+                              device_steps=device_steps)
             return
         self.spec = spec
         self.device = resolve_device(device)
@@ -144,9 +151,24 @@ class ModelRunner:
         if spec.adapter is not None and shared_model is None:  # said at start-up: a PEFT adapter is in the weights
             self.backend_info["adapter"] = (f"{spec.adapter.peft_type} merged into {spec.adapter.base_path}"
                                             + (" (the cached conversion of the merge)" if cached is not None else ""))
+        self._device_steps(device_steps if device_steps is not None else self.device.type != "cpu")
         if self._cache_warnings:  # (start-up info is flat: one line each)
             told = [self.backend_info["warnings"]] if self.backend_info.get("warnings") else []
             self.backend_info["warnings"] = "\n".join(self._cache_warnings + told)
+
+    def _device_steps(self, on: bool) -> None:
+        """Steps as on an accelerator (see __init__), or as on a CPU (nothing padded, the 2-D mask)."""
+        on = on and isinstance(self.model, torch.nn.Module)  # (an OpenVINO model has shapes of its own)
+        self.shapes_bucketed = on
+        self.mask_4d = False
+        self.output_name = "logits" if self.spec.sparse is not None or self.spec.head != "none" else "last_hidden_state"
+        if not on:
+            return
+        self.backend_info["step_shapes"] = "buckets (core/step_shapes.py)"
+        if self.logit_rows is None and isinstance(self.model, torch.nn.Module):
+            self.mask_4d, how = choose_mask(self.model, self.output_name, self.device, self.dtype, self.spec.vocab_size,
+                                            self.pad_token_id, self.uses_token_types)
+            self.backend_info["attention_mask"] = how
 
     def _checked_cached_conversion(self, config, threads: int, precision: str):
         """OpenVINO's cached conversion when it can stand in for the torch module from the start
@@ -237,40 +259,52 @@ class ModelRunner:
         if self.routes is not None:
             return self._launch_routes(batch)
         started = time.perf_counter()
+        n = len(batch)
         ids, real = batch.padded(self.pad_token_id)  # one masked assignment, no loop over requests
         lengths_np = np.ascontiguousarray(batch.lengths)
+        if self.shapes_bucketed:  # (rows of one pad token and columns of padding, dropped below)
+            shape = bucket_shape(n, ids.shape[1], max(self.spec.max_model_len, ids.shape[1]))
+            ids, lengths_np = padded_to(ids, lengths_np, shape, self.pad_token_id)
         max_len = ids.shape[1]
         types = None
         if self.uses_token_types:
-            starts = batch.token_type_start[:, None]  # zeros, then ones from the start (a pair's second text)
-            types = ((np.arange(max_len)[None, :] >= starts) & (starts >= 0) & real).astype(np.int64)
+            starts = np.full(len(ids), -1, np.int64)
+            starts[:n] = batch.token_type_start  # zeros, then ones from the start (a pair's second text)
+            types = ((np.arange(max_len)[None, :] >= starts[:, None]) & (starts[:, None] >= 0)
+                     & (np.arange(max_len)[None, :] < lengths_np[:, None])).astype(np.int64)
         begin, end = start_events(self.device)
         input_ids = to_device(ids, self.device)
         lengths = to_device(lengths_np, self.device)
         mask = (torch.arange(max_len, device=self.device)[None, :] < lengths[:, None]).long()
         if self.spec.multi_vector is not None:
-            mask = self._attended(mask, batch)
-        kwargs = {"input_ids": input_ids, "attention_mask": mask}
+            mask = self._attended(mask, batch, lengths_np)
+        kwargs = {"input_ids": input_ids,
+                  "attention_mask": mask.bool()[:, None, None, :] if self.mask_4d else mask}
         if types is not None:
             kwargs["token_type_ids"] = to_device(types, self.device)
-        output = self.model(**kwargs) if self.logit_rows is None else None
-        if output is not None and getattr(self.model, "undefined_padding", False):
-            clear_padding(getattr(output, self.model.output), torch.from_numpy(real))
         if self.logit_rows is not None:  # an LLM reranker: LogitScore at each row's last real token
-            tensors, finish = self._from_logits(self._logit_scores(kwargs, lengths), lengths_np, batch)
-        elif self.spec.sparse is not None:
-            tensors, finish = self._sparse(output.logits, mask)
-        elif self.spec.multi_vector is not None:
-            tensors, finish = self._token_vectors(output.last_hidden_state, ids, real, batch)
-        elif self.spec.head == "none":
-            tensors, finish = self._from_hidden(output.last_hidden_state, mask, lengths, lengths_np, batch)
+            output = self._logit_scores(kwargs, lengths)
         else:
-            tensors, finish = self._from_logits(output.logits, lengths_np, batch)
+            output = self.model(**kwargs)
+            if getattr(self.model, "undefined_padding", False):
+                clear_padding(getattr(output, self.model.output), torch.from_numpy(real))
+            output = getattr(output, self.output_name)
+        output, mask, lengths = output[:n], mask[:n], lengths[:n]  # (a bucket's added rows dropped)
+        if self.logit_rows is not None:
+            tensors, finish = self._from_logits(output, lengths_np[:n], batch)
+        elif self.spec.sparse is not None:
+            tensors, finish = self._sparse(output, mask)
+        elif self.spec.multi_vector is not None:
+            tensors, finish = self._token_vectors(output[:, :real.shape[1]], ids[:n, :real.shape[1]], real, batch)
+        elif self.spec.head == "none":
+            tensors, finish = self._from_hidden(output, mask, lengths, lengths_np[:n], batch)
+        else:
+            tensors, finish = self._from_logits(output, lengths_np[:n], batch)
         # Copies back start now and overlap whatever the host does next (pinned memory on CUDA).
         host = [to_host(t) for t in tensors]
         if end is not None:
             end.record()
-        return PendingStep(len(batch) * max_len, host, finish, started, begin, end)
+        return PendingStep(ids.size, host, finish, started, begin, end)
 
     def finish(self, step: PendingStep) -> tuple[list, int, float]:
         """Waits for a launched step: (results, padded tokens, device seconds it took)."""
@@ -283,7 +317,7 @@ class ModelRunner:
         groups = option_groups(batch, batch.normalize)
         tensors = []
         for (task, _, _), rows in groups:
-            index = torch.from_numpy(rows).to(hidden.device) if len(rows) < len(batch) else None
+            index = to_device(rows, hidden.device) if len(rows) < len(batch) else None
             part = hidden if index is None else hidden.index_select(0, index)
             if task == "token_embed":
                 tensors.append(part.float())
@@ -315,12 +349,14 @@ class ModelRunner:
 
     # ---- multi-vector (ColBERT) models, as ST's MultiVectorEncoder ------------------------------
 
-    def _attended(self, mask: torch.Tensor, batch: Requests) -> torch.Tensor:
-        """The encoder's attention mask: a query's expansion tokens are left out (attend=False)."""
+    def _attended(self, mask: torch.Tensor, batch: Requests, lengths: np.ndarray) -> torch.Tensor:
+        """The encoder's attention mask: a query's expansion tokens are left out (attend=False).
+        `lengths`: the step's rows' (a bucket's added rows after the batch's)."""
         starts = batch.expansion_start
         if not (starts >= 0).any():
             return mask
-        ends = np.where(starts >= 0, starts, batch.lengths)
+        ends = lengths.copy()
+        ends[:len(batch)] = np.where(starts >= 0, starts, batch.lengths)
         ends_t = to_device(np.ascontiguousarray(ends), self.device)
         return (torch.arange(mask.shape[1], device=self.device)[None, :] < ends_t[:, None]).long()
 
@@ -347,17 +383,19 @@ class ModelRunner:
         Pooling has include_prompt=false (as ST, which zeroes the first prompt_length positions)."""
         pool_start = batch.pool_start if rows is None else batch.pool_start[rows]
         if rows is not None:
-            mask = mask.index_select(0, torch.from_numpy(rows).to(mask.device))
+            mask = mask.index_select(0, to_device(rows, mask.device))
         if self.spec.pooling.include_prompt or not pool_start.any():
             return mask
-        starts = torch.from_numpy(np.ascontiguousarray(pool_start)).to(mask.device)
+        starts = to_device(np.ascontiguousarray(pool_start), mask.device)
         positions = torch.arange(mask.shape[1], device=mask.device)[None, :]
         return mask * (positions >= starts[:, None]).to(mask.dtype)
 
     def _sparse(self, logits: torch.Tensor, mask: torch.Tensor):
-        return sparse_outputs(splade(logits, mask, self.spec.sparse), self.spec.max_active_dims)
+        return sparse_outputs(splade(logits, mask, self.spec.sparse), self.spec.max_active_dims,
+                              on_device=self.shapes_bucketed)
 
-    def _init_routes(self, spec: ModelSpec, device: str, dtype: str, **backend) -> None:
+    def _init_routes(self, spec: ModelSpec, device: str, dtype: str, device_steps: bool | None = None,
+                     **backend) -> None:
         """A Router model: one runner per route; routes on the same transformer directory share
         its loaded weights (ST's saved Router refers to a shared module once), others each load theirs."""
         self.spec = spec
@@ -371,7 +409,8 @@ class ModelRunner:
             if route.input_module == "static_embedding":
                 self.routes.append(StaticEmbeddingRunner(route, self.device))
                 continue
-            runner = ModelRunner(route, device, dtype, shared_model=loaded.get(route.path), **backend)
+            runner = ModelRunner(route, device, dtype, shared_model=loaded.get(route.path), device_steps=device_steps,
+                                 **backend)
             loaded.setdefault(route.path, runner.model)
             self.routes.append(runner)
         self.dtype = next(r.dtype for r in self.routes if isinstance(r, ModelRunner))
@@ -518,29 +557,6 @@ def kept_tokens(spec: ModelSpec, skip_ids: np.ndarray | None, ids: np.ndarray, r
     return keep
 
 
-def sparse_outputs(weights: torch.Tensor, max_active_dims: int | None):
-    """[B, V] weights -> the tensors to copy back and the finish giving (token ids, weights) per row."""
-    k = max_active_dims
-    if k is not None and k < weights.shape[1]:  # ST's max_active_dims: the k largest (by |weight|)
-        top = torch.topk(weights.abs(), k, dim=1)
-        weights = torch.zeros_like(weights).scatter_(1, top.indices, weights.gather(1, top.indices))
-    # Only the non-zero weights come back (a [batch, vocab] copy would be most of the step):
-    # their flat positions, sorted, so rows come out in order.
-    flat = torch.nonzero(weights.flatten() != 0).flatten()
-    tensors = [flat, weights.flatten()[flat].float()]
-    vocab = weights.shape[1]
-    rows = weights.shape[0]
-
-    def finish(arrays: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
-        positions, values = arrays
-        row_of = positions // vocab
-        bounds = np.searchsorted(row_of, np.arange(rows + 1))
-        return [((positions[a:b] % vocab).astype(np.int32), values[a:b].astype(np.float32))
-                for a, b in zip(bounds[:-1], bounds[1:])]
-
-    return tensors, finish
-
-
 class StaticEmbeddingRoute:
     """ST's SparseStaticEmbedding as a route: each token id present in the request (once or more)
     gets its saved weight, every other id 0 -- no transformer runs."""
@@ -556,14 +572,17 @@ class StaticEmbeddingRoute:
     def launch(self, batch: Requests) -> PendingStep:
         started = time.perf_counter()
         begin, end = start_events(self.device)  # (the copies back are waited for through these events)
-        ids = to_device(batch.token_ids.astype(np.int64), self.device)
-        rows = to_device(np.repeat(np.arange(len(batch)), batch.lengths), self.device)
-        # The tokens before a row's pool_start do not count (an empty text's placeholder token).
-        counted = to_device(np.arange(len(ids)) - np.repeat(batch.starts, batch.lengths)
-                            >= np.repeat(batch.pool_start, batch.lengths), self.device)
+        # The tokens before a row's pool_start do not count (an empty text's placeholder token):
+        # left out on the host, so the device indexes with plain index tensors (no boolean mask,
+        # whose size the device would have to report back).
+        counted = (np.arange(len(batch.token_ids)) - np.repeat(batch.starts, batch.lengths)
+                   >= np.repeat(batch.pool_start, batch.lengths))
+        ids = to_device(batch.token_ids[counted].astype(np.int64), self.device)
+        rows = to_device(np.repeat(np.arange(len(batch)), batch.lengths)[counted], self.device)
         presence = torch.zeros(len(batch), self.weight.shape[0], device=self.device)
-        presence[rows[counted], ids[counted]] = 1.0
-        tensors, finish = sparse_outputs(presence * self.weight, self.spec.max_active_dims)
+        presence[rows, ids] = 1.0
+        tensors, finish = sparse_outputs(presence * self.weight, self.spec.max_active_dims,
+                                         on_device=self.device.type != "cpu")
         host = [to_host(t) for t in tensors]
         if end is not None:
             end.record()

@@ -1,0 +1,180 @@
+"""A step as it runs on an accelerator, held on the CPU (the suite runs without a GPU): shapes from
+buckets, the 4-D mask where a model takes it, nothing read back from the device between a step's
+launch and its finish, and the same number of operations whatever the number of requests; results
+equal to the CPU's own steps. (core/step_shapes.py, core/attention_mask.py, core/sparse_outputs.py)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from model_zoo import (
+    build_colbert,
+    build_cross_encoder,
+    build_decoder_embedder,
+    build_llm_reranker,
+    build_splade,
+    build_st,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pooling_pipeline.core.columns import COL, TASK_CODE, Requests
+from pooling_pipeline.core.schema import blank_table
+
+TOL = 1e-5
+# What reads a device value back to the host (a sync): none may run between a step's launch and
+# its finish. (`nonzero` and boolean-mask indexing have a data-dependent size, read back too.)
+SYNC_OPS = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.item.default",
+            "aten.nonzero.default", "aten.equal.default", "aten.masked_select.default"}
+
+
+def batch(lengths, task: str = "embed", vocab: int = 1000, seed: int = 0) -> Requests:
+    """Requests of these lengths (ids from a seeded generator, past the special tokens)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    cols = blank_table(len(lengths))
+    cols[:, COL["indices"]] = np.arange(len(lengths))
+    cols[:, COL["lengths"]] = lengths
+    cols[:, COL["task"]] = TASK_CODE[task]
+    calls = np.empty(len(lengths), dtype=object)
+    calls[:] = "c"
+    return Requests(calls, cols, rng.integers(5, vocab, int(lengths.sum())).astype(np.int32))
+
+
+class OpLog(TorchDispatchMode):
+    """Every aten op dispatched while it is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def runners(path: str):
+    from pooling_pipeline.core.model_folder.load import load_model_spec
+    from pooling_pipeline.core.model_runner import ModelRunner
+
+    spec = load_model_spec(path)
+    plain = ModelRunner(spec, "cpu", "float32", backend="torch")
+    device = ModelRunner(spec, "cpu", "float32", backend="torch", device_steps=True, shared_model=plain.model)
+    return spec, plain, device
+
+
+def same(a, b) -> None:
+    if isinstance(a, np.ndarray) and not isinstance(b, list):
+        np.testing.assert_allclose(a, b, atol=TOL, rtol=0)
+        return
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        if isinstance(x, tuple):  # sparse: (ids, weights)
+            assert np.array_equal(x[0], y[0])
+            np.testing.assert_allclose(x[1], y[1], atol=TOL, rtol=0)
+        else:
+            np.testing.assert_allclose(x, y, atol=TOL, rtol=0)
+
+
+MODELS = {
+    "bert (mean)": lambda tmp: build_st(tmp, "bert"),
+    "xlmr (cls)": lambda tmp: build_st(tmp, "xlmr", pooling_mode="cls"),
+    "cross-encoder": lambda tmp: build_cross_encoder(tmp),
+    "splade": lambda tmp: build_splade(tmp),
+    "colbert": lambda tmp: build_colbert(tmp),
+    "qwen3 decoder (last token)": lambda tmp: build_decoder_embedder(tmp),
+    "llm reranker": lambda tmp: build_llm_reranker(tmp),
+}
+MASKS = {"bert (mean)": "4-D", "xlmr (cls)": "4-D", "cross-encoder": "4-D", "splade": "4-D", "colbert": "4-D",
+         "qwen3 decoder (last token)": "2-D"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MODELS))
+def test_device_steps_equal_the_cpus_own(name, tmp_path):
+    """Bucketed shapes (rows of one pad token, columns of padding) and the 4-D mask change no
+    result: every model kind's outputs equal the plain CPU step's within 1e-5. A causal decoder
+    keeps the 2-D mask (a bidirectional 4-D one would change it), an encoder takes the 4-D one."""
+    spec, plain, device = runners(MODELS[name](tmp_path))
+    task = spec.tasks[0]
+    for lengths in ([5, 9, 3], [17] * 11, [3, 40, 7, 22, 9]):
+        step = batch(lengths, task, vocab=min(spec.vocab_size, 1000))
+        expected, padded = plain.run(step)
+        got, bucketed = device.run(step)
+        same(got, expected)
+        assert bucketed >= padded
+    if name in MASKS:
+        assert device.backend_info["attention_mask"].startswith(MASKS[name]), device.backend_info
+    assert device.backend_info["step_shapes"].startswith("buckets")
+    assert "step_shapes" not in plain.backend_info
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bert (mean)", "splade", "cross-encoder"])
+def test_a_device_step_reads_nothing_back_and_its_ops_do_not_grow_with_requests(name, tmp_path):
+    """Between launch and finish no op reads a value back from the device (no .item(), .all(),
+    nonzero, boolean-mask indexing: transformers' 2-D mask check, SPLADE's non-zeros and the
+    bucket padding all used to), and a step of 64 requests dispatches the ops one of 4 does."""
+    spec, _, device = runners(MODELS[name](tmp_path))
+    counts = {}
+    for rows in (4, 64):
+        step = batch([11 + (k % 5) for k in range(rows)], spec.tasks[0], vocab=min(spec.vocab_size, 1000))
+        with OpLog() as log:
+            pending = device.launch(step)
+        device.finish(pending)
+        synced = sorted(set(log.ops) & SYNC_OPS)
+        assert not synced, f"{name}: a step of {rows} reads the device back: {synced}"
+        counts[rows] = len(log.ops)
+    assert counts[4] == counts[64], counts
+
+
+def test_the_4d_mask_is_refused_where_it_changes_the_result():
+    """A model whose attention is causal (or takes only 2-D masks) keeps the 2-D mask: the probe
+    compares both on padded rows."""
+    from pooling_pipeline.core.attention_mask import choose_mask
+
+    class Causal(torch.nn.Module):
+        def forward(self, input_ids, attention_mask):
+            x = input_ids.float()[..., None].expand(-1, -1, 4)
+            if attention_mask.dim() == 2:  # what a causal model makes of a 2-D mask
+                mask = torch.tril(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool))[None] & attention_mask.bool()[:, None]
+            else:
+                mask = attention_mask[:, 0]
+            weights = torch.where(mask, 1.0, 0.0)
+            return type("Out", (), {"last_hidden_state": weights @ x})()
+
+    class TwoDOnly(torch.nn.Module):
+        def forward(self, input_ids, attention_mask):
+            if attention_mask.dim() != 2:
+                raise ValueError("Wrong shape for input_ids or attention_mask")
+            return type("Out", (), {"last_hidden_state": input_ids.float()[..., None]})()
+
+    class Bidirectional(torch.nn.Module):
+        def forward(self, input_ids, attention_mask):
+            keys = attention_mask.bool() if attention_mask.dim() == 2 else attention_mask[:, 0, 0]
+            return type("Out", (), {"last_hidden_state": (input_ids.float() * keys)[..., None].cumsum(1)})()
+
+    args = ("last_hidden_state", torch.device("cpu"), torch.float32, 100, 0, False)
+    assert choose_mask(Causal(), *args)[0] is False
+    assert choose_mask(TwoDOnly(), *args) == (False, "2-D (the model refuses a 4-D mask: ValueError)")
+    assert choose_mask(Bidirectional(), *args)[0] is True
+
+
+def test_sparse_outputs_on_a_device_equal_nonzero_and_read_a_long_row_whole():
+    """The device's fixed top-k with counts gives every row's non-zeros, ids ascending, as the CPU's
+    nonzero does; a row with more non-zeros than come back is read whole after the step."""
+    from pooling_pipeline.core import sparse_outputs as so
+
+    rng = np.random.default_rng(3)
+    weights = torch.from_numpy(np.where(rng.random((6, 3000)) < 0.02, rng.random((6, 3000)), 0).astype(np.float32))
+    weights[4] = torch.from_numpy(rng.random(3000).astype(np.float32))  # 3000 non-zeros: past DEVICE_TOP_K
+    weights[5] = 0  # none
+    for limit in (None, 7):
+        cpu_tensors, cpu_finish = so.sparse_outputs(weights, limit)
+        dev_tensors, dev_finish = so.sparse_outputs(weights, limit, on_device=True)
+        expected = cpu_finish([t.numpy() for t in cpu_tensors])
+        got = dev_finish([t.numpy() for t in dev_tensors])
+        for (ids_a, w_a), (ids_b, w_b) in zip(expected, got):
+            assert np.array_equal(ids_a, ids_b) and np.array_equal(w_a, w_b)
+            assert ids_b.dtype == np.int32 and w_b.dtype == np.float32
+        assert len(got[4][0]) == (3000 if limit is None else 7) and len(got[5][0]) == 0
