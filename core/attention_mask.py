@@ -12,7 +12,15 @@ also be causal; an eager attention that only takes 2-D masks) keeps the 2-D mask
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+# cuDNN's SDPA builds (and caches per thread) an execution graph for every new (batch, length,
+# mask) shape, reported at 50-400 ms a build; on sm90 torch prefers it for a padded, masked half-
+# precision call. The engine turns it off on CUDA -- the memory-efficient and flash kernels take
+# any shape at once -- unless this is set to 1 (to measure it: scripts/device_check.py does).
+CUDNN_SDPA_ENV = "POOLING_PIPELINE_CUDNN_SDPA"
 
 # The probe's rows: lengths that differ, so each row has its own padding.
 PROBE_LENGTHS = (7, 3, 5)
@@ -52,3 +60,14 @@ def choose_mask(model: torch.nn.Module, output_name: str, device: torch.device, 
     if diff > TOLERANCE.get(dtype, 1e-5):
         return False, f"2-D (a 4-D bidirectional mask differs by {diff:.1e}: a causal or custom attention)"
     return True, "4-D bool (built in the engine: no device read per step)"
+
+
+def sdpa_backends() -> str:
+    """Turns cuDNN's SDPA off in this process (the engine's, on CUDA) unless CUDNN_SDPA_ENV=1, and
+    says which SDPA backends torch may pick from."""
+    if os.environ.get(CUDNN_SDPA_ENV) != "1" and hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    checks = {"flash": "flash_sdp_enabled", "efficient": "mem_efficient_sdp_enabled", "math": "math_sdp_enabled",
+              "cudnn": "cudnn_sdp_enabled"}
+    enabled = [name for name, check in checks.items() if getattr(torch.backends.cuda, check, lambda: False)()]
+    return "sdpa: " + ", ".join(enabled) + ("" if "cudnn" in enabled else " (cuDNN off)")

@@ -27,6 +27,14 @@ DENSE_ACTIVATIONS = ("Identity", "Tanh", "ReLU", "GELU", "Sigmoid", "SiLU", "Sof
 SIMILARITIES = ("cosine", "dot", "euclidean", "manhattan")
 
 
+# The sequence cap of a step, when the caller leaves it (PipelineOptions.max_num_seqs). On a CPU a
+# step costs its padded tokens, and 64 measured best there (README's figures). On a GPU a step
+# costs mostly its fixed host and launch overhead until thousands of tokens: the token budget
+# (16,384 tokens) bounds a step, as TEI and vLLM batch by tokens, and the cap only stops very
+# short texts from making steps of thousands (the first GPU run's 64-text steps spread a ~17 ms
+# step over 64 texts).
+CPU_MAX_NUM_SEQS, GPU_MAX_NUM_SEQS = 64, 1024
+
 class PoolingSpec(msgspec.Struct, kw_only=True):
     modes: list[PoolingMode]  # several are concatenated, in this order (as ST does)
     include_prompt: bool = True  # False: the prompt's tokens are left out of pooling

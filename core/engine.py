@@ -55,16 +55,22 @@ from pooling_pipeline.core.scheduler import Scheduler
 from pooling_pipeline.core.serial import Decoder, Encoder
 from pooling_pipeline.core.step_cost import StepCostModel, remembered_probe
 from pooling_pipeline.core.step_runner import StepRunner
+from pooling_pipeline.core.step_shapes import bucket_shape
 from pooling_pipeline.jobs.fingerprint import cache_root
 
 IDLE_WAIT_S = 0.5
 LAUNCH_AHEAD_ENV = "POOLING_PIPELINE_LAUNCH_AHEAD"
+# =1 runs a CPU engine's steps as on an accelerator -- bucketed shapes, the 4-D mask, the CUDA-graph
+# logic on its CPU stand-in -- so the tests drive the whole device path without a GPU; =0 turns
+# them off anywhere (to measure what they are worth).
+DEVICE_STEPS_ENV = "POOLING_PIPELINE_DEVICE_STEPS"
 # Batches of ever-changing shapes fragment the C heap: freed memory stays in the process unless it
 # is handed back now and then (a soak of 1M requests grew the engine by 124 MB without this).
 TRIM_EVERY_STEPS = 256
 # Default batch shape by device. On a CPU the cost per padded token is flat from ~100 tokens and
 # rises past ~4k (caches), and padding is paid in full; a GPU wants big batches and hides padding.
 CPU_BATCH_TOKENS, GPU_BATCH_TOKENS = 2048, 16384
+# (the step's sequence cap by device is decided in the caller: core.config.GPU_MAX_NUM_SEQS)
 CPU_MAX_PADDING, GPU_MAX_PADDING = 0.05, 0.25
 # The step overhead, in padded tokens, is capped (a noisy estimate must not mean "any padding").
 MAX_OVERHEAD_TOKENS = 1 << 16
@@ -179,8 +185,10 @@ class EngineCore:
             self.runner = DualEncoderRunner(cfg.model, device, resolve_dtype(cfg.dtype, device, "float32"),
                                             backend=cfg.backend, threads=cfg.torch_threads)
         else:
+            forced_steps = {"1": True, "0": False}.get(os.environ.get(DEVICE_STEPS_ENV, ""))
             self.runner = ModelRunner(cfg.model, cfg.device, cfg.dtype, backend=cfg.backend,
-                                      threads=cfg.torch_threads, quantize=cfg.quantize)
+                                      threads=cfg.torch_threads, quantize=cfg.quantize, device_steps=forced_steps,
+                                      cuda_graphs=forced_steps)
         on_cpu = str(self.runner.device) == "cpu"
         # A CPU step is done when launched; elsewhere the next one is launched before waiting.
         # LAUNCH_AHEAD_ENV=1 forces launching ahead on a CPU too (how tests run the loop of the
@@ -204,8 +212,13 @@ class EngineCore:
         # Where the start-up went (stats()["engine"]; scripts/bench_startup.py prints them).
         self.startup = {"startup_torch_import_s": round(started - importing, 3), "startup_load_s": round(loaded - started, 3),
                         "startup_probe_s": round(time.perf_counter() - loaded, 3), "startup_probe": probe}
+        # Where the runner pads steps to bucketed shapes (on a device), batches are counted in them.
+        cap = cfg.model.max_model_len
+        shape = (lambda rows, longest: bucket_shape(rows, longest, max(cap, longest))) \
+            if getattr(self.runner, "shapes_bucketed", False) else None
         self.scheduler = Scheduler(cfg.max_num_seqs, self.max_num_batched_tokens, CPU_MAX_PADDING if on_cpu
-                                   else GPU_MAX_PADDING, self.step_cost.overhead_tokens, capacity=cfg.window)
+                                   else GPU_MAX_PADDING, self.step_cost.overhead_tokens, capacity=cfg.window,
+                                   shape=shape)
         self.aborts = AbortMemory()
         self.encoder = Encoder(key)
         self.running = True
@@ -217,6 +230,7 @@ class EngineCore:
         # loop -> output thread: messages to send, or finished steps to pack; bounded by the window.
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.clock = BusyClock()
+        self._graphs_off_told = False
 
     def _probe_step_cost(self) -> tuple[float, float, str]:
         """The step cost's seed: probed once per model, backend, precision, device and threads, then
@@ -246,13 +260,23 @@ class EngineCore:
                 **self.step_cost.info(), "launch_ahead": self.launch_ahead, **self.startup,
                 **getattr(self.runner, "backend_info", {"backend": "sim"})}
 
+    def running_info(self) -> dict:
+        """What changes as steps run, sent with each heartbeat (stats()["engine"]): the step cost,
+        and the CUDA graphs' counts where the runner has them."""
+        graphs = getattr(self.runner, "graph_stats", dict)()
+        if "off" in graphs and not self._graphs_off_told:  # (a heartbeat carries figures only: the reason is logged)
+            self.log.warning("CUDA graphs turned off: %s", graphs["off"])
+            self._graphs_off_told = True
+        return {**self.step_cost.info(), **{f"cuda_graphs_{k}": float(v) for k, v in graphs.items() if k != "off"},
+                **({"cuda_graphs_off": 1.0} if "off" in graphs else {})}
+
     def serve(self, ctx: zmq.Context, to_front: zmq.Socket) -> None:
         inputs = socket(ctx, zmq.PULL, self.cfg.input_endpoint, bind=True)
         control = addressed_socket(ctx, self.cfg.control_endpoint, self.cfg.control_routing_id)
         to_front.send_multipart(self.encoder.encode(m.Ready(role="engine", index=self.cfg.index, pid=os.getpid(),
                                                                      info=self.ready_info())))
         start_heartbeat(ctx, self.cfg.output_endpoint, "engine", self.cfg.index, self.clock, self.key,
-                        info=self.step_cost.info)
+                        info=self.running_info)
         # Each socket is used by one thread only: these two by the input thread, to_front by the output thread.
         reader = InputThread(self, inputs, control)
         writer = OutputThread(self, to_front)

@@ -9,10 +9,11 @@ import time
 import numpy as np
 import torch
 
-from pooling_pipeline.core.attention_mask import choose_mask
+from pooling_pipeline.core.attention_mask import choose_mask, sdpa_backends
 from pooling_pipeline.core.checkpoint_precision import checkpoint_distance, half_checkpoint_dtype
 from pooling_pipeline.core.columns import Requests, option_groups, probe_batch
 from pooling_pipeline.core.config import ENCODER_ONLY_CLASSES, ModelSpec
+from pooling_pipeline.core.cuda_graphs import CudaGraphs, EagerStandIn, GraphedForward
 from pooling_pipeline.core.device_copies import finish_step, start_events, to_device, to_host
 from pooling_pipeline.core.openvino_model import clear_padding
 from pooling_pipeline.core.options import TASKS
@@ -86,19 +87,22 @@ class ModelRunner:
     routes: list | None = None  # a Router model: a runner per route, in ModelSpec.routes order
 
     def __init__(self, spec: ModelSpec, device: str, dtype: str, shared_model=None, *, backend: str = "torch",
-                 threads: int = 1, quantize: str | None = None, device_steps: bool | None = None) -> None:
+                 threads: int = 1, quantize: str | None = None, device_steps: bool | None = None,
+                 cuda_graphs: bool | None = None) -> None:
         """`backend`: "torch", "openvino" (the transformer compiled by OpenVINO; refused clearly
         when it cannot run this model) or "auto" (OpenVINO on a CPU where it runs this model
         within its check, else torch); `quantize`: None, or "int8" (the transformer's Linear layers
         dynamically quantized; torch backend only). `device_steps`: run steps as on an accelerator
         -- shapes from buckets (core/step_shapes.py), a 4-D mask where the model takes it
         (core/attention_mask.py), nothing read back from the device before a step's end -- by
-        default where the device is not the CPU (the tests turn it on for a CPU)."""
+        default where the device is not the CPU (the tests turn it on for a CPU). `cuda_graphs`: the
+        forward replayed from CUDA graphs, one per step shape (core/cuda_graphs.py), by default on
+        CUDA where the device steps run with the 4-D mask (on a CPU, asked for: the tests' stand-in)."""
         from transformers import AutoConfig
 
         if spec.route_specs:
             self._init_routes(spec, device, dtype, backend=backend, threads=threads, quantize=quantize,
-                              device_steps=device_steps)
+                              device_steps=device_steps, cuda_graphs=cuda_graphs)
             return
         self.spec = spec
         self.device = resolve_device(device)
@@ -151,24 +155,42 @@ class ModelRunner:
         if spec.adapter is not None and shared_model is None:  # said at start-up: a PEFT adapter is in the weights
             self.backend_info["adapter"] = (f"{spec.adapter.peft_type} merged into {spec.adapter.base_path}"
                                             + (" (the cached conversion of the merge)" if cached is not None else ""))
-        self._device_steps(device_steps if device_steps is not None else self.device.type != "cpu")
+        self._device_steps(device_steps if device_steps is not None else self.device.type != "cpu", cuda_graphs)
         if self._cache_warnings:  # (start-up info is flat: one line each)
             told = [self.backend_info["warnings"]] if self.backend_info.get("warnings") else []
             self.backend_info["warnings"] = "\n".join(self._cache_warnings + told)
 
-    def _device_steps(self, on: bool) -> None:
+    def _device_steps(self, on: bool, cuda_graphs: bool | None) -> None:
         """Steps as on an accelerator (see __init__), or as on a CPU (nothing padded, the 2-D mask)."""
         on = on and isinstance(self.model, torch.nn.Module)  # (an OpenVINO model has shapes of its own)
         self.shapes_bucketed = on
         self.mask_4d = False
+        self.graphed: GraphedForward | None = None
         self.output_name = "logits" if self.spec.sparse is not None or self.spec.head != "none" else "last_hidden_state"
+        if self.device.type == "cuda":
+            self.backend_info["attention"] = sdpa_backends()
         if not on:
             return
         self.backend_info["step_shapes"] = "buckets (core/step_shapes.py)"
-        if self.logit_rows is None and isinstance(self.model, torch.nn.Module):
+        if self.logit_rows is None:
             self.mask_4d, how = choose_mask(self.model, self.output_name, self.device, self.dtype, self.spec.vocab_size,
                                             self.pad_token_id, self.uses_token_types)
             self.backend_info["attention_mask"] = how
+        wanted = cuda_graphs if cuda_graphs is not None else self.device.type == "cuda"
+        if not wanted:
+            self.backend_info["cuda_graphs"] = "off"
+        elif not self.mask_4d:  # (the 2-D mask's check reads the device: no graph can hold it)
+            self.backend_info["cuda_graphs"] = "off: the model takes no 4-D mask" if self.logit_rows is None \
+                else "off: an LLM reranker's scores"
+        else:
+            graphs = CudaGraphs(self.device) if self.device.type == "cuda" else EagerStandIn()
+            self.graphed = GraphedForward(lambda inputs: getattr(self.model(**inputs), self.output_name), graphs,
+                                          half=self.dtype != torch.float32)
+            self.backend_info["cuda_graphs"] = "on" if graphs.name == "cuda" else "on (a CPU stand-in: eager replays)"
+
+    def graph_stats(self) -> dict:
+        """The CUDA graphs' counts (captured, replays, eager steps; why they were turned off), or {}."""
+        return self.graphed.stats() if getattr(self, "graphed", None) is not None else {}
 
     def _checked_cached_conversion(self, config, threads: int, precision: str):
         """OpenVINO's cached conversion when it can stand in for the torch module from the start
@@ -284,6 +306,8 @@ class ModelRunner:
             kwargs["token_type_ids"] = to_device(types, self.device)
         if self.logit_rows is not None:  # an LLM reranker: LogitScore at each row's last real token
             output = self._logit_scores(kwargs, lengths)
+        elif self.graphed is not None:
+            output = self.graphed(kwargs)
         else:
             output = self.model(**kwargs)
             if getattr(self.model, "undefined_padding", False):
@@ -395,7 +419,7 @@ class ModelRunner:
                               on_device=self.shapes_bucketed)
 
     def _init_routes(self, spec: ModelSpec, device: str, dtype: str, device_steps: bool | None = None,
-                     **backend) -> None:
+                     cuda_graphs: bool | None = None, **backend) -> None:
         """A Router model: one runner per route; routes on the same transformer directory share
         its loaded weights (ST's saved Router refers to a shared module once), others each load theirs."""
         self.spec = spec
@@ -410,7 +434,7 @@ class ModelRunner:
                 self.routes.append(StaticEmbeddingRunner(route, self.device))
                 continue
             runner = ModelRunner(route, device, dtype, shared_model=loaded.get(route.path), device_steps=device_steps,
-                                 **backend)
+                                 cuda_graphs=cuda_graphs, **backend)
             loaded.setdefault(route.path, runner.model)
             self.routes.append(runner)
         self.dtype = next(r.dtype for r in self.routes if isinstance(r, ModelRunner))

@@ -34,7 +34,11 @@ LENGTH, PRIORITY = COL["lengths"], COL["priority"]
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_padding_fraction: float,
-                 overhead_tokens: float = 0.0, capacity: int = 1024) -> None:
+                 overhead_tokens: float = 0.0, capacity: int = 1024, shape=None) -> None:
+        """`shape`: on an accelerator, the (rows, length) a step of (rows, longest) is padded to
+        (core.step_shapes.bucket_shape for the model's limit); a batch's padding is then counted
+        in those, so a step grows into the rows its bucket computes anyway."""
+        self.shape = shape
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_padding_fraction = max_padding_fraction
@@ -168,9 +172,9 @@ class Scheduler:
             # request pads itself up to `longest`; a longer one pads every request already in.
             go_left = right is None or (left is not None and left <= right)
             new_longest, length = (longest, shorter) if go_left else (longer, longer)
-            padded, new_real = new_longest * (count + 1), real + length
+            padded, new_real = self._padded(count + 1, new_longest), real + length
             if (count >= MIN_BATCH_BEFORE_PADDING_LIMIT and padded - new_real > max_padding * padded
-                    and not self._cheaper_per_token(real, longest * count, new_real, padded)):
+                    and not self._cheaper_per_token(real, self._padded(count, longest), new_real, padded)):
                 break
             if go_left:
                 if lo_off > 0:
@@ -227,6 +231,13 @@ class Scheduler:
                 del arrival_of[key]
             if not arrival_of:
                 del self._arrival[call]
+
+    def _padded(self, rows: int, longest: int) -> int:
+        """The tokens a step of `rows` requests up to `longest` tokens computes."""
+        if self.shape is None:
+            return rows * longest
+        rows, longest = self.shape(rows, longest)
+        return rows * longest
 
     def _cheaper_per_token(self, real: int, padded: int, new_real: int, new_padded: int) -> bool:
         """Whether real tokens per unit of step cost (overhead + padded tokens) go up."""

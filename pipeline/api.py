@@ -39,7 +39,7 @@ from pooling_pipeline.core.config import ModelSpec
 from pooling_pipeline.core.model_folder.load import load_model_spec
 from pooling_pipeline.core.options import checked
 from pooling_pipeline.core.sim_device import resolve_sim_device
-from pooling_pipeline.cpu_plan import engine_devices, plan_cpu
+from pooling_pipeline.cpu_plan import default_max_num_seqs, engine_devices, plan_cpu
 from pooling_pipeline.errors import EngineDeadError, PipelineError
 from pooling_pipeline.frontend import Call, Dispatcher, new_call_prefix
 from pooling_pipeline.inputs import Tokenization, build_requests
@@ -143,7 +143,8 @@ class Pipeline:
         caller read already with `load_model_spec` (as `pipeline-run` does), used as it is."""
         self._group: ProcessGroup | None = None
         opts = checked(PipelineOptions, options)
-        device, max_num_seqs, engines = opts.device, opts.max_num_seqs, opts.data_parallel_size
+        device, engines = opts.device, opts.data_parallel_size
+        max_num_seqs = opts.max_num_seqs or default_max_num_seqs(device)
         if opts.sim_device is not None and device != "sim":
             raise ValueError("sim_device applies to device='sim' (the simulated accelerator)")
         sim = resolve_sim_device(opts.sim_device) if device == "sim" else None

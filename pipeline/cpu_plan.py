@@ -14,6 +14,8 @@ import os
 import shutil
 from dataclasses import asdict, dataclass
 
+from pooling_pipeline.core.config import CPU_MAX_NUM_SEQS, GPU_MAX_NUM_SEQS
+
 
 @dataclass(frozen=True)
 class CpuPlan:
@@ -42,6 +44,13 @@ def cuda_expected(device: str) -> bool:
     if device != "auto" or os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
         return False
     return os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi") is not None
+
+
+def default_max_num_seqs(device: str) -> int:
+    """The step's sequence cap where the caller leaves it: a GPU's, where CUDA is expected (not the
+    simulated device, whose figures are modeled on the CPU's default), else the CPU's (see
+    core.config.CPU_MAX_NUM_SEQS for why they differ)."""
+    return GPU_MAX_NUM_SEQS if cuda_expected(device) and device != "sim" else CPU_MAX_NUM_SEQS
 
 
 def plan_cpu(num_render_workers: int | None, device: str, cores: int | None = None,

@@ -119,7 +119,9 @@ class PipelineOptions(msgspec.Struct, frozen=True, kw_only=True):
 
     num_render_workers: Annotated[up_to(MAX_RENDER_WORKERS) | None, described(
         "render worker processes (default: planned from the cores)")] = None
-    max_num_seqs: Annotated[up_to(MAX_NUM_SEQS), described("sequences per engine step")] = 64
+    max_num_seqs: Annotated[up_to(MAX_NUM_SEQS) | None, described(
+        "sequences per engine step (default: by device, 64 on a CPU, 1024 on a GPU, where the token budget "
+        "bounds a step)")] = None
     max_num_batched_tokens: Annotated[up_to(MAX_BATCHED_TOKENS) | None, described(
         "padded tokens in one engine step, at least the model's max length (default: by device, "
         "2048 on CPU, 16384 on GPU)")] = None

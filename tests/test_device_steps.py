@@ -178,3 +178,84 @@ def test_sparse_outputs_on_a_device_equal_nonzero_and_read_a_long_row_whole():
             assert np.array_equal(ids_a, ids_b) and np.array_equal(w_a, w_b)
             assert ids_b.dtype == np.int32 and w_b.dtype == np.float32
         assert len(got[4][0]) == (3000 if limit is None else 7) and len(got[5][0]) == 0
+
+
+@pytest.mark.slow
+def test_the_forward_replayed_from_graphs_gives_the_eager_steps_results(tmp_path):
+    """The graph path's logic on the CPU stand-in (a "graph" replays the forward on its static
+    buffers): one graph per bucketed shape, replayed for a repeated shape with the new step's
+    inputs copied in; the vectors equal the plain CPU step's."""
+    from pooling_pipeline.core.model_folder.load import load_model_spec
+    from pooling_pipeline.core.model_runner import ModelRunner
+
+    spec, plain, _ = runners(MODELS["bert (mean)"](tmp_path))
+    graphed = ModelRunner(load_model_spec(spec.path), "cpu", "float32", backend="torch", device_steps=True,
+                          cuda_graphs=True, shared_model=plain.model)
+    assert graphed.backend_info["cuda_graphs"].startswith("on (a CPU stand-in")
+    steps = [([5, 9, 3], 0), ([6, 2, 8], 1), ([17] * 11, 2), ([3, 40, 7, 22, 9], 3), ([4, 4, 4], 4)]
+    for lengths, seed in steps:
+        step = batch(lengths, seed=seed)
+        same(graphed.run(step)[0], plain.run(step)[0])
+    stats = graphed.graph_stats()
+    # (3, 9) (3, 8) (3, 4): one bucket (4 rows, 16 tokens); 11 x 17; 5 x 40: three graphs in all
+    assert stats == {"captured": 3, "replays": 5, "eager_steps": 0}, stats
+    assert ModelRunner(load_model_spec(spec.path), "cpu", "float32", backend="torch", device_steps=True,
+                       shared_model=plain.model).backend_info["cuda_graphs"] == "off"  # (on a CPU: asked for only)
+
+
+def test_graphs_that_fail_or_differ_are_turned_off_and_shapes_past_the_bound_run_eager():
+    from pooling_pipeline.core.cuda_graphs import EagerStandIn, GraphedForward
+
+    weight = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+
+    def forward(inputs):
+        return inputs["x"] @ weight
+
+    def step(rows: int, seed: int) -> dict:
+        return {"x": torch.randn(rows, 8, generator=torch.Generator().manual_seed(seed))}
+
+    graphed = GraphedForward(forward, EagerStandIn(), half=False, max_graphs=2)
+    for rows, seed in ((4, 0), (4, 1), (8, 2), (16, 3), (4, 4)):
+        inputs = step(rows, seed)
+        assert torch.allclose(graphed(inputs), forward(inputs))
+    assert graphed.stats() == {"captured": 2, "replays": 4, "eager_steps": 1}  # 16 rows: past the bound
+
+    class Differs(EagerStandIn):
+        def capture(self, fn, static):
+            replay, output = super().capture(fn, static)
+            return (lambda: (replay(), output.mul_(1.01))), output
+
+    class Fails:
+        def capture(self, fn, static):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    for backend, why in ((Differs(), "a replay differs from eager by"), (Fails(), "capture failed: RuntimeError")):
+        graphed = GraphedForward(forward, backend, half=False)
+        inputs = step(4, 5)
+        assert torch.allclose(graphed(inputs), forward(inputs)) and graphed(inputs).shape == (4, 8)
+        assert graphed.stats()["captured"] == 0 and graphed.stats()["off"].startswith(why)
+        assert graphed.stats()["eager_steps"] == 2
+
+
+@pytest.mark.slow
+def test_a_pipeline_on_device_steps_equals_st(monkeypatch):
+    """The engine's device path end to end on the CPU (DEVICE_STEPS_ENV, launching ahead): the
+    scheduler counts bucketed shapes, the runner pads to them and takes the 4-D mask, the forward
+    replays from (stand-in) graphs; every vector equals ST's within 1e-5, and stats say so."""
+    import corpus
+    from sentence_transformers import SentenceTransformer
+
+    from pooling_pipeline import Pipeline
+    from pooling_pipeline.core.engine import DEVICE_STEPS_ENV, LAUNCH_AHEAD_ENV
+    from pooling_pipeline.core.model_folder.load import load_model_spec
+
+    monkeypatch.setenv(DEVICE_STEPS_ENV, "1")
+    monkeypatch.setenv(LAUNCH_AHEAD_ENV, "1")
+    texts = corpus.sentences(300, seed=3) + corpus.medium_texts(30, seed=3)
+    reference = SentenceTransformer(load_model_spec(None).path, device="cpu").encode(texts)
+    with Pipeline(backend="torch", num_render_workers=1, max_num_seqs=32) as pipe:
+        got = np.stack([o.embedding for o in pipe.embed(texts, use_tqdm=False)])
+        engine = pipe.stats()["engine"]
+    assert np.abs(got - reference).max() <= TOL
+    assert engine["step_shapes"].startswith("buckets") and engine["attention_mask"].startswith("4-D"), engine
+    assert engine["cuda_graphs"].startswith("on (a CPU stand-in") and engine["cuda_graphs_captured"] >= 1, engine

@@ -59,7 +59,7 @@ class JobSpec:
     errors: str
     # the Pipeline
     workers: int | None
-    max_num_seqs: int
+    max_num_seqs: int | None
     max_num_batched_tokens: int | None
     data_parallel_size: int
     device: str

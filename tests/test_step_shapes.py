@@ -1,0 +1,87 @@
+"""Step shapes on an accelerator: the buckets' arithmetic, and a replay of realistic texts through
+the engine's own scheduler with the device settings, whose distinct step shapes stay under a bound
+(each new shape costs a cuDNN build or a CUDA graph capture on a GPU)."""
+
+from __future__ import annotations
+
+import corpus
+import numpy as np
+import pytest
+
+from pooling_pipeline.core.columns import COL, TASK_CODE, Requests
+from pooling_pipeline.core.config import GPU_MAX_NUM_SEQS
+from pooling_pipeline.core.engine import GPU_BATCH_TOKENS, GPU_MAX_PADDING
+from pooling_pipeline.core.scheduler import Scheduler
+from pooling_pipeline.core.schema import blank_table
+from pooling_pipeline.core.step_shapes import bucket_length, bucket_rows, bucket_shape, padded_to
+
+# What the replay below holds the distinct step shapes to, per 1,000 steps (the buckets give ~20
+# there; without them a replay of 30,000 texts gave ~80 in ~470 steps).
+MAX_SHAPES_PER_1000_STEPS = 40
+
+
+def test_buckets():
+    assert [bucket_rows(r) for r in (1, 2, 3, 5, 8, 9, 13, 63, 64, 65, 500, 513, 1024)] == \
+        [1, 2, 4, 8, 8, 12, 16, 64, 64, 96, 512, 768, 1024]
+    assert [bucket_length(n, 512) for n in (1, 16, 17, 250, 256, 257, 500, 512)] == [16, 16, 32, 256, 256, 288, 512, 512]
+    assert bucket_length(70, 77) == 77  # never past the model's own limit
+    with pytest.raises(ValueError, match="this is a bug"):
+        bucket_length(78, 77)
+    ids = np.arange(6).reshape(2, 3)
+    grown, lengths = padded_to(ids, np.array([3, 2]), (4, 5), pad_id=0)
+    assert grown.tolist() == [[0, 1, 2, 0, 0], [3, 4, 5, 0, 0], [0] * 5, [0] * 5]
+    assert lengths.tolist() == [3, 2, 1, 1]  # (added rows: one pad token each)
+    same, _ = padded_to(ids, np.array([3, 2]), (2, 3), pad_id=0)
+    assert same is ids
+
+
+def token_lengths(n: int, seed: int) -> np.ndarray:
+    """The token counts of n real short texts (the bundled model's tokenizer), as a sample to draw from."""
+    from transformers import AutoTokenizer
+
+    from pooling_pipeline.core.model_folder.load import load_model_spec
+
+    tokenizer = AutoTokenizer.from_pretrained(load_model_spec(None).path)
+    texts = corpus.sentences(n, seed=seed) + corpus.medium_texts(n // 10, seed=seed)
+    return np.minimum([len(ids) for ids in tokenizer(texts)["input_ids"]], 256)
+
+
+def message(call: str, first: int, lengths: np.ndarray) -> Requests:
+    cols = blank_table(len(lengths))
+    cols[:, COL["indices"]] = np.arange(first, first + len(lengths))
+    cols[:, COL["lengths"]] = lengths
+    cols[:, COL["task"]] = TASK_CODE["embed"]
+    calls = np.empty(len(lengths), dtype=object)
+    calls[:] = call
+    return Requests(calls, cols, np.ones(int(lengths.sum()), np.int32))
+
+
+@pytest.mark.slow
+def test_a_replay_of_real_texts_takes_few_step_shapes_on_device_settings():
+    """Texts whose lengths follow real sentences and paragraphs, streamed through the scheduler as
+    the engine runs it on a GPU (its window, the token budget, the GPU's sequence cap and padding):
+    the bucketed (rows, length) shapes of 1,000 steps stay under the bound, and the padding the
+    buckets add is a small share of the step's tokens."""
+    rng = np.random.default_rng(0)
+    sample = token_lengths(3000, seed=7)
+    window = 8 * GPU_MAX_NUM_SEQS  # (the engine's window at the GPU default: 8 x max_num_seqs)
+    scheduler = Scheduler(GPU_MAX_NUM_SEQS, GPU_BATCH_TOKENS, GPU_MAX_PADDING, overhead_tokens=2000.0,
+                          capacity=window, shape=lambda rows, longest: bucket_shape(rows, longest, 512))
+    shapes, raw, real, bucketed, issued = [], set(), 0, 0, 0
+    while len(shapes) < 1000:
+        while len(scheduler) + 256 <= window:  # the window refilled as the engine admits messages
+            lengths = rng.choice(sample, 256)
+            scheduler.add(message("c", issued, lengths))
+            issued += 256
+        step = scheduler.next_batch()
+        shape = bucket_shape(len(step), int(step.lengths.max()), 512)
+        shapes.append(shape)
+        raw.add((len(step), int(step.lengths.max())))
+        real += int(step.lengths.sum())
+        bucketed += shape[0] * shape[1]
+    distinct = len(set(shapes))
+    print(f"1,000 steps: {len(raw)} shapes unbucketed, {distinct} bucketed; real tokens {real / bucketed:.1%} "
+          "of the bucketed steps'")
+    assert distinct <= MAX_SHAPES_PER_1000_STEPS, sorted(set(shapes))
+    assert distinct < len(raw)
+    assert real / bucketed >= 0.7, f"real tokens {real / bucketed:.0%} of the bucketed steps'"
