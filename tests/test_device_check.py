@@ -1,15 +1,19 @@
-"""scripts/device_check.py, the one-run GPU check: its arguments, its plan, its table, its deadlines, and
-part (a)'s comparison run on the CPU (float32 against float32), so a GPU session only has to run it."""
+"""scripts/device_check.py, the one-run GPU check: its arguments, its plan (every part, its budget and
+commands, within 7 minutes), its table and outputs, its deadlines; and every step that can run on a CPU
+run there on tiny models (scripts/device_check_steps.py), so a GPU session only has to run it."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import device_check as dc
+import device_check_steps as dcs
 import psutil
 import pytest
 from helpers import ROOT, wait_gone
@@ -17,11 +21,17 @@ from helpers import ROOT, wait_gone
 SCRIPT = ROOT / "scripts" / "device_check.py"
 
 
-def run_script(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    # CUDA hidden, so that on a GPU machine too this is the "no device" path unless a test forces the CPU.
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}
+def run_script(*args: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
+    # CUDA hidden, so that on a GPU machine too this is the "no device" path unless a test forces the CPU;
+    # $OUT (a device session's) left out: it would be the default output folder.
+    inherited = {k: v for k, v in os.environ.items() if k != "OUT"}
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=ROOT)
+                          env={**inherited, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", **(env or {})}, cwd=ROOT)
+
+
+def new_children(before: set[int]) -> list[psutil.Process]:
+    return [p for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE]
 
 
 def test_without_cuda_it_says_so_and_exits_0():
@@ -30,46 +40,80 @@ def test_without_cuda_it_says_so_and_exits_0():
     assert result.stdout.strip() == dc.NO_CUDA
 
 
-def test_dry_run_prints_every_part_with_its_commands_and_budget():
-    result = run_script("--dry-run", "--workers", "1,3", "--budget-s", "bench=33", "--max-minutes", "5")
+# ---------------------------------------------------------------------------------------------- the plan
+
+def plan_budgets(out: str) -> dict[str, float]:
+    return {name: float(budget) for name, budget in re.findall(r"^part (\w+): budget ([\d.]+) s", out, re.M)}
+
+
+def test_dry_run_shows_every_part_its_budget_and_commands_within_7_minutes():
+    result = run_script("--dry-run")
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert "hard deadline 300 s" in out
-    assert "part dtype: budget 90 s" in out and "part bench: budget 33 s" in out and "part loadtest: budget 145 s" in out
-    assert "part images: budget 95 s" in out and "budgets 363 s in all" in out
-    assert "device_check.py --internal dtype" in out
-    assert "device_check.py --internal build-model" in out
-    assert "bench_embed.py --device cuda --dtype float16 --model" in out and "--medium-chars 2400 4000" in out
-    for w in (1, 3):
-        assert f"loadtest.py --regime real --device cuda --workers {w} " in out
-    assert "--workers 14" not in out
-    assert "device_check.py --internal build-clip --model-dir" in out
-    assert "loadtest.py --regime images --model" in out and "--device cuda --dtype float16 --workers 3 --images 100" in out
+    budgets = plan_budgets(out)
+    assert list(budgets) == list(dc.PARTS)  # every part, in the order they run
+    assert sum(budgets.values()) <= 7 * 60 and "hard deadline 420 s" in out
+    assert f"budgets {sum(budgets.values()):g} s in all" in out and "more: the last parts may time out" not in out
+    assert "outputs in a new temporary folder" in out
+    # The issue's questions, each a command: versions and SDPA; the replay with cuDNN's SDPA off and on; the
+    # profile of MiniLM and of BERT-base at 512 tokens; graphs; ST side by side; the load-test sweep.
+    assert "device_check.py --internal env --json" in out
+    off = [ln for ln in out.splitlines() if "--internal replay" in ln and "replay-cudnn-off.json" in ln]
+    on = [ln for ln in out.splitlines() if "--internal replay" in ln and "replay-cudnn-on.json" in ln]
+    assert len(off) == 1 and "--settings graphs,eager,plain" in off[0] and "POOLING_PIPELINE_CUDNN_SDPA" not in off[0]
+    assert len(on) == 1 and on[0].lstrip().startswith("POOLING_PIPELINE_CUDNN_SDPA=1 ")
+    assert "--internal profile --json" in out and "--internal build-model --model-dir" in out
+    assert re.search(r"--internal profile --model \S*bert-base'? --length 512", out)
+    assert "--internal graphs --json" in out and "--internal st --json" in out and "--st-texts 40000 --workers 14" in out
+    loadtests = [ln for ln in out.splitlines() if "loadtest.py --regime real" in ln]
+    runs = [(re.search(r"--workers (\d+)", ln)[1], (re.search(r"--max-num-seqs (\d+)", ln) or [None, None])[1])
+            for ln in loadtests]
+    assert runs == [("14", None), ("1", None), ("4", None), ("14", "64"), ("14", "256")]
+    assert all("--device cuda --dtype float16" in ln for ln in loadtests)
+    assert "--internal dtype --json" in out and "--internal images-st" in out and "loadtest.py --regime images" in out
+
+
+def test_dry_run_follows_the_options():
+    out = run_script("--dry-run", "--workers", "1,3", "--seq-caps", "128", "--budget-s", "replay=33", "--max-minutes", "5",
+                     "--out-dir", "/somewhere/check").stdout
+    budgets = plan_budgets(out)
+    assert budgets["replay"] == 33 and budgets["env"] == dc.DEFAULT_BUDGETS_S["env"]
+    assert "hard deadline 300 s" in out and "the last parts may time out" in out  # 382 s of budgets in 300
+    assert "outputs in /somewhere/check" in out and "--json /somewhere/check/env.json" in out
+    assert "--workers 14" not in out and "--max-num-seqs 128" in out and "--max-num-seqs 64" not in out
+    assert "--workers 3 --max-num-seqs 128" in out
+    assert "outputs in /from/env" in run_script("--dry-run", env={"OUT": "/from/env"}).stdout
 
 
 def test_dry_run_of_some_parts_plans_only_those():
-    out = run_script("--dry-run", "--parts", "loadtest,dtype").stdout
-    assert "part dtype" in out and "part loadtest" in out and "part bench" not in out and "part images" not in out
-    assert out.index("part dtype") < out.index("part loadtest")  # run in their fixed order
-    out = run_script("--dry-run", "--parts", "images").stdout
-    assert "part images" in out and "part loadtest" not in out
+    out = run_script("--dry-run", "--parts", "loadtest,env").stdout
+    assert list(plan_budgets(out)) == ["env", "loadtest"]  # run in their fixed order
+    out = run_script("--dry-run", "--parts", "replay,graphs", "--force-device", "cpu").stdout
+    assert list(plan_budgets(out)) == ["replay", "graphs"]
+    assert "replay-cudnn-on" not in out and out.count("--force-device cpu") == 2  # (no cuDNN on a CPU)
 
 
 @pytest.mark.parametrize("args, names", [
     (["--parts", "dtype,gpu"], ["--parts", "'gpu'"]),
     (["--parts", ""], ["--parts"]),
-    (["--budget-s", "bench=0"], ["--budget-s", "positive"]),
-    (["--budget-s", "bench=-5"], ["--budget-s", "positive"]),
-    (["--budget-s", "bench"], ["--budget-s", "PART=SECONDS"]),
+    (["--budget-s", "graphs=0"], ["--budget-s", "positive"]),
+    (["--budget-s", "graphs=-5"], ["--budget-s", "positive"]),
+    (["--budget-s", "graphs"], ["--budget-s", "PART=SECONDS"]),
     (["--budget-s", "gpu=10"], ["--budget-s", "'gpu'"]),
-    (["--max-minutes", "9"], ["--max-minutes", "(0, 8]"]),
+    (["--max-minutes", "31"], ["--max-minutes", "(0, 30]"]),
     (["--max-minutes", "0"], ["--max-minutes"]),
     (["--workers", "1,two"], ["--workers", "integers"]),
     (["--workers", "0,4"], ["--workers", "at least 1"]),
     (["--workers", "4,4"], ["--workers", "repeated"]),
+    (["--seq-caps", "64,0"], ["--seq-caps", "at least 1"]),
     (["--texts", "0"], ["--texts"]),
-    (["--force-device", "cpu"], ["--force-device", "--parts dtype"]),
+    (["--replay-texts", "0"], ["--replay-texts"]),
+    (["--force-device", "cpu"], ["--force-device", "env,st,replay,profile,graphs,dtype"]),
+    (["--force-device", "cpu", "--parts", "env,loadtest"], ["--force-device"]),
     (["--internal", "build-clip", "--model-dir", "m"], ["--image-folder"]),
+    (["--internal", "replay", "--json", "x.json"], ["--settings"]),
+    (["--internal", "replay", "--json", "x.json", "--settings", "graphs,fast"], ["--settings", "graphs, eager, plain"]),
+    (["--internal", "profile"], ["--json"]),
 ])
 def test_a_bad_argument_is_exit_2_naming_it(args, names):
     result = run_script(*args, "--dry-run")
@@ -77,6 +121,35 @@ def test_a_bad_argument_is_exit_2_naming_it(args, names):
     for name in names:
         assert name in result.stderr
 
+
+def test_every_command_of_the_plan_is_accepted_by_its_script(tmp_path):
+    """A flag a script does not know would cost a GPU session its run: each step's arguments go through
+    the parser of the script it calls (this one's with its checks)."""
+    import loadtest
+
+    parts = dc.make_plan(dc.parse_args(["--workers", "1,14"]), tmp_path / "out", tmp_path / "scratch")
+    parsed = {"loadtest.py": [], "device_check.py": []}
+    for step in (s for p in parts for s in p.steps):
+        script = step.argv[1].rsplit("/", 1)[-1]
+        parser = loadtest.build_parser().parse_args if script == "loadtest.py" else dc.parse_args
+        parsed[script].append(parser(step.argv[2:]))
+    real = [(a.regime, a.device, a.dtype, a.workers, a.max_num_seqs) for a in parsed["loadtest.py"] if a.regime == "real"]
+    assert real == [("real", "cuda", "float16", [14], None), ("real", "cuda", "float16", [1], None),
+                    ("real", "cuda", "float16", [14], 64), ("real", "cuda", "float16", [14], 256)]
+    images = parsed["loadtest.py"][-1]
+    assert (images.regime, images.model, images.dtype, images.image_folder) == (
+        "images", str(tmp_path / "scratch" / "clip-b32" / "st"), "float16", str(tmp_path / "scratch" / "images"))
+    internals = [(a.internal, a.settings, a.length) for a in parsed["device_check.py"]]
+    assert internals == [("env", None, None), ("st", None, None), ("replay", ["graphs", "eager", "plain"], None),
+                         ("replay", ["graphs", "plain"], None), ("profile", None, None), ("build-model", None, None),
+                         ("profile", None, 512), ("graphs", None, None), ("dtype", None, None), ("build-clip", None, None),
+                         ("images-st", None, None)]
+    assert all(a.json.startswith(str(tmp_path / "out")) for a in parsed["device_check.py"] if a.json)
+    (replay_on,) = [s for p in parts for s in p.steps if "replay-cudnn-on" in str(s.output)]
+    assert replay_on.env == {"POOLING_PIPELINE_CUDNN_SDPA": "1"}
+
+
+# ---------------------------------------------------------------------------------------------- the table
 
 def test_the_table_is_markdown_with_one_row_per_check_and_cells_escaped():
     rows = [dc.Row("a | b", "1.0\n2.0", ">= 1", "pass"), dc.Row("c", "x", "-", "timeout")]
@@ -136,69 +209,157 @@ def test_a_failing_step_reports_its_exit_status_and_last_line(tmp_path):
     assert status == "error" and detail == "exit 1: boom: no device"
 
 
-def rows_step(tmp_path, name: str, rows: list[dict], rc: int = 0) -> dc.Step:
+def rows_step(tmp_path, name: str, rows: list[dict], rc: int = 0, code: str = "") -> dc.Step:
     out = tmp_path / f"{name}.json"
-    code = f"import json, sys; open({str(out)!r}, 'w').write(json.dumps({{'rows': {rows!r}}})); sys.exit({rc})"
+    code += f"\nimport json, sys; open({str(out)!r}, 'w').write(json.dumps({{'rows': {rows!r}}})); sys.exit({rc})"
     return dc.Step(name, [sys.executable, "-c", code], out, "rows")
 
 
+def row(check: str, result: str = "pass") -> dict:
+    return {"check": check, "figure": "1", "target": "-", "result": result}
+
+
 def test_a_part_goes_on_after_a_failure_only_when_its_steps_are_independent(tmp_path):
-    ok = {"check": "c1", "figure": "1", "target": "-", "result": "pass"}
     failing = dc.Step("broken step", [sys.executable, "-c", "raise SystemExit('it broke')"], tmp_path / "none.json", "rows")
-    later = rows_step(tmp_path, "later", [ok])
+    later = rows_step(tmp_path, "later", [row("c1")])
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    rows = dc.run_part(dc.Part("p", 60, [failing, later], independent=True, cleanup=[scratch]), dc.Deadline(60), tmp_path)
+    rows = []
+    record = dc.run_part(dc.Part("p", 60, [failing, later], independent=True, cleanup=[scratch]), dc.Deadline(60),
+                         tmp_path, rows)
     assert [(r.check, r.result) for r in rows] == [("broken step", "error"), ("c1", "pass")]
     assert "it broke" in rows[0].figure
     assert not scratch.exists()
-    rows = dc.run_part(dc.Part("p", 60, [failing, later]), dc.Deadline(60), tmp_path)
+    assert [s["status"] for s in record] == ["error", "ok"] and record[0]["log"] == "logs/p-0.log"
+    assert "it broke" in (tmp_path / "logs" / "p-0.log").read_text()
+    rows = []
+    dc.run_part(dc.Part("p", 60, [failing, later]), dc.Deadline(60), tmp_path, rows)
     assert [(r.check, r.result) for r in rows] == [("broken step", "error")]
 
 
 def test_a_step_that_exits_0_without_its_result_is_an_error(tmp_path):
     step = dc.Step("silent", [sys.executable, "-c", "print('done')"], tmp_path / "missing.json", "rows")
-    rows = dc.run_part(dc.Part("p", 60, [step]), dc.Deadline(60), tmp_path)
+    rows = []
+    dc.run_part(dc.Part("p", 60, [step]), dc.Deadline(60), tmp_path, rows)
     assert [(r.check, r.result) for r in rows] == [("silent", "error")]
     assert "without writing missing.json" in rows[0].figure
 
 
-def bench_record(busy: float) -> dict:
-    """What bench_embed.py writes (its keys, as measure_case and main build them), one backend."""
-    return {"engine": {"device": "cuda:0", "dtype": "float16"}, "backends": ["auto"],
-            "results": [{"case": "b", "docs": 2000, "kept_tokens": 2000 * 512,
-                         "per_backend": {"auto": {"engine_busy": busy}},
-                         "docs_per_s": {"pipeline (auto)": 3000.0, "pipeline (auto), token ids": 3050.0,
-                                        "sentence_transformers": 2000.0, "forward_limit": 3100.0,
-                                        "forward_limit (auto)": 3100.0}}]}
+def test_a_step_runs_with_its_environment(tmp_path):
+    """How the replay runs with cuDNN's SDPA on: the variable set for that step's process only."""
+    step = rows_step(tmp_path, "env", [], code="import os; print('cudnn=' + os.environ.get('POOLING_PIPELINE_CUDNN_SDPA', '-'))")
+    step.env = {"POOLING_PIPELINE_CUDNN_SDPA": "1"}
+    dc.run_step(step, dc.Deadline(60), tmp_path / "with.log")
+    step.env = {}
+    dc.run_step(step, dc.Deadline(60), tmp_path / "without.log")
+    assert (tmp_path / "with.log").read_text().strip() == "cudnn=1"
+    assert (tmp_path / "without.log").read_text().strip() == "cudnn=-"
 
 
-def test_bench_rows_report_throughput_and_hold_engine_busy_to_its_target():
-    info, busy = dc.bench_rows(bench_record(0.97))
-    assert "512 tokens/doc" in info.check and "float16 on cuda:0" in info.check
-    assert info.figure.startswith("3,000 docs/s (1,536,000 tokens/s)") and info.result == "info"
-    assert (busy.figure, busy.target, busy.result) == ("97.0%", ">= 95%", "pass")
-    assert dc.bench_rows(bench_record(0.94))[1].result == "FAIL"
+def test_unused_time_passes_to_the_next_part_within_the_deadline(tmp_path):
+    quick = dc.Part("quick", 60, [rows_step(tmp_path, "a", [row("a")])])
+    next_part = dc.Part("next", 20, [rows_step(tmp_path, "b", [row("b", "info")])])
+    rows = dc.run_parts([quick, next_part], dc.Deadline(300), tmp_path, started=0.0)
+    assert [(r.check, r.result) for r in rows] == [("a", "pass"), ("b", "info")]
+    saved = json.loads((tmp_path / "rows.json").read_text())
+    given = {p["name"]: p["given_s"] for p in saved["parts"]}
+    assert given["quick"] == 60 and given["next"] > 60  # its 20 s and most of the 60 the first left
+    assert saved["finished"] and [(r["part"], r["check"]) for r in saved["rows"]] == [("quick", "a"), ("next", "b")]
+    rows = dc.run_parts([quick, next_part], dc.Deadline(70), tmp_path, started=0.0)
+    saved = json.loads((tmp_path / "rows.json").read_text())
+    assert saved["parts"][1]["given_s"] <= 70  # never past the overall deadline
 
 
-def test_bench_rows_name_the_model_by_its_config(tmp_path):
-    (tmp_path / "config.json").write_text('{"model_type": "bert", "num_hidden_layers": 12, "hidden_size": 768}')
-    info, _ = dc.bench_rows({**bench_record(0.97), "model": str(tmp_path)})
-    assert info.check.startswith("bench: BERT 12 x 768, float16 on cuda:0")
-    assert dc.model_shape(str(tmp_path / "gone")) == "model"
+def test_a_stopped_run_keeps_its_rows_and_says_so(tmp_path, monkeypatch):
+    first = dc.Part("first", 60, [rows_step(tmp_path, "a", [row("a")])])
+    second = dc.Part("second", 60, [rows_step(tmp_path, "b", [row("b")])])
+    real_run_step = dc.run_step
 
+    def stopped_in_second(step, deadline, log, min_start_s=None):
+        if step.label == "b":
+            raise KeyboardInterrupt("signal 15")  # what SIGTERM raises (dc.stop_on_sigterm)
+        return real_run_step(step, deadline, log, min_start_s)
+
+    monkeypatch.setattr(dc, "run_step", stopped_in_second)
+    rows = dc.run_parts([first, second], dc.Deadline(300), tmp_path, started=0.0)
+    assert [(r.check, r.result) for r in rows] == [("a", "pass"), ("device check", "error")]
+    assert "interrupted (signal 15)" in rows[1].figure
+    assert "| a | 1 | - | pass |" in (tmp_path / "table.md").read_text()
+    with pytest.raises(KeyboardInterrupt, match="signal 15"):
+        dc.stop_on_sigterm(15, None)
+
+
+def test_a_part_out_of_time_still_gives_the_table_and_the_outputs(tmp_path):
+    """The first GPU run's bench part ran out of time: here env gets 1 s, too little to start, and the
+    table (printed and saved) says so; the run fails (exit 1)."""
+    out = tmp_path / "out"
+    result = run_script("--force-device", "cpu", "--parts", "env", "--budget-s", "env=1", "--out-dir", str(out),
+                        "--out", str(tmp_path / "table.md"))
+    assert result.returncode == 1, result.stdout + result.stderr
+    line = "| env: versions and the SDPA kernel | not started: 1 s left in the budget | - | timeout |"
+    assert line in result.stdout and line in (out / "table.md").read_text()
+    assert (out / "table.md").read_text() == (tmp_path / "table.md").read_text()
+    saved = json.loads((out / "rows.json").read_text())
+    assert saved["finished"] and saved["rows"][0]["result"] == "timeout" and saved["parts"][0]["name"] == "env"
+    assert f"outputs in {out}" in result.stdout
+
+
+@pytest.mark.slow
+def test_a_step_stopped_mid_run_gives_its_rows_so_far_and_leaves_nothing_running(tmp_path, monkeypatch):
+    """A step killed at its deadline (its child too) keeps the rows it wrote; the next part runs."""
+    pid_file = tmp_path / "child.pid"
+    code = ("import subprocess, sys, time, json\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+            f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+            f"open({str(tmp_path / 'slow.json')!r}, 'w').write(json.dumps({{'rows': [{row('measured before the end')!r}]}}))\n"
+            "time.sleep(120)\n")
+    slow = dc.Step("slow step", [sys.executable, "-c", code], tmp_path / "slow.json", "rows")
+    monkeypatch.setattr(dc, "MIN_STEP_S", 0.5)
+    rows = dc.run_parts([dc.Part("slow", 3, [slow]), dc.Part("fine", 60, [rows_step(tmp_path, "b", [row("b")])])],
+                        dc.Deadline(300), tmp_path, started=0.0)
+    assert [(r.check, r.result) for r in rows] == [("measured before the end", "pass"), ("slow step", "timeout"),
+                                                   ("b", "pass")]
+    assert wait_gone([int(pid_file.read_text())]) == []
+
+
+# ---------------------------------------------------------------------------------------------- rows from results
 
 def test_loadtest_rows_say_when_the_run_was_cut_by_its_time_cap():
     run = {"requests_per_s": 12345.6, "engine_busy": 0.81, "complete": True, "requests": 30000}
-    (row,) = dc.loadtest_rows({"runs": [run]}, "loadtest: 4 workers")
-    assert (row.check, row.figure, row.result) == ("loadtest: 4 workers", "12,346 docs/s, engine busy 81%", "pass")
-    (row,) = dc.loadtest_rows({"runs": [{**run, "complete": False, "requests": 9000}]}, "w")
-    assert "9,000 docs: the run's time cap" in row.figure
-    (row,) = dc.loadtest_rows({"runs": [run]}, "images: 14 workers", "images")
-    assert row.figure == "12,346 images/s, engine busy 81%"
+    (r,) = dc.loadtest_rows({"runs": [run]}, "loadtest: 4 workers")
+    assert (r.check, r.figure, r.result) == ("loadtest: 4 workers", "12,346 docs/s, engine busy 81%", "pass")
+    (r,) = dc.loadtest_rows({"runs": [{**run, "complete": False, "requests": 9000}]}, "w")
+    assert "9,000 docs: the run's time cap" in r.figure
+    (r,) = dc.loadtest_rows({"runs": [run]}, "images: 14 workers", "images")
+    assert r.figure == "12,346 images/s, engine busy 81%"
     # The first run on a GPU read "engine busy 170%" for images (each step counted twice): a failed row.
-    (row,) = dc.loadtest_rows({"runs": [{**run, "engine_busy": 1.7}]}, "images: 14 workers", "images")
-    assert (row.figure, row.result) == ("12,346 images/s, engine busy 170%", "FAIL")
+    (r,) = dc.loadtest_rows({"runs": [{**run, "engine_busy": 1.7}]}, "images: 14 workers", "images")
+    assert (r.figure, r.result) == ("12,346 images/s, engine busy 170%", "FAIL")
+    # Texts a step, and the engine process's CPU a step (300 us a text x 60 texts: the first GPU run's 18 ms).
+    (r,) = dc.loadtest_rows({"runs": [{**run, "batches": 500, "processes": {"engine": {"cpu_us_per_request": 300.0}}}]}, "w")
+    assert r.figure == "12,346 docs/s, engine busy 81%, 60 docs/step, engine CPU 18.00 ms/step"
+
+
+def loadtest_result(workers: int, cap: int | None, rate: float) -> tuple[dict, dict]:
+    return {"workers": workers, "cap": cap}, {"runs": [{"requests_per_s": rate}]}
+
+
+def test_the_load_test_targets_docs_per_s_with_the_most_workers_and_scaling():
+    results = [loadtest_result(14, None, 52_000.0), loadtest_result(1, None, 30_000.0), loadtest_result(4, None, 50_000.0),
+               loadtest_result(14, 64, 20_000.0), loadtest_result(14, 256, 60_000.0)]
+    headline, scaling = dc.loadtest_summary(results)
+    assert headline.check == "loadtest: docs/s, 14 render workers, the default sequence cap"
+    assert headline.figure == "52,000 docs/s (the sweep's best: 60,000, 14 workers, cap 256)"
+    assert (headline.target, headline.result) == (">= 50,000 docs/s (H200-class GPU)", "pass")
+    assert scaling.figure == "1: 30,000, 4: 50,000, 14: 52,000 docs/s" and scaling.result == "pass"
+    # The first GPU run: 3,381 / 3,324 / 2,531 docs/s with 1 / 4 / 14 workers.
+    first_run = [loadtest_result(14, None, 2531.0), loadtest_result(1, None, 3381.0), loadtest_result(4, None, 3324.0)]
+    headline, scaling = dc.loadtest_summary(first_run)
+    assert headline.result == "FAIL" and scaling.result == "FAIL" and scaling.figure.endswith("; slower with 14")
+    # Within 5% of fewer workers' best passes (noise); a cap run alone gives no scaling row.
+    assert dc.loadtest_summary([loadtest_result(1, None, 100.0), loadtest_result(4, None, 96.0)])[1].result == "pass"
+    assert len(dc.loadtest_summary([loadtest_result(14, None, 1.0), loadtest_result(14, 64, 2.0)])) == 1
+    assert dc.loadtest_summary([]) == []
 
 
 def test_compare_rows_hold_cosine_and_abs_diff_to_their_targets():
@@ -207,38 +368,187 @@ def test_compare_rows_hold_cosine_and_abs_diff_to_their_targets():
     ref = np.random.default_rng(0).standard_normal((50, 384)).astype(np.float32)
     ref /= np.linalg.norm(ref, axis=1, keepdims=True)
     half = ref.astype(np.float16).astype(np.float32)  # what float16 rounding alone does: well within the target
-    (cos,) = dc.compare_rows("half", ref, half, ("cosine",))
+    (cos,) = dcs.compare_rows("half", ref, half, ("cosine",))
     assert cos.check == "half: min cosine" and cos.result == "pass" and float(cos.figure) >= 0.9999
     bent = ref.copy()
     bent[7] = np.roll(bent[7], 1)  # one embedding wrong
-    cos, diff = dc.compare_rows("bent", ref, bent, ("cosine", "max_abs"))
+    cos, diff = dcs.compare_rows("bent", ref, bent, ("cosine", "max_abs"))
     assert cos.result == "FAIL" and diff.result == "FAIL" and float(diff.figure) > 1e-2
-    (same,) = dc.compare_rows("same", ref, ref.copy(), ("max_abs",))
+    (same,) = dcs.compare_rows("same", ref, ref.copy(), ("max_abs",))
     assert (same.figure, same.result) == ("0.00e+00", "pass")
+    near = ref + 3e-5  # within 1e-4 (CPU against CUDA), not within 1e-5 (a graph against eager)
+    assert dcs.compare_rows("near", ref, near, ("max_abs",))[0].result == "pass"
+    (graph,) = dcs.compare_rows("near", ref, near, ("max_abs",), max_abs=dcs.GRAPH_MAX_ABS_DIFF)
+    assert (graph.target, graph.result) == ("<= 1e-05", "FAIL")
     with pytest.raises(ValueError, match="unknown metric"):
-        dc.compare_rows("x", ref, ref, ("l2",))
+        dcs.compare_rows("x", ref, ref, ("l2",))
 
 
-def test_the_bench_model_is_a_sentence_transformers_folder_kept_to_512_tokens(tmp_path):
-    from pooling_pipeline.core.model_folder.load import load_model_spec
+@pytest.mark.parametrize("ops, kernels, backend", [
+    (["aten::scaled_dot_product_attention", "aten::_scaled_dot_product_cudnn_attention"], [], "cuDNN"),
+    ([], ["cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wmma_f16_knob_3_64x64x64_4x1x1"], "cuDNN"),
+    (["aten::_scaled_dot_product_efficient_attention", "aten::_efficient_attention_forward"], [], "memory-efficient"),
+    ([], ["fmha_cutlassF_f16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<...>::Params)"],
+     "memory-efficient"),
+    (["aten::_scaled_dot_product_flash_attention"], ["void pytorch_flash::flash_fwd_kernel<...>"], "flash"),
+    (["aten::_scaled_dot_product_flash_attention_for_cpu"], [], "flash (CPU)"),
+    (["aten::scaled_dot_product_attention", "aten::_scaled_dot_product_attention_math"], [], "math"),
+    (["aten::addmm", "aten::gelu"], ["ampere_fp16_s16816gemm_fp16_128x64"], "none seen"),
+])
+def test_the_sdpa_backend_is_named_from_the_ops_or_kernels_a_profile_saw(ops, kernels, backend):
+    assert dcs.sdpa_backend_of(ops, kernels) == backend
 
-    path = dc.build_base_model(tmp_path / "model", hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                               intermediate_size=64)
-    assert (tmp_path / "model" / "modules.json").exists()
-    spec = load_model_spec(path)
-    assert (spec.default_max_tokens, spec.max_model_len, spec.hidden_size) == (512, 512, 32)
-    assert spec.normalize and spec.pooling.modes == ["mean"]
+
+def trace_event(name: str, cat: str, dur: float = 1.0) -> dict:
+    return {"ph": "X", "name": name, "cat": cat, "dur": dur, "ts": 0}
+
+
+def test_a_trace_is_counted_per_step():
+    """A chrome trace of 2 steps as torch.profiler writes it on CUDA: kernels and their time, launches,
+    graph launches, host syncs (and the step end waits, counted apart), copies, ops."""
+    events = ([trace_event("cudaLaunchKernel", "cuda_runtime")] * 10 + [trace_event("cuLaunchKernel", "cuda_driver")] * 2
+              + [trace_event("cudaGraphLaunch", "cuda_runtime")] * 2 + [trace_event("cudaEventSynchronize", "cuda_runtime")] * 2
+              + [trace_event("cudaStreamSynchronize", "cuda_runtime")] + [trace_event("cudaMemcpy", "cuda_runtime")] * 3
+              + [trace_event("cudaMemcpyAsync", "cuda_runtime")] * 4 + [trace_event("Memcpy HtoD", "gpu_memcpy")] * 4
+              + [trace_event("fmha_cutlassF_f16_aligned_64x64", "kernel", 250.0)] * 2
+              + [trace_event("ampere_fp16_s16816gemm", "kernel", 125.0)] * 4
+              + [trace_event("aten::linear", "cpu_op")] * 6 + [{"ph": "f", "name": "ac2g", "cat": "ac2g"}])
+    counts = dcs.trace_summary({"traceEvents": events}, 2)
+    assert counts["kernels"] == 3 and counts["kernel_ms"] == 0.5
+    assert counts["launches"] == 6 and counts["graph_launches"] == 1 and counts["event_waits"] == 1
+    assert counts["syncs"] == 2 and counts["sync_calls"] == {"cudaStreamSynchronize": 1, "cudaMemcpy": 3}
+    assert counts["copies"] == 2 and counts["cpu_ops"] == 3 and counts["attention"] == "memory-efficient"
+
+
+def test_profile_rows_hold_kernel_share_and_syncs_to_their_targets_on_cuda():
+    bare = {"host_ms": 0.4, "launch_ms": 0.3, "finish_ms": 0.1, "wall_ms": 10.0, "device_ms": 9.8}
+    counts = {"steps": 5, "kernels": 100.0, "kernel_ms": 9.5, "launches": 0.0, "graph_launches": 1.0, "syncs": 0.0,
+              "sync_calls": {}, "event_waits": 1.0, "cpu_ops": 40.0, "attention": "memory-efficient"}
+    host, kernel, syncs = dcs.profile_rows("p", bare, counts, cuda=True, kernel_target=True, graphs="on")
+    assert host.result == "info" and "host 0.400 ms/step" in host.figure and "attention memory-efficient" in host.figure
+    assert (kernel.figure, kernel.target, kernel.result) == ("9.500 ms/step in 100 kernels = 95% of the step's wall time",
+                                                             ">= 90%", "pass")
+    assert (syncs.target, syncs.result) == ("0 per step", "pass")
+    _, kernel, syncs = dcs.profile_rows("p", bare, {**counts, "kernel_ms": 5.0, "syncs": 1.0,
+                                                    "sync_calls": {"cudaStreamSynchronize": 5}}, True, True, "on")
+    assert kernel.result == "FAIL" and syncs.result == "FAIL" and "cudaStreamSynchronize 1" in syncs.figure
+    _, kernel, _ = dcs.profile_rows("p", bare, {**counts, "kernel_ms": 5.0}, True, False, "on")  # MiniLM: informative
+    assert (kernel.target, kernel.result) == ("-", "info")
+    assert [r.result for r in dcs.profile_rows("p", bare, counts, False, True, "-")] == ["info", "info"]
+
+
+def replay_record(first: list[float], repeated: list[float]) -> list[dict]:
+    return ([{"rows": 4, "first": True, "host_ms": ms, "device_ms": ms / 2} for ms in first]
+            + [{"rows": 4, "first": False, "host_ms": ms, "device_ms": ms / 2} for ms in repeated])
+
+
+def test_replay_rows_hold_the_engines_cuda_path_to_1_ms_per_repeated_step(monkeypatch):
+    info = {"attention": "sdpa: flash, efficient, math (cuDNN off)", "cuda_graphs": "on"}
+    record = replay_record([200.0, 150.0], [0.5, 0.7, 0.6])
+    first, repeated, runner = dcs.replay_rows("graphs", info, {"captured": 2, "replays": 3}, record, 1.0, "cuda", 5)
+    assert first.check == "replay, graphs; sdpa: flash, efficient, math (cuDNN off): first-seen shapes"
+    assert first.figure == "2 shapes: host 175.00 ms median (max 200.0), device 87.50 ms median (max 100.0)"
+    assert repeated.figure.startswith("3 steps: host 0.60 ms/step median") and "20 texts/s over all steps" in repeated.figure
+    assert (repeated.target, repeated.result) == ("host <= 1 ms/step", "pass")
+    assert "graphs captured 2, replays 3" in runner.figure and "replayed" not in runner.figure
+    slow = dcs.replay_rows("graphs", info, {}, replay_record([9.0], [3.0, 4.0]), 1.0, "cuda", 3)[1]
+    assert slow.result == "FAIL"
+    # Informative: another setting, the CPU, cuDNN's SDPA on; a replay stopped at its time cap says so.
+    assert dcs.replay_rows("eager", info, {}, record, 1.0, "cuda", 5)[1].result == "info"
+    assert dcs.replay_rows("graphs", {}, {}, record, 1.0, "cpu", 5)[1].result == "info"
+    monkeypatch.setenv("POOLING_PIPELINE_CUDNN_SDPA", "1")
+    _, on, runner = dcs.replay_rows("graphs", info, {}, record, 1.0, "cuda", 9)
+    assert on.result == "info" and "5 of 9 steps replayed (stopped at 10 s)" in runner.figure
+    monkeypatch.delenv("POOLING_PIPELINE_CUDNN_SDPA")
+    none = dcs.replay_rows("graphs", info, {}, replay_record([3.0], []), 1.0, "cuda", 1)[1]
+    assert none.figure.startswith("no shape repeated") and none.result == "FAIL"
+
+
+# ---------------------------------------------------------------------------------------------- the steps on a CPU
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from model_zoo import build_st
+
+    return build_st(tmp_path_factory.mktemp("device-check"), "bert")
 
 
 @pytest.mark.slow
-def test_part_a_on_the_cpu_compares_float32_with_float32_and_prints_the_table(tmp_path):
-    """The real comparison path through the step subprocess: the reference Pipeline (float32 on the CPU)
-    embeds the texts twice, and the two are compared as part (a) compares float16 with float32."""
-    table_file = tmp_path / "table.md"
+def test_steps_are_recorded_as_the_scheduler_cuts_them(tiny_model):
+    """Every text in exactly one step, no step past the cap or the token budget; a step is what the
+    runner takes (token ids as the tokenizer made them)."""
+    import corpus
+    import numpy as np
+
+    spec = dcs.model_spec(tiny_model)
+    texts = corpus.sentences(700, seed=1)
+    ids = dcs.token_ids(spec, texts)
+    steps = dcs.record_steps(spec, ids, max_num_seqs=32)
+    seen = np.sort(np.concatenate([s.indices for s in steps]))
+    assert seen.tolist() == list(range(700))
+    assert max(len(s) for s in steps) <= 32 and len(steps) >= 700 // 32
+    step = steps[0]
+    assert step.ids(0).tolist() == ids[int(step.indices[0])].tolist()
+
+
+@pytest.mark.slow
+def test_the_cpu_parts_run_on_a_tiny_model_and_save_what_they_saw(tiny_model, tmp_path):
+    """env, replay, profile and graphs through the script on a forced CPU: their rows in the table, the
+    outputs in --out-dir (the replay's steps, the profile's trace), and no process left behind."""
+    out = tmp_path / "out"
     before = {p.pid for p in psutil.Process().children(recursive=True)}  # (the session's shared Pipeline may be up)
+    result = run_script("--force-device", "cpu", "--parts", "env,replay,profile,graphs", "--model", tiny_model,
+                        "--replay-texts", "1200", "--out-dir", str(out), timeout=400)
+    assert result.returncode == 0, result.stdout + result.stderr
+    table = (out / "table.md").read_text()
+    assert table.strip() in result.stdout
+    checks = [line.split(" | ")[0].lstrip("| ") for line in table.splitlines()[2:]]
+    assert checks[:3] == ["env: device", "env: versions",
+                          "env: SDPA, float32 [rows x 12 x length x 32], 4-D bool mask, torch's default backends"]
+    assert "picked: flash (CPU)" in table
+    for setting in ("graphs", "eager", "plain"):
+        assert [c for c in checks if c.startswith(f"replay, {setting}:")] == [
+            f"replay, {setting}: first-seen shapes", f"replay, {setting}: repeated shapes", f"replay, {setting}: runner"]
+    assert "cuda_graphs: on (a CPU stand-in: eager replays)" in table
+    assert re.search(r"\| graphs: float32, 80 texts in 2 steps, replay vs eager: max abs diff \| [\d.e+-]+ "
+                     r"\| <= 1e-05 \| pass \|", table)
+    assert re.search(r"\| profile: st-bert-mean, float32, step \d+ x \d+: host \| host [\d.]+ ms/step", table)
+    saved = json.loads((out / "rows.json").read_text())
+    assert [p["name"] for p in saved["parts"]] == ["env", "replay", "profile", "graphs"]
+    assert {r["part"] for r in saved["rows"]} == {"env", "replay", "profile", "graphs"}
+    steps = json.loads((out / "replay-cudnn-off-steps.json").read_text())
+    assert list(steps["settings"]) == ["graphs", "eager", "plain"]
+    replayed = steps["settings"]["graphs"]["steps"]
+    assert sum(s["rows"] for s in replayed) == 1200 and any(s["first"] for s in replayed)
+    assert not any(s["first"] for s in replayed[1:] if s["shape"] == replayed[0]["shape"])
+    with gzip.open(out / "profile-text-trace.json.gz") as f:
+        assert any(e.get("cat") == "cpu_op" for e in json.load(f)["traceEvents"])
+    assert sorted(p.name for p in (out / "logs").iterdir()) == ["env-0.log", "graphs-0.log", "profile-0.log", "replay-0.log"]
+    assert new_children(before) == []
+
+
+@pytest.mark.slow
+def test_st_and_the_pipeline_side_by_side_on_a_cpu(tiny_model, tmp_path):
+    out = tmp_path / "st.json"
+    dcs.st_check(out, tiny_model, "cpu", 200, 1)
+    throughput, cosine, engine = [dcs.Row(**r) for r in json.loads(out.read_text())["rows"]]
+    assert throughput.check == "st: st-bert-mean float32 on cpu, 200 short texts: throughput"
+    assert re.fullmatch(r"pipeline [\d,]+ texts/s \(1 render worker\) = [\d.]+x ST's best; ST [\d,]+ at batch 64, "
+                        r"[\d,]+ at batch 256", throughput.figure), throughput.figure
+    assert (throughput.target, throughput.result) == (">= 2x ST (on CUDA)", "info")
+    assert cosine.check.endswith("pipeline vs ST (batch 256): min cosine") and cosine.result == "pass"
+    assert engine.figure.startswith("device: cpu; dtype: float32")
+
+
+@pytest.mark.slow
+def test_part_dtype_on_the_cpu_compares_float32_with_float32_and_prints_the_table(tmp_path):
+    """The real comparison path through the step subprocess: the reference Pipeline (float32 on the CPU)
+    embeds the texts twice, and the two are compared as the dtype part compares float16 with float32."""
+    table_file = tmp_path / "table.md"
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     # A budget far above what it needs: this machine may be shared, and a timeout here would be a flaky failure.
     result = run_script("--parts", "dtype", "--force-device", "cpu", "--texts", "20", "--out", str(table_file),
-                        "--budget-s", "dtype=400", timeout=450)
+                        "--out-dir", str(tmp_path / "out"), "--budget-s", "dtype=400", timeout=450)
     assert result.returncode == 0, result.stdout + result.stderr
     table = table_file.read_text()
     assert table in result.stdout
@@ -247,10 +557,40 @@ def test_part_a_on_the_cpu_compares_float32_with_float32_and_prints_the_table(tm
     (diff_row,) = [line for line in table.splitlines() if "20 texts: max abs diff" in line]
     _, check, figure, target, verdict, _ = diff_row.split("|")
     assert float(figure) < 1e-5 and target.strip() == "<= 1e-04" and verdict.strip() == "pass"
-    leftovers = [p for p in psutil.Process().children(recursive=True)
-                 if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE]
-    assert leftovers == []
+    assert new_children(before) == []
 
+
+def test_the_bench_model_is_a_sentence_transformers_folder_kept_to_512_tokens(tmp_path):
+    from pooling_pipeline.core.model_folder.load import load_model_spec
+
+    path = dcs.build_base_model(tmp_path / "model", hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                intermediate_size=64)
+    assert (tmp_path / "model" / "modules.json").exists()
+    spec = load_model_spec(path)
+    assert (spec.default_max_tokens, spec.max_model_len, spec.hidden_size) == (512, 512, 32)
+    assert spec.normalize and spec.pooling.modes == ["mean"]
+
+
+@pytest.mark.slow
+def test_the_images_comparison_with_st_runs_on_a_cpu(tmp_path, monkeypatch):
+    """The images part's first step (the pipeline against ST with the image processor transformers
+    picks in the environment), on a tiny CLIP and a few JPEGs: its rows name the processor and pass."""
+    from image_set import build_image_set
+    from model_zoo import build_clip
+
+    monkeypatch.setattr(dcs, "IMAGES_ST_COUNT", 3)
+    model = build_clip(tmp_path / "clip", layout="st")
+    build_image_set(tmp_path / "images", "web", 4)
+    out = tmp_path / "images-st.json"
+    dcs.images_st_check(Path(model), tmp_path / "images", out)
+    rows = [dcs.Row(**r) for r in json.loads(out.read_text())["rows"]]
+    assert rows[0].result == "info" and "CLIPImageProcessor" in rows[0].figure
+    assert [r.check.split(", ")[0] for r in rows[1:]] == ["images: 3 JPEGs by path", "images: 3 JPEGs PIL images",
+                                                          "images: 3 JPEGs arrays"]
+    assert all(r.result == "pass" for r in rows[1:]), rows
+
+
+# ---------------------------------------------------------------------------------------------- the scripts it runs
 
 def test_bench_embed_case_b_takes_its_length_range_from_the_option():
     import bench_embed
@@ -275,30 +615,6 @@ def test_loadtest_refuses_a_device_for_the_simulated_regime():
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "loadtest.py"), "--regime", "sim", "--device", "cuda"],
                             capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert result.returncode == 2 and "--device: the sim regime runs on the simulated device" in result.stderr
-
-
-def test_every_command_of_the_plan_is_accepted_by_its_script(tmp_path):
-    """A flag a script does not know would cost a GPU session its run: each step's arguments go through
-    the parser of the script it calls."""
-    import bench_embed
-    import loadtest
-
-    parsers = {"bench_embed.py": bench_embed.build_parser(), "loadtest.py": loadtest.build_parser(),
-               "device_check.py": dc.build_parser()}
-    parts = dc.make_plan(dc.parse_args(["--workers", "1,14"]), tmp_path)
-    parsed = {}
-    for step in (s for p in parts for s in p.steps):
-        script = step.argv[1].rsplit("/", 1)[-1]
-        parsed.setdefault(script, []).append(parsers[script].parse_args(step.argv[2:]))
-    bench = parsed["bench_embed.py"][0]
-    assert (bench.device, bench.model, bench.medium_chars, bench.no_decoder) == ("cuda", str(tmp_path / "bert-base"),
-                                                                                [2400, 4000], True)
-    assert [(a.regime, a.device, a.workers) for a in parsed["loadtest.py"]] == [("real", "cuda", [1]), ("real", "cuda", [14]),
-                                                                              ("images", "cuda", [14])]
-    images = parsed["loadtest.py"][-1]
-    assert (images.model, images.dtype, images.image_folder) == (str(tmp_path / "clip-b32" / "st"), "float16",
-                                                                 str(tmp_path / "images"))
-    assert sorted(a.internal for a in parsed["device_check.py"]) == ["build-clip", "build-model", "dtype", "images-st"]
 
 
 def test_loadtest_image_capacity_is_a_gpus_images_per_s_over_what_one_worker_core_feeds():
@@ -326,22 +642,3 @@ def test_loadtest_image_capacity_is_a_gpus_images_per_s_over_what_one_worker_cor
     runs[1]["processes"]["engine"]["cpu_us_per_request"] = 200.0
     capped = loadtest.image_capacity_table(runs, SIM_PRESETS["base-h100"], 256, 2000.0)
     assert "takes in at most 5,000 images/s, 12% of the GPU's rate" in capped[-1] and "20 render-worker cores" in capped[-1]
-
-
-@pytest.mark.slow
-def test_the_images_comparison_with_st_runs_on_a_cpu(tmp_path, monkeypatch):
-    """The images part's first step (the pipeline against ST with the image processor transformers
-    picks in the environment), on a tiny CLIP and a few JPEGs: its rows name the processor and pass."""
-    from image_set import build_image_set
-    from model_zoo import build_clip
-
-    monkeypatch.setattr(dc, "IMAGES_ST_COUNT", 3)
-    model = build_clip(tmp_path / "clip", layout="st")
-    build_image_set(tmp_path / "images", "web", 4)
-    out = tmp_path / "images-st.json"
-    dc.images_st_check(Path(model), tmp_path / "images", out)
-    rows = [dc.Row(**r) for r in json.loads(out.read_text())["rows"]]
-    assert rows[0].result == "info" and "CLIPImageProcessor" in rows[0].figure
-    assert [r.check.split(", ")[0] for r in rows[1:]] == ["images: 3 JPEGs by path", "images: 3 JPEGs PIL images",
-                                                          "images: 3 JPEGs arrays"]
-    assert all(r.result == "pass" for r in rows[1:]), rows
