@@ -26,9 +26,12 @@ import bisect
 import numpy as np
 
 from pooling_pipeline.core.columns import COL, Requests, RequestTable
+from pooling_pipeline.core.step_shapes import rows_at_most
 
 # Below this many requests a batch grows whatever the padding (per-batch overhead dominates).
 MIN_BATCH_BEFORE_PADDING_LIMIT = 4
+# On a device a step of more requests than this is cut to a row bucket's size (step_shapes.rows_at_most).
+MIN_ROWS_CUT = 8
 LENGTH, PRIORITY = COL["lengths"], COL["priority"]
 
 
@@ -36,8 +39,10 @@ class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_padding_fraction: float,
                  overhead_tokens: float = 0.0, capacity: int = 1024, shape=None) -> None:
         """`shape`: on an accelerator, the (rows, length) a step of (rows, longest) is padded to
-        (core.step_shapes.bucket_shape for the model's limit); a batch's padding is then counted
-        in those, so a step grows into the rows its bucket computes anyway."""
+        (core.step_shapes.bucket_shape for the model's limit): a step past the padding limit still
+        takes a request that fits in that shape (`_free`), so it fills the rows its bucket
+        computes anyway. (Counting the padding in bucketed shapes instead stopped steps at a full
+        bucket: one more row is a whole bucket more -- 94 rows a step where 566 fit, measured.)"""
         self.shape = shape
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -148,10 +153,10 @@ class Scheduler:
         lengths, buckets = self._lengths, self._buckets
         # The batch is a run of the (length, arrival) order: from offset `lo_off` of bucket
         # `lo_li` (an index into `lengths`) to offset `hi_off` of bucket `hi_li`, both included.
-        longest = real = int(self.table.cols[slot, LENGTH])
+        longest = real = real_anchor = int(self.table.cols[slot, LENGTH])
         lo_li = hi_li = bisect.bisect_left(lengths, longest)
         anchor_bucket = buckets[longest]
-        lo_off = hi_off = bisect.bisect_left(anchor_bucket, anchor)
+        lo_off = hi_off = anchor_off = bisect.bisect_left(anchor_bucket, anchor)
         hi_size = len(anchor_bucket)  # of bucket hi_li
         count = 1
         max_seqs, max_tokens, max_padding = self.max_num_seqs, self.max_num_batched_tokens, self.max_padding_fraction
@@ -172,9 +177,10 @@ class Scheduler:
             # request pads itself up to `longest`; a longer one pads every request already in.
             go_left = right is None or (left is not None and left <= right)
             new_longest, length = (longest, shorter) if go_left else (longer, longer)
-            padded, new_real = self._padded(count + 1, new_longest), real + length
+            padded, new_real = new_longest * (count + 1), real + length
             if (count >= MIN_BATCH_BEFORE_PADDING_LIMIT and padded - new_real > max_padding * padded
-                    and not self._cheaper_per_token(real, self._padded(count, longest), new_real, padded)):
+                    and not self._cheaper_per_token(real, longest * count, new_real, padded)
+                    and not self._free(count, longest, new_longest)):
                 break
             if go_left:
                 if lo_off > 0:
@@ -190,7 +196,28 @@ class Scheduler:
                 hi_size = len(buckets[lengths[hi_li]])
             longest, real = new_longest, new_real
             count += 1
+        if self.shape is not None and count > MIN_ROWS_CUT:
+            lo_li, lo_off, hi_li, hi_off = self._cut(count - rows_at_most(count), (lo_li, lo_off), (hi_li, hi_off),
+                                                     (bisect.bisect_left(lengths, real_anchor), anchor_off))
         return self._take(lo_li, lo_off, hi_li, hi_off)
+
+    def _cut(self, drop: int, lo: tuple[int, int], hi: tuple[int, int], anchor: tuple[int, int]):
+        """The run less `drop` requests, from its long end while the anchor stays in, then from its
+        short end: a step of a row bucket's size computes no added row, and those left wait."""
+        lengths, buckets = self._lengths, self._buckets
+        (lo_li, lo_off), (hi_li, hi_off) = lo, hi
+        for _ in range(drop):
+            if (hi_li, hi_off) > anchor:
+                if hi_off > 0:
+                    hi_off -= 1
+                else:
+                    hi_li -= 1
+                    hi_off = len(buckets[lengths[hi_li]]) - 1
+            elif lo_off + 1 < len(buckets[lengths[lo_li]]):
+                lo_off += 1
+            else:
+                lo_li, lo_off = lo_li + 1, 0
+        return lo_li, lo_off, hi_li, hi_off
 
     def _take(self, lo_li: int, lo_off: int, hi_li: int, hi_off: int) -> Requests:
         """Removes the run from (lo_li, lo_off) to (hi_li, hi_off) and returns its requests."""
@@ -232,12 +259,11 @@ class Scheduler:
             if not arrival_of:
                 del self._arrival[call]
 
-    def _padded(self, rows: int, longest: int) -> int:
-        """The tokens a step of `rows` requests up to `longest` tokens computes."""
-        if self.shape is None:
-            return rows * longest
-        rows, longest = self.shape(rows, longest)
-        return rows * longest
+    def _free(self, count: int, longest: int, new_longest: int) -> bool:
+        """Whether one more request (making the longest `new_longest`) fits in the bucketed shape a
+        step of `count` up to `longest` computes anyway: it is then taken whatever its padding (an
+        empty row of the bucket would be padding too). Off a device, never."""
+        return self.shape is not None and self.shape(count + 1, new_longest) == self.shape(count, longest)
 
     def _cheaper_per_token(self, real: int, padded: int, new_real: int, new_padded: int) -> bool:
         """Whether real tokens per unit of step cost (overhead + padded tokens) go up."""

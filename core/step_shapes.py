@@ -50,6 +50,11 @@ def bucket_rows(rows: int) -> int:
     return ROW_LADDER[bisect.bisect_left(ROW_LADDER, max(rows, 1))]
 
 
+def rows_at_most(rows: int) -> int:
+    """The largest row bucket that is not more than `rows` (a step cut to it computes no added row)."""
+    return ROW_LADDER[bisect.bisect_right(ROW_LADDER, max(rows, 1)) - 1]
+
+
 def bucket_shape(rows: int, longest: int, cap: int) -> tuple[int, int]:
     return bucket_rows(rows), bucket_length(longest, cap)
 

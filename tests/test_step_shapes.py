@@ -10,13 +10,13 @@ import pytest
 
 from pooling_pipeline.core.columns import COL, TASK_CODE, Requests
 from pooling_pipeline.core.config import GPU_MAX_NUM_SEQS
-from pooling_pipeline.core.engine import GPU_BATCH_TOKENS, GPU_MAX_PADDING
+from pooling_pipeline.core.engine import GPU_BATCH_TOKENS, GPU_MAX_PADDING, MAX_OVERHEAD_TOKENS
 from pooling_pipeline.core.scheduler import Scheduler
 from pooling_pipeline.core.schema import blank_table
-from pooling_pipeline.core.step_shapes import bucket_length, bucket_rows, bucket_shape, padded_to
+from pooling_pipeline.core.step_shapes import ROW_LADDER, bucket_length, bucket_rows, bucket_shape, padded_to, rows_at_most
 
-# What the replay below holds the distinct step shapes to, per 1,000 steps (the buckets give ~20
-# there; without them a replay of 30,000 texts gave ~80 in ~470 steps).
+# What the replay below holds the distinct step shapes to, per 1,000 steps (the buckets give 23
+# there, against 181 distinct raw shapes; a replay of 30,000 texts gave ~80 in ~470 steps before).
 MAX_SHAPES_PER_1000_STEPS = 40
 
 
@@ -33,6 +33,7 @@ def test_buckets():
     assert lengths.tolist() == [3, 2, 1, 1]  # (added rows: one pad token each)
     same, _ = padded_to(ids, np.array([3, 2]), (2, 3), pad_id=0)
     assert same is ids
+    assert [rows_at_most(r) for r in (1, 3, 8, 11, 12, 100, 1024, 1100)] == [1, 2, 8, 8, 12, 96, 1024, 1024]
 
 
 def token_lengths(n: int, seed: int) -> np.ndarray:
@@ -65,9 +66,10 @@ def test_a_replay_of_real_texts_takes_few_step_shapes_on_device_settings():
     rng = np.random.default_rng(0)
     sample = token_lengths(3000, seed=7)
     window = 8 * GPU_MAX_NUM_SEQS  # (the engine's window at the GPU default: 8 x max_num_seqs)
-    scheduler = Scheduler(GPU_MAX_NUM_SEQS, GPU_BATCH_TOKENS, GPU_MAX_PADDING, overhead_tokens=2000.0,
+    # (a GPU step is mostly its fixed cost: the overhead the engine learns there is at its cap)
+    scheduler = Scheduler(GPU_MAX_NUM_SEQS, GPU_BATCH_TOKENS, GPU_MAX_PADDING, overhead_tokens=MAX_OVERHEAD_TOKENS,
                           capacity=window, shape=lambda rows, longest: bucket_shape(rows, longest, 512))
-    shapes, raw, real, bucketed, issued = [], set(), 0, 0, 0
+    shapes, raw, real, bucketed, issued, rows = [], set(), 0, 0, 0, []
     while len(shapes) < 1000:
         while len(scheduler) + 256 <= window:  # the window refilled as the engine admits messages
             lengths = rng.choice(sample, 256)
@@ -76,12 +78,15 @@ def test_a_replay_of_real_texts_takes_few_step_shapes_on_device_settings():
         step = scheduler.next_batch()
         shape = bucket_shape(len(step), int(step.lengths.max()), 512)
         shapes.append(shape)
+        rows.append(len(step))
         raw.add((len(step), int(step.lengths.max())))
         real += int(step.lengths.sum())
         bucketed += shape[0] * shape[1]
     distinct = len(set(shapes))
-    print(f"1,000 steps: {len(raw)} shapes unbucketed, {distinct} bucketed; real tokens {real / bucketed:.1%} "
-          "of the bucketed steps'")
+    print(f"1,000 steps: {len(raw)} shapes unbucketed, {distinct} bucketed; {np.mean(rows):.0f} texts a step; "
+          f"real tokens {real / bucketed:.1%} of the bucketed steps'")
     assert distinct <= MAX_SHAPES_PER_1000_STEPS, sorted(set(shapes))
     assert distinct < len(raw)
+    assert np.mean(rows) >= 200  # hundreds of short texts a step, within the token budget
+    assert all(r in ROW_LADDER for r in rows if r > 8)  # cut to a row bucket: no added rows
     assert real / bucketed >= 0.7, f"real tokens {real / bucketed:.0%} of the bucketed steps'"
