@@ -137,7 +137,7 @@ class Pipeline:
     """
 
     @takes_options(PipelineOptions, positional=PIPELINE_POSITIONAL)
-    def __init__(self, model: str | ModelSpec | None = None, **options) -> None:
+    def __init__(self, model: str | os.PathLike | ModelSpec | None = None, **options) -> None:
         """`model`: None (the bundled all-MiniLM-L6-v2), a local model directory, or a hub id
         "org/name" (with `revision`) resolved through the Hugging Face cache; or a `ModelSpec` a
         caller read already with `load_model_spec` (as `pipeline-run` does), used as it is."""

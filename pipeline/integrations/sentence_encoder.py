@@ -30,6 +30,7 @@ encode_document would; its `task_name` selects nothing.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,11 +53,12 @@ IGNORED_KEYWORDS = ("task_name", "prompt_type", "pool", "chunk_size")
 
 
 class SentenceEncoder:
-    def __init__(self, model: str | None = None, *, pipeline: Pipeline | None = None, **pipeline_options) -> None:
+    def __init__(self, model: str | os.PathLike | None = None, *, pipeline: Pipeline | None = None,
+                 **pipeline_options) -> None:
         if pipeline is not None and (model is not None or pipeline_options):
             raise ValueError("give either a pipeline to share, or a model and Pipeline options, not both")
         self._owns_pipeline = pipeline is None
-        self.pipeline = Pipeline(model, **pipeline_options) if pipeline is None else pipeline
+        self.pipeline: Pipeline = Pipeline(model, **pipeline_options) if pipeline is None else pipeline
         spec = self.pipeline.model_spec
         if "embed" not in spec.tasks:
             raise ValueError(f"SentenceEncoder needs an embedding model; this one can do {spec.tasks}")
@@ -168,11 +170,15 @@ class SentenceEncoder:
 
     # ---- encoding ----------------------------------------------------------------------------
 
-    def encode(self, sentences: str | Sequence[str], prompt_name: str | None = None, prompt: str | None = None,
+    # `sentences` (typed Any, as ST's inputs): a str, an image, a dict input, a conversation, or a list, array or
+    # MTEB DataLoader of them (`is_single_input` tells one input from a batch).
+    def encode(self, sentences: Any, prompt_name: str | None = None, prompt: str | None = None,
                batch_size: int = 32, show_progress_bar: bool | None = None,
                output_value: str | None = "sentence_embedding", precision: str = "float32",
                convert_to_numpy: bool = True, convert_to_tensor: bool = False, device: str | None = None,
                normalize_embeddings: bool = False, truncate_dim: int | None = None, **kwargs: Any):
+        """sentence-transformers' `encode`: the same arguments, return types and shapes (an [n, d] ndarray by
+        default, 1-D for one input); `batch_size` is accepted and ignored (the engine forms its own batches)."""
         if "task_metadata" in kwargs:  # MTEB 2's protocol: a DataLoader and the task it runs
             from pooling_pipeline.integrations.mteb_encoder import encode_for_mteb
 
@@ -219,7 +225,7 @@ class SentenceEncoder:
             vectors = quantize_embeddings(vectors, precision)
         return _shaped(vectors, single, convert_to_tensor, convert_to_numpy)
 
-    def encode_query(self, sentences: str | Sequence[str], prompt_name: str | None = None, prompt: str | None = None,
+    def encode_query(self, sentences: Any, prompt_name: str | None = None, prompt: str | None = None,
                      **kwargs: Any):
         """encode with the model's "query" prompt unless another is given (ST's encode_query); the
         placeholder makes it the empty prompt on a model without one, not the default prompt."""
@@ -228,7 +234,7 @@ class SentenceEncoder:
         kwargs.setdefault("task", "query")
         return self.encode(sentences, prompt_name=prompt_name, prompt=prompt, **kwargs)
 
-    def encode_document(self, sentences: str | Sequence[str], prompt_name: str | None = None,
+    def encode_document(self, sentences: Any, prompt_name: str | None = None,
                         prompt: str | None = None, **kwargs: Any):
         """encode with the model's "document" (else "passage", "corpus") prompt unless another is
         given (ST's encode_document): the "document" placeholder comes first, empty unless saved."""
