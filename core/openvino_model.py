@@ -128,7 +128,8 @@ def to_openvino(model: torch.nn.Module, spec, *, output: str, base: bool, token_
     inputs = ["input_ids", "attention_mask"] + (["token_type_ids"] if token_types else [])
     key = cache_key(spec, ov.__version__, output=output, base=base, inputs=inputs)
     folder = os.path.join(cache_root or default_cache_root(), "openvino", key)
-    info: dict = {"backend": "openvino", "openvino_version": ov.__version__, "conversion_cache": folder}
+    info: dict = {"backend": "openvino", "openvino_version": ov.__version__, "conversion_cache": folder,
+                  "omp_wait_policy": omp_wait_policy()}
     started = time.perf_counter()
     warnings: list[str] = []  # told to the caller at start-up (this process's log is not the caller's)
     converted, cached, saved = cached_conversion(ov, folder, key, lambda: _convert(ov, module, inputs, spec), warnings)
@@ -174,6 +175,12 @@ def to_openvino(model: torch.nn.Module, spec, *, output: str, base: bool, token_
     info["verification"] = "remembered" if not probes else "checked"
     info["precision"] = precision
     return runner, info
+
+
+def omp_wait_policy() -> str:
+    """How torch's OpenMP threads wait after a parallel loop in this process (read by OpenMP when torch
+    loaded): "PASSIVE" where the engine runs OpenVINO (pipeline/backends.engine_openmp_env says why)."""
+    return os.environ.get("OMP_WAIT_POLICY", "default (spin, then sleep)")
 
 
 class VerifiedChecks:
@@ -263,6 +270,7 @@ def checked_cached_conversion(spec, *, output: str, threads: int, precision: str
         return None
     touch_entry(folder)
     info: dict = {"backend": "openvino", "openvino_version": ov.__version__, "conversion_cache": folder,
+                  "omp_wait_policy": omp_wait_policy(),
                   "conversion": "cached", "conversion_s": 0.0, "load_s": round(time.perf_counter() - started, 3)}
     started = time.perf_counter()
     runner = OpenVINOModel(compile_for_cpu(ov, converted, threads, precision), output, inputs, False)

@@ -45,6 +45,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
+from pooling_pipeline.backends import engine_openmp_env
 from pooling_pipeline.core import messages as m
 from pooling_pipeline.core.config import EngineConfig, ModelSpec, WorkerConfig
 from pooling_pipeline.core.runtime import (
@@ -259,7 +260,9 @@ class ProcessGroup:
                     # oneDNN caches a compiled kernel per batch shape (1024 by default): with shapes that
                     # change every step that cache grew the engine by 124 MB over a 1M-request soak.
                     # A small cache keeps memory flat and costs nothing measurable.
-                    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16")}
+                    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16"),
+                    # torch's threads sleep after a loop where OpenVINO runs the forward (backends.py says why).
+                    **engine_openmp_env(backend, engine_devices[k], spec)}
                 profile_dir = os.environ.get("PIPELINE_PROFILE_DIR")
                 if profile_dir and k > 0:  # every engine core writes engine.prof: each in its own folder
                     env["PIPELINE_PROFILE_DIR"] = os.path.join(profile_dir, f"engine{k}")

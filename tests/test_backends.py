@@ -238,3 +238,44 @@ def test_start_up_says_what_precision_runs(model_path, caplog):
     with caplog.at_level(logging.INFO, logger="pipeline"), Pipeline(num_render_workers=1):
         pass
     assert not [r for r in caplog.records if "dtype='bfloat16'" in r.getMessage()]  # said once a process
+
+
+def _spec(input_module="transformer", trust_remote_code=False):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(input_module=input_module, trust_remote_code=trust_remote_code)
+
+
+def test_torch_threads_sleep_after_a_loop_only_where_openvino_runs_the_transformer():
+    """torch's OpenMP threads spinning after the pooling took the cores OpenVINO's next forward
+    needed (0.90-0.95x the pipeline's speed); on the torch backend, spinning is what keeps its own
+    forward fast (passive measured 0.95-0.98x). See pipeline/backends.engine_openmp_env."""
+    from pooling_pipeline.backends import engine_openmp_env
+
+    passive = {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert engine_openmp_env("openvino", "cpu", _spec(), environ={}) == passive
+    assert engine_openmp_env("auto", "cpu", _spec(), environ={}) == (passive if HAVE_OPENVINO else {})
+    assert engine_openmp_env("openvino", "cpu", _spec(), environ={"OMP_WAIT_POLICY": "ACTIVE"}) == {
+        "OMP_WAIT_POLICY": "ACTIVE"}, "the caller's own setting is kept"
+    for backend, device, spec in [("torch", "cpu", _spec()), ("auto", "cuda", _spec()), ("auto", "sim", _spec()),
+                                  ("auto", "cpu", _spec(trust_remote_code=True)),  # "auto" keeps torch for its code
+                                  ("auto", "cpu", _spec("dual_encoder")),  # the text tower runs on torch
+                                  ("torch", "cpu", _spec("static_embedding"))]:
+        assert engine_openmp_env(backend, device, spec, environ={}) == {}, (backend, device, spec)
+
+
+def _process_environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(item.decode().partition("=")[::2] for item in f.read().split(b"\0") if item)
+
+
+@pytest.mark.slow
+def test_the_engine_process_gets_the_wait_policy_of_its_backend(pipe, model_path, monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    engine = pipe.stats()["engine"]  # the session's default: "auto", OpenVINO where it is installed
+    if HAVE_OPENVINO:
+        assert engine["backend"] == "openvino" and engine["omp_wait_policy"] == "PASSIVE", engine
+        assert _process_environ(pipe.pids["engine"]).get("OMP_WAIT_POLICY") == "PASSIVE"
+    with Pipeline(model=model_path, backend="torch", num_render_workers=1) as torch_pipe:
+        assert "OMP_WAIT_POLICY" not in _process_environ(torch_pipe.pids["engine"])
+        assert torch_pipe.stats()["engine"]["backend"] == "torch"
