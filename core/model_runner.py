@@ -138,6 +138,9 @@ class ModelRunner:
         else:  # a Router route sharing a transformer the OpenVINO backend converted already
             self.uses_token_types = "token_type_ids" in self.model.inputs
         self.logit_rows = self._logit_score_rows() if spec.logit_score is not None else None
+        # Steps as on a CPU until `_device_steps` (below) says otherwise: the start-up probes run steps.
+        self.shapes_bucketed, self.mask_4d, self.graphed = False, False, None
+        self.output_name = "logits" if spec.sparse is not None or spec.head != "none" else "last_hidden_state"
         # A half-precision checkpoint run in float32 on a CPU: ST computes it in its own dtype there.
         checkpoint = half_checkpoint_dtype(getattr(config, "dtype", None))
         precision_note = (checkpoint_distance(self, checkpoint)
@@ -164,9 +167,6 @@ class ModelRunner:
         """Steps as on an accelerator (see __init__), or as on a CPU (nothing padded, the 2-D mask)."""
         on = on and isinstance(self.model, torch.nn.Module)  # (an OpenVINO model has shapes of its own)
         self.shapes_bucketed = on
-        self.mask_4d = False
-        self.graphed: GraphedForward | None = None
-        self.output_name = "logits" if self.spec.sparse is not None or self.spec.head != "none" else "last_hidden_state"
         if self.device.type == "cuda":
             self.backend_info["attention"] = sdpa_backends()
         if not on:

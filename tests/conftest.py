@@ -8,6 +8,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ.setdefault("ANONYMIZED_TELEMETRY", "False")  # chromadb (test_integrations): no network
+# Marks every process this test session starts (its children inherit it, Ray actors' groups too), so a
+# test that looks for leftover processes judges this session's only, not another run's on the machine.
+os.environ.setdefault("POOLING_PIPELINE_TEST_SESSION", os.urandom(8).hex())
 # The OpenVINO backend's conversions (backend "auto" with the extra installed): in a directory of this
 # session, removed at its end, never in the user's own cache.
 if "POOLING_PIPELINE_CACHE" not in os.environ:

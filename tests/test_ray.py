@@ -51,27 +51,30 @@ def expected(embed_model, records):
 
 
 def group_processes() -> set[int]:
-    """Engine cores and render workers of this interpreter, not started by this test process nor by
-    another pytest-xdist worker (whose groups come and go while these tests run)."""
+    """Engine cores and render workers of this test session's (conftest marks its environment, which
+    they inherit), not started by this test process nor by another pytest-xdist worker (whose groups
+    come and go while these tests run). Another run's on the machine -- another suite, a benchmark --
+    are not ours to judge: a run beside this one once failed these tests with its own groups."""
     mine = {p.pid for p in psutil.Process().children(recursive=True)}
     found = set()
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = p.info["cmdline"] or []
         if (cmd[:1] == [sys.executable] and ("pooling_pipeline.core.engine" in cmd or "pooling_pipeline.workers.main" in cmd)
-                and p.info["pid"] not in mine and not of_another_test_worker(p)):
+                and p.info["pid"] not in mine and of_this_test_worker(p)):
             found.add(p.info["pid"])
     return found
 
 
-def of_another_test_worker(p: psutil.Process) -> bool:
-    """A process of another xdist worker: its environment, inherited from that worker, names it. (A
-    Ray actor's groups inherit this worker's name through the launcher and the Ray instance it starts,
-    and keep it when orphaned.)"""
+def of_this_test_worker(p: psutil.Process) -> bool:
+    """A process of this session and this xdist worker: its environment, inherited from the test
+    process, says so. (A Ray actor's groups inherit it through the launcher and the Ray instance it
+    starts, and keep it when orphaned.)"""
     try:
-        theirs = p.environ().get("PYTEST_XDIST_WORKER")
+        env = p.environ()
     except (psutil.Error, OSError):
         return False
-    return theirs is not None and theirs != os.environ.get("PYTEST_XDIST_WORKER")
+    return (env.get("POOLING_PIPELINE_TEST_SESSION") == os.environ["POOLING_PIPELINE_TEST_SESSION"]
+            and env.get("PYTEST_XDIST_WORKER") == os.environ.get("PYTEST_XDIST_WORKER"))
 
 
 BEFORE = group_processes()  # another run's groups on this machine are not ours to judge
