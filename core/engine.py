@@ -37,6 +37,7 @@ import zmq
 from pooling_pipeline.core import messages as m
 from pooling_pipeline.core.columns import Requests, invalid_rows, task_lookup
 from pooling_pipeline.core.config import EngineConfig
+from pooling_pipeline.core.content_hash import cache_root
 from pooling_pipeline.core.runtime import (
     BusyClock,
     DropLog,
@@ -56,7 +57,6 @@ from pooling_pipeline.core.serial import Decoder, Encoder
 from pooling_pipeline.core.step_cost import StepCostModel, remembered_probe
 from pooling_pipeline.core.step_runner import StepRunner
 from pooling_pipeline.core.step_shapes import bucket_shape
-from pooling_pipeline.jobs.fingerprint import cache_root
 
 IDLE_WAIT_S = 0.5
 LAUNCH_AHEAD_ENV = "POOLING_PIPELINE_LAUNCH_AHEAD"

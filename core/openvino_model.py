@@ -10,7 +10,7 @@ torch.compile 1.16-1.21x after a 35 s first compile; ONNX Runtime (plain export)
 
 The cache never serves anything but a conversion of the model on disk: an entry is keyed by the
 whole content of every file that can shape the transformer's graph (`graph_files`, fingerprinted by
-`jobs.fingerprint.model_files`: a rewrite in place cannot keep the key), carries the sha256 of each
+`content_hash.model_files`: a rewrite in place cannot keep the key), carries the sha256 of each
 file it wrote (`checksums.json`), checked when it is read; a damaged entry is removed and rebuilt,
 naming it; a cache that cannot be read or written never stops a run (the conversion is made in
 memory and served, with one warning naming the path). A converted model is also checked against the
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from pooling_pipeline.core import staging as staging_folders
-from pooling_pipeline.jobs.fingerprint import cache_root, content_sha256, file_sha256, model_files
+from pooling_pipeline.core.content_hash import cache_root, content_sha256, file_sha256, model_files
 
 log = logging.getLogger("engine")
 

@@ -14,10 +14,27 @@ MTEB is imported only here, when MTEB calls: it is MTEB's own dependency, not th
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from pooling_pipeline.integrations.sentence_encoder import SentenceEncoder
+
+class SentenceEncoder(Protocol):
+    """What this module asks of the encoder MTEB hands back (integrations/sentence_encoder.py's
+    SentenceEncoder, which calls into this module: a protocol here, not an import, keeps the two
+    modules from importing each other)."""
+
+    model_card_data: Any
+    similarity_fn_name: str
+    prompts: dict[str, str]
+
+    def get_max_seq_length(self) -> int | None: ...
+
+    def get_embedding_dimension(self) -> int | None: ...
+
+    def encode(self, sentences: Any, **kwargs: Any) -> Any: ...
+
+    def encode_query(self, sentences: Any, **kwargs: Any) -> Any: ...
+
+    def encode_document(self, sentences: Any, **kwargs: Any) -> Any: ...
 
 # What MTEB passes with the DataLoader (besides its EncodeKwargs: batch_size, show_progress_bar,
 # precision, which encode takes as sentence-transformers does).
