@@ -34,6 +34,9 @@ SIMILARITIES = ("cosine", "dot", "euclidean", "manhattan")
 # short texts from making steps of thousands (the first GPU run's 64-text steps spread a ~17 ms
 # step over 64 texts).
 CPU_MAX_NUM_SEQS, GPU_MAX_NUM_SEQS = 64, 1024
+# The most pixels an image may have before a render worker decodes it (PipelineOptions.max_image_pixels):
+# PIL's own decompression-bomb warning threshold.
+DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
 
 class PoolingSpec(msgspec.Struct, kw_only=True):
     modes: list[PoolingMode]  # several are concatenated, in this order (as ST does)
@@ -124,10 +127,6 @@ class ImageSpec(msgspec.Struct, kw_only=True):
     # The vision transformer's sequence per image (patches, plus a class token where it has one):
     # an image request counts this many tokens in the engine's step budget.
     tokens: int
-    # How the render workers open images (the caller's options, see PipelineOptions): JPEG draft
-    # decoding (opt-in), and the most pixels an image may have before it is decoded.
-    draft: bool = False
-    max_pixels: int = 89_478_485
 
 
 class AdapterSpec(msgspec.Struct, kw_only=True):
@@ -207,11 +206,9 @@ class ModelSpec(msgspec.Struct, kw_only=True):
         """The most tokens one request puts through a transformer: what a step's token budget must
         hold. A static embedding takes any length in a step of its own (its bag costs a gather),
         so it does not count."""
-        if self.route_specs:
-            return max((route.longest_transformer_input for route in self.route_specs), default=0)
-        if self.image is not None:  # a dual encoder: the longer of a text and an image's vision sequence
-            return max(self.max_model_len, self.image.tokens)
-        return 0 if self.input_module == "static_embedding" else self.max_model_len
+        from pooling_pipeline.core.families import family_of  # (the families read ModelSpec: imported here)
+
+        return family_of(self).longest_input(self)
 
     @property
     def score_kind(self) -> str | None:
@@ -256,3 +253,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     io_processor: str | None = None  # "package.module:ClassName" plugin, loaded in each worker
     max_message_items: int = 16  # most engine inputs per message (the engine's window counts on it)
     log_level: str = "WARNING"
+    # How a worker of a model that takes images opens them (the caller's options, PipelineOptions):
+    # JPEG draft decoding (opt-in), and the most pixels an image may have before it is decoded.
+    image_draft: bool = False
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS

@@ -38,6 +38,7 @@ from pooling_pipeline.core import messages as m
 from pooling_pipeline.core.columns import Requests, invalid_rows, task_lookup
 from pooling_pipeline.core.config import EngineConfig
 from pooling_pipeline.core.content_hash import cache_root
+from pooling_pipeline.core.families import family_of
 from pooling_pipeline.core.runtime import (
     BusyClock,
     DropLog,
@@ -160,7 +161,6 @@ class EngineCore:
         importing = time.perf_counter()
         import torch
 
-        from pooling_pipeline.core.model_runner import ModelRunner
 
         self.cfg = cfg
         self.log = log
@@ -172,23 +172,10 @@ class EngineCore:
             from pooling_pipeline.core.sim_device import SimRunner
 
             self.runner = SimRunner(cfg.model, cfg.sim)
-        elif cfg.model.input_module == "static_embedding":  # no transformer: a table and a mean
-            from pooling_pipeline.core.model_runner import resolve_device
-            from pooling_pipeline.core.static_runner import StaticEmbeddingRunner
-
-            self.runner = StaticEmbeddingRunner(cfg.model, resolve_device(cfg.device))
-        elif cfg.model.input_module == "dual_encoder":  # CLIP, SigLIP: a text and an image tower
-            from pooling_pipeline.core.dual_encoder_runner import DualEncoderRunner
-            from pooling_pipeline.core.model_runner import resolve_device, resolve_dtype
-
-            device = resolve_device(cfg.device)
-            self.runner = DualEncoderRunner(cfg.model, device, resolve_dtype(cfg.dtype, device, "float32"),
-                                            backend=cfg.backend, threads=cfg.torch_threads)
-        else:
+        else:  # what the model's family runs (core/families/)
             forced_steps = {"1": True, "0": False}.get(os.environ.get(DEVICE_STEPS_ENV, ""))
-            self.runner = ModelRunner(cfg.model, cfg.device, cfg.dtype, backend=cfg.backend,
-                                      threads=cfg.torch_threads, quantize=cfg.quantize, device_steps=forced_steps,
-                                      cuda_graphs=forced_steps)
+            switches = {} if forced_steps is None else {"device_steps": forced_steps, "cuda_graphs": forced_steps}
+            self.runner = family_of(cfg.model).runner(cfg, **switches)
         on_cpu = str(self.runner.device) == "cpu"
         # A CPU step is done when launched; elsewhere the next one is launched before waiting.
         # LAUNCH_AHEAD_ENV=1 forces launching ahead on a CPU too (how tests run the loop of the

@@ -23,19 +23,12 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
-import msgspec
 import numpy as np
 
-from pooling_pipeline.backends import (
-    describe_backend,
-    describe_checkpoint_precision,
-    describe_faster_precision,
-    dual_encoder_backend,
-    engine_backend,
-    static_backend,
-)
+from pooling_pipeline.backends import describe_backend, describe_checkpoint_precision, describe_faster_precision
 from pooling_pipeline.call_stats import CallStats
 from pooling_pipeline.core.config import ModelSpec
+from pooling_pipeline.core.families import family_of
 from pooling_pipeline.core.model_folder.load import load_model_spec
 from pooling_pipeline.core.options import checked
 from pooling_pipeline.core.sim_device import resolve_sim_device
@@ -55,7 +48,7 @@ from pooling_pipeline.options import (
     takes_options,
 )
 from pooling_pipeline.outputs import RankedDocument, ScoringOutput
-from pooling_pipeline.process_group import ProcessGroup
+from pooling_pipeline.process_group import GroupPlan, ProcessGroup
 from pooling_pipeline.request_options import refused_entries
 from pooling_pipeline.similarity import similarity
 
@@ -174,25 +167,18 @@ class Pipeline:
             from pooling_pipeline.workers.render import load_plugin
 
             self._plugin = load_plugin(opts.io_processor)  # in the caller too, for post_process (errors early)
-        if spec.input_module == "dual_encoder":
-            backend = dual_encoder_backend(opts.backend, opts.quantize, device, DTYPE_ALIASES[opts.dtype])
-        else:
-            backend = engine_backend(opts.backend, opts.quantize, device, DTYPE_ALIASES[opts.dtype])
-        if spec.input_module == "static_embedding":
-            backend = static_backend(opts.backend, opts.quantize, DTYPE_ALIASES[opts.dtype])
+        family = family_of(spec)  # (what the model is to each process: core/families/)
+        family.check_options(spec, opts.image_decode)
+        backend = family.backend(opts.backend, opts.quantize, device, DTYPE_ALIASES[opts.dtype])
         self.cpu_plan = plan_cpu(opts.num_render_workers, devices[0] if engines > 1 else device,
                                  engine_threads=opts.engine_threads, data_parallel_size=engines)
         log.debug("CPU plan: %s", self.cpu_plan)
         self._local = threading.local()  # per thread: its running call and its last call's stats
         self._last_stats = CallStats()  # the last call of any thread
-        self._group = ProcessGroup(
-            spec, num_workers=self.cpu_plan.render_workers, engine_threads=self.cpu_plan.engine_threads,
-            device=device, dtype=DTYPE_ALIASES[opts.dtype], max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=opts.max_num_batched_tokens, window=self.engine_window,
-            max_message_items=self.batch_items, io_processor=opts.io_processor, log_level=opts.log_level,
-            startup_timeout_s=opts.startup_timeout_s, heartbeat_timeout_s=opts.heartbeat_timeout_s,
-            step_timeout_s=opts.step_timeout_s, data_parallel_size=engines, engine_devices=devices,
-            backend=backend, quantize=opts.quantize, **({"sim": sim} if sim is not None else {}))
+        self._group = ProcessGroup(spec, GroupPlan(
+            options=opts, render_workers=self.cpu_plan.render_workers, engine_threads=self.cpu_plan.engine_threads,
+            engine_devices=devices, dtype=DTYPE_ALIASES[opts.dtype], max_num_seqs=max_num_seqs,
+            engine_window=self.engine_window, message_items=self.batch_items, backend=backend, sim=sim))
         try:
             self._dispatcher = Dispatcher(self._group, max_inflight=self.max_inflight, batch_items=self.batch_items)
         except BaseException:
@@ -539,25 +525,13 @@ def _model_spec(model: str | ModelSpec | None, opts: PipelineOptions) -> ModelSp
     """The model's spec: read from its folder, or as a caller read it (then `revision` and
     `trust_remote_code` were applied when it was read, and the options must not say otherwise)."""
     if not isinstance(model, ModelSpec):
-        return with_image_options(load_model_spec(model, trust_remote_code=opts.trust_remote_code,
-                                                  revision=opts.revision), opts)
+        return load_model_spec(model, trust_remote_code=opts.trust_remote_code, revision=opts.revision)
     if opts.revision is not None:
         raise ValueError("revision applies to a hub model id, not to a ModelSpec (read at its revision already)")
     if opts.trust_remote_code != model.trust_remote_code:
         raise ValueError(f"trust_remote_code={opts.trust_remote_code} but the ModelSpec was read with "
                          f"trust_remote_code={model.trust_remote_code}")
-    return with_image_options(model, opts)
-
-
-def with_image_options(spec: ModelSpec, opts: PipelineOptions) -> ModelSpec:
-    """A dual encoder's spec with how its render workers open images; refused for any other model."""
-    if spec.image is None:
-        if opts.image_decode != "exact":
-            raise ValueError(f"image_decode={opts.image_decode!r} applies to a dual encoder (CLIP, SigLIP), and model "
-                             f"{spec.path!r} takes no images")
-        return spec
-    image = msgspec.structs.replace(spec.image, draft=opts.image_decode == "draft", max_pixels=opts.max_image_pixels)
-    return msgspec.structs.replace(spec, image=image)
+    return model
 
 
 def _score_routes(spec, route, num_queries: int, num_docs: int):

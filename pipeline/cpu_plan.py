@@ -11,10 +11,10 @@ threads are split between them (at least one each); on GPUs each engine core has
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import asdict, dataclass
 
 from pooling_pipeline.core.config import CPU_MAX_NUM_SEQS, GPU_MAX_NUM_SEQS
+from pooling_pipeline.core.devices import cuda_expected
 
 
 @dataclass(frozen=True)
@@ -35,15 +35,6 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
-def cuda_expected(device: str) -> bool:
-    """Whether the engine will likely run on CUDA -- without importing torch in the caller."""
-    if device.startswith("cuda") or device == "sim":  # the simulated device stands for a GPU
-        return True
-    if device != "auto" or os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
-        return False
-    return os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi") is not None
 
 
 def default_max_num_seqs(device: str) -> int:

@@ -16,6 +16,7 @@ import msgspec
 import numpy as np
 
 from pooling_pipeline.core.config import ModelSpec
+from pooling_pipeline.core.families import family_of
 from pooling_pipeline.core.messages import PoolingParams, RenderBatch, RenderOptions, RenderParams
 from pooling_pipeline.core.schema import ids_out_of_range
 from pooling_pipeline.image_inputs import image_input, is_image_string, is_numeric_array, is_pil_image, prompt_size
@@ -53,7 +54,7 @@ def build_requests(prompts: object, opts: CallOptions, spec: ModelSpec, tokeniza
     elif opts.plugin:
         items = _plugin_items(prompts)
     else:
-        items = as_prompt_iterable(prompts, images=spec.image is not None)
+        items = as_prompt_iterable(prompts, images=family_of(spec).takes("image"))
     count = len(items) if isinstance(items, (list, tuple)) else None
     values = RequestValues(opts, spec, count)
     side = opts.truncation_side or tokenization.truncation_side
@@ -84,6 +85,7 @@ class RequestSource:
                  truncate_left: bool, values: RequestValues, refused: dict[int, str]) -> None:
         self.prompts = prompts
         self.opts, self.spec, self.call = opts, spec, call
+        self.takes_images = family_of(spec).takes("image")  # (the model's family says: core/families/)
         self.num_special_tokens, self.truncate_left = num_special_tokens, truncate_left
         self.values = values  # each request's per-request options
         self.refused = refused
@@ -144,7 +146,7 @@ class RequestSource:
         (a generator is read one at a time, never ahead); and whether the input is exhausted."""
         prompts: list = []
         chars = 0
-        images = self.spec.image is not None
+        images = self.takes_images
         for prompt in itertools.islice(self.prompts, limit):
             prompts.append(prompt)
             kind = type(prompt)
@@ -166,13 +168,13 @@ class RequestSource:
         kinds = set(map(type, prompts))
         indices = np.arange(first, first + len(prompts), dtype=np.int64)
         if kinds == {str}:
-            if self.spec.image is not None and any(map(is_image_string, prompts)):
+            if self.takes_images and any(map(is_image_string, prompts)):
                 return None  # images among the texts (each is checked alone)
             joined = "".join(prompts)
             if not joined.isascii() and not _valid_unicode(joined):
                 return None
             return self._batch(indices, self.shared, texts=prompts)
-        if kinds != {np.ndarray} or self.spec.image is not None:
+        if kinds != {np.ndarray} or self.takes_images:
             return None  # (arrays are images, or refused, for a model that takes images: each checked alone)
         try:
             flat = np.concatenate(prompts)  # (a copy: the caller may change its arrays later)
@@ -444,7 +446,7 @@ def resolve_max_tokens(spec: ModelSpec, opts: CallOptions, num_special_tokens: i
 
 
 def parse_prompt(prompt: object, index: int, spec: ModelSpec) -> dict[str, Any]:
-    if spec.image is not None:  # a dual encoder: images first, as ST decides a modality
+    if family_of(spec).takes("image"):  # (a dual encoder) images first, as ST decides a modality
         image = image_input(prompt, index)
         if image is not None:
             return {"image": image}

@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 
+from pooling_pipeline.core.config import DEFAULT_MAX_IMAGE_PIXELS
 from pooling_pipeline.core.options import (
     MAX_TOKENS,
     REQUEST_OPTIONS,
@@ -169,7 +170,7 @@ class PipelineOptions(msgspec.Struct, frozen=True, kw_only=True):
         "cost for camera-size photos, slightly different pixels (README: its cosine to the exact path)")] = "exact"
     max_image_pixels: Annotated[up_to(MAX_IMAGE_PIXELS), described(
         "dual encoders: an image of more pixels is a per-request error before it is decoded (a "
-        "decompression bomb); default PIL's warning threshold")] = 89_478_485
+        "decompression bomb); default PIL's warning threshold")] = DEFAULT_MAX_IMAGE_PIXELS
 
 
 # How many of PipelineOptions' fields `Pipeline(...)` also takes by position (after `model`).

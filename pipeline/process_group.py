@@ -40,14 +40,15 @@ import tempfile
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 import zmq
 
-from pooling_pipeline.backends import engine_openmp_env
 from pooling_pipeline.core import messages as m
 from pooling_pipeline.core.config import EngineConfig, ModelSpec, WorkerConfig
+from pooling_pipeline.core.families import family_of
 from pooling_pipeline.core.runtime import (
     GROUP_KEY_ENV,
     HEARTBEAT_INTERVAL_S,
@@ -58,8 +59,10 @@ from pooling_pipeline.core.runtime import (
     socket,
 )
 from pooling_pipeline.core.serial import KEY_BYTES, Decoder, Encoder
+from pooling_pipeline.core.sim_device import SimDevice
 from pooling_pipeline.errors import EngineDeadError, PipelineError, WorkerStartError
 from pooling_pipeline.group_dir import DIR_PREFIX, make_group_dir
+from pooling_pipeline.options import PipelineOptions
 
 log = logging.getLogger("pipeline")
 
@@ -163,19 +166,32 @@ class Child:
         return text[-LOG_TAIL_CHARS:].strip()
 
 
+@dataclass(frozen=True)
+class GroupPlan:
+    """What a process group is started with: the caller's options as they are declared
+    (`PipelineOptions`, one object from the caller to each child's config) and what the Pipeline
+    derived from them and the model."""
+
+    options: PipelineOptions
+    render_workers: int
+    engine_threads: int  # torch threads of each engine core
+    engine_devices: list[str]  # one per engine core (cuda:k, or the option's device)
+    dtype: str  # the option's, its alias resolved
+    max_num_seqs: int  # the option's, or the device's default
+    engine_window: int  # requests admitted in each engine core
+    message_items: int  # requests per message to a worker and from it to the engine
+    backend: str  # what the model's family asks the engine cores for (core/families/)
+    sim: SimDevice | None = None  # device "sim": the simulated accelerator
+
+
 class ProcessGroup:
-    def __init__(self, spec: ModelSpec, *, num_workers: int, engine_threads: int, device: str, dtype: str,
-                 max_num_seqs: int, max_num_batched_tokens: int | None, window: int, max_message_items: int,
-                 io_processor: str | None, log_level: str, startup_timeout_s: float, heartbeat_timeout_s: float,
-                 step_timeout_s: float, data_parallel_size: int, sim=None,
-                 engine_devices: list[str] | None = None, backend: str = "torch", quantize: str | None = None) -> None:
-        """Every value comes from the Pipeline (its defaults are PipelineOptions'). `engine_devices`:
-        the device of each of the `data_parallel_size` engine cores (default: `device` for each);
-        `engine_threads`: torch threads of each engine core; `sim`: the simulated device, for
-        device="sim"."""
-        engine_devices = list(engine_devices) if engine_devices is not None else [device] * data_parallel_size
+    def __init__(self, spec: ModelSpec, plan: GroupPlan) -> None:
+        """The engine core(s) and render workers of `spec`, started as `plan` says."""
+        opts = plan.options
+        num_workers, data_parallel_size, engine_devices = plan.render_workers, opts.data_parallel_size, plan.engine_devices
         if len(engine_devices) != data_parallel_size:
             raise ValueError(f"{len(engine_devices)} engine devices for data_parallel_size={data_parallel_size}")
+        self.plan = plan
         check_resources(num_workers, data_parallel_size)
         self.owner_pid = os.getpid()  # the group is this process's, not a forked child's
         self.spec = spec
@@ -216,18 +232,18 @@ class ProcessGroup:
             self.endpoints[f"engine_in_{k}"] = ep(f"engine-in-{k}")
             self.endpoints[f"control_{k}"] = ep(f"control-{k}")
         self.engine_inputs = [self.endpoints[f"engine_in_{k}"] for k in range(data_parallel_size)]
-        self.log_level = log_level
-        self.io_processor = io_processor
+        self.log_level = opts.log_level
+        self.io_processor = opts.io_processor
         # Liveness: a child that sends nothing for heartbeat_timeout_s (stopped, wedged) or stays
         # inside one piece of work for step_timeout_s is treated as dead. Nothing waits forever.
         # Silence is measured on the RunClock, so time this process was stopped does not count.
         self.clock = RunClock(FRONTEND_CLOCK_MAX_GAP_S)
-        self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.step_timeout_s = step_timeout_s
+        self.heartbeat_timeout_s = opts.heartbeat_timeout_s
+        self.step_timeout_s = opts.step_timeout_s
         self.last_seen: dict[tuple[str, int], float] = {}
         self.busy_s: dict[tuple[str, int], float] = {}
         self.ready: set[tuple[str, int]] = set()  # heartbeats are expected only once a child is ready
-        self.startup_timeout_s = startup_timeout_s  # a child (a restarted worker too) may take this long to be ready
+        self.startup_timeout_s = opts.startup_timeout_s  # a child (a restarted worker too) may take this long to be ready
         self.engines: list[Child] = []
         self.controls: list[zmq.Socket] = []
         self.control_ids = [secrets.token_bytes(ROUTING_ID_BYTES) for _ in range(data_parallel_size)]
@@ -245,24 +261,25 @@ class ProcessGroup:
             self.control = self.controls[0]
             self.work = [router_socket(self.ctx, ep(f"work-{i}")) for i in range(num_workers)]
             self.engine_cfgs = [EngineConfig(
-                model=spec, device=engine_devices[k], dtype=dtype, max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens, window=window, max_message_items=max_message_items,
-                torch_threads=engine_threads, input_endpoint=self.endpoints[f"engine_in_{k}"],
-                control_endpoint=self.endpoints[f"control_{k}"], control_routing_id=self.control_ids[k],
-                output_endpoint=self.endpoints["results"],
-                parent_pid=os.getpid(), log_level=log_level, index=k, backend=backend, quantize=quantize,
-                **({"sim": sim} if sim is not None else {}))
+                model=spec, device=engine_devices[k], dtype=plan.dtype, max_num_seqs=plan.max_num_seqs,
+                max_num_batched_tokens=opts.max_num_batched_tokens, window=plan.engine_window,
+                max_message_items=plan.message_items, torch_threads=plan.engine_threads,
+                input_endpoint=self.endpoints[f"engine_in_{k}"], control_endpoint=self.endpoints[f"control_{k}"],
+                control_routing_id=self.control_ids[k], output_endpoint=self.endpoints["results"],
+                parent_pid=os.getpid(), log_level=opts.log_level, index=k, backend=plan.backend,
+                quantize=opts.quantize, **({"sim": plan.sim} if plan.sim is not None else {}))
                 for k in range(data_parallel_size)]
             self.engine_cfg = self.engine_cfgs[0]
             for k, cfg in enumerate(self.engine_cfgs):
                 env = {
-                    "OMP_NUM_THREADS": str(engine_threads), "MKL_NUM_THREADS": str(engine_threads),
+                    "OMP_NUM_THREADS": str(plan.engine_threads), "MKL_NUM_THREADS": str(plan.engine_threads),
                     # oneDNN caches a compiled kernel per batch shape (1024 by default): with shapes that
                     # change every step that cache grew the engine by 124 MB over a 1M-request soak.
                     # A small cache keeps memory flat and costs nothing measurable.
                     "ONEDNN_PRIMITIVE_CACHE_CAPACITY": os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16"),
-                    # torch's threads sleep after a loop where OpenVINO runs the forward (backends.py says why).
-                    **engine_openmp_env(backend, engine_devices[k], spec)}
+                    # what the model's family starts its engine with (the transformer family: OpenMP's
+                    # threads sleep after a loop where OpenVINO runs the forward; it says why)
+                    **family_of(spec).engine_environment(plan.backend, engine_devices[k], spec, os.environ)}
                 profile_dir = os.environ.get("PIPELINE_PROFILE_DIR")
                 if profile_dir and k > 0:  # every engine core writes engine.prof: each in its own folder
                     env["PIPELINE_PROFILE_DIR"] = os.path.join(profile_dir, f"engine{k}")
@@ -319,7 +336,9 @@ class ProcessGroup:
                            routing_id=self.worker_ids[index], engine_endpoints=self.engine_inputs,
                            output_endpoint=self.endpoints["results"],
                            parent_pid=os.getpid(), io_processor=self.io_processor,
-                           max_message_items=self.engine_cfg.max_message_items, log_level=self.log_level)
+                           max_message_items=self.engine_cfg.max_message_items, log_level=self.log_level,
+                           image_draft=self.plan.options.image_decode == "draft",
+                           max_image_pixels=self.plan.options.max_image_pixels)
         child = self._spawn("worker", index, "pooling_pipeline.workers.main", cfg,
                             {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
         self.workers[index] = child

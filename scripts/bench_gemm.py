@@ -56,7 +56,7 @@ def add_openvino_rows(kernels: dict, forwards: dict, torch, model, spec, a, w, f
     in float32 and, on a CPU with bfloat16 units, bfloat16."""
     import openvino as ov
 
-    from pooling_pipeline.backends import openvino_cpu_has_bfloat16
+    from pooling_pipeline.core.devices import openvino_cpu_has_bfloat16
     from pooling_pipeline.core.openvino_model import BackendUnavailable, compile_for_cpu, to_openvino
 
     class Linear(torch.nn.Module):  # the one GEMM, its weight a constant of the graph

@@ -16,7 +16,8 @@ from tiny_models import build_bert
 from transformers import BertForTokenClassification
 
 from pooling_pipeline import Pipeline
-from pooling_pipeline.backends import describe_backend, openvino_cpu_has_bfloat16
+from pooling_pipeline.backends import describe_backend
+from pooling_pipeline.core.devices import openvino_cpu_has_bfloat16
 
 HAVE_OPENVINO = importlib.util.find_spec("openvino") is not None
 TOL = 1e-5
@@ -243,14 +244,18 @@ def test_start_up_says_what_precision_runs(model_path, caplog):
 def _spec(input_module="transformer", trust_remote_code=False):
     from types import SimpleNamespace
 
-    return SimpleNamespace(input_module=input_module, trust_remote_code=trust_remote_code)
+    return SimpleNamespace(input_module=input_module, trust_remote_code=trust_remote_code, path="model")
 
 
 def test_torch_threads_sleep_after_a_loop_only_where_openvino_runs_the_transformer():
     """torch's OpenMP threads spinning after the pooling took the cores OpenVINO's next forward
     needed (0.90-0.95x the pipeline's speed); on the torch backend, spinning is what keeps its own
-    forward fast (passive measured 0.95-0.98x). See pipeline/backends.engine_openmp_env."""
-    from pooling_pipeline.backends import engine_openmp_env
+    forward fast (passive measured 0.95-0.98x). See the transformer family's engine_environment
+    (core/families/transformer.py)."""
+    from pooling_pipeline.core.families import family_of
+
+    def engine_openmp_env(backend, device, spec, environ):
+        return family_of(spec).engine_environment(backend, device, spec, environ)
 
     passive = {"OMP_WAIT_POLICY": "PASSIVE"}
     assert engine_openmp_env("openvino", "cpu", _spec(), environ={}) == passive

@@ -56,21 +56,16 @@ def wire(message, expected):
 
 def engine_runner(spec):
     """The StepRunner the engine core builds for this model on a CPU in float32, with the torch
-    backend: the choice EngineCore.__init__ makes (core/engine.py), the same classes. Where the
-    engine comes to ask one family object for its runner, this asks it too."""
+    backend: what the model's family runs (core/families/), as EngineCore.__init__ asks it."""
+    from types import SimpleNamespace
+
     import torch
 
-    if spec.input_module == "static_embedding":
-        from pooling_pipeline.core.static_runner import StaticEmbeddingRunner
+    from pooling_pipeline.core.families import family_of
 
-        return StaticEmbeddingRunner(spec, torch.device("cpu"))
-    if spec.input_module == "dual_encoder":
-        from pooling_pipeline.core.dual_encoder_runner import DualEncoderRunner
-
-        return DualEncoderRunner(spec, torch.device("cpu"), torch.float32, backend="torch")
-    from pooling_pipeline.core.model_runner import ModelRunner
-
-    return ModelRunner(spec, "cpu", "float32", backend="torch")
+    cfg = SimpleNamespace(model=spec, device="cpu", dtype="float32", backend="torch",
+                          torch_threads=torch.get_num_threads(), quantize=None)
+    return family_of(spec).runner(cfg)
 
 
 class InProcess:

@@ -396,7 +396,9 @@ def test_the_class_position_tower_is_clips_whole_tower_and_only_clips(clip_dir, 
 def test_which_backend_runs_a_dual_encoder():
     """The caller's decision: "auto" reaches the engine (which tries OpenVINO for the image tower on a
     CPU in float32), torch where OpenVINO cannot apply, and what cannot be honoured is refused."""
-    from pooling_pipeline.backends import dual_encoder_backend
+    from pooling_pipeline.core.families import FAMILIES
+
+    dual_encoder_backend = FAMILIES["dual_encoder"].backend
 
     assert dual_encoder_backend("auto", None, "cpu", "auto") == "auto"
     assert dual_encoder_backend("auto", None, "cpu", "bfloat16") == "torch"

@@ -42,8 +42,8 @@ def no_process_group(monkeypatch):
     """`Pipeline(...)` stops where it would start processes (what it was given is kept)."""
     given = {}
 
-    def start(*args, **kwargs):
-        given.update(kwargs)
+    def start(spec, plan):
+        given["plan"] = plan
         raise _Started
 
     monkeypatch.setattr(api, "ProcessGroup", start)
@@ -102,7 +102,7 @@ def test_derived_windows_stay_within_their_bounds(no_process_group):
     with pytest.raises(_Started):
         pipe.__init__(max_num_seqs=MAX_NUM_SEQS, data_parallel_size=MAX_DATA_PARALLEL, device="cpu")
     assert pipe.max_inflight == MAX_INFLIGHT
-    assert no_process_group["window"] <= MAX_ENGINE_WINDOW
+    assert no_process_group["plan"].engine_window <= MAX_ENGINE_WINDOW
 
 
 def test_the_reorder_ring_grows_with_what_the_call_holds_and_keeps_every_answer():

@@ -17,7 +17,7 @@ import warnings
 
 import numpy as np
 
-from pooling_pipeline.core.config import ModelSpec
+from pooling_pipeline.core.config import DEFAULT_MAX_IMAGE_PIXELS, ModelSpec
 from pooling_pipeline.core.messages import ImageData
 from pooling_pipeline.workers.crop_window import MAX_RESIZED_PIXELS, CropWindow, gives_processors_bytes
 
@@ -42,11 +42,13 @@ class ImageRenderer:
     model's files, on the backend transformers picks in this environment (PIL, or torchvision
     where it is installed, as in ST's own process) -- and the opening rules above."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, draft: bool = False, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
+        """`draft`: JPEGs decoded at a reduced DCT scale that still covers the model's input (opt-in);
+        `max_pixels`: the most pixels an image may have before it is decoded (the caller's options)."""
         from PIL import Image, ImageOps  # (a worker of a text model never imports PIL)
         from transformers import AutoImageProcessor
 
-        self.spec, self.max_pixels = spec.image, spec.image.max_pixels
+        self.spec, self.draft, self.max_pixels = spec.image, draft, max_pixels
         self._image, self._exif_transpose = Image, ImageOps.exif_transpose
         self.malloc_tuned = keep_freed_memory()
         self.processor = AutoImageProcessor.from_pretrained(spec.path)
@@ -119,7 +121,7 @@ class ImageRenderer:
                                      "(a decompression bomb?)")
                 if width == 0 or height == 0:
                     raise ImageError(f"{what} is empty ({width}x{height})")
-                if self.spec.draft and opened.format == "JPEG":
+                if self.draft and opened.format == "JPEG":
                     opened.draft("RGB", (self.draft_side, self.draft_side))  # (both sides stay >= the model's input)
                 elif self.backend != "pil":
                     opened.close()  # (read for its size only)

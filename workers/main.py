@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
         from pooling_pipeline.workers.render import build_renderer, load_plugin
 
         plugin = load_plugin(cfg.io_processor) if cfg.io_processor else None
-        renderer = build_renderer(cfg.model, plugin)
+        renderer = build_renderer(cfg.model, plugin, cfg.image_draft, cfg.max_image_pixels)
         # Loading parsed the tokenizer's files and serialized its backend twice: hand the freed heap
         # back (~4 MB of a worker's ~100 with the bundled model; more with a large vocabulary).
         gc.collect()

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from pooling_pipeline.core.config import ModelSpec
+from pooling_pipeline.core.config import DEFAULT_MAX_IMAGE_PIXELS, ModelSpec
+from pooling_pipeline.core.families import family_of
 from pooling_pipeline.core.messages import PoolingParams, RenderBatch, RenderOptions, RenderParams
 from pooling_pipeline.core.schema import ids_out_of_range, packed_lengths, split_packed
 from pooling_pipeline.workers.packer import EngineInputPacker
@@ -31,7 +32,7 @@ def load_hf_tokenizer(spec: ModelSpec):
     the fast backend is taken from AutoTokenizer rather than read from tokenizer.json directly --
     except for ST's StaticEmbedding, which loads its tokenizer.json as it is.
     """
-    if spec.input_module == "static_embedding":
+    if family_of(spec).tokenizer_from_json:
         return static_tokenizer(spec)
     # (remote tokenizer code may import anything; a dual encoder's image processor needs PIL)
     with unused_imports_hidden(unless=spec.trust_remote_code, keep=image_processor_imports(spec)):
@@ -69,7 +70,7 @@ def image_processor_imports(spec: ModelSpec) -> tuple[str, ...]:
     """What a dual encoder's image processor imports, kept importable in its worker: PIL, and torch
     where torchvision is installed -- transformers picks its torchvision processors only where it
     finds torch too (as in ST's process), and they run on torch tensors."""
-    if spec.image is None:
+    if not family_of(spec).takes("image"):
         return ()
     return ("PIL", "torch") if importlib.util.find_spec("torchvision") is not None else ("PIL",)
 
@@ -146,7 +147,8 @@ def load_plugin(target: str):
 
 
 class Renderer:
-    def __init__(self, spec: ModelSpec, hf_tokenizer, plugin=None) -> None:
+    def __init__(self, spec: ModelSpec, hf_tokenizer, plugin=None, image_draft: bool = False,
+                 max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
         self.spec = spec
         self.hf = hf_tokenizer  # for chat templates
         backend = Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())
@@ -170,10 +172,10 @@ class Renderer:
         # document's vector as the call asked, a saved truncate_dim included).
         self.chunk_params = PoolingParams(normalize=False, dimensions=spec.embedding_size if spec.truncate_dim else None)
         self.images = None
-        if spec.image is not None:  # a dual encoder: its images are opened and resized here too
+        if family_of(spec).takes("image"):  # (a dual encoder: its images are opened and resized here too)
             from pooling_pipeline.workers.images import ImageRenderer
 
-            self.images = ImageRenderer(spec)
+            self.images = ImageRenderer(spec, draft=image_draft, max_pixels=max_image_pixels)
 
     def render(self, batch: RenderBatch) -> tuple[EngineInputPacker, list[tuple[int, str]]]:
         """The batch's engine inputs in columns, and the requests that failed with why."""
@@ -540,11 +542,13 @@ class Renderer:
         return arr.astype(np.int64)
 
 
-def build_renderer(spec: ModelSpec, plugin=None):
+def build_renderer(spec: ModelSpec, plugin=None, image_draft: bool = False,
+                   max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
     """The worker's renderer: one Renderer, or for a Router model one per route (each with its
-    route's own tokenizer and special-token rule)."""
+    route's own tokenizer and special-token rule). `image_draft`, `max_image_pixels`: how a model
+    that takes images has them opened (the caller's options, from the WorkerConfig)."""
     if not spec.route_specs:
-        return Renderer(spec, load_hf_tokenizer(spec), plugin)
+        return Renderer(spec, load_hf_tokenizer(spec), plugin, image_draft, max_image_pixels)
     return RoutedRenderer(spec, [Renderer(route, load_hf_tokenizer(route), plugin) for route in spec.route_specs])
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from pooling_pipeline.core.families import family_of
 from pooling_pipeline.image_inputs import IMAGE_EXTENSIONS
 from pooling_pipeline.jobs.job_errors import InputError, UsageError
 from pooling_pipeline.jobs.records import (
@@ -201,7 +202,7 @@ def check_image_job(job, sources: Sequence[Source]) -> None:
 
 def check_image_model(job, sources: Sequence[Source], spec) -> None:
     """--image-field needs a model that takes images (a folder of images was only taken for one)."""
-    if job.image_field is not None and spec.image is None:
+    if job.image_field is not None and not family_of(spec).takes("image"):
         raise UsageError(f"--image-field {job.image_field!r}: model {spec.path!r} takes no images (a dual encoder "
                          "such as CLIP or SigLIP does)")
 

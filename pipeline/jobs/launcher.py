@@ -38,6 +38,7 @@ import numpy as np
 from pooling_pipeline.backends import describe_backend
 from pooling_pipeline.call_stats import format_stats
 from pooling_pipeline.core.config import ModelSpec
+from pooling_pipeline.core.families import family_of
 from pooling_pipeline.jobs.image_records import (
     ImageRecordReader,
     check_image_field,
@@ -279,7 +280,7 @@ def run(job: JobSpec, interrupt: Interrupt | None = None) -> int:
             models.append(JobModel.read(job))
         return models[0]
 
-    sources = expand_job_inputs(job.input, job.input_format, job.image_field, lambda: job_model().spec.image is not None)
+    sources = expand_job_inputs(job.input, job.input_format, job.image_field, lambda: family_of(job_model().spec).takes("image"))
     check_image_job(job, sources)
     out = check_output(job.output, job.input)
     lock = OutputLock(out)

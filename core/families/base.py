@@ -1,0 +1,44 @@
+"""What every model family answers (see core/families/__init__.py)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pooling_pipeline.core.config import EngineConfig, ModelSpec
+
+
+class ModelFamily:
+    name: str = ""
+    # What its requests may be: "text" (texts, pairs, conversations, token ids), "image".
+    modalities: frozenset[str] = frozenset({"text"})
+    # A render worker loads the model's tokenizer.json as it is (ST's StaticEmbedding), not the
+    # tokenizer transformers configures from the folder.
+    tokenizer_from_json: bool = False
+
+    def takes(self, modality: str) -> bool:
+        return modality in self.modalities
+
+    def longest_input(self, spec: ModelSpec) -> int:
+        """The most tokens one request puts through a transformer: what a step's token budget must hold."""
+        return spec.max_model_len
+
+    def backend(self, backend: str, quantize: str | None, device: str, dtype: str) -> str:
+        """The backend the engine cores are asked for, checked in the caller before any process
+        starts: what cannot be honoured is a ValueError, never a silent change in the engine."""
+        raise NotImplementedError
+
+    def engine_environment(self, backend: str, device: str, spec: ModelSpec, environ: dict) -> dict[str, str]:
+        """Variables the engine core's process starts with (set before torch is imported there)."""
+        return {}
+
+    def check_options(self, spec: ModelSpec, image_decode: str) -> None:
+        """The caller's options that only some families take, refused where they do not apply."""
+        if image_decode != "exact" and not self.takes("image"):
+            raise ValueError(f"image_decode={image_decode!r} applies to a model that takes images (CLIP, SigLIP), and "
+                             f"model {spec.path!r} takes none")
+
+    def runner(self, cfg: EngineConfig, **device_steps: Any):
+        """What the engine core runs steps through (a core.step_runner.StepRunner). `device_steps`:
+        the tests' switches of the accelerator path (core/engine.py's DEVICE_STEPS_ENV)."""
+        raise NotImplementedError

@@ -1,0 +1,50 @@
+"""Dual encoders (CLIP, SigLIP): texts through a text tower, images through an image tower, both
+ending in one embedding space, as sentence-transformers 6 runs them.
+
+Its pieces, each in its own module: the model folder read into a spec (core/model_folder/
+dual_encoder.py: the towers, the image processor's facts); the engine's runner
+(core/dual_encoder_runner.py) and the image tower on OpenVINO (core/openvino_image_tower.py,
+core/image_features.py); the render worker's images (workers/images.py, workers/crop_window.py);
+which caller inputs are images (pipeline/image_inputs.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pooling_pipeline.core.devices import cuda_expected, openvino_installed
+from pooling_pipeline.core.families.base import ModelFamily
+from pooling_pipeline.core.families.transformer import INSTALL_HINT
+
+
+class DualEncoderFamily(ModelFamily):
+    name = "dual_encoder"
+    modalities = frozenset({"text", "image"})
+
+    def longest_input(self, spec) -> int:
+        return max(spec.max_model_len, spec.image.tokens)  # a text's, or an image's vision sequence
+
+    def backend(self, backend: str, quantize: str | None, device: str, dtype: str) -> str:
+        """The text tower runs on torch; the image tower on OpenVINO under backend="openvino" (a
+        CPU, float32) and under "auto" on a CPU in float32 where OpenVINO is installed and its
+        compiled tower gives torch's vectors (checked at every start; else torch); on torch
+        otherwise, in the dtype asked. int8 quantization covers text transformers only: refused,
+        not ignored."""
+        if quantize is not None:
+            raise ValueError(f"quantize={quantize!r} is not supported for a dual encoder (CLIP, SigLIP)")
+        full_precision = dtype in ("auto", "float32")
+        if backend != "openvino":
+            return "torch" if device == "sim" or not full_precision or cuda_expected(device) else backend
+        if device not in ("cpu", "auto") or cuda_expected(device) or not full_precision:
+            raise ValueError("backend='openvino' runs a dual encoder's image tower on the CPU in float32: pass "
+                             f"device='cpu' and dtype float32 or auto (got device={device!r}, dtype={dtype!r})")
+        if not openvino_installed():
+            raise ValueError(f"backend='openvino' needs the openvino package: {INSTALL_HINT}")
+        return "openvino"
+
+    def runner(self, cfg, **device_steps: Any):
+        from pooling_pipeline.core.dual_encoder_runner import DualEncoderRunner
+        from pooling_pipeline.core.model_runner import resolve_device, resolve_dtype
+
+        device = resolve_device(cfg.device)
+        return DualEncoderRunner(cfg.model, device, resolve_dtype(cfg.dtype, device, "float32"), backend=cfg.backend,
+                                 threads=cfg.torch_threads)
