@@ -12,12 +12,14 @@ is gathered with a few fancy-indexing operations whatever the number of messages
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from pooling_pipeline.core.options import TASKS
-from pooling_pipeline.core.schema import PARAM_CODES, TABLE_COLUMNS, blank_table, ragged_positions
+from pooling_pipeline.core.schema import DEFAULTS, PARAM_CODES, TABLE_COLUMNS, blank_table, ragged_positions
 
 # Each request is one row of an int64 matrix whose columns are `schema.TABLE_COLUMNS`, so that
 # selecting, storing and gathering requests is one array operation, not one per column.
@@ -199,10 +201,99 @@ def task_lookup(tasks) -> np.ndarray:
     return np.asarray([False, False] + [task in tasks for task in TASKS])
 
 
+# ---- the rules a row of an engine input keeps ----------------------------------------------------
+
+
+class RowRule(NamedTuple):
+    """A rule every row of an engine input keeps. `reads`: the request columns (`core.schema`) it
+    checks -- a message that carried none of them holds their defaults, which keep it, so the usual
+    message is not gone through it (a rule that reads none is one of the whole-message checks in
+    `invalid_rows`). `broken(requests, model, runs_task)`: a bool per row; `why(requests, model,
+    row)`: that row's reason."""
+
+    reads: tuple[str, ...]
+    broken: Callable[[Requests, Any, np.ndarray], np.ndarray]
+    why: Callable[[Requests, Any, int], str]
+
+
+def _no_image_tower(r: Requests, model, runs_task: np.ndarray) -> np.ndarray:
+    return (r.modality != 0) & (model.image is None)
+
+
+def _not_a_modality(r: Requests, model, runs_task: np.ndarray) -> np.ndarray:
+    return ((r.modality < 0) | (r.modality > 1)) & (model.image is not None)
+
+
+def _image_shape(model) -> tuple[int, int, int]:
+    return (model.image.channels, model.image.height, model.image.width)
+
+
+def _wrong_pixels(r: Requests, model, runs_task: np.ndarray) -> np.ndarray:
+    if model.image is None:
+        return np.zeros(len(r), bool)
+    return (r.modality == 1) & (r.pixels is None or r.pixels.shape[1:] != _image_shape(model))
+
+
+def _wrong_vision_tokens(r: Requests, model, runs_task: np.ndarray) -> np.ndarray:
+    if model.image is None:
+        return np.zeros(len(r), bool)
+    return (r.modality == 1) & (r.lengths != model.image.tokens)
+
+
+def _ids_outside_vocabulary(r: Requests, model, runs_task: np.ndarray) -> np.ndarray:
+    ids = r.token_ids.view(np.uint32)  # read as unsigned, a negative id is huge
+    if not ids.size or int(ids.max()) < model.vocab_size:
+        return np.zeros(len(r), bool)
+    rows = np.flatnonzero(r.lengths > 0)
+    row_max = np.zeros(len(r), np.uint32)
+    row_max[rows] = np.maximum.reduceat(ids, r.starts[rows])
+    return row_max >= model.vocab_size
+
+
+# In the order a row's reason is chosen (its first broken rule). A new request column with values
+# the engine must refuse gets its rule here, naming the column in `reads`; one any value of which
+# is valid (priority) needs none.
+ROW_RULES: tuple[RowRule, ...] = (
+    RowRule((), lambda r, model, runs: ~runs.take(r.task + 2),
+            lambda r, model, row: f"the task is not one this model runs ({model.tasks})"),
+    RowRule(("token_type_start",), lambda r, model, runs: (r.token_type_start < -1) | (r.token_type_start >= r.lengths),
+            lambda r, model, row: f"token_type_start {r.token_type_start[row]} is outside the prompt"),
+    RowRule(("pool_start",), lambda r, model, runs: r.pool_start < 0,
+            lambda r, model, row: f"pool_start {r.pool_start[row]} is negative"),
+    RowRule((), lambda r, model, runs: (r.dimensions == 0) | (r.dimensions < -1),
+            lambda r, model, row: f"dimensions {r.dimensions[row]} is not a positive count"),
+    RowRule(("chunk", "num_chunks"), lambda r, model, runs: (r.chunk != -1) & ((r.chunk < 0) | (r.chunk >= r.num_chunks)),
+            lambda r, model, row: f"chunk {r.chunk[row]} of {r.num_chunks[row]} is not a chunk of its document"),
+    RowRule(("route",), lambda r, model, runs: (r.route < -1) | (r.route >= len(model.routes)),
+            lambda r, model, row: f"route {r.route[row]} is not one of the model's {len(model.routes)} routes"),
+    RowRule(("expansion_start",),
+            lambda r, model, runs: (r.expansion_start != -1) & ((r.expansion_start < 1) | (r.expansion_start > r.lengths)),
+            lambda r, model, row: f"expansion_start {r.expansion_start[row]} is not a token of the row's {r.lengths[row]}"),
+    RowRule((), lambda r, model, runs: (r.lengths < 1) | (r.lengths > model.max_model_len) & (r.modality == 0),
+            lambda r, model, row: f"engine input has {r.lengths[row]} tokens; the model takes 1 to {model.max_model_len}"),
+    # Image rows (`modality` 1): a model with an image tower, pixels of its shape, and as many
+    # placeholder ids as its vision sequence.
+    RowRule(("modality",), _no_image_tower, lambda r, model, row: "an image input, but the model takes no images"),
+    RowRule(("modality",), _not_a_modality,
+            lambda r, model, row: f"modality {r.modality[row]} is not 0 (text) or 1 (image)"),
+    RowRule(("modality",), _wrong_pixels,
+            lambda r, model, row: f"an image's pixels must have the shape {_image_shape(model)}"),
+    RowRule(("modality",), _wrong_vision_tokens,
+            lambda r, model, row: f"an image row must count the model's {model.image.tokens} vision tokens"),
+    RowRule((), _ids_outside_vocabulary,
+            lambda r, model, row: f"engine input has token ids outside [0, {model.vocab_size})"),
+)
+# The request columns some rule reads: a message that carries one of them is gone through the rules.
+CHECKED_COLUMNS = frozenset(name for rule in ROW_RULES for name in rule.reads)
+if CHECKED_COLUMNS - DEFAULTS.keys():
+    raise RuntimeError(f"a row rule reads {sorted(CHECKED_COLUMNS - DEFAULTS.keys())}, which core.schema does not "
+                       "declare: this is a bug")
+
+
 def invalid_rows(requests: Requests, model, runs_task: np.ndarray, sent: AbstractSet[str] | None = None
                  ) -> list[tuple[int, str]]:
-    """The rows an engine must refuse, each with the first rule it breaks; [] for a valid
-    message, the usual case, found with a few array operations over the whole message.
+    """The rows an engine must refuse, each with the first rule of `ROW_RULES` it breaks; [] for a
+    valid message, the usual case, found with a few array operations over the whole message.
     `model` is the ModelSpec; `runs_task`, its `task_lookup`; `sent`, the request columns the
     message carried (None: any): a column it did not carry holds its default, which is valid."""
     n = len(requests)
@@ -211,68 +302,21 @@ def invalid_rows(requests: Requests, model, runs_task: np.ndarray, sent: Abstrac
     if requests.token_ids.dtype != np.int32:  # (the wire carries any allowed dtype)
         return [(row, f"engine input must be int32 token ids, got {requests.token_ids.dtype}")
                 for row in range(n)]
-    lengths, task = requests.lengths, requests.task
-    types, pool, dims = requests.token_type_start, requests.pool_start, requests.dimensions
-    ids = requests.token_ids
-    # The usual message passes a few whole-message checks; only one that fails is gone through rule by rule.
-    if (int(lengths.min()) >= 1 and int(lengths.max()) <= model.max_model_len
+    lengths, dims, ids = requests.lengths, requests.dimensions, requests.token_ids
+    # The usual message carries no column a rule reads and passes the rest as a few whole-message
+    # checks; only one that does not is gone through rule by rule.
+    if (sent is not None and not sent & CHECKED_COLUMNS
+            and int(lengths.min()) >= 1 and int(lengths.max()) <= model.max_model_len
             and not (ids.size and int(ids.view(np.uint32).max()) >= model.vocab_size)
-            and runs_task.take(task + 2).all() and int(dims.min()) >= -1 and not (dims == 0).any()
-            and sent is not None and not sent & {"token_type_start", "pool_start", "chunk", "num_chunks", "route",
-                                                 "expansion_start", "modality"}):
+            and runs_task.take(requests.task + 2).all() and int(dims.min()) >= -1 and not (dims == 0).any()):
         return []
-    chunk, num_chunks, route = requests.chunk, requests.num_chunks, requests.route
-    expansion_start = requests.expansion_start
-    # Rules in the order a row's reason is chosen: (broken, why) with `why(row)` the message.
-    rules = [
-        (~runs_task.take(task + 2),
-         lambda row: f"the task is not one this model runs ({model.tasks})"),
-        ((types < -1) | (types >= lengths), lambda row: f"token_type_start {types[row]} is outside the prompt"),
-        (pool < 0, lambda row: f"pool_start {pool[row]} is negative"),
-        ((dims == 0) | (dims < -1), lambda row: f"dimensions {dims[row]} is not a positive count"),
-        ((chunk != -1) & ((chunk < 0) | (chunk >= num_chunks)),
-         lambda row: f"chunk {chunk[row]} of {num_chunks[row]} is not a chunk of its document"),
-        ((route < -1) | (route >= len(model.routes)),
-         lambda row: f"route {route[row]} is not one of the model's {len(model.routes)} routes"),
-        ((expansion_start != -1) & ((expansion_start < 1) | (expansion_start > lengths)),
-         lambda row: f"expansion_start {expansion_start[row]} is not a token of the row's {lengths[row]}"),
-        ((lengths < 1) | (lengths > model.max_model_len) & (requests.modality == 0),
-         lambda row: f"engine input has {lengths[row]} tokens; the model takes 1 to {model.max_model_len}"),
-        *_image_rules(requests, model),
-    ]
-    if ids.size and int(ids.view(np.uint32).max()) >= model.vocab_size:  # read as unsigned, a negative id is huge
-        rows = np.flatnonzero(lengths > 0)
-        row_max = np.zeros(n, np.uint32)
-        row_max[rows] = np.maximum.reduceat(ids.view(np.uint32), requests.starts[rows])
-        rules.append((row_max >= model.vocab_size,
-                      lambda row: f"engine input has token ids outside [0, {model.vocab_size})"))
-    broken = np.zeros(n, bool)
-    for mask, _ in rules:
-        broken |= mask
-    if not broken.any():
-        return []
+    masks = [rule.broken(requests, model, runs_task) for rule in ROW_RULES]
+    broken = np.logical_or.reduce(masks)
     out = []
     for row in np.flatnonzero(broken).tolist():
-        why = next(why for mask, why in rules if mask[row])
-        out.append((row, why(row)))
+        first = next(k for k, mask in enumerate(masks) if mask[row])
+        out.append((row, ROW_RULES[first].why(requests, model, row)))
     return out
-
-
-def _image_rules(requests: Requests, model) -> list:
-    """The rules of image rows (`modality` 1): a model with an image tower, pixels of its shape, and
-    as many placeholder ids as its vision sequence."""
-    modality = requests.modality
-    if not modality.any():
-        return []
-    image = model.image
-    if image is None:
-        return [(modality != 0, lambda row: "an image input, but the model takes no images")]
-    shape = (image.channels, image.height, image.width)
-    wrong_pixels = requests.pixels is None or requests.pixels.shape[1:] != shape
-    return [((modality < 0) | (modality > 1), lambda row: f"modality {modality[row]} is not 0 (text) or 1 (image)"),
-            ((modality == 1) & wrong_pixels, lambda row: f"an image's pixels must have the shape {shape}"),
-            ((modality == 1) & (requests.lengths != image.tokens),
-             lambda row: f"an image row must count the model's {image.tokens} vision tokens")]
 
 
 def probe_batch(num_rows: int, num_tokens: int, token: int, task: str) -> Requests:

@@ -276,7 +276,7 @@ def test_the_engine_refuses_each_bad_row_naming_it_and_keeps_the_rest():
 
     from pooling_pipeline.core.columns import invalid_rows, task_lookup
 
-    model = SimpleNamespace(max_model_len=8, vocab_size=100, tasks=["embed"], routes=["query", "document"])
+    model = SimpleNamespace(max_model_len=8, vocab_size=100, tasks=["embed"], routes=["query", "document"], image=None)
     runs = task_lookup(model.tasks)
     good = (0, np.arange(3, dtype=np.int32))
     msg = engine_message("c-", [good, (1, np.arange(5, dtype=np.int32), m.PoolingParams(), {"token_type_start": 2})])
@@ -298,6 +298,45 @@ def test_the_engine_refuses_each_bad_row_naming_it_and_keeps_the_rest():
         assert "route 2" in refused[7]
     other = engine_message("c-", [good], task="classify")  # a task the model does not run
     assert "task" in invalid_rows(Requests.from_message(other), model, runs, other.columns.keys())[0][1]
+
+
+# A value each checked request column's rule refuses (with the columns it is read with), and the reason.
+BAD_COLUMN_VALUES = {
+    "token_type_start": ({"token_type_start": 3}, "token_type_start 3 is outside the prompt"),
+    "pool_start": ({"pool_start": -1}, "pool_start -1 is negative"),
+    "chunk": ({"chunk": 2, "num_chunks": 2}, "chunk 2 of 2 is not a chunk"),
+    "num_chunks": ({"chunk": 1, "num_chunks": 1}, "chunk 1 of 1 is not a chunk"),
+    "route": ({"route": 2}, "route 2 is not one of the model's 2 routes"),
+    "expansion_start": ({"expansion_start": 4}, "expansion_start 4 is not a token of the row's 3"),
+    "modality": ({"modality": 1}, "an image input, but the model takes no images"),
+}
+
+
+def test_the_columns_the_engine_checks_are_those_its_rules_read():
+    """The usual message (no checked column carried) skips the rules; which columns are checked is
+    read from the rules themselves (`ROW_RULES`), every one a column `core.schema` declares, so a
+    new column needs no edit in `invalid_rows` (issue 50, item 8). A message carrying one checked
+    column alone, with a value its rule refuses, is refused naming it; one carrying only columns
+    any value of which is valid (priority) passes."""
+    from types import SimpleNamespace
+
+    from pooling_pipeline.core.columns import CHECKED_COLUMNS, ROW_RULES, invalid_rows, task_lookup
+    from pooling_pipeline.core.schema import DEFAULTS
+
+    assert CHECKED_COLUMNS == {name for rule in ROW_RULES for name in rule.reads} <= DEFAULTS.keys()
+    assert set(BAD_COLUMN_VALUES) == CHECKED_COLUMNS  # (a new checked column gets its case here)
+    assert "priority" not in CHECKED_COLUMNS and "param_of" not in CHECKED_COLUMNS
+    model = SimpleNamespace(max_model_len=8, vocab_size=100, tasks=["embed"], routes=["query", "document"], image=None)
+    runs = task_lookup(model.tasks)
+    for name, (columns, why) in BAD_COLUMN_VALUES.items():
+        msg = engine_message("c-", [(0, np.arange(3, dtype=np.int32)),
+                                    (1, np.arange(3, dtype=np.int32), m.PoolingParams(), columns)])
+        assert name in msg.columns
+        refused = invalid_rows(Requests.from_message(msg), model, runs, msg.columns.keys())
+        assert [row for row, _ in refused] == [1] and why in refused[0][1], (name, refused)
+    free = engine_message("c-", [(0, np.arange(3, dtype=np.int32), m.PoolingParams(), {"priority": -5})])
+    assert set(free.columns) == {"priority"}
+    assert invalid_rows(Requests.from_message(free), model, runs, free.columns.keys()) == []
 
 
 def test_wire_structs_are_built_by_keyword_only():
