@@ -308,8 +308,11 @@ class Pipeline:
         prompt: str | Sequence[str | None] | None = None,
         route: str | Sequence[str | None] | None = None,
     ) -> list:
-        """Any task of the model: "embed", "classify", "token_embed", "token_classify", or "plugin"
-        (the io_processor's render/post_process around the forward pass). Defaults to the model's first task.
+        """Any task the model runs, by name: "embed" (`.embedding`), "classify" (`.probs`),
+        "token_embed" (`.data`: [num_tokens, dim]), "token_classify" (`.data`: [num_tokens, labels]),
+        "sparse_embed" (SPLADE: `.indices`, the token ids, and `.values`, their weights), or "plugin"
+        (the io_processor's render/post_process around the forward pass). Defaults to the model's
+        first task. A cross-encoder's pairs ("score") go through `score` and `rank`.
 
         Options:
             pooling_params=None
@@ -364,7 +367,9 @@ class Pipeline:
         prompt: str | Sequence[str | None] | None = None,
         route: str | Sequence[str | None] | None = None,
     ) -> Iterator:
-        """`encode` as a stream over any iterable, in input order, with bounded memory.
+        """`encode` as a stream over any iterable, in input order, with bounded memory: any task the
+        model runs, by name ("embed", "classify", "token_embed", "token_classify", "sparse_embed",
+        "plugin"; the model's first by default).
 
         Options:
             pooling_params=None

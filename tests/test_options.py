@@ -63,3 +63,14 @@ def test_a_per_request_option_is_declared_once():
         if option.column is not None:
             assert render_defaults[option.name] == DEFAULTS[option.name] == option.column
             assert option.name in OPTION_COLUMNS
+
+
+@pytest.mark.parametrize("name", ["encode", "encode_stream"])
+def test_encode_names_every_task_it_runs(name):
+    """`encode(task=...)` takes every task of the vocabulary but a cross-encoder's pairs (score() /
+    rank()): its docstring (and the stub's, generated from it) names each one (issue 50, item 8)."""
+    from pooling_pipeline.core.options import TASKS
+
+    doc = getattr(Pipeline, name).__doc__
+    for task in [t for t in TASKS if t != "score"] + ["plugin"]:
+        assert f'"{task}"' in doc, (name, task)
