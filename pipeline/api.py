@@ -379,8 +379,9 @@ class Pipeline:
         if values.pop("max_tokens_per_query") is not None or values.pop("max_tokens_per_doc") is not None:
             raise ValueError("max_tokens_per_query / max_tokens_per_doc apply to cross-encoders only; "
                              "use truncate_prompt_tokens")
-        if isinstance(values["priority"], (list, tuple)):
-            values["priority"] = None
+        if isinstance(values["priority"], (list, tuple)):  # (a list was once dropped here without a word)
+            raise ValueError("per-pair priority applies to cross-encoders only (an embedding model's score embeds "
+                             "each text once, and a query is shared by its pairs); give one int for the call")
         values["route"] = _score_routes(self.model_spec, values.get("route"), len(queries), len(docs))
         opts = self._options("embed" if kind == "bi_encoder" else "token_embed", **values)
         similarity_fn = self.model_spec.similarity

@@ -171,6 +171,22 @@ def test_out_of_range_priority_with_errors_return_fails_that_request_only(pipe):
     assert streamed[0].error.startswith("request 0: ") and streamed[1].error is None
 
 
+
+def test_a_priority_per_pair_of_an_embedding_models_score_is_refused_not_dropped(pipe):
+    """score() / rank() of a bi-encoder embed each text once (a query shared by its pairs), so a
+    priority per pair has no request to go to: a ValueError naming it, where it used to be dropped
+    without a word (issue 50, item 8). One priority for the call is honoured as everywhere."""
+    docs = ["a cat is a feline", "a dog"]
+    with pytest.raises(ValueError, match="per-pair priority applies to cross-encoders only"):
+        pipe.score("what is a cat?", docs, priority=[0, 1], use_tqdm=False)
+    with pytest.raises(ValueError, match="per-pair priority"):
+        pipe.rank("what is a cat?", docs, priority=(5, 0))
+    with pytest.raises(ValueError, match="per-pair priority"):
+        pipe.score(["q1", "q2"], docs, priority=[0, 1], errors="return", use_tqdm=False)
+    plain = pipe.score("what is a cat?", docs, use_tqdm=False)
+    urgent = pipe.score("what is a cat?", docs, priority=-3, use_tqdm=False)
+    assert [s.score for s in urgent] == pytest.approx([s.score for s in plain], abs=1e-6)
+
 @pytest.mark.slow
 def test_token_id_arrays_checked_by_block_name_the_bad_request(pipe):
     """A list of id arrays is range-checked a block at a time (one reduction for a thousand
