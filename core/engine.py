@@ -217,6 +217,7 @@ class EngineCore:
         # loop -> output thread: messages to send, or finished steps to pack; bounded by the window.
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.clock = BusyClock()
+        self.aborted_requests = 0  # dropped by aborts, waiting or on their way in (a server's disconnects)
         self._graphs_off_told = False
 
     def _probe_step_cost(self) -> tuple[float, float, str]:
@@ -255,7 +256,9 @@ class EngineCore:
             self.log.warning("CUDA graphs turned off: %s", graphs["off"])
             self._graphs_off_told = True
         return {**self.step_cost.info(), **{f"cuda_graphs_{k}": float(v) for k, v in graphs.items() if k != "off"},
-                **({"cuda_graphs_off": 1.0} if "off" in graphs else {})}
+                **({"cuda_graphs_off": 1.0} if "off" in graphs else {}),
+                # counters since start: waiting requests dropped by an abort (a client that left), time in steps
+                "aborted_requests": float(self.aborted_requests), "busy_total_s": self.clock.total_s}
 
     def serve(self, ctx: zmq.Context, to_front: zmq.Socket) -> None:
         inputs = socket(ctx, zmq.PULL, self.cfg.input_endpoint, bind=True)
@@ -318,6 +321,7 @@ class EngineCore:
         if self.aborts:  # inputs aborted before they arrived are dropped
             kept = self.aborts.keep(requests)
             if kept is not None:
+                self.aborted_requests += len(requests) - len(kept)
                 self.window.release(len(requests) - len(kept))
                 requests = kept
                 if not len(requests):
@@ -326,7 +330,9 @@ class EngineCore:
         self.window.release(self.scheduler.add(requests))
 
     def _abort(self, call: str, indices: list[int] | None) -> None:
-        self.window.release(self.scheduler.abort(call, indices))
+        dropped = self.scheduler.abort(call, indices)
+        self.aborted_requests += dropped
+        self.window.release(dropped)
         # Remember every aborted request, not only those still on their way: a chunked
         # document's other chunks may still come, and ids are never reused.
         self.aborts.add(call, indices)

@@ -25,6 +25,9 @@ ErrorsMode = Literal["raise", "return"]
 ERRORS_MODES: tuple[str, ...] = typing.get_args(ErrorsMode)
 # What happens to a text longer than the tokens kept: cut it, refuse it, or embed it in chunks.
 LongInputs = Literal["truncate", "error", "chunk"]
+# Ends the message of a request refused for its length under long_inputs='error' (a server answers it
+# with its "payload too large" status: pooling_pipeline.serve).
+TOO_LONG_MARK = "(long_inputs='error')"
 LONG_INPUTS: tuple[str, ...] = typing.get_args(LongInputs)
 TruncationSide = Literal["left", "right"]
 # What runs the model's transformer: torch, or OpenVINO on a CPU (core/openvino_model.py); "auto":

@@ -189,6 +189,7 @@ class BusyClock:
         self.run_clock = run_clock or RunClock()
         self.since: float | None = None
         self.last_s = 0.0  # how long the last piece of work took (wall time, for stats)
+        self.total_s = 0.0  # all pieces of work so far (a server's "engine busy" is its rate of change)
         self._started = 0.0
 
     def __enter__(self) -> BusyClock:
@@ -198,6 +199,7 @@ class BusyClock:
 
     def __exit__(self, *exc) -> None:
         self.last_s = time.perf_counter() - self._started
+        self.total_s += self.last_s
         self.since = None
 
     def busy_s(self) -> float:

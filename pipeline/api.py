@@ -226,6 +226,12 @@ class Pipeline:
     def pids(self) -> dict:
         return self._live_group().pids
 
+    def healthy(self) -> bool:
+        """True while the process group can serve: not closed, its engine cores alive (a server's
+        health check; a dead engine closes the group at the next call or health check)."""
+        group = self._group
+        return group is not None and not group.closed and self._dispatcher.failure is None
+
     def _live_group(self) -> ProcessGroup:
         group = self._group
         if group is None:

@@ -123,6 +123,11 @@ class Pipeline:
     @property
     def pids(self) -> dict: ...
 
+    def healthy(self) -> bool:
+        """True while the process group can serve: not closed, its engine cores alive (a server's
+        health check; a dead engine closes the group at the next call or health check).
+        """
+
     def embed(
         self,
         prompts: Any,

@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 from pooling_pipeline.core.config import DEFAULT_MAX_IMAGE_PIXELS, ModelSpec
 from pooling_pipeline.core.families import family_of
 from pooling_pipeline.core.messages import PoolingParams, RenderBatch, RenderOptions, RenderParams
+from pooling_pipeline.core.options import TOO_LONG_MARK
 from pooling_pipeline.core.schema import ids_out_of_range, packed_lengths, split_packed
 from pooling_pipeline.workers.packer import EngineInputPacker
 from pooling_pipeline.workers.truncation import TruncatingTokenizer
@@ -506,7 +507,7 @@ class Renderer:
         if count > budget:
             total = count + self.tokenizer.num_special_tokens
             raise ValueError(f"prompt has {'' if exact else 'at least '}{total} tokens, more than the "
-                             f"{max_tokens} this call keeps (long_inputs='error')")
+                             f"{max_tokens} this call keeps {TOO_LONG_MARK}")
 
     def _chunks(self, text: str, opts: RenderOptions) -> list[list[int]]:
         """Chunk mode: the whole document in chunks of `max_tokens` (special tokens included),

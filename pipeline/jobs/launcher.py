@@ -37,6 +37,7 @@ import numpy as np
 
 from pooling_pipeline.backends import describe_backend
 from pooling_pipeline.call_stats import format_stats
+from pooling_pipeline.cli_flags import declared_flag, positive_int
 from pooling_pipeline.core.config import ModelSpec
 from pooling_pipeline.core.families import family_of
 from pooling_pipeline.jobs.image_records import (
@@ -55,7 +56,7 @@ from pooling_pipeline.jobs.output_dir import OutputLock, check_output
 from pooling_pipeline.jobs.records import INPUT_FORMATS, RecordReader
 from pooling_pipeline.jobs.results_store import CALIBRATION_ROWS, ERRORS, FORMATS, PRECISIONS, VECTOR_COLUMNS, ResultWriter
 from pooling_pipeline.jobs.summary import print_local_summary
-from pooling_pipeline.options import CallOptions, PipelineOptions, declared
+from pooling_pipeline.options import CallOptions, PipelineOptions
 
 SAMPLE = Path(__file__).resolve().parent / "data" / "sample.jsonl"
 # One result per record (pair scoring needs two texts per record): a vector, per-token rows, or
@@ -76,44 +77,11 @@ def parse_shard(value: str) -> tuple[int, int]:
     return i, n
 
 
-def positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"an integer is expected, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
-
-
 def field_list(value: str) -> tuple[str, ...]:
     fields = tuple(f.strip() for f in value.split(",") if f.strip())
     if not fields:
         raise argparse.ArgumentTypeError("give field names separated by commas, e.g. title,url")
     return fields
-
-
-def declared_flag(group, flag: str, struct_type: type, name: str, **given) -> None:
-    """Adds `flag` for the declared option `name` (a Pipeline or call option: see the flag tables in
-    job_spec.py); `given` (metavar, a narrower type, its own help) wins over what the declaration says."""
-    mi = msgspec.inspect
-    option = declared(struct_type)[name]
-    t = option.type
-    if isinstance(t, mi.UnionType):  # X | None: the flag's absence is the None
-        t = next(x for x in t.types if not isinstance(x, mi.NoneType))
-    kwargs: dict = {"default": option.default}
-    if option.choices:
-        kwargs["choices"] = option.choices
-    elif isinstance(t, mi.BoolType):
-        kwargs["action"] = "store_true"
-    elif isinstance(t, mi.IntType):
-        kwargs["type"] = positive_int if t.ge == 1 else int
-    elif isinstance(t, mi.FloatType):
-        kwargs["type"] = float
-    text = given.pop("help", option.description.replace("%", "%%"))
-    if option.default not in (None, False) and "default" not in text:
-        text += " (default: %(default)s)"
-    group.add_argument(flag, help=text, **(kwargs | given))
 
 
 def build_parser() -> argparse.ArgumentParser:

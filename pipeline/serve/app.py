@@ -1,0 +1,277 @@
+"""The ASGI application: routing, authentication, the body bound, disconnect-abort, the mapping of the
+pipeline's exceptions to status codes, and the metrics every request feeds.
+
+A route is a `Route` (method, path, handler, dialect); each dialect's module lists its own
+(`openai_routes.ROUTES`, `tei_routes.ROUTES`, `rerank_routes.ROUTES`). A handler is
+`async def handler(request: Request) -> Response` and raises `HTTPError` for what it refuses; a
+`ValueError` / `TypeError` from the Pipeline (bad input, naming the request) becomes that dialect's
+4xx. While a handler runs, the client's connection is watched: a client that leaves has its handler
+cancelled, which aborts its pipeline call by id (the engine drops what it has not run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, NamedTuple
+
+import msgspec
+
+from pooling_pipeline.core.options import TOO_LONG_MARK
+from pooling_pipeline.errors import EngineDeadError, PipelineError, StepError
+from pooling_pipeline.serve.admission import Admission
+from pooling_pipeline.serve.http import (
+    ClientGone,
+    HTTPError,
+    decode_json,
+    encode_json,
+    error_body,
+    header,
+    read_body,
+    send_response,
+)
+from pooling_pipeline.serve.metrics import Metrics
+
+log = logging.getLogger("pipeline.serve")
+
+
+class ServeSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """What the operator chose for the HTTP side (the pipeline's own options are `PipelineOptions`)."""
+
+    served_model_names: tuple[str, ...]  # what `model` may say in a request; the first is the one listed
+    api_key: str | None = None  # Bearer token every route but /health asks for
+    max_body_bytes: int = 64 << 20  # a larger body is a 413 before it is read whole
+    max_client_batch_size: int = 1024  # inputs in one request (TEI's --max-client-batch-size)
+    max_queue_wait_s: float = 10.0  # how long a request waits for room in the window before its 429
+    auto_truncate: bool = False  # truncate over-long inputs where the request does not say (TEI's --auto-truncate)
+    allowed_local_media_path: str | None = None  # a directory image inputs may name files in (vLLM's flag)
+
+
+class Response(NamedTuple):
+    body: bytes
+    status: int = 200
+    content_type: bytes = b"application/json"
+    headers: list[tuple[bytes, bytes]] = []
+
+
+class Request:
+    """One HTTP request as a handler sees it: its body, and what every handler shares (`server`)."""
+
+    __slots__ = ("scope", "body", "server", "dialect")
+
+    def __init__(self, scope: dict, body: bytes, server: Server, dialect: str) -> None:
+        self.scope, self.body, self.server, self.dialect = scope, body, server, dialect
+
+    def json(self, type_: Any) -> Any:
+        return decode_json(self.body, type_, self.dialect)
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class Route(NamedTuple):
+    method: str
+    path: str
+    handler: Handler
+    dialect: str  # "openai" (vLLM's error body) or "tei"
+    inference: bool = True  # runs the model (counted in the latency histogram by its path)
+
+
+class Server:
+    """What every handler shares: the pipeline, the operator's settings, the admission bound and the
+    metrics. `pipe` is a started `Pipeline`; the server never closes it (its owner does)."""
+
+    def __init__(self, pipe, settings: ServeSettings) -> None:
+        self.pipe = pipe
+        self.settings = settings
+        self.spec = pipe.model_spec
+        if settings.max_client_batch_size > pipe.max_inflight:
+            raise ValueError(f"max_client_batch_size={settings.max_client_batch_size} is more than the pipeline's "
+                             f"max_inflight={pipe.max_inflight}: such a request could never be admitted")
+        self.admission = Admission(pipe.max_inflight, settings.max_queue_wait_s)
+        self.metrics = Metrics()
+        self.started = time.time()
+
+    def check_model(self, model: str | None) -> None:
+        """vLLM's rule: a request naming a model this server does not serve is a 404."""
+        if model is not None and model not in self.settings.served_model_names:
+            raise HTTPError(404, f"The model `{model}` does not exist.")
+
+    def check_batch(self, n: int, what: str = "inputs") -> None:
+        if n == 0:
+            raise HTTPError(400, f"{what} cannot be empty")
+        if n > self.settings.max_client_batch_size:
+            raise HTTPError(413, f"batch size {n} > maximum allowed batch size "
+                                 f"{self.settings.max_client_batch_size} (--max-client-batch-size)")
+
+    async def run(self, n: int, call: Awaitable) -> Any:
+        """Awaits a pipeline call of `n` inputs once the window has room for them (or 429)."""
+        self.check_batch(n)
+        try:
+            await self.admission.acquire(n)
+        except BaseException:
+            call.close()  # (the coroutine never started)
+            raise
+        try:
+            return await call
+        finally:
+            self.admission.release(n)
+            self.metrics.inputs += n
+
+    def count_tokens(self, outs) -> int:
+        tokens = sum(int(getattr(out, "num_prompt_tokens", 0)) for out in outs)
+        self.metrics.prompt_tokens += tokens
+        return tokens
+
+    def healthy(self) -> bool:
+        return self.pipe.healthy()
+
+    def gauges(self) -> dict[str, tuple[str, float]]:
+        whole = self.pipe.stats() if self.healthy() else {}
+        stats, engines = whole.get("group", {}), whole.get("engine_cores", [])
+        return {
+            "pipeline_healthy": ("1 when the process group is serving.", float(self.healthy())),
+            "pipeline_queue_waiting_requests": ("HTTP requests waiting for room in the window.",
+                                                float(self.admission.waiting)),
+            "pipeline_inputs_in_flight": ("Inputs admitted and not yet answered.", float(self.admission.inflight)),
+            "pipeline_requests_rejected_total": ("Requests answered 429 (no room in time).",
+                                                 float(self.admission.rejected)),
+            "pipeline_group_inflight": ("Requests issued to the workers and engines, not yet handed back.",
+                                        float(stats.get("inflight", 0))),
+            "pipeline_worker_restarts_total": ("Render workers replaced after a crash.",
+                                               float(stats.get("worker_restarts", 0))),
+            "pipeline_engine_busy_seconds_total": ("Seconds the engine cores spent in steps (their rate: engine busy).",
+                                                   sum(float(e.get("busy_total_s", 0.0)) for e in engines)),
+            "pipeline_engine_aborted_requests_total": ("Requests the engine cores dropped on an abort.",
+                                                       sum(float(e.get("aborted_requests", 0.0)) for e in engines)),
+        }
+
+
+class App:
+    """The ASGI callable: `App(server, routes)`."""
+
+    def __init__(self, server: Server, routes: list[Route]) -> None:
+        self.server = server
+        self.routes: dict[str, dict[str, Route]] = {}
+        for route in routes:
+            if route.method in self.routes.get(route.path, {}):
+                raise RuntimeError(f"two handlers for {route.method} {route.path}: this is a bug")
+            self.routes.setdefault(route.path, {})[route.method] = route
+        key = server.settings.api_key
+        self._expected = f"Bearer {key}".encode() if key else None
+
+    async def __call__(self, scope: dict, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return  # (no websockets)
+        started = time.perf_counter()
+        path = scope["path"]
+        by_method = self.routes.get(path)
+        route = by_method.get(scope["method"]) if by_method else None
+        dialect = route.dialect if route else "openai"
+        label = path if route else "unmatched"
+        try:
+            if by_method is None:
+                raise HTTPError(404, f"no route {path}")
+            if route is None:
+                raise HTTPError(405, f"{scope['method']} is not allowed on {path}; use {', '.join(by_method)}")
+            if self._expected is not None and path != "/health":
+                self._authenticate(scope)
+            body = await read_body(scope, receive, self.server.settings.max_body_bytes)
+            response = await self._handle(route, Request(scope, body, self.server, dialect), receive)
+        except ClientGone:
+            self.server.metrics.disconnects += 1
+            self.server.metrics.observe(label, 499, time.perf_counter() - started)  # (nginx's "client closed")
+            return
+        except Exception as e:
+            status, message, headers = self._failure(e, dialect)
+            self.server.metrics.errors[_error_kind(status)] += 1
+            response = Response(error_body(dialect, status, message), status, headers=headers)
+        await send_response(send, response.status, response.body, response.content_type, response.headers)
+        self.server.metrics.observe(label, response.status, time.perf_counter() - started)
+
+    def _authenticate(self, scope: dict) -> None:
+        given = header(scope, b"authorization") or b""
+        if not hmac.compare_digest(given, self._expected):  # constant time: no prefix leaks by timing
+            raise HTTPError(401, "Unauthorized: a valid 'Authorization: Bearer <api key>' header is required",
+                            headers=[(b"www-authenticate", b"Bearer")])
+
+    async def _handle(self, route: Route, request: Request, receive) -> Response:
+        """Runs the handler while watching the connection: a client that leaves cancels it (its
+        pipeline call is aborted by id) and ClientGone is raised."""
+        work = asyncio.ensure_future(route.handler(request))
+        watch = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the server itself is stopping this request
+            work.cancel()
+            raise
+        finally:
+            watch.cancel()
+        if not work.done():
+            work.cancel()
+            try:
+                await work
+            except (asyncio.CancelledError, Exception):
+                pass
+            raise ClientGone()
+        return work.result()
+
+    def _failure(self, e: Exception, dialect: str) -> tuple[int, str, list]:
+        if isinstance(e, HTTPError):
+            return e.status, e.message, e.headers
+        if isinstance(e, (ValueError, TypeError)):  # the caller's input, named by the pipeline
+            message = str(e)
+            too_long = TOO_LONG_MARK in message
+            return (413 if too_long and dialect == "tei" else 400), message, []
+        if isinstance(e, StepError):
+            return (424 if dialect == "tei" else 500), f"the model failed on this request: {e}", []
+        if isinstance(e, (EngineDeadError, PipelineError)):
+            return 503, f"the model is not available: {e}", []
+        log.exception("internal error")
+        return 500, f"internal error: {type(e).__name__}: {e}", []
+
+
+def _error_kind(status: int) -> str:
+    return {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
+            413: "too_large", 422: "invalid", 424: "model", 429: "overloaded", 503: "unavailable"}.get(status, "internal")
+
+
+async def _disconnected(receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _lifespan(receive, send) -> None:
+    """The pipeline is started before the server binds and closed after it stops (cli.py): nothing to do."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+async def health(request: Request) -> Response:
+    if not request.server.healthy():
+        raise HTTPError(503, "the process group is not serving")
+    return Response(b"", content_type=b"text/plain")
+
+
+async def metrics(request: Request) -> Response:
+    server = request.server
+    text = server.metrics.render(server.gauges())
+    return Response(text.encode(), content_type=b"text/plain; version=0.0.4; charset=utf-8")
+
+
+ROUTES = [Route("GET", "/health", health, "tei", inference=False),
+          Route("GET", "/metrics", metrics, "tei", inference=False)]
+__all__ = ["App", "Route", "Request", "Response", "Server", "ServeSettings", "ROUTES", "encode_json"]

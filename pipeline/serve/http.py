@@ -1,0 +1,118 @@
+"""The ASGI primitives every route shares: a request body read under a byte bound, a JSON answer, and
+the error bodies of each dialect (OpenAI / vLLM, text-embeddings-inference).
+
+JSON is read and written with msgspec (already a dependency): docs/serving-stack.md has the
+measurement that chose it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+_encoder = msgspec.json.Encoder()
+JSON = b"application/json"
+
+# Reason phrases of the status codes this server answers with (the error bodies name them too).
+REASONS = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
+           413: "Payload Too Large", 415: "Unsupported Media Type", 422: "Unprocessable Entity",
+           424: "Failed Dependency", 429: "Too Many Requests", 500: "Internal Server Error",
+           503: "Service Unavailable"}
+# vLLM's error `type` per status (its OpenAI-compatible server names the exception class).
+OPENAI_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "BadRequestError",
+                413: "BadRequestError", 415: "BadRequestError", 422: "BadRequestError", 429: "RateLimitError",
+                500: "InternalServerError", 503: "ServiceUnavailableError"}
+# text-embeddings-inference's `error_type` per status.
+TEI_TYPES = {400: "empty", 413: "validation", 422: "tokenizer", 424: "backend", 429: "overloaded",
+             503: "unhealthy"}
+
+
+class HTTPError(Exception):
+    """A request answered with an error status and a JSON body naming the problem. `headers`: extra
+    response headers (Retry-After on a 429, WWW-Authenticate on a 401)."""
+
+    def __init__(self, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers or []
+
+
+class BodyTooLarge(HTTPError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is larger than this server's limit of {limit} bytes "
+                              "(--max-body-bytes)")
+
+
+def error_body(dialect: str, status: int, message: str) -> bytes:
+    """The JSON error body a peer server gives: vLLM's for the OpenAI-shaped routes, TEI's for its own."""
+    if dialect == "tei":
+        return _encoder.encode({"error": message, "error_type": TEI_TYPES.get(status, "validation")})
+    return _encoder.encode({"error": {"message": message, "type": OPENAI_TYPES.get(status, "BadRequestError"),
+                                      "param": None, "code": status}})
+
+
+def header(scope: dict, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:  # ASGI servers give header names lower-cased
+            return value
+    return None
+
+
+async def read_body(scope: dict, receive: Receive, limit: int) -> bytes:
+    """The whole body, refused with 413 as soon as it would pass `limit` bytes: by its Content-Length
+    before a byte is read, else (chunked) when the bytes read pass it -- never held whole first."""
+    length = header(scope, b"content-length")
+    if length is not None:
+        try:
+            declared = int(length)
+        except ValueError:
+            raise HTTPError(400, f"Content-Length {length.decode('latin-1')!r} is not a number") from None
+        if declared > limit:
+            raise BodyTooLarge(limit)
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(limit)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer: nothing is sent."""
+
+
+def decode_json(body: bytes, type_: Any, dialect: str) -> Any:
+    """The body as `type_`: malformed JSON is a 400; well-formed JSON of the wrong shape a 422 for TEI's
+    routes (axum's Json extractor) and a 400 for the OpenAI-shaped ones (vLLM's validation errors)."""
+    if not body:
+        raise HTTPError(400, "the request has no body; a JSON object is expected")
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.ValidationError as e:
+        raise HTTPError(422 if dialect == "tei" else 400, f"invalid request: {e}") from None
+    except msgspec.DecodeError as e:
+        raise HTTPError(400, f"the body is not valid JSON: {e}") from None
+
+
+def encode_json(obj: Any) -> bytes:
+    return _encoder.encode(obj)
+
+
+async def send_response(send: Send, status: int, body: bytes, content_type: bytes = JSON,
+                        headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", content_type), (b"content-length", str(len(body)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})

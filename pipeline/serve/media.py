@@ -1,0 +1,58 @@
+"""A request's inputs as the Pipeline's prompts, with no file or network access that request content
+can drive: a text is always a text (a dual encoder would take a string naming an existing image file for
+that image, as sentence-transformers does: a server wraps it as {"text": ...}); an image is base64 or a
+`data:image/` URI, and a local file only under the directory the operator allowed
+(`--allowed-local-media-path`, vLLM's flag), never a URL."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+
+from pooling_pipeline.core.families import family_of
+from pooling_pipeline.serve.http import HTTPError
+
+
+def takes_images(spec) -> bool:
+    return "image" in family_of(spec).modalities
+
+
+def text_prompt(text: str, images: bool) -> object:
+    """A text as the pipeline reads it on this model: `{"text": ...}` where a bare string could be read
+    as an image file's name."""
+    return {"text": text} if images else text
+
+
+def image_prompt(value: object, index: int, allowed_dir: str | None) -> dict:
+    """An image input of a request: a `data:image/` URI, raw base64 of an image file, or (where the
+    operator allowed a directory) a path or file:// URI inside it."""
+    if not isinstance(value, str):
+        raise HTTPError(400, f"input {index}: an image is a string (base64 or a data:image/ URI), "
+                             f"got {type(value).__name__}")
+    if value.startswith("data:image/"):
+        return {"image": value}
+    if value.startswith(("http://", "https://")):
+        raise HTTPError(400, f"input {index}: image URLs are not fetched by this server; send the image as "
+                             "base64 or a data:image/ URI")
+    if allowed_dir is not None and (value.startswith("file://") or os.path.isabs(value)):
+        return {"image": _allowed_file(value.removeprefix("file://"), index, allowed_dir)}
+    try:
+        data = base64.b64decode(value, validate=False)
+        if not data or not value.strip():
+            raise binascii.Error("empty")
+    except (binascii.Error, ValueError):
+        local = " or a path under the allowed media directory" if allowed_dir else ""
+        raise HTTPError(400, f"input {index}: an image must be base64, a data:image/ URI{local}; got "
+                             f"{value[:80]!r}") from None
+    return {"image": data}
+
+
+def _allowed_file(path: str, index: int, allowed_dir: str) -> str:
+    real = os.path.realpath(path)
+    root = os.path.realpath(allowed_dir)
+    if os.path.commonpath([real, root]) != root:
+        raise HTTPError(400, f"input {index}: {path!r} is outside the allowed media directory")
+    if not os.path.isfile(real):
+        raise HTTPError(400, f"input {index}: {path!r} is not a file")
+    return real

@@ -1,0 +1,113 @@
+"""OpenAI's (and vLLM's) routes: `POST /v1/embeddings` and `GET /v1/models`, in their exact shapes.
+
+`input` is a string, a list of strings, a list of token ids or a list of such lists; `encoding_format`
+"float" (JSON numbers) or "base64" (the float32 little-endian bytes, what the `openai` client asks for
+by default and decodes with numpy); `dimensions` keeps the first k (a Matryoshka model's); `usage`
+counts the prompt tokens the model saw. vLLM's extras are taken too: `truncate_prompt_tokens`,
+`normalize`, `priority`, and (Infinity's) `modality: "image"` for a CLIP / SigLIP model.
+An input longer than the model's length is a 400 naming it unless the request (truncate_prompt_tokens)
+or the operator (--auto-truncate) asks for truncation, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+import msgspec
+import numpy as np
+
+from pooling_pipeline.core.messages import PoolingParams
+from pooling_pipeline.serve.app import Request, Response, Route
+from pooling_pipeline.serve.http import HTTPError, encode_json
+from pooling_pipeline.serve.media import image_prompt, takes_images, text_prompt
+
+
+class EmbeddingRequest(msgspec.Struct, kw_only=True):
+    input: Any
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    user: str | None = None
+    # vLLM's extras
+    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    normalize: bool | None = None
+    priority: int = 0
+    # Infinity's: the inputs are images (base64 / data:image/ URIs) for a CLIP / SigLIP model
+    modality: Literal["text", "image"] = "text"
+
+
+def prompts_of(value: Any, request: Request, modality: str = "text", field: str = "input") -> list:
+    """OpenAI's `input` forms as the pipeline's prompts: a string, a list of strings, a list of token
+    ids (one input), a list of lists of token ids; images when `modality` is "image"."""
+    spec = request.server.spec
+    images = takes_images(spec)
+    if modality == "image":
+        if not images:
+            raise HTTPError(400, "this model takes no images (modality 'image')")
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list):
+            raise HTTPError(400, f"`{field}` must be a string or a list of strings")
+        allowed = request.server.settings.allowed_local_media_path
+        return [image_prompt(item, i, allowed) for i, item in enumerate(items)]
+    if isinstance(value, str):
+        return [text_prompt(value, images)]
+    if not isinstance(value, list):
+        raise HTTPError(400, f"`{field}` must be a string, a list of strings, a list of token ids or a list of "
+                             f"such lists; got {type(value).__name__}")
+    if value and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        return [{"prompt_token_ids": value}]
+    prompts = []
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            prompts.append(text_prompt(item, images))
+        elif isinstance(item, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in item):
+            prompts.append({"prompt_token_ids": item})
+        else:
+            raise HTTPError(400, f"`{field}`[{i}] must be a string or a list of token ids, got "
+                                 f"{type(item).__name__}")
+    return prompts
+
+
+def long_input_options(request: Request, truncate_prompt_tokens: int | None) -> dict:
+    """How an over-long input is handled: cut where the request or the operator says, else refused."""
+    if truncate_prompt_tokens is not None:
+        return {"truncate_prompt_tokens": truncate_prompt_tokens, "long_inputs": "truncate"}
+    return {"long_inputs": "truncate" if request.server.settings.auto_truncate else "error"}
+
+
+async def embeddings(request: Request) -> Response:
+    body: EmbeddingRequest = request.json(EmbeddingRequest)
+    server = request.server
+    server.check_model(body.model)
+    prompts = prompts_of(body.input, request, body.modality)
+    params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
+    outs = await server.run(len(prompts), server.pipe.aembed(
+        prompts, pooling_params=params, priority=body.priority,
+        **long_input_options(request, body.truncate_prompt_tokens)))
+    tokens = server.count_tokens(outs)
+    if body.encoding_format == "base64":
+        data = [{"object": "embedding", "index": i, "embedding": _base64(out.data)} for i, out in enumerate(outs)]
+    else:
+        data = [{"object": "embedding", "index": i, "embedding": out.data.tolist()} for i, out in enumerate(outs)]
+    return Response(encode_json({"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                                 "model": body.model or server.settings.served_model_names[0], "data": data,
+                                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}))
+
+
+def _base64(vector: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(vector, dtype="<f4").tobytes()).decode("ascii")
+
+
+async def models(request: Request) -> Response:
+    server = request.server
+    created = int(server.started)
+    return Response(encode_json({"object": "list", "data": [
+        {"id": name, "object": "model", "created": created, "owned_by": "pooling-pipeline", "root": name,
+         "parent": None, "max_model_len": server.spec.max_model_len} for name in server.settings.served_model_names]}))
+
+
+ROUTES = [Route("POST", "/v1/embeddings", embeddings, "openai"),
+          Route("GET", "/v1/models", models, "openai", inference=False)]
