@@ -22,11 +22,11 @@ JSON = b"application/json"
 REASONS = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
            413: "Payload Too Large", 415: "Unsupported Media Type", 422: "Unprocessable Entity",
            424: "Failed Dependency", 429: "Too Many Requests", 500: "Internal Server Error",
-           503: "Service Unavailable"}
+           501: "Not Implemented", 503: "Service Unavailable"}
 # vLLM's error `type` per status (its OpenAI-compatible server names the exception class).
 OPENAI_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "BadRequestError",
                 413: "BadRequestError", 415: "BadRequestError", 422: "BadRequestError", 429: "RateLimitError",
-                500: "InternalServerError", 503: "ServiceUnavailableError"}
+                500: "InternalServerError", 501: "NotImplementedError", 503: "ServiceUnavailableError"}
 # text-embeddings-inference's `error_type` per status.
 TEI_TYPES = {400: "empty", 413: "validation", 422: "tokenizer", 424: "backend", 429: "overloaded",
              503: "unhealthy"}

@@ -1,0 +1,306 @@
+"""vLLM's pooling routes beside `/v1/embeddings`, in its exact shapes (dialect "openai"):
+
+- `POST /v1/rerank`, `/v2/rerank` (Jina / Cohere rerank, vLLM's `RerankRequest`): a query against
+  documents, best first; `top_n` keeps the best n (0, the default: all).
+- `POST /score`, `/v1/score` (vLLM's `ScoreRequest`): `text_1`/`text_2` (or `data_1`/`data_2`,
+  `queries`/`documents`, `queries`/`items`), 1:1, 1:N or N:N.
+- `POST /classify`, `/v1/classify` (vLLM serves `/classify`): class probabilities and the label of
+  the best class, named by the model's `id2label`.
+- `POST /pooling` (vLLM's generic route): the raw output of a task the model runs.
+
+A score is the API's `score`: a cross-encoder's (or an LLM reranker's) activated logit, as ST's
+CrossEncoder gives it; an embedding model's similarity of the two embeddings (cosine unless the
+model's similarity_fn_name says otherwise), as vLLM and ST's `similarity` give it; MaxSim for a
+ColBERT model. A route of a kind the model cannot do is vLLM's 501 ("The model does not support ...").
+A field this server cannot honour is refused by name, never ignored (unknown fields are ignored, as
+vLLM ignores them).
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import time
+import uuid
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+import numpy as np
+
+from pooling_pipeline.core.messages import PoolingParams
+from pooling_pipeline.core.model_folder.st_files import read_optional_json
+from pooling_pipeline.core.options import EMBEDDING_TASKS
+from pooling_pipeline.serve.app import Request, Response, Route
+from pooling_pipeline.serve.http import HTTPError, encode_json
+from pooling_pipeline.serve.media import takes_images, text_prompt
+from pooling_pipeline.serve.openai_routes import long_input_options, prompts_of
+
+UNSET: Any = msgspec.UNSET
+TokenLimit = Annotated[int, msgspec.Meta(ge=-1)]  # truncate_prompt_tokens: -1 is the model's maximum
+
+
+class _Common(msgspec.Struct, kw_only=True):
+    """What every pooling request of vLLM takes (`PoolingBasicRequestMixin`)."""
+
+    model: str | None = None
+    user: str | None = None
+    truncate_prompt_tokens: TokenLimit | None = None
+    priority: int = 0
+    use_activation: bool | None = None  # the head's activation (sigmoid / softmax); False: raw logits
+    # vLLM's fields that change results and that this server does not honour: refused when given.
+    padding: Any = UNSET
+    mm_processor_kwargs: Any = UNSET
+
+
+class RerankRequest(_Common, kw_only=True):
+    query: Any
+    documents: Any
+    top_n: Annotated[int, msgspec.Meta(ge=0)] = 0  # vLLM: 0 (or absent) is every document
+    return_documents: bool = True  # Jina's; vLLM always returns them
+    max_tokens_per_doc: Annotated[int, msgspec.Meta(ge=1)] | None = None  # Cohere v2's; cross-encoders only
+    truncation_side: Any = UNSET  # (a pair is cut as ST's CrossEncoder cuts it)
+
+
+class ScoreRequest(_Common, kw_only=True):
+    # vLLM takes one of these pairs of names (SCORE_SIDES), each a string or a list of strings.
+    text_1: Any = UNSET
+    text_2: Any = UNSET
+    data_1: Any = UNSET
+    data_2: Any = UNSET
+    queries: Any = UNSET
+    documents: Any = UNSET
+    items: Any = UNSET
+    truncation_side: Any = UNSET
+
+
+SCORE_SIDES = (("text_1", "text_2"), ("data_1", "data_2"), ("queries", "documents"), ("queries", "items"))
+
+
+class ClassifyRequest(_Common, kw_only=True):
+    input: Any
+    truncation_side: Literal["left", "right"] | None = None
+    add_special_tokens: bool = True
+    normalize: Any = UNSET  # removed by vLLM (refused there too)
+    messages: Any = UNSET  # vLLM's chat form
+
+
+PoolingTask = Literal["embed", "token_embed", "classify", "token_classify"]
+POOLING_TASKS = ("embed", "token_embed", "classify", "token_classify")
+
+
+class PoolingRequest(ClassifyRequest, kw_only=True):
+    task: PoolingTask | None = None  # default: the model's first task
+    dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None  # embedding tasks (Matryoshka)
+    encoding_format: Literal["float", "base64"] = "float"
+    embed_dtype: Literal["float32"] = "float32"  # base64: the float32 bytes
+    endianness: Literal["native", "little"] = "native"
+
+
+# ---- rerank ------------------------------------------------------------------------------------
+
+async def rerank_documents(request: Request) -> Response:
+    """A query against documents, best first (vLLM's and Jina's shape; TEI's `/rerank` hands over
+    bodies that carry `documents`)."""
+    body: RerankRequest = request.json(RerankRequest)
+    server = request.server
+    server.check_model(body.model)
+    _refuse_given(body, ("padding", "mm_processor_kwargs", "truncation_side"))
+    _check_scores(server.spec, "Rerank (Score) API")
+    query = _one_text(body.query, "query")
+    documents = _texts(body.documents, "documents")
+    scores = await _pair_scores(request, [query], documents, body, max_tokens_per_doc=body.max_tokens_per_doc)
+    tokens = server.count_tokens(scores)
+    # Best first; equal scores keep their input order (vLLM's stable sort, ST's CrossEncoder.rank).
+    order = sorted(range(len(scores)), key=lambda i: -scores[i].score)
+    if 0 < body.top_n < len(order):
+        order = order[: body.top_n]
+    results = []
+    for i in order:
+        result = {"index": i, "relevance_score": scores[i].score}
+        if body.return_documents:
+            result["document"] = {"text": documents[i], "multi_modal": None}
+        results.append(result)
+    return Response(encode_json({"id": f"rerank-{uuid.uuid4().hex}", "model": _model_name(body, server),
+                                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, "results": results}))
+
+
+# ---- score ---------------------------------------------------------------------------------------
+
+async def score(request: Request) -> Response:
+    body: ScoreRequest = request.json(ScoreRequest)
+    server = request.server
+    server.check_model(body.model)
+    _refuse_given(body, ("padding", "mm_processor_kwargs", "truncation_side"))
+    _check_scores(server.spec, "Score API")
+    first, second = _score_sides(body)
+    queries, documents = _texts(getattr(body, first), first), _texts(getattr(body, second), second)
+    if len(queries) != 1 and len(queries) != len(documents):
+        raise HTTPError(400, f"`{first}` and `{second}` must be 1:1, 1:N or N:N; got {len(queries)} and "
+                             f"{len(documents)} items")
+    scores = await _pair_scores(request, queries, documents, body)
+    tokens = server.count_tokens(scores)
+    data = [{"index": i, "object": "score", "score": s.score} for i, s in enumerate(scores)]
+    return Response(encode_json({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                                 "model": _model_name(body, server), "data": data, "usage": _usage(tokens)}))
+
+
+def _score_sides(body: ScoreRequest) -> tuple[str, str]:
+    given = {name for pair in SCORE_SIDES for name in pair if getattr(body, name) is not UNSET}
+    for pair in SCORE_SIDES:
+        if given == set(pair):
+            return pair
+    names = ", ".join(f"{a}/{b}" for a, b in SCORE_SIDES)
+    raise HTTPError(400, f"a score request gives one pair of: {names}; got {sorted(given) or 'none'}")
+
+
+async def _pair_scores(request: Request, queries: list[str], documents: list[str], body: _Common,
+                       max_tokens_per_doc: int | None = None) -> list:
+    """The API's `score` of the pairs (one query against every document, or pair by pair)."""
+    server = request.server
+    spec = server.spec
+    kind = spec.score_kind
+    if body.use_activation is not None and kind != "cross_encoder":
+        raise HTTPError(400, f"`use_activation` applies to a cross-encoder's scores; this model scores by the "
+                             f"{spec.similarity if kind == 'bi_encoder' else 'MaxSim'} of its embeddings")
+    images = takes_images(spec)  # (a CLIP model reads a bare string naming a file as that image)
+    firsts = [text_prompt(t, images) for t in queries]
+    seconds = [text_prompt(t, images) for t in documents]
+    # What the pipeline runs: a cross-encoder reads each pair at once; an embedding model embeds each text.
+    requests = len(seconds) if kind == "cross_encoder" else len(firsts) + len(seconds)
+    params = PoolingParams(use_activation=body.use_activation) if body.use_activation is not None else None
+    return await server.run(requests, server.pipe.ascore(
+        firsts, seconds, pooling_params=params, truncate_prompt_tokens=body.truncate_prompt_tokens,
+        priority=body.priority, max_tokens_per_doc=max_tokens_per_doc))
+
+
+def _check_scores(spec, api: str) -> None:
+    """vLLM answers 501 NotImplementedError on a route of a kind its model does not serve."""
+    if spec.score_kind is None:
+        raise HTTPError(501, f"The model does not support {api}")
+
+
+# ---- classify ------------------------------------------------------------------------------------
+
+async def classify(request: Request) -> Response:
+    body: ClassifyRequest = request.json(ClassifyRequest)
+    server = request.server
+    server.check_model(body.model)
+    if "classify" not in server.spec.tasks:
+        raise HTTPError(501, "The model does not support Classification API")
+    prompts = _text_inputs(body, request)
+    params = PoolingParams(use_activation=body.use_activation) if body.use_activation is not None else None
+    outs = await server.run(len(prompts), server.pipe.aclassify(prompts, pooling_params=params,
+                                                                 **_text_options(body, request)))
+    tokens = server.count_tokens(outs)
+    labels = model_labels(server.spec.base_path, server.spec.num_labels)
+    data = []
+    for i, out in enumerate(outs):
+        probs = out.data.tolist()
+        data.append({"index": i, "label": labels[int(np.argmax(out.data))], "probs": probs, "num_classes": len(probs)})
+    return Response(encode_json({"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                                 "model": _model_name(body, server), "data": data, "usage": _usage(tokens)}))
+
+
+@functools.lru_cache(maxsize=8)
+def model_labels(base_path: str, num_labels: int) -> tuple[str, ...]:
+    """The class names of the model's config.json `id2label`, as transformers reads them (vLLM's
+    `hf_config.id2label`): "LABEL_i" for a class the config does not name."""
+    id2label = read_optional_json(Path(base_path) / "config.json").get("id2label") or {}
+    return tuple(str(id2label.get(str(i), f"LABEL_{i}")) for i in range(num_labels))
+
+
+# ---- pooling -------------------------------------------------------------------------------------
+
+async def pooling(request: Request) -> Response:
+    body: PoolingRequest = request.json(PoolingRequest)
+    server = request.server
+    server.check_model(body.model)
+    task = body.task or server.spec.tasks[0]
+    if task not in POOLING_TASKS:
+        raise HTTPError(400, f"task {task!r} is not served on /pooling (it serves {list(POOLING_TASKS)}); this model "
+                             f"can do {server.spec.tasks}")
+    prompts = _text_inputs(body, request)
+    embedding = task in EMBEDDING_TASKS
+    # vLLM's use_activation is an embedding's normalization and a classifier's softmax / sigmoid.
+    params = PoolingParams(dimensions=body.dimensions,
+                           normalize=body.use_activation if embedding else None,
+                           use_activation=None if embedding else body.use_activation)
+    outs = await server.run(len(prompts), server.pipe.aencode(prompts, task=task, pooling_params=params,
+                                                               **_text_options(body, request)))
+    tokens = server.count_tokens(outs)
+    if body.encoding_format == "base64":
+        data = [{"index": i, "object": "pooling", "data": _base64(out.data)} for i, out in enumerate(outs)]
+    else:
+        data = [{"index": i, "object": "pooling", "data": out.data.tolist()} for i, out in enumerate(outs)]
+    return Response(encode_json({"id": f"pooling-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                                 "model": _model_name(body, server), "data": data, "usage": _usage(tokens)}))
+
+
+# ---- shared --------------------------------------------------------------------------------------
+
+def _text_inputs(body: ClassifyRequest, request: Request) -> list:
+    """classify's and pooling's `input` as prompts, with the fields they cannot honour refused."""
+    _refuse_given(body, ("padding", "mm_processor_kwargs"))
+    if body.normalize is not UNSET:
+        raise HTTPError(400, "Parameter `normalize` was removed; use `use_activation` instead.")
+    if body.messages is not UNSET:
+        raise HTTPError(400, "chat `messages` are not served on this route; send the text as `input`")
+    if not body.add_special_tokens:
+        raise HTTPError(400, "add_special_tokens=false is not supported: the model's special tokens are always added")
+    return prompts_of(body.input, request)
+
+
+def _text_options(body: ClassifyRequest, request: Request) -> dict:
+    return {"priority": body.priority, "truncation_side": body.truncation_side,
+            **long_input_options(request, body.truncate_prompt_tokens)}
+
+
+def _refuse_given(body: msgspec.Struct, names: tuple[str, ...]) -> None:
+    for name in names:
+        if getattr(body, name) is not UNSET:
+            raise HTTPError(400, f"`{name}` is not supported by this server (it would change the results); "
+                                 f"leave it out")
+
+
+def _one_text(value: Any, field: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and "content" in value:
+        raise HTTPError(400, f"`{field}`: multi-modal content is not supported by this server; send a string")
+    raise HTTPError(400, f"`{field}` must be a string, got {type(value).__name__}")
+
+
+def _texts(values: Any, field: str) -> list[str]:
+    """A string (one text) or a list of strings."""
+    if isinstance(values, str):
+        return [values]
+    if isinstance(values, dict) and "content" in values:
+        raise HTTPError(400, f"`{field}`: multi-modal content is not supported by this server; send strings")
+    if not isinstance(values, list):
+        raise HTTPError(400, f"`{field}` must be a string or a list of strings, got {type(values).__name__}")
+    if not values:
+        raise HTTPError(400, f"`{field}` cannot be empty")
+    return [_one_text(value, f"{field}[{i}]") for i, value in enumerate(values)]
+
+
+def _model_name(body: _Common, server) -> str:
+    return body.model or server.settings.served_model_names[0]
+
+
+def _usage(tokens: int) -> dict:
+    """vLLM's UsageInfo as its responses dump it."""
+    return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0, "prompt_tokens_details": None}
+
+
+def _base64(array: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(array, dtype="<f4").tobytes()).decode("ascii")
+
+
+ROUTES = [Route("POST", "/v1/rerank", rerank_documents, "openai"),
+          Route("POST", "/v2/rerank", rerank_documents, "openai"),
+          Route("POST", "/score", score, "openai"),
+          Route("POST", "/v1/score", score, "openai"),
+          Route("POST", "/classify", classify, "openai"),
+          Route("POST", "/v1/classify", classify, "openai"),
+          Route("POST", "/pooling", pooling, "openai")]

@@ -1,0 +1,238 @@
+"""pipeline-serve's rerank, score, classify and pooling routes (vLLM's shapes, Jina / Cohere rerank)
+against sentence-transformers and transformers: a tiny cross-encoder for /v1/rerank and /score (vs
+CrossEncoder), a 3-label classifier for /classify (vs transformers' softmax), the bundled embedding
+model for rerank by cosine (vs ST's similarity) and /pooling; and every refusal with vLLM's status and
+error body, each followed by a request that still works."""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import numpy as np
+import pytest
+from serve_helpers import started_server
+
+pytestmark = pytest.mark.slow
+
+QUERY = "what is a cat?"
+DOCS = ["a cat is a feline", "a dog", "cars", "the quick brown fox", "x", "Émile's café — 東京"]
+LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+TOL = 1e-5  # float32
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    """A cross-encoder (one label) and a 3-label classifier with named labels. A wide initializer
+    spreads their outputs (the default's scores differ in the 6th digit, too close to order)."""
+    from tiny_models import build_bert
+    from transformers import BertForSequenceClassification
+
+    root = tmp_path_factory.mktemp("serve-rerank")
+    return {"cross": build_bert(root / "cross", BertForSequenceClassification, num_labels=1, initializer_range=0.5),
+            "classify3": build_bert(root / "classify3", BertForSequenceClassification, num_labels=3,
+                                    initializer_range=0.5, id2label=LABELS,
+                                    label2id={v: k for k, v in LABELS.items()})}
+
+
+@pytest.fixture(scope="module")
+def cross(models):
+    with started_server("--model", models["cross"], "--served-model-name", "ce") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def classifier(models):
+    with started_server("--model", models["classify3"], "--served-model-name", "cls") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    with started_server("--served-model-name", "minilm") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(models):
+    from sentence_transformers import CrossEncoder
+
+    return CrossEncoder(models["cross"], device="cpu")
+
+
+def post(srv, path: str, body=None, content: bytes | None = None) -> httpx.Response:
+    if content is not None:
+        return httpx.post(srv.url + path, content=content, headers={"content-type": "application/json"}, timeout=60)
+    return httpx.post(srv.url + path, json=body, timeout=60)
+
+
+def assert_error(response: httpx.Response, status: int, words: str, type_: str = "BadRequestError") -> None:
+    """vLLM's error body: {"error": {"message", "type", "param", "code"}}, the message naming the problem."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == status and error["type"] == type_ and error["param"] is None
+    assert words in error["message"], error["message"]
+
+
+def pair_tokens(tokenizer, query: str, docs: list[str]) -> int:
+    return sum(len(tokenizer(query, d)["input_ids"]) for d in docs)
+
+
+# ---- rerank ------------------------------------------------------------------------------------------
+
+def test_rerank_is_cross_encoder_rank_best_first(cross, cross_encoder):
+    expected = cross_encoder.predict([(QUERY, d) for d in DOCS], convert_to_numpy=True)
+    ranked = [r["corpus_id"] for r in cross_encoder.rank(QUERY, DOCS)]
+    body = post(cross, "/v1/rerank", {"model": "ce", "query": QUERY, "documents": DOCS}).json()
+    assert body["id"].startswith("rerank-") and body["model"] == "ce"
+    assert [r["index"] for r in body["results"]] == ranked == list(np.argsort(-expected, kind="stable"))
+    got = np.array([r["relevance_score"] for r in body["results"]], dtype=np.float32)
+    np.testing.assert_allclose(got, expected[ranked], atol=TOL, rtol=0)
+    assert [r["document"] for r in body["results"]] == [{"text": DOCS[i], "multi_modal": None} for i in ranked]
+    tokens = pair_tokens(cross_encoder.tokenizer, QUERY, DOCS)
+    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+
+
+def test_rerank_top_n_return_documents_and_v2(cross, cross_encoder):
+    ranked = [r["corpus_id"] for r in cross_encoder.rank(QUERY, DOCS)]
+    top = post(cross, "/v2/rerank", {"query": QUERY, "documents": DOCS, "top_n": 2, "return_documents": False}).json()
+    assert [r["index"] for r in top["results"]] == ranked[:2]
+    assert all(set(r) == {"index", "relevance_score"} for r in top["results"])
+    every = post(cross, "/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": 0}).json()  # vLLM: 0 is all
+    assert [r["index"] for r in every["results"]] == ranked
+    beyond = post(cross, "/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": 50}).json()
+    assert len(beyond["results"]) == len(DOCS)
+    one = post(cross, "/v1/rerank", {"query": QUERY, "documents": DOCS[0]}).json()  # a string is one document
+    assert [r["index"] for r in one["results"]] == [0]
+
+
+def test_rerank_use_activation_false_is_the_raw_logit(cross, cross_encoder):
+    import torch
+
+    raw = cross_encoder.predict([(QUERY, d) for d in DOCS], activation_fn=torch.nn.Identity(), convert_to_numpy=True)
+    body = post(cross, "/v1/rerank", {"query": QUERY, "documents": DOCS, "use_activation": False}).json()
+    got = {r["index"]: r["relevance_score"] for r in body["results"]}
+    np.testing.assert_allclose([got[i] for i in range(len(DOCS))], raw, atol=TOL, rtol=0)
+
+
+def test_rerank_by_cosine_on_an_embedding_model(bundled, st_model):
+    expected = st_model.similarity(st_model.encode([QUERY]), st_model.encode(DOCS)).numpy()[0]
+    body = post(bundled, "/v1/rerank", {"model": "minilm", "query": QUERY, "documents": DOCS, "top_n": 3}).json()
+    order = list(np.argsort(-expected, kind="stable"))[:3]
+    assert [r["index"] for r in body["results"]] == order
+    np.testing.assert_allclose([r["relevance_score"] for r in body["results"]], expected[order], atol=TOL, rtol=0)
+    assert_error(post(bundled, "/v1/rerank", {"query": QUERY, "documents": DOCS, "use_activation": True}), 400,
+                 "use_activation")
+    assert post(bundled, "/v1/rerank", {"query": QUERY, "documents": DOCS}).status_code == 200
+
+
+# ---- score -------------------------------------------------------------------------------------------
+
+def test_score_one_to_n_and_n_to_n_match_cross_encoder(cross, cross_encoder):
+    one_to_n = post(cross, "/score", {"model": "ce", "text_1": QUERY, "text_2": DOCS}).json()
+    assert one_to_n["id"].startswith("score-") and one_to_n["object"] == "list" and one_to_n["model"] == "ce"
+    assert isinstance(one_to_n["created"], int)
+    assert [(d["index"], d["object"]) for d in one_to_n["data"]] == [(i, "score") for i in range(len(DOCS))]
+    np.testing.assert_allclose([d["score"] for d in one_to_n["data"]],
+                               cross_encoder.predict([(QUERY, d) for d in DOCS]), atol=TOL, rtol=0)
+    tokens = pair_tokens(cross_encoder.tokenizer, QUERY, DOCS)
+    assert one_to_n["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
+                                 "prompt_tokens_details": None}
+    queries, docs = ["a cat", "a dog", "a car"], DOCS[:3]
+    expected = cross_encoder.predict(list(zip(queries, docs)))
+    for names, path in ((("text_1", "text_2"), "/score"), (("data_1", "data_2"), "/v1/score"),
+                        (("queries", "documents"), "/score"), (("queries", "items"), "/v1/score")):
+        got = post(cross, path, {names[0]: queries, names[1]: docs}).json()
+        np.testing.assert_allclose([d["score"] for d in got["data"]], expected, atol=TOL, rtol=0, err_msg=str(names))
+    single = post(cross, "/score", {"text_1": QUERY, "text_2": DOCS[0]}).json()  # 1:1 as two strings
+    np.testing.assert_allclose([single["data"][0]["score"]], cross_encoder.predict([(QUERY, DOCS[0])]), atol=TOL)
+
+
+# ---- classify and pooling ----------------------------------------------------------------------------
+
+def test_classify_matches_transformers_softmax_with_named_labels(classifier, models):
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(models["classify3"])
+    model = AutoModelForSequenceClassification.from_pretrained(models["classify3"]).eval()
+    with torch.no_grad():
+        batch = tokenizer(DOCS, padding=True, return_tensors="pt")
+        expected = torch.softmax(model(**batch).logits, dim=-1).numpy()
+    body = post(classifier, "/classify", {"model": "cls", "input": DOCS}).json()
+    assert body["id"].startswith("classify-") and body["object"] == "list" and body["model"] == "cls"
+    np.testing.assert_allclose([d["probs"] for d in body["data"]], expected, atol=TOL, rtol=0)
+    assert [d["label"] for d in body["data"]] == [LABELS[int(i)] for i in expected.argmax(axis=1)]
+    assert {d["num_classes"] for d in body["data"]} == {3}
+    assert [d["index"] for d in body["data"]] == list(range(len(DOCS)))
+    tokens = int(batch["attention_mask"].sum())
+    assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] == tokens
+    one = post(classifier, "/v1/classify", {"input": DOCS[2]}).json()
+    np.testing.assert_allclose(one["data"][0]["probs"], expected[2], atol=TOL, rtol=0)
+    pooled = post(classifier, "/pooling", {"input": DOCS}).json()  # the model's task: classify
+    assert pooled["id"].startswith("pooling-") and pooled["data"][0]["object"] == "pooling"
+    np.testing.assert_allclose([d["data"] for d in pooled["data"]], expected, atol=TOL, rtol=0)
+
+
+def test_pooling_embed_and_token_embed(bundled, st_model):
+    expected = st_model.encode(DOCS[:3], convert_to_numpy=True)
+    body = post(bundled, "/pooling", {"input": DOCS[:3], "task": "embed"}).json()
+    np.testing.assert_allclose([d["data"] for d in body["data"]], expected, atol=TOL, rtol=0)
+    raw = post(bundled, "/pooling", {"input": DOCS[0], "encoding_format": "base64"}).json()["data"][0]["data"]
+    np.testing.assert_allclose(np.frombuffer(base64.b64decode(raw), dtype="<f4"), expected[0], atol=TOL, rtol=0)
+    # token_embed: each token's vector normalized (the API's and vLLM's default); use_activation=false: ST's raw ones
+    tokens = np.array(st_model.encode(DOCS[0], output_value="token_embeddings"), dtype=np.float32)
+    got = post(bundled, "/pooling", {"input": DOCS[0], "task": "token_embed"}).json()["data"][0]["data"]
+    np.testing.assert_allclose(np.asarray(got), tokens / np.linalg.norm(tokens, axis=1, keepdims=True), atol=TOL, rtol=0)
+    got = post(bundled, "/pooling", {"input": DOCS[0], "task": "token_embed", "use_activation": False}).json()
+    np.testing.assert_allclose(np.asarray(got["data"][0]["data"]), tokens, atol=TOL, rtol=0)
+
+
+# ---- refusals ----------------------------------------------------------------------------------------
+
+GOOD = {"query": QUERY, "documents": DOCS[:2]}
+
+
+@pytest.mark.parametrize("path, body, content, status, words", [
+    ("/v1/rerank", None, b'{"query": "q", "documents": [', 400, "not valid JSON"),
+    ("/score", None, b"not json", 400, "not valid JSON"),
+    ("/v1/rerank", {"query": QUERY, "documents": 5}, None, 400, "`documents` must be a string or a list"),
+    ("/v1/rerank", {"query": QUERY, "documents": ["a", 3]}, None, 400, "`documents[1]` must be a string"),
+    ("/v1/rerank", {"query": 7, "documents": DOCS}, None, 400, "`query` must be a string"),
+    ("/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": "two"}, None, 400, "$.top_n"),
+    ("/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": -1}, None, 400, "$.top_n"),
+    ("/v1/rerank", {"query": QUERY, "documents": []}, None, 400, "`documents` cannot be empty"),
+    ("/v1/rerank", {"query": QUERY}, None, 400, "documents"),
+    ("/v1/rerank", {"query": {"content": [{"type": "text", "text": "q"}]}, "documents": DOCS}, None, 400,
+     "multi-modal"),
+    ("/v1/rerank", {"model": "nope", **GOOD}, None, 404, "The model `nope` does not exist."),
+    ("/v1/rerank", {"truncation_side": "left", **GOOD}, None, 400, "`truncation_side` is not supported"),
+    ("/v1/rerank", {"truncate_prompt_tokens": 100000, **GOOD}, None, 400, "truncate_prompt_tokens=100000"),
+    ("/score", {"text_1": QUERY, "data_2": DOCS}, None, 400, "one pair of"),
+    ("/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, None, 400, "1:1, 1:N or N:N"),
+    ("/score", {"text_1": QUERY, "text_2": []}, None, 400, "`text_2` cannot be empty"),
+    ("/classify", {"input": DOCS, "normalize": True}, None, 400, "Parameter `normalize` was removed"),
+    ("/classify", {"input": 5}, None, 400, "`input` must be a string"),
+    ("/pooling", {"input": DOCS, "task": "score"}, None, 400, "$.task"),
+    ("/pooling", {"input": DOCS, "task": "token_embed"}, None, 400, "token_embed"),
+])
+def test_bad_requests_are_named_and_the_next_request_works(cross, cross_encoder, path, body, content, status, words):
+    type_ = "NotFoundError" if status == 404 else "BadRequestError"
+    assert_error(post(cross, path, body, content), status, words, type_)
+    after = post(cross, "/v1/rerank", GOOD)
+    assert after.status_code == 200
+    np.testing.assert_allclose(sorted(r["relevance_score"] for r in after.json()["results"]),
+                               sorted(cross_encoder.predict([(QUERY, d) for d in DOCS[:2]])), atol=TOL, rtol=0)
+
+
+def test_a_route_the_model_cannot_serve_is_vllm_501(classifier, bundled):
+    """vLLM: NotImplementedError("The model does not support ... API"), answered 501."""
+    assert_error(post(classifier, "/score", {"text_1": QUERY, "text_2": DOCS}), 501,
+                 "The model does not support Score API", "NotImplementedError")
+    assert_error(post(classifier, "/v1/rerank", GOOD), 501, "The model does not support Rerank (Score) API",
+                 "NotImplementedError")
+    assert_error(post(bundled, "/classify", {"input": DOCS}), 501, "The model does not support Classification API",
+                 "NotImplementedError")
+    assert post(classifier, "/classify", {"input": DOCS}).status_code == 200
+    assert post(bundled, "/v1/rerank", GOOD).status_code == 200
