@@ -57,9 +57,20 @@ def build_parser() -> argparse.ArgumentParser:
     for name in declared(PipelineOptions):
         if name not in NOT_FLAGS:
             declared_flag(pipe, "--" + name.replace("_", "-"), PipelineOptions, name)
-    pipe.add_argument("--sim-device", default=None, metavar="PRESET",
-                      help="device=sim only: the simulated device's preset name")
+    pipe.add_argument("--sim-device", type=_sim_device, default=None, metavar="PRESET|A,B",
+                      help="device=sim only: the simulated device, a preset name or 'A,B' (seconds per step, per "
+                           "padded token)")
     return ap
+
+
+def _sim_device(value: str) -> str | tuple[float, float]:
+    if "," not in value:
+        return value
+    try:
+        a, b = (float(x) for x in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--sim-device A,B takes two numbers, got {value!r}") from None
+    return a, b
 
 
 def _pipeline_options(args: argparse.Namespace) -> dict:
