@@ -182,7 +182,7 @@ def test_pooling_embed_and_token_embed(bundled, st_model):
     raw = post(bundled, "/pooling", {"input": DOCS[0], "encoding_format": "base64"}).json()["data"][0]["data"]
     np.testing.assert_allclose(np.frombuffer(base64.b64decode(raw), dtype="<f4"), expected[0], atol=TOL, rtol=0)
     # token_embed: each token's vector normalized (the API's and vLLM's default); use_activation=false: ST's raw ones
-    tokens = np.array(st_model.encode(DOCS[0], output_value="token_embeddings"), dtype=np.float32)
+    tokens = st_model.encode(DOCS[0], output_value="token_embeddings").cpu().numpy()  # (a tensor, as ST gives it)
     got = post(bundled, "/pooling", {"input": DOCS[0], "task": "token_embed"}).json()["data"][0]["data"]
     np.testing.assert_allclose(np.asarray(got), tokens / np.linalg.norm(tokens, axis=1, keepdims=True), atol=TOL, rtol=0)
     got = post(bundled, "/pooling", {"input": DOCS[0], "task": "token_embed", "use_activation": False}).json()
