@@ -223,7 +223,7 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read_whole(server, auth):
 # ---- load and faults ----------------------------------------------------------------------------------
 
 def metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics").text.splitlines():
+    for line in httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"{name} not in /metrics")
@@ -290,3 +290,41 @@ def test_sigterm_drains_what_is_in_flight_then_exits_cleanly():
         assert children and not wait_gone(children, 30.0)  # the group was closed on the way out
     finally:
         stop_server(srv.proc)
+
+
+def test_a_render_worker_killed_under_load_loses_no_request_and_mixes_none_up(server, st_model, auth):
+    """Requests in flight when a worker dies are re-sent (as the API does) or answered 5xx: never a
+    wrong or misplaced vector; the worker is replaced and the server goes on."""
+    import os
+
+    import psutil
+
+    texts = [f"{i}: {t}" for i, t in enumerate(corpus.sentences(400, seed=41))]
+    reference = embed(st_model, texts)
+    workers = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+               if "pooling_pipeline.workers" in " ".join(p.cmdline())]
+    assert workers
+
+    async def client(k: int, http: httpx.AsyncClient, answers: list) -> None:
+        for i in range(k, len(texts), 16):
+            if i == 80 and k == 0:
+                os.kill(workers[0].pid, signal.SIGKILL)
+            r = await http.post("/v1/embeddings", json={"input": texts[i], "truncate_prompt_tokens": 256})
+            answers.append((i, r))
+
+    async def run() -> list:
+        answers: list = []
+        async with httpx.AsyncClient(base_url=server.url, headers=auth, timeout=120) as http:
+            await asyncio.gather(*(client(k, http, answers) for k in range(16)))
+        return answers
+
+    answers = asyncio.run(run())
+    assert len(answers) == len(texts)
+    served = [(i, r) for i, r in answers if r.status_code == 200]
+    assert all(r.status_code >= 500 for _, r in answers if r.status_code != 200), \
+        [r.text for _, r in answers if r.status_code != 200][:3]
+    assert len(served) >= len(texts) // 2
+    got = np.array([r.json()["data"][0]["embedding"] for _, r in served], dtype=np.float32)
+    np.testing.assert_allclose(got, reference[[i for i, _ in served]], atol=1e-5, rtol=0)
+    assert metric(server.url, "pipeline_worker_restarts_total") >= 1
+    assert httpx.post(server.url + "/v1/embeddings", json={"input": "after"}, headers=auth).status_code == 200

@@ -107,10 +107,15 @@ class Server:
             raise HTTPError(413, f"batch size {n} > maximum allowed batch size "
                                  f"{self.settings.max_client_batch_size} (--max-client-batch-size)")
 
-    async def run(self, n: int, call: Awaitable) -> Any:
-        """Awaits a pipeline call of `n` inputs once the window has room for them (or 429)."""
-        self.check_batch(n)
+    async def run(self, n: int, call: Awaitable, client_inputs: int | None = None) -> Any:
+        """Awaits a pipeline call of `n` requests once the window has room for them (or 429).
+        `client_inputs`: what the client sent, checked against --max-client-batch-size (default `n`;
+        a rerank of an embedding model sends its query too)."""
         try:
+            self.check_batch(n if client_inputs is None else client_inputs)
+            if n > self.admission.capacity:
+                raise HTTPError(413, f"the request needs {n} pipeline requests, more than its window of "
+                                     f"{self.admission.capacity} (--max-inflight)")
             await self.admission.acquire(n)
         except BaseException:
             call.close()  # (the coroutine never started)
@@ -239,7 +244,8 @@ class App:
 
 def _error_kind(status: int) -> str:
     return {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
-            413: "too_large", 422: "invalid", 424: "model", 429: "overloaded", 503: "unavailable"}.get(status, "internal")
+            413: "too_large", 422: "invalid", 424: "model", 429: "overloaded", 501: "not_implemented",
+            503: "unavailable"}.get(status, "internal")
 
 
 async def _disconnected(receive) -> None:

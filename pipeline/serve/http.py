@@ -1,8 +1,10 @@
 """The ASGI primitives every route shares: a request body read under a byte bound, a JSON answer, and
 the error bodies of each dialect (OpenAI / vLLM, text-embeddings-inference).
 
-JSON is read and written with msgspec (already a dependency): docs/serving-stack.md has the
-measurement that chose it.
+JSON is read and written with msgspec (already a dependency), except the rows of floats: orjson writes
+a float32 array as float32's shortest form (`0.019155025`, which reads back as the same float32) in half
+msgspec's time and 60% of its bytes, where msgspec writes the widened float64 (`0.019155025482177734`).
+docs/serving-stack.md has the measurements.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
+import numpy as np
+import orjson
 
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
@@ -108,6 +112,11 @@ def decode_json(body: bytes, type_: Any, dialect: str) -> Any:
 
 def encode_json(obj: Any) -> bytes:
     return _encoder.encode(obj)
+
+
+def float_rows(array: np.ndarray) -> msgspec.Raw:
+    """A float32 array (a vector, or rows of them) as JSON numbers, ready to sit in a msgspec-encoded body."""
+    return msgspec.Raw(orjson.dumps(np.ascontiguousarray(array, dtype=np.float32), option=orjson.OPT_SERIALIZE_NUMPY))
 
 
 async def send_response(send: Send, status: int, body: bytes, content_type: bytes = JSON,

@@ -21,7 +21,7 @@ import numpy as np
 
 from pooling_pipeline.core.messages import PoolingParams
 from pooling_pipeline.serve.app import Request, Response, Route
-from pooling_pipeline.serve.http import HTTPError, encode_json
+from pooling_pipeline.serve.http import HTTPError, encode_json, float_rows
 from pooling_pipeline.serve.media import image_prompt, takes_images, text_prompt
 
 
@@ -91,10 +91,11 @@ async def embeddings(request: Request) -> Response:
     if body.encoding_format == "base64":
         data = [{"object": "embedding", "index": i, "embedding": _base64(out.data)} for i, out in enumerate(outs)]
     else:
-        data = [{"object": "embedding", "index": i, "embedding": out.data.tolist()} for i, out in enumerate(outs)]
+        data = [{"object": "embedding", "index": i, "embedding": float_rows(out.data)} for i, out in enumerate(outs)]
     return Response(encode_json({"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                                  "model": body.model or server.settings.served_model_names[0], "data": data,
-                                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}))
+                                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
+                                           "prompt_tokens_details": None}}))
 
 
 def _base64(vector: np.ndarray) -> str:

@@ -171,7 +171,7 @@ async def _pair_scores(request: Request, queries: list[str], documents: list[str
     params = PoolingParams(use_activation=body.use_activation) if body.use_activation is not None else None
     return await server.run(requests, server.pipe.ascore(
         firsts, seconds, pooling_params=params, truncate_prompt_tokens=body.truncate_prompt_tokens,
-        priority=body.priority, max_tokens_per_doc=max_tokens_per_doc))
+        priority=body.priority, max_tokens_per_doc=max_tokens_per_doc), client_inputs=len(seconds))
 
 
 def _check_scores(spec, api: str) -> None:
