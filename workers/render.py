@@ -132,6 +132,18 @@ def load_tokenizer(spec: ModelSpec) -> Tokenizer:
     return Tokenizer.from_str(load_hf_tokenizer(spec).backend_tokenizer.to_str())
 
 
+def render_backend(spec: ModelSpec, hf_tokenizer) -> Tokenizer:
+    """The `tokenizers` backend a worker renders text with: transformers' configured one, with ST's
+    do_lower_case in front and no special tokens where ST adds none. (pipeline-serve's /tokenize
+    builds its tokenizer here too, so the ids it shows are the ones the model sees.)"""
+    backend = Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())
+    if spec.do_lower_case:
+        lowercase_first(backend)
+    if not spec.add_special_tokens:  # ST's SparseStaticEmbedding tokenizes without special tokens
+        backend.post_processor = None
+    return backend
+
+
 def load_plugin(target: str):
     """Instantiates "package.module:ClassName" (an io_processor plugin)."""
     module_name, sep, class_name = target.partition(":")
@@ -152,12 +164,7 @@ class Renderer:
                  max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
         self.spec = spec
         self.hf = hf_tokenizer  # for chat templates
-        backend = Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())
-        if spec.do_lower_case:
-            lowercase_first(backend)
-        if not spec.add_special_tokens:  # ST's SparseStaticEmbedding tokenizes without special tokens
-            backend.post_processor = None
-        self.tokenizer = TruncatingTokenizer(backend)
+        self.tokenizer = TruncatingTokenizer(render_backend(spec, hf_tokenizer))
         self.plugin = plugin
         # ST leaves the prompt's tokens out of pooling when its Pooling has include_prompt=false.
         self.pools_without_prompt = not spec.pooling.include_prompt
