@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pooling_pipeline.serve import app, openai_routes, rerank_routes
+from pooling_pipeline.serve import app, openai_routes, rerank_routes, tei_routes
 from pooling_pipeline.serve.app import App, Server, ServeSettings
 
-ROUTE_MODULES = (app, openai_routes, rerank_routes)
+ROUTE_MODULES = (app, openai_routes, rerank_routes, tei_routes)
 
 
 def make_app(pipe, settings: ServeSettings) -> App:

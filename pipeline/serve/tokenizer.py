@@ -1,0 +1,79 @@
+"""The model's tokenizer in the server process, for what a route must answer before (or without)
+the pipeline: TEI's `/tokenize`, and a pair's length where the request forbids truncation (the
+pipeline truncates a cross-encoder's pairs longest-first, as ST does, and has no way to refuse them).
+
+It is the render workers' own tokenizer (`workers.render.render_backend`: transformers' configured
+backend, ST's do_lower_case, special tokens as ST adds them), so its ids are the ones the model sees.
+It is loaded on first use, once per server, in a thread: AutoTokenizer takes about a second, and the
+event loop keeps answering meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+
+import numpy as np
+
+
+class ServedTokenizer:
+    """One model's tokenizer: `tokenize` (whole texts, TEI's /tokenize) and `content_tokens` (a
+    text's length without special tokens, counted no further than a budget)."""
+
+    def __init__(self, spec) -> None:
+        from pooling_pipeline.workers.render import load_hf_tokenizer, render_backend
+        from pooling_pipeline.workers.truncation import TruncatingTokenizer
+
+        self.counter = TruncatingTokenizer(render_backend(spec, load_hf_tokenizer(spec)))
+        self.backend = self.counter.tokenizer  # (truncation and padding off: TruncatingTokenizer saw to it)
+        self.num_special_tokens = self.counter.num_special_tokens
+        self.num_special_tokens_pair = self.counter.num_special_tokens_pair
+
+    def tokenize(self, text: str, add_special_tokens: bool) -> list[dict]:
+        """TEI's tokens: id, the text it covers, whether it is special, and its UTF-8 byte offsets
+        in `text` (TEI's offsets are the Rust library's, in bytes; a special token has none)."""
+        enc = self.backend.encode(text, add_special_tokens=add_special_tokens)
+        to_bytes = _byte_positions(text)
+        tokens = []
+        for id_, (start, stop), special, token in zip(enc.ids, enc.offsets, enc.special_tokens_mask, enc.tokens):
+            if special:
+                tokens.append({"id": id_, "text": token, "special": True, "start": None, "stop": None})
+            else:
+                tokens.append({"id": id_, "text": text[start:stop], "special": False,
+                               "start": to_bytes(start), "stop": to_bytes(stop)})
+        return tokens
+
+    def content_tokens(self, text: str, budget: int) -> tuple[int, bool]:
+        """Tokens of `text` without special tokens: (count, exact). Past `budget` the count is a
+        lower bound: only a prefix was tokenized (a 10 MB text costs what the budget costs)."""
+        return self.counter.count_tokens(text, budget)
+
+
+def _byte_positions(text: str):
+    """Character offset -> UTF-8 byte offset in `text`."""
+    if text.isascii():
+        return int
+    code_points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    sizes = 1 + (code_points >= 0x80) + (code_points >= 0x800) + (code_points >= 0x10000)
+    ends = np.concatenate(([0], np.cumsum(sizes)))
+    return lambda offset: int(ends[offset])
+
+
+_loaded: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_loading = threading.Lock()
+
+
+async def served_tokenizer(server) -> ServedTokenizer:
+    """The server's tokenizer, loaded on the first call (in a thread; later calls wait for it)."""
+    tokenizer = _loaded.get(server)
+    if tokenizer is None:
+        tokenizer = await asyncio.to_thread(_load, server)
+    return tokenizer
+
+
+def _load(server) -> ServedTokenizer:
+    with _loading:
+        if server not in _loaded:
+            _loaded[server] = ServedTokenizer(server.spec)
+        return _loaded[server]
