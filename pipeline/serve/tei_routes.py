@@ -25,13 +25,14 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
+import numpy as np
 
 from pooling_pipeline.core.messages import PoolingParams
 from pooling_pipeline.core.model_folder.model_path import default_model_path
 from pooling_pipeline.core.options import TOO_LONG_MARK
 from pooling_pipeline.request_options import model_prompts
 from pooling_pipeline.serve.app import Request, Response, Route
-from pooling_pipeline.serve.http import HTTPError, encode_json
+from pooling_pipeline.serve.http import HTTPError, encode_json, float_rows
 from pooling_pipeline.serve.media import takes_images, text_prompt
 from pooling_pipeline.serve.rerank_routes import model_labels, rerank_documents
 from pooling_pipeline.serve.tokenizer import served_tokenizer
@@ -259,7 +260,7 @@ async def embed(request: Request) -> Response:
     outs = await _run_texts(request, len(prompts), server.pipe.aembed(prompts, pooling_params=params,
                                                                       prompt_name=body.prompt_name, **options))
     server.count_tokens(outs)
-    return Response(encode_json([out.data.tolist() for out in outs]))
+    return Response(encode_json(float_rows(np.stack([out.data for out in outs]))))  # (one width: the call's)
 
 
 async def embed_sparse(request: Request) -> Response:
