@@ -35,20 +35,25 @@ def image_prompt(value: object, index: int, allowed_dir: str | None) -> dict:
     if value.startswith(("http://", "https://")):
         raise HTTPError(400, f"input {index}: image URLs are not fetched by this server; send the image as "
                              "base64 or a data:image/ URI")
-    if allowed_dir is not None and (value.startswith("file://") or os.path.isabs(value)):
+    if value.startswith("file://"):
         return {"image": _allowed_file(value.removeprefix("file://"), index, allowed_dir)}
-    try:
-        data = base64.b64decode(value, validate=False)
-        if not data or not value.strip():
-            raise binascii.Error("empty")
+    compact = "".join(value.split())  # (base64 with MIME line breaks)
+    try:  # strict base64 first: a JPEG's base64 starts with "/9j/", which also reads as an absolute path
+        data = base64.b64decode(compact, validate=True)
     except (binascii.Error, ValueError):
-        local = " or a path under the allowed media directory" if allowed_dir else ""
-        raise HTTPError(400, f"input {index}: an image must be base64, a data:image/ URI{local}; got "
-                             f"{value[:80]!r}") from None
-    return {"image": data}
+        data = b""
+    if data:
+        return {"image": data}
+    if os.path.isabs(value):
+        return {"image": _allowed_file(value, index, allowed_dir)}
+    local = " or a path under the allowed media directory" if allowed_dir else ""
+    raise HTTPError(400, f"input {index}: an image must be base64, a data:image/ URI{local}; got {value[:80]!r}")
 
 
-def _allowed_file(path: str, index: int, allowed_dir: str) -> str:
+def _allowed_file(path: str, index: int, allowed_dir: str | None) -> str:
+    if allowed_dir is None:
+        raise HTTPError(400, f"input {index}: local files are not read by this server (no "
+                             "--allowed-local-media-path); send the image as base64 or a data:image/ URI")
     real = os.path.realpath(path)
     root = os.path.realpath(allowed_dir)
     if os.path.commonpath([real, root]) != root:

@@ -1,0 +1,94 @@
+"""pipeline-serve with a CLIP model: images as base64 or data: URIs equal sentence-transformers' vectors;
+a local file only under the directory the operator allowed; no URL fetched; a text is always a text,
+even one naming an existing image file (request content never chooses a file to read)."""
+
+from __future__ import annotations
+
+import base64
+import os
+
+import httpx
+import numpy as np
+import pytest
+from image_samples import build_image_files
+from model_zoo import build_clip
+from serve_helpers import started_server
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    return build_image_files(tmp_path_factory.mktemp("allowed"))
+
+
+@pytest.fixture(scope="module")
+def clip_dir(tmp_path_factory):
+    return build_clip(tmp_path_factory.mktemp("clip"), layout="st")
+
+
+@pytest.fixture(scope="module")
+def clip_st(clip_dir):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(clip_dir, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def server(clip_dir, images):
+    allowed = os.path.dirname(images["photo.jpg"])
+    with started_server("--model", clip_dir, "--num-render-workers", "1", "--allowed-local-media-path", allowed) as srv:
+        yield srv
+
+
+def post(server, body: dict) -> httpx.Response:
+    return httpx.post(server.url + "/v1/embeddings", json=body, timeout=120)
+
+
+def vectors(response: httpx.Response) -> np.ndarray:
+    assert response.status_code == 200, response.text
+    return np.array([d["embedding"] for d in response.json()["data"]], dtype=np.float32)
+
+
+def test_images_as_base64_data_uris_and_allowed_files_equal_st(server, clip_st, images):
+    names = ["photo.jpg", "palette.png"]
+    raw = [base64.b64encode(images[n].read_bytes()).decode() for n in names]
+    mime = {"photo.jpg": "image/jpeg", "palette.png": "image/png"}
+    uris = [f"data:{mime[n]};base64,{b}" for n, b in zip(names, raw)]
+    reference = clip_st.encode([str(images[n]) for n in names])
+    for inputs in (raw, uris, [str(images[n]) for n in names], [f"file://{images[n]}" for n in names]):
+        np.testing.assert_allclose(vectors(post(server, {"input": inputs, "modality": "image"})), reference,
+                                   atol=1e-5, rtol=0)
+
+
+def test_texts_are_texts_even_when_they_name_an_image_file(server, clip_st, images):
+    texts = ["a photo of a cat", str(images["photo.jpg"])]
+    got = vectors(post(server, {"input": texts}))
+    np.testing.assert_allclose(got[0], clip_st.encode(texts[:1])[0], atol=1e-5, rtol=0)
+    # ST would open the file; the server embeds the string: the text tower's vector, not the image's
+    assert not np.allclose(got[1], clip_st.encode([texts[1]])[0], atol=1e-3)
+    np.testing.assert_allclose(got[1], clip_st.encode([{"text": texts[1]}])[0], atol=1e-5, rtol=0)
+
+
+def test_files_outside_the_allowed_directory_and_urls_are_refused(server, images, tmp_path):
+    outside = tmp_path / "secret.png"
+    outside.write_bytes(images["palette.png"].read_bytes())
+    link = images["photo.jpg"].parent / "link-out.png"
+    if not link.exists():
+        link.symlink_to(outside)
+    for value, says in ((str(outside), "outside the allowed media directory"),
+                        (str(link), "outside the allowed media directory"),
+                        ("/etc/passwd", "outside the allowed media directory"),
+                        ("http://example.com/cat.png", "not fetched"),
+                        ("not base64 at all!", "must be base64")):
+        response = post(server, {"input": [value], "modality": "image"})
+        assert response.status_code == 400, response.text
+        assert says in response.json()["error"]["message"]
+    assert post(server, {"input": [base64.b64encode(b"not an image").decode()], "modality": "image"}).status_code == 400
+    assert post(server, {"input": "still serving"}).status_code == 200
+
+
+def test_images_on_a_text_model_are_refused():
+    with started_server("--backend", "torch") as srv:
+        response = httpx.post(srv.url + "/v1/embeddings", json={"input": ["aGVsbG8="], "modality": "image"})
+        assert response.status_code == 400 and "takes no images" in response.json()["error"]["message"]
