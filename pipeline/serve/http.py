@@ -31,9 +31,10 @@ REASONS = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Meth
 OPENAI_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "BadRequestError",
                 413: "BadRequestError", 415: "BadRequestError", 422: "BadRequestError", 429: "RateLimitError",
                 500: "InternalServerError", 501: "NotImplementedError", 503: "ServiceUnavailableError"}
-# text-embeddings-inference's `error_type` per status.
-TEI_TYPES = {400: "empty", 413: "validation", 422: "tokenizer", 424: "backend", 429: "overloaded",
-             503: "unhealthy"}
+# text-embeddings-inference's `error_type` per status, as its server writes it (serde's default for its
+# ErrorType enum: "Validation", not the lower case of its OpenAPI examples).
+TEI_TYPES = {400: "Empty", 413: "Validation", 422: "Tokenizer", 424: "Backend", 429: "Overloaded",
+             503: "Unhealthy"}
 
 
 class HTTPError(Exception):
@@ -56,7 +57,7 @@ class BodyTooLarge(HTTPError):
 def error_body(dialect: str, status: int, message: str) -> bytes:
     """The JSON error body a peer server gives: vLLM's for the OpenAI-shaped routes, TEI's for its own."""
     if dialect == "tei":
-        return _encoder.encode({"error": message, "error_type": TEI_TYPES.get(status, "validation")})
+        return _encoder.encode({"error": message, "error_type": TEI_TYPES.get(status, "Validation")})
     return _encoder.encode({"error": {"message": message, "type": OPENAI_TYPES.get(status, "BadRequestError"),
                                       "param": None, "code": status}})
 
