@@ -328,3 +328,21 @@ def test_a_render_worker_killed_under_load_loses_no_request_and_mixes_none_up(se
     np.testing.assert_allclose(got, reference[[i for i, _ in served]], atol=1e-5, rtol=0)
     assert metric(server.url, "pipeline_worker_restarts_total") >= 1
     assert httpx.post(server.url + "/v1/embeddings", json={"input": "after"}, headers=auth).status_code == 200
+
+
+def test_a_dead_engine_makes_health_and_requests_503_not_a_hang():
+    import psutil
+
+    with started_server("--backend", "torch") as srv:
+        engine = next(p for p in psutil.Process(srv.proc.pid).children(recursive=True)
+                      if "pooling_pipeline.core.engine" in " ".join(p.cmdline()))
+        engine.kill()
+        engine.wait(30)
+        deadline = time.monotonic() + 120
+        while httpx.get(srv.url + "/health").status_code == 200:  # (noticed by the next call or heartbeat check)
+            httpx.post(srv.url + "/v1/embeddings", json={"input": "x"}, timeout=120)
+            assert time.monotonic() < deadline, "the dead engine was never noticed"
+            time.sleep(0.2)
+        response = httpx.post(srv.url + "/v1/embeddings", json={"input": "x"}, timeout=120)
+        assert "not available" in error_of(response, 503)
+        assert metric(srv.url, "pipeline_healthy") == 0
