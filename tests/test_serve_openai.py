@@ -229,6 +229,14 @@ def metric(url: str, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
+def wait_for(url: str, name: str, at_least: float, failure: str, timeout_s: float = 120.0) -> None:
+    """Until a metric reaches a value (a bound for a hung server, with room for a loaded machine)."""
+    deadline = time.monotonic() + timeout_s
+    while metric(url, name) < at_least:
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.02)
+
+
 def test_a_full_window_answers_429_with_retry_after_then_serves():
     with slow_server("--max-queue-wait-s", "0.2") as srv:
         url = srv.url + "/v1/embeddings"
@@ -236,10 +244,7 @@ def test_a_full_window_answers_429_with_retry_after_then_serves():
         first = threading.Thread(target=lambda: results.update(
             first=httpx.post(url, json={"input": ["a", "b", "c", "d"]}, timeout=120)))
         first.start()
-        deadline = time.monotonic() + 60
-        while metric(srv.url, "pipeline_inputs_in_flight") < 4:  # the window is full
-            assert time.monotonic() < deadline, "the first request was never admitted"
-            time.sleep(0.02)
+        wait_for(srv.url, "pipeline_inputs_in_flight", 4, "the first request was never admitted")  # the window is full
         refused = httpx.post(url, json={"input": "e"}, timeout=60)
         assert "overloaded" in error_of(refused, 429)
         assert int(refused.headers["retry-after"]) >= 1
@@ -257,10 +262,8 @@ def test_a_client_that_leaves_has_its_requests_aborted_in_the_engine():
         # the engine when the client leaves.
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(url, json={"input": [f"text {i}" for i in range(12)]}, timeout=httpx.Timeout(60, read=0.5))
-        deadline = time.monotonic() + 60
-        while metric(srv.url, "pipeline_engine_aborted_requests_total") < 1:  # (heartbeats: once a second)
-            assert time.monotonic() < deadline, "the engine never dropped the left requests"
-            time.sleep(0.1)
+        # (the engine's counters come with its heartbeats: once a second)
+        wait_for(srv.url, "pipeline_engine_aborted_requests_total", 1, "the engine never dropped the left requests")
         assert metric(srv.url, "pipeline_client_disconnects_total") == 1
         assert metric(srv.url, "pipeline_inputs_in_flight") == 0  # their room is back
         ok = httpx.post(url, json={"input": ["a", "b"]}, timeout=60)
@@ -275,10 +278,7 @@ def test_sigterm_drains_what_is_in_flight_then_exits_cleanly():
         worker = threading.Thread(target=lambda: results.update(
             answer=httpx.post(url, json={"input": ["a", "b", "c", "d"]}, timeout=120)))
         worker.start()
-        deadline = time.monotonic() + 60
-        while metric(srv.url, "pipeline_inputs_in_flight") < 4:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_for(srv.url, "pipeline_inputs_in_flight", 4, "the request was never admitted")
         children = srv.children()
         srv.proc.send_signal(signal.SIGTERM)
         worker.join()
