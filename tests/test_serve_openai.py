@@ -127,6 +127,7 @@ def test_truncation_when_asked_equals_sentence_transformers(server, st_model, au
 
 
 def test_models_health_and_metrics(server, auth):
+    assert server.url.startswith("http://127.0.0.1:")  # loopback unless --host says otherwise
     models = httpx.get(server.url + "/v1/models", headers=auth).json()
     assert [m["id"] for m in models["data"]] == [NAME, "other-name"]
     assert models["data"][0]["max_model_len"] == 512
