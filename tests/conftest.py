@@ -122,6 +122,30 @@ def st_model(model_path):
 
 
 @pytest.fixture(scope="session")
+def clip_dir(tmp_path_factory) -> str:
+    """A tiny CLIP in sentence-transformers' layout (model_zoo.build_clip), shared by the image tests.
+    Tests copy it before changing anything in it."""
+    from model_zoo import build_clip
+
+    return build_clip(tmp_path_factory.mktemp("clip"), layout="st")
+
+
+@pytest.fixture(scope="session")
+def clip_st(clip_dir):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(clip_dir, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def images(tmp_path_factory) -> dict:
+    """The image files of image_samples.build_image_files (formats, modes, EXIF, alpha, 16-bit), read only."""
+    from image_samples import build_image_files
+
+    return build_image_files(tmp_path_factory.mktemp("images"))
+
+
+@pytest.fixture(scope="session")
 def mixed_texts() -> list[str]:
     """Real text of very different lengths, long documents (~50k-200k chars) included."""
     texts = corpus.sentences(120, seed=11) + corpus.medium_texts(40, seed=12)

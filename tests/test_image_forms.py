@@ -19,18 +19,6 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def clip_dir(tmp_path_factory):
-    return build_clip(tmp_path_factory.mktemp("clip"), layout="st")
-
-
-@pytest.fixture(scope="module")
-def clip_st(clip_dir):
-    from sentence_transformers import SentenceTransformer
-
-    return SentenceTransformer(clip_dir, device="cpu")
-
-
-@pytest.fixture(scope="module")
 def clip_pipe(clip_dir):
     from pooling_pipeline import Pipeline
 

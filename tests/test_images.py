@@ -9,28 +9,11 @@ import base64
 
 import numpy as np
 import pytest
-from image_samples import build_broken_files, build_image_files
+from image_samples import build_broken_files
 from model_zoo import build_clip, build_siglip
 
 TOL = 1e-5
 TEXTS = ["a photo of a cat", "two dogs playing in the snow near a red house", "x", "an empty street at night " * 3]
-
-
-@pytest.fixture(scope="module")
-def images(tmp_path_factory):
-    return build_image_files(tmp_path_factory.mktemp("images"))
-
-
-@pytest.fixture(scope="module")
-def clip_dir(tmp_path_factory):
-    return build_clip(tmp_path_factory.mktemp("clip"), layout="st")
-
-
-@pytest.fixture(scope="module")
-def clip_st(clip_dir):
-    from sentence_transformers import SentenceTransformer
-
-    return SentenceTransformer(clip_dir, device="cpu")
 
 
 @pytest.fixture(scope="module")

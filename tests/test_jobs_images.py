@@ -15,8 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from helpers import FakePipelineBase
-from image_samples import build_broken_files, build_image_files
-from model_zoo import build_clip
+from image_samples import build_broken_files
 
 from pooling_pipeline import load_results
 from pooling_pipeline.jobs.image_records import ImageRecordReader, expand_job_inputs
@@ -27,16 +26,6 @@ TOL = 1e-5
 # Test images the job reads (formats, modes, EXIF rotation, alpha, palette, 16-bit).
 NAMES = ["photo.jpg", "rotated.jpg", "cmyk.jpg", "alpha.png", "palette.png", "grey16.png", "anim.gif",
          "picture.bmp", "picture.tiff", "picture.webp"]
-
-
-@pytest.fixture(scope="module")
-def clip_dir(tmp_path_factory):
-    return build_clip(tmp_path_factory.mktemp("clip"), layout="st")
-
-
-@pytest.fixture(scope="module")
-def images(tmp_path_factory):
-    return build_image_files(tmp_path_factory.mktemp("images"))
 
 
 @pytest.fixture(scope="module")

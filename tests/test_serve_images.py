@@ -11,7 +11,6 @@ import httpx
 import numpy as np
 import pytest
 from image_samples import build_image_files
-from model_zoo import build_clip
 from serve_helpers import started_server
 
 pytestmark = pytest.mark.slow
@@ -19,19 +18,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
+    """The server's allowed media directory: its own (a test adds a symlink to it), not conftest's."""
     return build_image_files(tmp_path_factory.mktemp("allowed"))
-
-
-@pytest.fixture(scope="module")
-def clip_dir(tmp_path_factory):
-    return build_clip(tmp_path_factory.mktemp("clip"), layout="st")
-
-
-@pytest.fixture(scope="module")
-def clip_st(clip_dir):
-    from sentence_transformers import SentenceTransformer
-
-    return SentenceTransformer(clip_dir, device="cpu")
 
 
 @pytest.fixture(scope="module")

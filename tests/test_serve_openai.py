@@ -136,6 +136,11 @@ def test_models_health_and_metrics(server, auth):
     text = httpx.get(server.url + "/metrics", headers=auth).text
     assert 'pipeline_requests_total{route="/v1/embeddings",status="200"}' in text
     assert "pipeline_request_duration_seconds_bucket" in text and "pipeline_prompt_tokens_total" in text
+    # /health is counted, but only the model's routes are timed (a health probe every second would
+    # bury the latencies that matter)
+    assert 'pipeline_requests_total{route="/health",status="200"}' in text
+    assert 'pipeline_request_duration_seconds_count{route="/v1/embeddings"}' in text
+    assert 'pipeline_request_duration_seconds_count{route="/health"}' not in text
     counted = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
     assert counted["pipeline_inputs_total"] >= 1 and counted["pipeline_healthy"] == 1
 

@@ -121,8 +121,6 @@ class Call:
         self.ended = False  # unregistered, or aborted
         self.finished = False
         self.failure: BaseException | None = None  # set by the receiver for this call alone
-        self.handlers = {m.OutputBatch: self._on_outputs, m.RenderFailed: self._on_render_failed,
-                         m.StepFailed: self._on_step_failed, LostWorker: self._on_lost_worker}
         # Waking up: a thread's event, or (async calls) a future on the caller's event loop.
         self.loop = loop
         self._event = threading.Event()
@@ -196,10 +194,10 @@ class Call:
             raise copy.copy(failure)
         started = time.perf_counter()
         inbox = self.inbox
-        handlers = self.handlers
+        handlers = _HANDLERS
         while inbox:
             msg = inbox.popleft()
-            handlers[type(msg)](msg)
+            handlers[type(msg)](self, msg)
         self._issue()
         ring = self.ring
         out = ring.hand_back(self.issued) if ring.ready_count else []
@@ -545,3 +543,10 @@ class Call:
             self.backlog.append(ticket.batch.select(positions))
         self.inflight_chars -= chars
         self.ledger.settle(self, chars=chars, workers={notice.index: count}, engines=per_engine)
+
+
+# What a call's turn does with each message the receiver routed to it. Plain functions in a module
+# table, not bound methods in each call: a call holding its own bound methods is a reference cycle,
+# and every finished call would wait for the garbage collector (~30 objects a call).
+_HANDLERS = {m.OutputBatch: Call._on_outputs, m.RenderFailed: Call._on_render_failed,
+             m.StepFailed: Call._on_step_failed, LostWorker: Call._on_lost_worker}

@@ -115,6 +115,13 @@ def encode_json(obj: Any) -> bytes:
     return _encoder.encode(obj)
 
 
+def float32_bytes(array: np.ndarray) -> memoryview:
+    """A float32 array's little-endian bytes, which msgspec writes in a JSON body as a base64 string
+    (OpenAI's `encoding_format: "base64"`) straight into its buffer: half the CPU of base64.b64encode
+    and a str."""
+    return memoryview(np.ascontiguousarray(array, dtype="<f4")).cast("B")
+
+
 def float_rows(array: np.ndarray) -> msgspec.Raw:
     """A float32 array (a vector, or rows of them) as JSON numbers, ready to sit in a msgspec-encoded body."""
     return msgspec.Raw(orjson.dumps(np.ascontiguousarray(array, dtype=np.float32), option=orjson.OPT_SERIALIZE_NUMPY))

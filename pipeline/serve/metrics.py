@@ -32,8 +32,11 @@ class Metrics:
         self.prompt_tokens = 0
         self.disconnects = 0
 
-    def observe(self, route: str, status: int, seconds: float) -> None:
+    def observe(self, route: str, status: int, seconds: float, timed: bool = True) -> None:
+        """A request answered; `timed`: its latency goes in the route's histogram (the model's routes)."""
         self.requests[(route, status)] += 1
+        if not timed:
+            return
         hist = self.latency.get(route)
         if hist is None:
             hist = self.latency[route] = Histogram(LATENCY_BUCKETS)

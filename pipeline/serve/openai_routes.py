@@ -11,17 +11,13 @@ or the operator (--auto-truncate) asks for truncation, as vLLM does.
 
 from __future__ import annotations
 
-import base64
-import time
-import uuid
 from typing import Annotated, Any, Literal
 
 import msgspec
-import numpy as np
 
 from pooling_pipeline.core.messages import PoolingParams
-from pooling_pipeline.serve.app import Request, Response, Route
-from pooling_pipeline.serve.http import HTTPError, encode_json, float_rows
+from pooling_pipeline.serve.app import Request, Response, Route, list_response
+from pooling_pipeline.serve.http import HTTPError, encode_json, float32_bytes, float_rows
 from pooling_pipeline.serve.media import image_prompt, takes_images, text_prompt
 
 
@@ -59,6 +55,8 @@ def prompts_of(value: Any, request: Request, modality: str = "text", field: str 
                              f"such lists; got {type(value).__name__}")
     if value and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
         return [{"prompt_token_ids": value}]
+    if not images and all(type(item) is str for item in value):
+        return value  # (the common case, a list of texts: no copy)
     prompts = []
     for i, item in enumerate(value):
         if isinstance(item, str):
@@ -88,18 +86,9 @@ async def embeddings(request: Request) -> Response:
         prompts, pooling_params=params, priority=body.priority,
         **long_input_options(request, body.truncate_prompt_tokens)))
     tokens = server.count_tokens(outs)
-    if body.encoding_format == "base64":
-        data = [{"object": "embedding", "index": i, "embedding": _base64(out.data)} for i, out in enumerate(outs)]
-    else:
-        data = [{"object": "embedding", "index": i, "embedding": float_rows(out.data)} for i, out in enumerate(outs)]
-    return Response(encode_json({"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                                 "model": body.model or server.settings.served_model_names[0], "data": data,
-                                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
-                                           "prompt_tokens_details": None}}))
-
-
-def _base64(vector: np.ndarray) -> str:
-    return base64.b64encode(np.ascontiguousarray(vector, dtype="<f4").tobytes()).decode("ascii")
+    vector = float32_bytes if body.encoding_format == "base64" else float_rows
+    data = [{"object": "embedding", "index": i, "embedding": vector(out.data)} for i, out in enumerate(outs)]
+    return list_response("embd", body.model or server.settings.served_model_names[0], data, tokens)
 
 
 async def models(request: Request) -> Response:

@@ -18,10 +18,7 @@ vLLM ignores them).
 
 from __future__ import annotations
 
-import base64
 import functools
-import time
-import uuid
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -31,8 +28,8 @@ import numpy as np
 from pooling_pipeline.core.messages import PoolingParams
 from pooling_pipeline.core.model_folder.st_files import read_optional_json
 from pooling_pipeline.core.options import EMBEDDING_TASKS
-from pooling_pipeline.serve.app import Request, Response, Route
-from pooling_pipeline.serve.http import HTTPError, encode_json
+from pooling_pipeline.serve.app import Request, Response, Route, list_response, response_id
+from pooling_pipeline.serve.http import HTTPError, encode_json, float32_bytes, float_rows
 from pooling_pipeline.serve.media import takes_images, text_prompt
 from pooling_pipeline.serve.openai_routes import long_input_options, prompts_of
 
@@ -121,7 +118,7 @@ async def rerank_documents(request: Request) -> Response:
         if body.return_documents:
             result["document"] = {"text": documents[i], "multi_modal": None}
         results.append(result)
-    return Response(encode_json({"id": f"rerank-{uuid.uuid4().hex}", "model": _model_name(body, server),
+    return Response(encode_json({"id": response_id("rerank"), "model": _model_name(body, server),
                                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, "results": results}))
 
 
@@ -141,8 +138,7 @@ async def score(request: Request) -> Response:
     scores = await _pair_scores(request, queries, documents, body)
     tokens = server.count_tokens(scores)
     data = [{"index": i, "object": "score", "score": s.score} for i, s in enumerate(scores)]
-    return Response(encode_json({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                                 "model": _model_name(body, server), "data": data, "usage": _usage(tokens)}))
+    return list_response("score", _model_name(body, server), data, tokens)
 
 
 def _score_sides(body: ScoreRequest) -> tuple[str, str]:
@@ -198,8 +194,7 @@ async def classify(request: Request) -> Response:
     for i, out in enumerate(outs):
         probs = out.data.tolist()
         data.append({"index": i, "label": labels[int(np.argmax(out.data))], "probs": probs, "num_classes": len(probs)})
-    return Response(encode_json({"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                                 "model": _model_name(body, server), "data": data, "usage": _usage(tokens)}))
+    return list_response("classify", _model_name(body, server), data, tokens)
 
 
 @functools.lru_cache(maxsize=8)
@@ -229,12 +224,9 @@ async def pooling(request: Request) -> Response:
     outs = await server.run(len(prompts), server.pipe.aencode(prompts, task=task, pooling_params=params,
                                                                **_text_options(body, request)))
     tokens = server.count_tokens(outs)
-    if body.encoding_format == "base64":
-        data = [{"index": i, "object": "pooling", "data": _base64(out.data)} for i, out in enumerate(outs)]
-    else:
-        data = [{"index": i, "object": "pooling", "data": out.data.tolist()} for i, out in enumerate(outs)]
-    return Response(encode_json({"id": f"pooling-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                                 "model": _model_name(body, server), "data": data, "usage": _usage(tokens)}))
+    vector = float32_bytes if body.encoding_format == "base64" else float_rows
+    data = [{"index": i, "object": "pooling", "data": vector(out.data)} for i, out in enumerate(outs)]
+    return list_response("pooling", _model_name(body, server), data, tokens)
 
 
 # ---- shared --------------------------------------------------------------------------------------
@@ -286,15 +278,6 @@ def _texts(values: Any, field: str) -> list[str]:
 
 def _model_name(body: _Common, server) -> str:
     return body.model or server.settings.served_model_names[0]
-
-
-def _usage(tokens: int) -> dict:
-    """vLLM's UsageInfo as its responses dump it."""
-    return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0, "prompt_tokens_details": None}
-
-
-def _base64(array: np.ndarray) -> str:
-    return base64.b64encode(np.ascontiguousarray(array, dtype="<f4").tobytes()).decode("ascii")
 
 
 ROUTES = [Route("POST", "/v1/rerank", rerank_documents, "openai"),
