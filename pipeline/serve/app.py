@@ -240,7 +240,9 @@ class App:
             return await route.handler(request)
         except asyncio.CancelledError:
             # Ours only when the client left and nothing else (the server stopping) cancelled too.
-            if not left or task.uncancel() > 0:
+            # (Python 3.10's tasks keep no count of cancellations: there the client's is taken.)
+            uncancel = getattr(task, "uncancel", None)
+            if not left or (uncancel is not None and uncancel() > 0):
                 raise
             raise ClientGone() from None
         finally:
