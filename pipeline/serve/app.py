@@ -28,6 +28,7 @@ from pooling_pipeline.serve.admission import Admission
 from pooling_pipeline.serve.http import (
     ClientGone,
     HTTPError,
+    ItemParts,
     decode_json,
     encode_json,
     error_body,
@@ -88,10 +89,15 @@ def usage(tokens: int) -> dict:
     return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0, "prompt_tokens_details": None}
 
 
-def list_response(kind: str, model: str, data: list, tokens: int) -> Response:
-    """vLLM's list envelope (embeddings, score, classify, pooling): id, object, created, model, data, usage."""
-    return Response(encode_json({"id": response_id(kind), "object": "list", "created": int(time.time()),
-                                 "model": model, "data": data, "usage": usage(tokens)}))
+def list_response(kind: str, model: str, data: list | ItemParts, tokens: int) -> Response:
+    """vLLM's list envelope (embeddings, score, classify, pooling): id, object, created, model, data, usage.
+    `data`: the items, or their JSON written ahead (`ItemParts`), which the body is joined around."""
+    head = {"id": response_id(kind), "object": "list", "created": int(time.time()), "model": model}
+    if isinstance(data, ItemParts):
+        return Response(b"".join([encode_json(head)[:-1], b',"data":[', *data.parts, b'],"usage":',
+                                  encode_json(usage(tokens)), b"}"]))
+    head["data"], head["usage"] = data, usage(tokens)
+    return Response(encode_json(head))
 
 
 class Route(NamedTuple):
@@ -149,7 +155,7 @@ class Server:
             self.metrics.inputs += n
 
     def count_tokens(self, outs) -> int:
-        tokens = sum(int(getattr(out, "num_prompt_tokens", 0)) for out in outs)
+        tokens = sum([out.num_prompt_tokens for out in outs])  # (every output type has it: an int)
         self.metrics.prompt_tokens += tokens
         return tokens
 

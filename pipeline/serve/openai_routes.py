@@ -17,7 +17,7 @@ import msgspec
 
 from pooling_pipeline.core.messages import PoolingParams
 from pooling_pipeline.serve.app import Request, Response, Route, list_response
-from pooling_pipeline.serve.http import HTTPError, encode_json, float32_bytes, float_rows
+from pooling_pipeline.serve.http import HTTPError, embedding_items, encode_json
 from pooling_pipeline.serve.media import image_prompt, takes_images, text_prompt
 
 
@@ -86,8 +86,7 @@ async def embeddings(request: Request) -> Response:
         prompts, pooling_params=params, priority=body.priority,
         **long_input_options(request, body.truncate_prompt_tokens)))
     tokens = server.count_tokens(outs)
-    vector = float32_bytes if body.encoding_format == "base64" else float_rows
-    data = [{"object": "embedding", "index": i, "embedding": vector(out.data)} for i, out in enumerate(outs)]
+    data = embedding_items([out.data for out in outs], body.encoding_format)
     return list_response("embd", body.model or server.settings.served_model_names[0], data, tokens)
 
 
