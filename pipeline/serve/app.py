@@ -128,6 +128,10 @@ class Server:
         if model is not None and model not in self.settings.served_model_names:
             raise HTTPError(404, f"The model `{model}` does not exist.")
 
+    def model_name(self, requested: str | None) -> str:
+        """The `model` a response names: the request's (checked by check_model), else the first served name."""
+        return requested or self.settings.served_model_names[0]
+
     def check_batch(self, n: int, what: str = "inputs") -> None:
         if n == 0:
             raise HTTPError(400, f"{what} cannot be empty")

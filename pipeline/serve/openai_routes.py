@@ -87,7 +87,7 @@ async def embeddings(request: Request) -> Response:
         **long_input_options(request, body.truncate_prompt_tokens)))
     tokens = server.count_tokens(outs)
     data = embedding_items([out.data for out in outs], body.encoding_format)
-    return list_response("embd", body.model or server.settings.served_model_names[0], data, tokens)
+    return list_response("embd", server.model_name(body.model), data, tokens)
 
 
 async def models(request: Request) -> Response:

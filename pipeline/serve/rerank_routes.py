@@ -118,7 +118,7 @@ async def rerank_documents(request: Request) -> Response:
         if body.return_documents:
             result["document"] = {"text": documents[i], "multi_modal": None}
         results.append(result)
-    return Response(encode_json({"id": response_id("rerank"), "model": _model_name(body, server),
+    return Response(encode_json({"id": response_id("rerank"), "model": server.model_name(body.model),
                                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, "results": results}))
 
 
@@ -138,7 +138,7 @@ async def score(request: Request) -> Response:
     scores = await _pair_scores(request, queries, documents, body)
     tokens = server.count_tokens(scores)
     data = [{"index": i, "object": "score", "score": s.score} for i, s in enumerate(scores)]
-    return list_response("score", _model_name(body, server), data, tokens)
+    return list_response("score", server.model_name(body.model), data, tokens)
 
 
 def _score_sides(body: ScoreRequest) -> tuple[str, str]:
@@ -194,7 +194,7 @@ async def classify(request: Request) -> Response:
     for i, out in enumerate(outs):
         probs = out.data.tolist()
         data.append({"index": i, "label": labels[int(np.argmax(out.data))], "probs": probs, "num_classes": len(probs)})
-    return list_response("classify", _model_name(body, server), data, tokens)
+    return list_response("classify", server.model_name(body.model), data, tokens)
 
 
 @functools.lru_cache(maxsize=8)
@@ -226,7 +226,7 @@ async def pooling(request: Request) -> Response:
     tokens = server.count_tokens(outs)
     vector = float32_bytes if body.encoding_format == "base64" else float_rows
     data = [{"index": i, "object": "pooling", "data": vector(out.data)} for i, out in enumerate(outs)]
-    return list_response("pooling", _model_name(body, server), data, tokens)
+    return list_response("pooling", server.model_name(body.model), data, tokens)
 
 
 # ---- shared --------------------------------------------------------------------------------------
@@ -274,10 +274,6 @@ def _texts(values: Any, field: str) -> list[str]:
     if not values:
         raise HTTPError(400, f"`{field}` cannot be empty")
     return [_one_text(value, f"{field}[{i}]") for i, value in enumerate(values)]
-
-
-def _model_name(body: _Common, server) -> str:
-    return body.model or server.settings.served_model_names[0]
 
 
 ROUTES = [Route("POST", "/v1/rerank", rerank_documents, "openai"),

@@ -244,18 +244,24 @@ def _best_first(scores: list[float]) -> list[int]:
 
 # ---- routes ----------------------------------------------------------------------------------------
 
+def _embedding_inputs(request: Request, body: EmbedRequest | EmbedSparseRequest, route: str) -> tuple[list, dict]:
+    """What /embed and /embed_sparse share: the model serves `route`, the inputs as prompts within the
+    batch bound, the prompt name checked, and the truncation options."""
+    spec = request.server.spec
+    _require(spec, route)
+    prompts = _embed_prompts(body.inputs, spec)
+    request.server.check_batch(len(prompts))
+    _check_prompt_name(spec, body.prompt_name)
+    return prompts, _text_options(request, prompts, body.truncate, body.truncation_direction)
+
+
 async def embed(request: Request) -> Response:
     body: EmbedRequest = request.json(EmbedRequest)
-    server = request.server
-    spec = server.spec
-    _require(spec, "embed")
-    prompts = _embed_prompts(body.inputs, spec)
-    server.check_batch(len(prompts))
-    _check_prompt_name(spec, body.prompt_name)
+    server, spec = request.server, request.server.spec
+    prompts, options = _embedding_inputs(request, body, "embed")
     if body.dimensions is not None and body.dimensions > spec.embedding_size:
         raise HTTPError(VALIDATION, f"`dimensions` should be smaller than the maximum embedding dimension "
                                     f"({spec.embedding_size}); got {body.dimensions}")
-    options = _text_options(request, prompts, body.truncate, body.truncation_direction)
     params = PoolingParams(normalize=body.normalize, dimensions=body.dimensions)
     outs = await _run_texts(request, len(prompts), server.pipe.aembed(prompts, pooling_params=params,
                                                                       prompt_name=body.prompt_name, **options))
@@ -266,12 +272,7 @@ async def embed(request: Request) -> Response:
 async def embed_sparse(request: Request) -> Response:
     body: EmbedSparseRequest = request.json(EmbedSparseRequest)
     server = request.server
-    spec = server.spec
-    _require(spec, "embed_sparse")
-    prompts = _embed_prompts(body.inputs, spec)
-    server.check_batch(len(prompts))
-    _check_prompt_name(spec, body.prompt_name)
-    options = _text_options(request, prompts, body.truncate, body.truncation_direction)
+    prompts, options = _embedding_inputs(request, body, "embed_sparse")
     outs = await _run_texts(request, len(prompts), server.pipe.aencode(prompts, task="sparse_embed",
                                                                        prompt_name=body.prompt_name, **options))
     server.count_tokens(outs)
