@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pooling_pipeline.serve.app import list_response
-from pooling_pipeline.serve.http import embedding_items
+from pooling_pipeline.serve.http import base64_string, embedding_items, encode_json, float_rows
 
 
 def rows_of_every_layout() -> list[np.ndarray]:
@@ -53,3 +53,16 @@ def test_the_dict_form_of_data_is_the_same_envelope():
     for body in (parts, plain):
         body.pop("id"), body.pop("created")
     assert parts == plain
+
+
+def test_pooling_values_read_back_as_float32_in_either_format():
+    """/pooling's `data` (any shape: a vector, or a token-by-dimension matrix) in a msgspec-encoded body."""
+    rows = [*rows_of_every_layout(), np.random.default_rng(3).standard_normal((4, 6)).astype(">f4")]
+    for row in rows:
+        want = row.astype(np.float32)
+        text = json.loads(encode_json({"data": base64_string(row)}))["data"]
+        got = np.frombuffer(base64.b64decode(text), dtype="<f4").reshape(want.shape)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+        numbers = json.loads(encode_json({"data": float_rows(row)}))["data"]
+        got = np.asarray(numbers, dtype=np.float64).astype(np.float32).reshape(want.shape)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -29,7 +29,7 @@ from pooling_pipeline.core.messages import PoolingParams
 from pooling_pipeline.core.model_folder.st_files import read_optional_json
 from pooling_pipeline.core.options import EMBEDDING_TASKS
 from pooling_pipeline.serve.app import Request, Response, Route, list_response, response_id
-from pooling_pipeline.serve.http import HTTPError, encode_json, float32_bytes, float_rows
+from pooling_pipeline.serve.http import HTTPError, base64_string, encode_json, float_rows
 from pooling_pipeline.serve.media import takes_images, text_prompt
 from pooling_pipeline.serve.openai_routes import long_input_options, prompts_of
 
@@ -224,7 +224,7 @@ async def pooling(request: Request) -> Response:
     outs = await server.run(len(prompts), server.pipe.aencode(prompts, task=task, pooling_params=params,
                                                                **_text_options(body, request)))
     tokens = server.count_tokens(outs)
-    vector = float32_bytes if body.encoding_format == "base64" else float_rows
+    vector = base64_string if body.encoding_format == "base64" else float_rows
     data = [{"index": i, "object": "pooling", "data": vector(out.data)} for i, out in enumerate(outs)]
     return list_response("pooling", server.model_name(body.model), data, tokens)
 
