@@ -362,6 +362,13 @@ class Shutdown(msgspec.Struct, kw_only=True, tag=True, array_like=True):
     pass
 
 
+class Probe(msgspec.Struct, kw_only=True, tag=True, array_like=True):
+    """A no-op the frontend sends a render worker that said Ready. A worker's Ready comes on
+    another socket than its work, so it can arrive before the work socket's connection is set up
+    at the frontend (a send then is refused); a probe that goes through proves the connection, and
+    only then is the worker given work. (Counted as a work message on both sides.)"""
+
+
 # A child's start-up failure that is a refusal -- the model or an option refused, as a check in the
 # caller would have refused it -- is raised in the caller as the error it is; any other failure is
 # the child's crash (EngineDeadError, WorkerStartError).
@@ -405,7 +412,7 @@ class Heartbeat(msgspec.Struct, kw_only=True, tag=True, array_like=True):
 
 
 # What each socket accepts.
-WorkerInbound = RenderBatch | Shutdown
+WorkerInbound = RenderBatch | Probe | Shutdown
 EngineInbound = EngineInputBatch
 EngineControl = Abort | Shutdown
 FrontendInbound = OutputBatch | RenderFailed | StepFailed | Ready | Heartbeat

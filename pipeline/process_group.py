@@ -217,6 +217,7 @@ class ProcessGroup:
         self.workers: list[Child | None] = [None] * num_workers
         self.worker_gen = [0] * num_workers  # bumped when a worker slot loses its process
         self._polled = [0.0] * num_workers  # when worker_up last looked at each worker's process
+        self.connected: set[int] = set()  # ready workers whose work socket took a Probe (see m.Probe)
         self.down: dict[int, float] = {}  # worker slots waiting to be restarted: slot -> when (monotonic)
         self.restarts: list[deque[float]] = [deque() for _ in range(num_workers)]  # monotonic times, last minute
         self.total_restarts = 0
@@ -332,6 +333,7 @@ class ProcessGroup:
             self.unreceived[index].clear()
             self.caught_up[index] = None
             self.lost_work[index] = None
+            self.connected.discard(index)
         cfg = WorkerConfig(index=index, model=self.spec, work_endpoint=self.work[index].getsockopt_string(zmq.LAST_ENDPOINT),
                            routing_id=self.worker_ids[index], engine_endpoints=self.engine_inputs,
                            output_endpoint=self.endpoints["results"],
@@ -351,19 +353,49 @@ class ProcessGroup:
                 "workers": [w.proc.pid for w in self.workers if w is not None]}
 
     def worker_up(self, index: int) -> bool:
-        """Whether a worker can take work now: started, ready, alive (a restarting one cannot).
-        Its process is looked at every WORKER_POLL_INTERVAL_S at most (waitpid cost ~90 us here:
-        per batch it was 1.5 us per request); the health check and a refused send cover the rest."""
+        """Whether a worker can take work now: started, ready, connected, alive (a restarting one
+        cannot). Its process is looked at every WORKER_POLL_INTERVAL_S at most (waitpid cost ~90 us
+        here: per batch it was 1.5 us per request); the health check and a refused send cover the rest."""
         worker = self.workers[index]
         if index in self.down or ("worker", index) not in self.ready or worker is None:
             return False
         if worker.proc.returncode is not None:
+            return False
+        if index not in self.connected and not self._probe(index):
             return False
         now = time.monotonic()
         if now - self._polled[index] >= WORKER_POLL_INTERVAL_S:
             self._polled[index] = now
             return worker.proc.poll() is None
         return True
+
+    def _probe(self, index: int) -> bool:
+        """Sends a ready worker a Probe: True (and the worker counts as connected) when it went
+        through, False when its work socket cannot take a message yet (see m.Probe)."""
+        with self.send_lock:
+            if self.closed:
+                return False
+            try:
+                send_to(self.work[index], self.worker_ids[index], self.encoder.encode(m.Probe()))
+            except zmq.Again:
+                return False
+            self.work_sent[index] += 1
+            self.unreceived[index].append((self.work_sent[index], time.monotonic()))
+            self.connected.add(index)
+            return True
+
+    def refused(self, index: int) -> None:
+        """A send to a worker was refused (gone, or its queue full): it takes no more work until
+        a probe goes through again (a dead one is found by worker_up's next look at its process)."""
+        with self.send_lock:
+            self.connected.discard(index)
+        self._polled[index] = 0.0
+
+    def connect_ready_workers(self) -> bool:
+        """Probes every ready worker not connected yet; True when one connected now (calls with
+        work held back can send it)."""
+        waiting = [i for i in range(len(self.workers)) if ("worker", i) in self.ready and i not in self.connected]
+        return any([self.worker_up(i) for i in waiting])
 
     # ---- restarts ----------------------------------------------------------------------
 
@@ -425,6 +457,16 @@ class ProcessGroup:
                 raise
             if self.results.poll(200):
                 self._started(self.recv(), pending)
+        # Every worker said Ready: wait for their work sockets to connect too (a moment), so the
+        # first call's batches are not refused.
+        while len(self.connected) < len(self.workers):
+            if time.monotonic() > deadline:
+                waiting = sorted(set(range(len(self.workers))) - self.connected)
+                raise EngineDeadError(f"process group not ready after {timeout_s:.0f} s; render workers {waiting} "
+                                      "said Ready but their work sockets did not connect")
+            self.check_alive()
+            if not self.connect_ready_workers():
+                time.sleep(0.002)
 
     def _started(self, msg, pending: set[tuple[str, int]]) -> None:
         """A message during start-up: a pending child's Ready takes it off `pending`, or raises its failure."""

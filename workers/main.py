@@ -106,6 +106,8 @@ def serve(cfg: WorkerConfig, renderer, work: zmq.Socket, to_engines: list[zmq.So
             msg = decoder.decode(frames)
             if isinstance(msg, m.Shutdown):
                 return False
+            if isinstance(msg, m.Probe):  # the frontend checking the connection: nothing to do
+                return True
             msg.check()
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
             dropped(e)

@@ -380,7 +380,8 @@ class Call:
         worker, engine = route
         try:
             group.send_work(worker, batch if batch.engine == engine else msgspec.structs.replace(batch, engine=engine))
-        except zmq.Again:  # gone since it was checked: the batch stays with the call
+        except zmq.Again:  # gone since it was checked (or its queue is full): the batch stays with the call
+            group.refused(worker)
             ledger.settle(self, workers={worker: count}, engines={engine: count})
             ledger.wait(self, retried_send=True)
             self.backlog.append(batch)

@@ -68,6 +68,7 @@ class Dispatcher:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._stopping = False
+        self._connecting = False  # a worker is ready but its work socket was not connected yet (m.Probe)
         self.thread = threading.Thread(target=self._run, name="pipeline-receiver", daemon=True)
 
     def start(self) -> None:
@@ -97,6 +98,8 @@ class Dispatcher:
                             self._route(msg)
                 if self.aborted:
                     self._settle_aborted()
+                if self._connecting:  # a worker said Ready before its work socket connected
+                    self._connect_workers()
                 if time.monotonic() >= next_health and not self._stopping:
                     next_health = time.monotonic() + HEALTH_CHECK_INTERVAL_S
                     self._check_health()
@@ -106,6 +109,13 @@ class Dispatcher:
             if not self._stopping:
                 log.exception("the frontend's receiver thread failed")
                 self._fail_all(PipelineError(f"the frontend's receiver thread failed: {type(e).__name__}: {e}"))
+
+    def _connect_workers(self) -> None:
+        """Probes the ready workers not connected yet; wakes the calls when one connected."""
+        if self.group.connect_ready_workers():
+            self._wake_all()
+        self._connecting = any(("worker", i) in self.group.ready and i not in self.group.connected
+                               for i in range(len(self.group.workers)))
 
     def _drain_wake_pipe(self) -> None:
         try:
@@ -125,8 +135,9 @@ class Dispatcher:
         if kind is m.Heartbeat:
             return
         if kind is m.Ready:
-            if msg.role == "worker":  # a restarted worker: calls with work held back can send it now
-                self._wake_all()
+            if msg.role == "worker":  # a restarted worker: calls with work held back can send it once it connects
+                self._connecting = True
+                self._connect_workers()
             return
         calls = self.routes
         if kind is m.OutputBatch:
