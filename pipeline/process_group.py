@@ -218,6 +218,7 @@ class ProcessGroup:
         self.worker_gen = [0] * num_workers  # bumped when a worker slot loses its process
         self._polled = [0.0] * num_workers  # when worker_up last looked at each worker's process
         self.connected: set[int] = set()  # ready workers whose work socket took a Probe (see m.Probe)
+        self.ready_at = [0.0] * num_workers  # when each worker's Ready came (RunClock): it must connect in time
         self.down: dict[int, float] = {}  # worker slots waiting to be restarted: slot -> when (monotonic)
         self.restarts: list[deque[float]] = [deque() for _ in range(num_workers)]  # monotonic times, last minute
         self.total_restarts = 0
@@ -524,6 +525,8 @@ class ProcessGroup:
             self.last_seen[(msg.role, msg.index)] = now
             if msg.error is None:
                 self.ready.add((msg.role, msg.index))
+                if msg.role == "worker" and 0 <= msg.index < len(self.workers):
+                    self.ready_at[msg.index] = now
 
     def send_work(self, worker: int, batch: m.RenderBatch) -> None:
         """A batch to a render worker, whose inputs it sends on to the engine core it names."""
@@ -609,6 +612,9 @@ class ProcessGroup:
         if busy > self.step_timeout_s:
             return f"has been stuck in one piece of work for {busy:.0f} s"
         if role == "worker":
+            connecting = now - self.ready_at[index] if index not in self.connected else 0.0
+            if connecting > self.startup_timeout_s:
+                return f"said Ready but its work socket did not connect in {connecting:.0f} s"
             return self.lost_work[index]
         return None
 
@@ -621,6 +627,17 @@ class ProcessGroup:
             self.closed = True
         if os.getpid() != self.owner_pid:
             return  # a forked child: the sockets, children and directory are its parent's
+        # The children are ended and the sockets closed whatever the asking raised: a context
+        # left open would hang the process that collects it (its sockets' messages never leave).
+        try:
+            self._ask_children_to_exit()
+        finally:
+            self._end_children()
+            self.ctx.destroy(linger=0)
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _ask_children_to_exit(self) -> None:
+        """Sends each live child a Shutdown."""
         # Every live child is asked on its own: one that cannot be reached must not keep the
         # others from their orderly exit (the rest are killed after the grace period).
         asks = [(sock, self.worker_ids[i], self.workers[i]) for i, sock in enumerate(getattr(self, "work", []))]
@@ -650,6 +667,9 @@ class ProcessGroup:
                     break
                 if asks:
                     time.sleep(0.01)
+
+    def _end_children(self) -> None:
+        """Waits for the children to exit (SHUTDOWN_GRACE_S in all), then kills those left."""
         deadline = time.monotonic() + SHUTDOWN_GRACE_S
         for child in self.children:
             try:
@@ -657,5 +677,3 @@ class ProcessGroup:
             except subprocess.TimeoutExpired:
                 child.proc.send_signal(signal.SIGKILL)
                 child.proc.wait()
-        self.ctx.destroy(linger=0)
-        shutil.rmtree(self.dir, ignore_errors=True)

@@ -82,6 +82,27 @@ def test_a_pipeline_dropped_without_close_stops_its_children_and_removes_its_dir
     assert _group_dirs(tmpdir_base) == []
 
 
+@pytest.mark.slow
+def test_a_close_whose_shutdown_send_fails_still_ends_the_children_and_the_sockets(tmpdir_base, monkeypatch):
+    """close() raises what went wrong, but only after the children are gone and the context is
+    closed: a context left open hangs the process when the garbage collector finds it."""
+    from pooling_pipeline import process_group
+
+    pipe = Pipeline(num_render_workers=1)
+    pids = [pipe.pids["engine"], *pipe.pids["workers"]]
+    group = pipe._group
+
+    def failing_send(sock, routing_id, frames):
+        raise RuntimeError("the shutdown send failed")
+
+    monkeypatch.setattr(process_group, "send_to", failing_send)
+    with pytest.raises(RuntimeError, match="the shutdown send failed"):
+        pipe.close()
+    assert group.ctx.closed
+    assert wait_gone(pids, 15.0) == []
+    assert _group_dirs(tmpdir_base) == []
+
+
 _MID_CALL = """
 import itertools, json, os, sys, threading, time
 from pooling_pipeline import Pipeline
