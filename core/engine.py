@@ -501,6 +501,8 @@ class InputThread:
             if isinstance(msg, m.Shutdown):
                 self.engine.inbox.put(("shutdown",))
                 return False
+            if isinstance(msg, m.Probe):  # the frontend checking the connection: nothing to do
+                continue
             self.engine.inbox.put(("abort", msg.call, msg.indices))
 
     def _on_inputs(self, frames) -> None:

@@ -363,10 +363,12 @@ class Shutdown(msgspec.Struct, kw_only=True, tag=True, array_like=True):
 
 
 class Probe(msgspec.Struct, kw_only=True, tag=True, array_like=True):
-    """A no-op the frontend sends a render worker that said Ready. A worker's Ready comes on
-    another socket than its work, so it can arrive before the work socket's connection is set up
-    at the frontend (a send then is refused); a probe that goes through proves the connection, and
-    only then is the worker given work. (Counted as a work message on both sides.)"""
+    """A no-op the frontend sends a child that said Ready: a render worker on its work socket, an
+    engine core on its control socket. The Ready comes on another socket, so it can arrive before
+    that socket's connection is set up at the frontend (a send then is refused); a probe that goes
+    through proves the connection, and only then is a worker given work (or, at start-up, the
+    group ready: an abort sent right after would otherwise be lost). (Counted as a work message
+    on both sides of a worker's socket.)"""
 
 
 # A child's start-up failure that is a refusal -- the model or an option refused, as a check in the
@@ -414,5 +416,5 @@ class Heartbeat(msgspec.Struct, kw_only=True, tag=True, array_like=True):
 # What each socket accepts.
 WorkerInbound = RenderBatch | Probe | Shutdown
 EngineInbound = EngineInputBatch
-EngineControl = Abort | Shutdown
+EngineControl = Abort | Probe | Shutdown
 FrontendInbound = OutputBatch | RenderFailed | StepFailed | Ready | Heartbeat

@@ -385,6 +385,15 @@ class ProcessGroup:
             self.connected.add(index)
             return True
 
+    def _probe_engine(self, k: int) -> bool:
+        """Sends engine core `k` a Probe on its control socket: True when it went through."""
+        with self.send_lock:
+            try:
+                send_to(self.controls[k], self.control_ids[k], self.encoder.encode(m.Probe()))
+            except zmq.Again:
+                return False
+            return True
+
     def refused(self, index: int) -> None:
         """A send to a worker was refused (gone, or its queue full): it takes no more work until
         a probe goes through again (a dead one is found by worker_up's next look at its process)."""
@@ -458,15 +467,18 @@ class ProcessGroup:
                 raise
             if self.results.poll(200):
                 self._started(self.recv(), pending)
-        # Every worker said Ready: wait for their work sockets to connect too (a moment), so the
-        # first call's batches are not refused.
-        while len(self.connected) < len(self.workers):
+        # Every child said Ready: wait for the sockets the frontend sends on to connect too (a
+        # moment), so the first call's batches and aborts are not refused (see m.Probe).
+        engines = set(range(self.num_engines))
+        while len(self.connected) < len(self.workers) or engines:
             if time.monotonic() > deadline:
-                waiting = sorted(set(range(len(self.workers))) - self.connected)
-                raise EngineDeadError(f"process group not ready after {timeout_s:.0f} s; render workers {waiting} "
-                                      "said Ready but their work sockets did not connect")
+                waiting = [f"render worker {i}" for i in range(len(self.workers)) if i not in self.connected]
+                waiting += [self.engines[k].name for k in sorted(engines)]
+                raise EngineDeadError(f"process group not ready after {timeout_s:.0f} s: {', '.join(waiting)} said "
+                                      "Ready but the socket the frontend sends on did not connect")
             self.check_alive()
-            if not self.connect_ready_workers():
+            engines -= {k for k in engines if self._probe_engine(k)}
+            if not self.connect_ready_workers() and (engines or len(self.connected) < len(self.workers)):
                 time.sleep(0.002)
 
     def _started(self, msg, pending: set[tuple[str, int]]) -> None:
