@@ -373,17 +373,12 @@ class ProcessGroup:
     def _probe(self, index: int) -> bool:
         """Sends a ready worker a Probe: True (and the worker counts as connected) when it went
         through, False when its work socket cannot take a message yet (see m.Probe)."""
-        with self.send_lock:
-            if self.closed:
-                return False
-            try:
-                send_to(self.work[index], self.worker_ids[index], self.encoder.encode(m.Probe()))
-            except zmq.Again:
-                return False
-            self.work_sent[index] += 1
-            self.unreceived[index].append((self.work_sent[index], time.monotonic()))
-            self.connected.add(index)
-            return True
+        try:
+            self.send_work(index, m.Probe())
+        except zmq.Again:
+            return False
+        self.connected.add(index)
+        return True
 
     def _probe_engine(self, k: int) -> bool:
         """Sends engine core `k` a Probe on its control socket: True when it went through."""
@@ -401,11 +396,14 @@ class ProcessGroup:
             self.connected.discard(index)
         self._polled[index] = 0.0
 
+    def unconnected_workers(self) -> list[int]:
+        """The ready workers whose work socket has not taken a probe yet."""
+        return [i for i in range(len(self.workers)) if ("worker", i) in self.ready and i not in self.connected]
+
     def connect_ready_workers(self) -> bool:
         """Probes every ready worker not connected yet; True when one connected now (calls with
         work held back can send it)."""
-        waiting = [i for i in range(len(self.workers)) if ("worker", i) in self.ready and i not in self.connected]
-        return any([self.worker_up(i) for i in waiting])
+        return any([self.worker_up(i) for i in self.unconnected_workers()])
 
     # ---- restarts ----------------------------------------------------------------------
 
@@ -470,16 +468,18 @@ class ProcessGroup:
         # Every child said Ready: wait for the sockets the frontend sends on to connect too (a
         # moment), so the first call's batches and aborts are not refused (see m.Probe).
         engines = set(range(self.num_engines))
-        while len(self.connected) < len(self.workers) or engines:
+        while True:
+            engines -= {k for k in engines if self._probe_engine(k)}
+            self.connect_ready_workers()
+            workers = self.unconnected_workers()
+            if not engines and not workers:
+                return
             if time.monotonic() > deadline:
-                waiting = [f"render worker {i}" for i in range(len(self.workers)) if i not in self.connected]
-                waiting += [self.engines[k].name for k in sorted(engines)]
+                waiting = [f"render worker {i}" for i in workers] + [self.engines[k].name for k in sorted(engines)]
                 raise EngineDeadError(f"process group not ready after {timeout_s:.0f} s: {', '.join(waiting)} said "
                                       "Ready but the socket the frontend sends on did not connect")
             self.check_alive()
-            engines -= {k for k in engines if self._probe_engine(k)}
-            if not self.connect_ready_workers() and (engines or len(self.connected) < len(self.workers)):
-                time.sleep(0.002)
+            time.sleep(0.002)
 
     def _started(self, msg, pending: set[tuple[str, int]]) -> None:
         """A message during start-up: a pending child's Ready takes it off `pending`, or raises its failure."""
@@ -540,8 +540,9 @@ class ProcessGroup:
                 if msg.role == "worker" and 0 <= msg.index < len(self.workers):
                     self.ready_at[msg.index] = now
 
-    def send_work(self, worker: int, batch: m.RenderBatch) -> None:
-        """A batch to a render worker, whose inputs it sends on to the engine core it names."""
+    def send_work(self, worker: int, batch: m.RenderBatch | m.Probe) -> None:
+        """A batch to a render worker, whose inputs it sends on to the engine core it names (or a
+        Probe: counted as work on both sides)."""
         # A worker that is gone (or not connected yet) raises zmq.Again instead of blocking.
         with self.send_lock:
             if self.closed:

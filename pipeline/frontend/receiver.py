@@ -114,8 +114,7 @@ class Dispatcher:
         """Probes the ready workers not connected yet; wakes the calls when one connected."""
         if self.group.connect_ready_workers():
             self._wake_all()
-        self._connecting = any(("worker", i) in self.group.ready and i not in self.group.connected
-                               for i in range(len(self.group.workers)))
+        self._connecting = bool(self.group.unconnected_workers())
 
     def _drain_wake_pipe(self) -> None:
         try:
