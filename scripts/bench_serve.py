@@ -565,15 +565,16 @@ class StubPipe:
 
 
 def stub_server_main(delay_ms: float) -> None:
-    """Serves make_app(StubPipe(...)) as pipeline-serve's cli serves the real one: uvicorn, httptools, uvloop, no access
-    log, no proxy headers, lifespan off, on a free port announced with the same ready line."""
+    """Serves make_app(StubPipe(...)) as pipeline-serve's cli serves the real one: uvicorn running pipeline-serve's own
+    HTTP protocol, uvloop, no access log, lifespan off, on a free port announced with the same ready line."""
     import uvicorn
 
     from pooling_pipeline.serve.app import ServeSettings
+    from pooling_pipeline.serve.protocol import protocol_factory
     from pooling_pipeline.serve.routes import make_app
     app = make_app(StubPipe(delay_ms / 1e3), ServeSettings(served_model_names=(SERVE_MODEL_NAME,)))
     # (uvicorn's settings as pipeline/serve/cli.py's _serve gives them)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, http="httptools", lifespan="off",
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, http=protocol_factory(app), lifespan="off",
                                            proxy_headers=False, server_header=False, access_log=False,
                                            log_level="warning"))
 

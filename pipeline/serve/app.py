@@ -61,12 +61,13 @@ class Response(NamedTuple):
 
 
 class Request:
-    """One HTTP request as a handler sees it: its body, and what every handler shares (`server`)."""
+    """One HTTP request as a handler sees it: its headers (names lower-cased), its body, and what every
+    handler shares (`server`)."""
 
-    __slots__ = ("scope", "body", "server", "dialect")
+    __slots__ = ("headers", "body", "server", "dialect")
 
-    def __init__(self, scope: dict, body: bytes, server: Server, dialect: str) -> None:
-        self.scope, self.body, self.server, self.dialect = scope, body, server, dialect
+    def __init__(self, headers: list[tuple[bytes, bytes]], body: bytes, server: Server, dialect: str) -> None:
+        self.headers, self.body, self.server, self.dialect = headers, body, server, dialect
 
     def json(self, type_: Any) -> Any:
         return decode_json(self.body, type_, self.dialect)
@@ -187,8 +188,20 @@ class Server:
         }
 
 
+class Head(NamedTuple):
+    """What a request's method and path name: its route (None: no such route or method), the dialect of
+    its errors, its label in the metrics and whether its latency is timed."""
+
+    route: Route | None
+    dialect: str
+    label: str
+    timed: bool
+
+
 class App:
-    """The ASGI callable: `App(server, routes)`."""
+    """The ASGI callable: `App(server, routes)`. pipeline-serve's own HTTP protocol (protocol.py) calls
+    its parts directly -- `head`, `admit`, `respond`, `refusal`, `answered`, `client_left` -- and the
+    ASGI entry (`__call__`, for uvicorn's protocol or any ASGI server) is built from the same parts."""
 
     def __init__(self, server: Server, routes: list[Route]) -> None:
         self.server = server
@@ -199,6 +212,53 @@ class App:
             self.routes.setdefault(route.path, {})[route.method] = route
         key = server.settings.api_key
         self._expected = f"Bearer {key}".encode() if key else None
+        self.max_body_bytes = server.settings.max_body_bytes
+
+    # -- the parts --
+
+    def head(self, method: str, path: str) -> Head:
+        by_method = self.routes.get(path)
+        route = by_method.get(method) if by_method else None
+        if route is None:
+            return Head(None, "openai", path if by_method else "unmatched", False)
+        return Head(route, route.dialect, path, route.inference)
+
+    def admit(self, head: Head, method: str, path: str, headers: list[tuple[bytes, bytes]]) -> None:
+        """Raises the HTTPError that refuses a request before its body is read: no route (404), a method
+        the path does not take (405), a missing or wrong API key (401)."""
+        if head.route is None:
+            by_method = self.routes.get(path)
+            if by_method is None:
+                raise HTTPError(404, f"no route {path}")
+            raise HTTPError(405, f"{method} is not allowed on {path}; use {', '.join(by_method)}")
+        if self._expected is not None and path != "/health":
+            given = header(headers, b"authorization") or b""
+            if not hmac.compare_digest(given, self._expected):  # constant time: no prefix leaks by timing
+                raise HTTPError(401, "Unauthorized: a valid 'Authorization: Bearer <api key>' header is required",
+                                headers=[(b"www-authenticate", b"Bearer")])
+
+    async def respond(self, head: Head, headers: list[tuple[bytes, bytes]], body: bytes) -> Response:
+        """An admitted request's answer; what its handler raises becomes the dialect's error response.
+        (Cancellation -- the client left, the server stops -- is the caller's to handle.)"""
+        try:
+            return await head.route.handler(Request(headers, body, self.server, head.dialect))
+        except Exception as e:
+            return self.refusal(e, head.dialect)
+
+    def refusal(self, e: Exception, dialect: str) -> Response:
+        """The error response for `e`, counted by kind."""
+        status, message, headers = self._failure(e, dialect)
+        self.server.metrics.errors[_error_kind(status)] += 1
+        return Response(error_body(dialect, status, message), status, headers=headers)
+
+    def answered(self, head: Head, status: int, started: float) -> None:
+        self.server.metrics.observe(head.label, status, time.perf_counter() - started, head.timed)
+
+    def client_left(self, head: Head, started: float) -> None:
+        self.server.metrics.disconnects += 1
+        self.answered(head, 499, started)  # (nginx's "client closed request")
+
+    # -- ASGI --
 
     async def __call__(self, scope: dict, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -207,39 +267,21 @@ class App:
         if scope["type"] != "http":
             return  # (no websockets)
         started = time.perf_counter()
-        path = scope["path"]
-        by_method = self.routes.get(path)
-        route = by_method.get(scope["method"]) if by_method else None
-        dialect = route.dialect if route else "openai"
-        label = path if route else "unmatched"
-        timed = route.inference if route else False
+        method, path, headers = scope["method"], scope["path"], scope["headers"]
+        head = self.head(method, path)
         try:
-            if by_method is None:
-                raise HTTPError(404, f"no route {path}")
-            if route is None:
-                raise HTTPError(405, f"{scope['method']} is not allowed on {path}; use {', '.join(by_method)}")
-            if self._expected is not None and path != "/health":
-                self._authenticate(scope)
-            body = await read_body(scope, receive, self.server.settings.max_body_bytes)
-            response = await self._handle(route, Request(scope, body, self.server, dialect), receive)
+            self.admit(head, method, path, headers)
+            body = await read_body(headers, receive, self.max_body_bytes)
+            response = await self._watched(head, headers, body, receive)
         except ClientGone:
-            self.server.metrics.disconnects += 1
-            self.server.metrics.observe(label, 499, time.perf_counter() - started, timed)  # (nginx's "client closed")
+            self.client_left(head, started)
             return
         except Exception as e:
-            status, message, headers = self._failure(e, dialect)
-            self.server.metrics.errors[_error_kind(status)] += 1
-            response = Response(error_body(dialect, status, message), status, headers=headers)
+            response = self.refusal(e, head.dialect)
         await send_response(send, response.status, response.body, response.content_type, response.headers)
-        self.server.metrics.observe(label, response.status, time.perf_counter() - started, timed)
+        self.answered(head, response.status, started)
 
-    def _authenticate(self, scope: dict) -> None:
-        given = header(scope, b"authorization") or b""
-        if not hmac.compare_digest(given, self._expected):  # constant time: no prefix leaks by timing
-            raise HTTPError(401, "Unauthorized: a valid 'Authorization: Bearer <api key>' header is required",
-                            headers=[(b"www-authenticate", b"Bearer")])
-
-    async def _handle(self, route: Route, request: Request, receive) -> Response:
+    async def _watched(self, head: Head, headers: list, body: bytes, receive) -> Response:
         """Runs the handler while a watcher task waits on the connection: a client that leaves has
         this task cancelled (its pipeline call is aborted by id) and ClientGone is raised. (One
         watcher task and the handler inline: a second task and `asyncio.wait` cost ~10 us a request.)"""
@@ -247,7 +289,7 @@ class App:
         left: list[bool] = []
         watch = asyncio.ensure_future(_cancel_when_gone(receive, task, left))
         try:
-            return await route.handler(request)
+            return await self.respond(head, headers, body)
         except asyncio.CancelledError:
             # Ours only when the client left and nothing else (the server stopping) cancelled too.
             # (Python 3.10's tasks keep no count of cancellations: there the client's is taken.)
@@ -313,5 +355,5 @@ async def metrics(request: Request) -> Response:
 
 ROUTES = [Route("GET", "/health", health, "tei", inference=False),
           Route("GET", "/metrics", metrics, "tei", inference=False)]
-__all__ = ["App", "Route", "Request", "Response", "Server", "ServeSettings", "ROUTES", "encode_json", "list_response",
+__all__ = ["App", "Head", "Route", "Request", "Response", "Server", "ServeSettings", "ROUTES", "encode_json", "list_response",
            "response_id", "usage"]

@@ -52,7 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="image inputs may name files under this directory (default: none; base64 and data: URIs only)")
     http.add_argument("--graceful-shutdown-s", type=float, default=60.0,
                       help="on SIGTERM, how long requests in flight may take to finish" + d)
+    http.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                      help="seconds an idle keep-alive connection stays open (uvicorn's flag)" + d)
     http.add_argument("--access-log", action="store_true", help="log every request (costs CPU per request)")
+    http.add_argument("--http-protocol", choices=("pipeline", "uvicorn"), default="pipeline",
+                      help="pipeline: this server's own HTTP/1.1 connection (httptools' parser; requests go to the "
+                           "app directly); uvicorn: uvicorn's httptools protocol and the app through ASGI" + d)
     pipe = ap.add_argument_group("Pipeline options (as Pipeline(...) takes them)")
     for name in declared(PipelineOptions):
         if name not in NOT_FLAGS:
@@ -101,6 +106,7 @@ def _serve(pipe, args: argparse.Namespace, stop: _StopSignals) -> int:
     import uvicorn
 
     from pooling_pipeline.serve.app import ServeSettings
+    from pooling_pipeline.serve.protocol import protocol_factory
     from pooling_pipeline.serve.routes import make_app
 
     names = tuple(args.served_model_name or [args.model or "all-MiniLM-L6-v2"])
@@ -115,9 +121,13 @@ def _serve(pipe, args: argparse.Namespace, stop: _StopSignals) -> int:
         return 2
     # (no proxy-header middleware: it cost ~5 us a request in the benchmark's profile, for clients behind a
     # proxy this server does not know of; no Server header)
-    config = uvicorn.Config(app, host=args.host, port=args.port, http="httptools", lifespan="off",
+    # uvicorn runs the server (socket, signals, graceful shutdown); the per-request protocol is ours
+    # unless asked (protocol.py says why)
+    http = protocol_factory(app, access_log=args.access_log) if args.http_protocol == "pipeline" else "httptools"
+    config = uvicorn.Config(app, host=args.host, port=args.port, http=http, lifespan="off",
                             proxy_headers=False, server_header=False,
                             access_log=args.access_log, timeout_graceful_shutdown=args.graceful_shutdown_s,
+                            timeout_keep_alive=args.timeout_keep_alive,
                             log_level="info" if args.access_log else "warning")
     server = uvicorn.Server(config)
     stop.serving = True

@@ -68,17 +68,17 @@ def error_body(dialect: str, status: int, message: str) -> bytes:
                                       "param": None, "code": status}})
 
 
-def header(scope: dict, name: bytes) -> bytes | None:
-    for key, value in scope["headers"]:
+def header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    for key, value in headers:
         if key == name:  # ASGI servers give header names lower-cased
             return value
     return None
 
 
-async def read_body(scope: dict, receive: Receive, limit: int) -> bytes:
+async def read_body(headers: list[tuple[bytes, bytes]], receive: Receive, limit: int) -> bytes:
     """The whole body, refused with 413 as soon as it would pass `limit` bytes: by its Content-Length
     before a byte is read, else (chunked) when the bytes read pass it -- never held whole first."""
-    length = header(scope, b"content-length")
+    length = header(headers, b"content-length")
     if length is not None:
         try:
             declared = int(length)
@@ -148,20 +148,51 @@ class ItemParts(NamedTuple):
     parts: list[bytes]
 
 
+def _item_heads(n: int, embedding_open: bytes) -> list[bytes]:
+    """`{"object":"embedding","index":i,"embedding":` + `embedding_open` for i < n: written once for the
+    usual batch sizes (formatting them per request cost ~3 us for 32 items)."""
+    cached = _HEADS[embedding_open]
+    if n > len(cached):
+        return cached + [b'{"object":"embedding","index":%d,"embedding":%s' % (i, embedding_open)
+                         for i in range(len(cached), n)]
+    return cached[:n]
+
+
+_HEADS = {opening: [b'{"object":"embedding","index":%d,"embedding":%s' % (i, opening) for i in range(1024)]
+          for opening in (b'"', b"")}
+
+
+def _encoded_rows(rows: list[np.ndarray], encode: Callable[[np.ndarray], bytes]) -> list[bytes]:
+    if all([row.dtype is _F32 for row in rows]):  # (the pipeline's own rows: float32, contiguous)
+        try:
+            return list(map(encode, rows))
+        except ValueError:  # (a row that is not contiguous: converted below)
+            pass
+    return [encode(_f32(row)) for row in rows]
+
+
+def _orjson_row(row: np.ndarray) -> bytes:
+    return orjson.dumps(row, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
 def embedding_items(rows: list[np.ndarray], encoding_format: str) -> ItemParts:
     """OpenAI's `data` items, `{"object": "embedding", "index": i, "embedding": ...}`: each vector as the
-    base64 of its float32 little-endian bytes, or as float32's shortest JSON numbers. (By hand: a dict
-    and a msgspec.Raw a row cost more than the 32 base64 strings themselves.)"""
-    parts: list[bytes] = []
+    base64 of its float32 little-endian bytes, or as float32's shortest JSON numbers. (By hand, as slices
+    of one list: a dict and a msgspec.Raw a row cost more than the 32 base64 strings themselves.)"""
+    n = len(rows)
+    if n == 0:
+        return ItemParts([])
+    parts: list = [None] * (3 * n)
     if encoding_format == "base64":
-        for i, row in enumerate(rows):
-            parts += (b'{"object":"embedding","index":%d,"embedding":"' % i, b64encode(_f32(row)), b'"},')
+        parts[0::3] = _item_heads(n, b'"')
+        parts[1::3] = _encoded_rows(rows, b64encode)
+        parts[2::3] = [b'"},'] * n
+        parts[-1] = b'"}'  # (no comma after the last item)
     else:
-        for i, row in enumerate(rows):
-            parts += (b'{"object":"embedding","index":%d,"embedding":' % i,
-                      orjson.dumps(_f32(row), option=orjson.OPT_SERIALIZE_NUMPY), b"},")
-    if parts:
-        parts[-1] = parts[-1][:-1]  # (no comma after the last item)
+        parts[0::3] = _item_heads(n, b"")
+        parts[1::3] = _encoded_rows(rows, _orjson_row)
+        parts[2::3] = [b"},"] * n
+        parts[-1] = b"}"
     return ItemParts(parts)
 
 

@@ -53,9 +53,10 @@ def prompts_of(value: Any, request: Request, modality: str = "text", field: str 
     if not isinstance(value, list):
         raise HTTPError(400, f"`{field}` must be a string, a list of strings, a list of token ids or a list of "
                              f"such lists; got {type(value).__name__}")
-    if value and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+    kinds = set(map(type, value))  # (JSON gives exact types: bool is not int here)
+    if kinds == {int}:
         return [{"prompt_token_ids": value}]
-    if not images and all(type(item) is str for item in value):
+    if not images and kinds == {str}:
         return value  # (the common case, a list of texts: no copy)
     prompts = []
     for i, item in enumerate(value):

@@ -1,0 +1,339 @@
+"""pipeline-serve's HTTP/1.1 connection: httptools' C parser (llhttp, as uvicorn's) under a protocol
+that hands each request to the `App` directly instead of through ASGI.
+
+Why not uvicorn's protocol: on the simulated device its per-request Python -- the ASGI scope, the
+request-response cycle, `receive` and `send` with their event dicts, a watcher task per request for
+the disconnect -- cost ~25 us of CPU a request at full rate and ~2.5 times that when the loop wakes for
+one request at a time, as a server's does (docs/benchmarks.md, "Serving"). uvicorn still runs the
+server: the listening socket, the signals, the graceful shutdown, the Date header; its `http=` option
+takes this class. `--http-protocol uvicorn` serves the same App through uvicorn's own protocol and ASGI.
+
+What a connection does, in order:
+
+- requests are answered in the order they came (HTTP/1.1 pipelining): one runs at a time; the next one
+  read whole waits, and reading pauses while it does (bounded memory whatever the client sends);
+- a request the App refuses from its head (no route, wrong method, no API key, a Content-Length over
+  the body limit) is answered before its body is read, and the body is read and dropped, so that the
+  connection stays usable and the client is not reset while it still sends; a chunked body that passes
+  the limit is refused the same way once it does;
+- a head (request line and headers) over MAX_HEAD_BYTES is a 431 and the connection is closed; bytes
+  that are not HTTP are a 400 and the connection is closed;
+- `Expect: 100-continue` gets its interim answer when the request is admitted;
+- a client that closes its connection has its request's task cancelled, which aborts its pipeline call
+  by id; a connection idle (no request in progress) for uvicorn's `timeout_keep_alive` is closed;
+- when uvicorn shuts down, an idle connection is closed at once and a busy one after its answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import urllib.parse
+from collections import deque
+from typing import NamedTuple
+
+import httptools
+
+from pooling_pipeline.serve.app import App, Head, Response
+from pooling_pipeline.serve.http import REASONS, BodyTooLarge, HTTPError, header
+
+log = logging.getLogger("pipeline.serve")
+access_log = logging.getLogger("pipeline.serve.access")
+
+MAX_HEAD_BYTES = 64 << 10  # the request line and headers together (nginx's default large buffers: 4 x 8 KB)
+
+_STATUS_LINES = {status: b"HTTP/1.1 %d %s\r\n" % (status, reason.encode()) for status, reason in
+                 {200: "OK", 431: "Request Header Fields Too Large", 499: "Client Closed Request", **REASONS}.items()}
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+class Exchange(NamedTuple):
+    """A request read (or refused) and waiting for its turn on the connection."""
+
+    head: Head
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    method: str
+    keep_alive: bool
+    started: float  # perf_counter at its head, for the latency histogram
+    refused: Response | None = None  # answered without running a handler
+
+
+def protocol_factory(app: App, access_log: bool = False):
+    """What uvicorn's `Config(http=...)` takes: a callable building one connection's protocol.
+    `access_log`: a line per request on the `pipeline.serve.access` logger, as uvicorn's."""
+
+    def create(config, server_state, app_state=None, _loop=None, **_ignored) -> HttpConnection:
+        return HttpConnection(app, server_state, config.timeout_keep_alive, _loop, access_log)
+
+    return create
+
+
+class HttpConnection(asyncio.Protocol):
+    def __init__(self, app: App, server_state, keep_alive_s: float, loop=None, access_log: bool = False) -> None:
+        self.app = app
+        self.state = server_state  # uvicorn's: its set of connections and tasks, its default headers
+        self.keep_alive_s = keep_alive_s
+        self.loop = loop or asyncio.get_event_loop()
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.waiting: deque[Exchange] = deque()  # read whole, after the one running
+        self.task: asyncio.Task | None = None  # the request being answered
+        self.gone = False  # the client closed the connection
+        self.closing = False  # answer what runs, then close (shutdown, Connection: close, a broken stream)
+        self.write_paused = False
+        self.access_log = access_log
+        self.idle_timer: asyncio.TimerHandle | None = None
+        self._dated: tuple[list, bytes] = ([], b"")  # uvicorn's default headers (Date) and their bytes
+        self.in_head = True  # between messages or inside a head: what arrives counts toward MAX_HEAD_BYTES
+        self.head_bytes = 0
+        self._new_message()
+
+    def _new_message(self) -> None:
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []  # as llhttp gives them; cleaned at the end of the head
+        self.body: list[bytes] = []
+        self.body_bytes = 0
+        self.current: Head | None = None
+        self.discarding = False  # the message was answered from its head: its body is dropped
+
+    # -- asyncio's callbacks --
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.state.connections.add(self)
+        self._arm_idle_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.state.connections.discard(self)
+        self._disarm_idle_timer()
+        self.gone = True
+        self.waiting.clear()  # (never started: nothing of theirs is in the pipeline)
+        if self.task is not None:
+            self.task.cancel()  # its pipeline call is aborted by id
+        self.parser = None
+
+    def data_received(self, data: bytes) -> None:
+        if self.idle_timer is not None:
+            self._disarm_idle_timer()
+        if self.parser is None:  # (after a broken stream: the rest is not read)
+            return
+        if self.in_head:
+            self.head_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # (no protocol upgrades: the request was answered as plain HTTP; nothing after it is read)
+            self._stop_reading()
+            return
+        except httptools.HttpParserError as e:
+            self._stop_reading()
+            self._refuse(self.current or self.app.head("", ""), 400, f"the request is not valid HTTP/1.1: {e}")
+            return
+        # llhttp holds a head's pieces until the head ends: counted here, the bytes it can hold stay bounded
+        if self.in_head and self.head_bytes > MAX_HEAD_BYTES:
+            self._stop_reading()
+            self._refuse(self.app.head("", ""), 431,
+                         f"the request line and headers are larger than this server's {MAX_HEAD_BYTES} bytes")
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self._next()
+
+    def eof_received(self) -> bool | None:
+        return None  # (close the transport: a client that half-closes gets what is running, no more)
+
+    def shutdown(self) -> None:
+        """uvicorn's graceful shutdown: close now if idle, else after the answer in progress."""
+        self.closing = True
+        self.waiting.clear()
+        if self.task is None:
+            self.transport.close()
+
+    # -- httptools' callbacks --
+
+    def on_message_begin(self) -> None:
+        self._new_message()
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        started = time.perf_counter()
+        self.in_head = False
+        method = parser.get_method().decode("ascii")
+        if self.head_bytes > MAX_HEAD_BYTES and _head_size(self.url, self.headers) > MAX_HEAD_BYTES:
+            # (head_bytes counts whole reads, which may run past the head: measured exactly only then)
+            self._stop_reading()
+            self._refuse(self.app.head(method, ""), 431,
+                         f"the request line and headers are larger than this server's {MAX_HEAD_BYTES} bytes")
+            return
+        # Names lower-cased; llhttp keeps a value's trailing whitespace, which is not part of it (RFC 9110 5.5).
+        self.headers = [(name.lower(), value.rstrip(b" \t")) for name, value in self.headers]
+        path = httptools.parse_url(self.url).path.decode("latin-1")
+        if "%" in path:
+            path = urllib.parse.unquote(path)
+        head = self.current = self.app.head(method, path)
+        keep_alive = parser.should_keep_alive() and not parser.should_upgrade()
+        try:
+            self.app.admit(head, method, path, self.headers)
+            length = header(self.headers, b"content-length")
+            if length is not None and int(length) > self.app.max_body_bytes:  # (llhttp checked the digits)
+                raise BodyTooLarge(self.app.max_body_bytes)
+        except HTTPError as e:
+            # A client that waits for 100 Continue may never send the body it announced: close after.
+            expects = header(self.headers, b"expect") is not None
+            self._dispatch(Exchange(head, self.headers, b"", method, keep_alive and not expects, started,
+                                    self.app.refusal(e, head.dialect)))
+            self.discarding = True
+            return
+        self._started, self._method, self._keep_alive = started, method, keep_alive
+        if self.task is None and not self.waiting and _wants_continue(self.headers, parser):
+            self.transport.write(_CONTINUE)
+
+    def on_body(self, body: bytes) -> None:
+        if self.discarding:
+            return
+        self.body_bytes += len(body)
+        if self.body_bytes > self.app.max_body_bytes:  # (a chunked body: no length was declared)
+            self.body.clear()
+            self.discarding = True
+            head = self.current
+            self._dispatch(Exchange(head, self.headers, b"", self._method, self._keep_alive, self._started,
+                                    self.app.refusal(BodyTooLarge(self.app.max_body_bytes), head.dialect)))
+            return
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.in_head, self.head_bytes = True, 0
+        if self.discarding:
+            return
+        body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
+        self._dispatch(Exchange(self.current, self.headers, body, self._method, self._keep_alive, self._started))
+
+    # -- answering, one request at a time, in order --
+
+    def _dispatch(self, exchange: Exchange) -> None:
+        if self.task is None and not self.waiting and not self.write_paused:
+            self._start(exchange)
+        else:
+            self.waiting.append(exchange)
+            self.transport.pause_reading()  # (one read ahead at most: memory stays bounded)
+
+    def _start(self, exchange: Exchange) -> None:
+        task = self.task = self.loop.create_task(self._answer(exchange))
+        self.state.tasks.add(task)
+        task.add_done_callback(self.state.tasks.discard)
+
+    async def _answer(self, exchange: Exchange) -> None:
+        try:
+            response = exchange.refused
+            if response is None:
+                try:
+                    response = await self.app.respond(exchange.head, exchange.headers, exchange.body)
+                except asyncio.CancelledError:
+                    # The client's leaving, when nothing else (the server's shutdown timeout) cancelled too.
+                    # (Python 3.10's tasks keep no count of cancellations: there the client's is taken.)
+                    uncancel = getattr(asyncio.current_task(), "uncancel", None)
+                    if not self.gone or (uncancel is not None and uncancel() > 0):
+                        raise
+                    self.app.client_left(exchange.head, exchange.started)
+                    return
+            if not self.gone:
+                self._write(response, exchange)
+            self.app.answered(exchange.head, response.status, exchange.started)
+            if self.access_log:
+                self._log_access(exchange, response.status)
+        except Exception:  # (a bug: the connection is closed rather than left waiting)
+            log.exception("internal error answering %s %s", exchange.method, exchange.head.label)
+            if self.transport is not None:
+                self.transport.close()
+        finally:
+            self.task = None
+            self.state.total_requests += 1
+            if not self.gone:
+                self._next()
+
+    def _next(self) -> None:
+        if self.task is not None or self.gone:
+            return
+        if self.closing:
+            self.transport.close()
+            return
+        if self.waiting:
+            if not self.write_paused:
+                self._start(self.waiting.popleft())
+                if not self.waiting and self.parser is not None:
+                    self.transport.resume_reading()
+            return
+        self._arm_idle_timer()
+
+    def _write(self, response: Response, exchange: Exchange) -> None:
+        dated, date_bytes = self._dated
+        if self.state.default_headers is not dated:  # (uvicorn renews the Date header once a second)
+            dated = self.state.default_headers
+            date_bytes = b"".join([b"%s: %s\r\n" % pair for pair in dated])
+            self._dated = (dated, date_bytes)
+        body = response.body
+        lines = [_STATUS_LINES.get(response.status) or b"HTTP/1.1 %d \r\n" % response.status, date_bytes,
+                 b"content-type: %s\r\ncontent-length: %d\r\n" % (response.content_type, len(body))]
+        for name, value in response.headers:
+            lines.append(b"%s: %s\r\n" % (name, value))
+        if not exchange.keep_alive:
+            self.closing = True
+            lines.append(b"connection: close\r\n")
+        lines.append(b"\r\n")
+        if exchange.method == "HEAD" or not body:
+            self.transport.write(b"".join(lines))
+        else:  # (one writev: the body is not copied into a joined buffer)
+            self.transport.writelines([b"".join(lines), body])
+
+    def _log_access(self, exchange: Exchange, status: int) -> None:
+        peer = self.transport.get_extra_info("peername") if self.transport is not None else None
+        client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "-"
+        access_log.info('%s - "%s %s HTTP/1.1" %d', client, exchange.method, exchange.head.label, status)
+
+    # -- refusals that end the stream --
+
+    def _refuse(self, head: Head, status: int, message: str) -> None:
+        """A head that cannot be read on: answered (after what runs) and the connection closed."""
+        self.discarding = True
+        self._dispatch(Exchange(head, [], b"", "GET", False, time.perf_counter(),
+                                self.app.refusal(HTTPError(status, message), head.dialect)))
+
+    def _stop_reading(self) -> None:
+        self.parser = None
+        self.transport.pause_reading()
+
+    # -- the idle connection's timeout --
+
+    def _arm_idle_timer(self) -> None:
+        self.idle_timer = self.loop.call_later(self.keep_alive_s, self._idle_timeout)
+
+    def _disarm_idle_timer(self) -> None:
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
+
+    def _idle_timeout(self) -> None:
+        self.idle_timer = None
+        if self.task is None and not self.waiting:
+            self.transport.close()
+
+
+def _head_size(url: bytes, headers: list[tuple[bytes, bytes]]) -> int:
+    """The head's bytes on the wire, near enough: the target, and each field with its ": " and CRLF."""
+    return len(url) + sum([len(name) + len(value) + 4 for name, value in headers])
+
+
+def _wants_continue(headers: list[tuple[bytes, bytes]], parser) -> bool:
+    expect = header(headers, b"expect")
+    return expect is not None and expect.lower() == b"100-continue" and parser.get_http_version() == "1.1"

@@ -1,0 +1,240 @@
+"""pipeline-serve's own HTTP/1.1 connection (pipeline/serve/protocol.py), spoken to over raw sockets:
+pipelined requests answered in order, keep-alive and its idle timeout, HTTP/1.0 and `Connection: close`,
+`Expect: 100-continue`, chunked bodies, a body over the limit refused before it is sent and the
+connection still usable after, HEAD, malformed requests and oversized heads. And the same app served
+through uvicorn's own protocol (`--http-protocol uvicorn`) answers alike."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import httpx
+import pytest
+from serve_helpers import started_server
+
+pytestmark = pytest.mark.slow
+
+KEY = "k-123"
+LIMIT = 64 << 10
+
+
+@pytest.fixture(scope="module")
+def server():
+    with started_server("--device", "sim", "--api-key", KEY, "--max-body-bytes", str(LIMIT),
+                        "--timeout-keep-alive", "1") as srv:
+        yield srv
+
+
+def address(server) -> tuple[str, int]:
+    host, port = server.url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def connect(server) -> socket.socket:
+    return socket.create_connection(address(server), timeout=60)  # (the bound is for a hung server)
+
+
+def request(path: str, body: bytes | None = None, method: str = "POST", extra: str = "", version: str = "1.1",
+            auth: bool = True) -> bytes:
+    lines = [f"{method} {path} HTTP/{version}", "Host: test"]
+    if auth:
+        lines.append(f"Authorization: Bearer {KEY}")
+    if body is not None:
+        lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
+    head = "\r\n".join(lines) + "\r\n" + extra + "\r\n"
+    return head.encode() + (body or b"")
+
+
+def embed_body(texts: list[str]) -> bytes:
+    return json.dumps({"input": texts}).encode()
+
+
+class Reader:
+    """HTTP responses off a socket, one at a time (Content-Length framed, as this server answers)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.buffer = sock, b""
+
+    def _fill(self) -> bool:
+        data = self.sock.recv(1 << 16)
+        self.buffer += data
+        return bool(data)
+
+    def response(self, head_request: bool = False) -> tuple[int, dict[str, str], bytes]:
+        while b"\r\n\r\n" not in self.buffer:
+            assert self._fill(), f"the connection closed before a whole response head: {self.buffer!r}"
+        head, self.buffer = self.buffer.split(b"\r\n\r\n", 1)
+        status_line, *header_lines = head.decode("latin-1").split("\r\n")
+        headers = {}
+        for line in header_lines:
+            name, value = line.split(":", 1)
+            headers[name.strip().lower()] = value.strip()
+        length = 0 if head_request else int(headers.get("content-length", 0))
+        while len(self.buffer) < length:
+            assert self._fill(), "the connection closed inside a response body"
+        body, self.buffer = self.buffer[:length], self.buffer[length:]
+        return int(status_line.split()[1]), headers, body
+
+    def closed(self) -> bool:
+        """True when the server closes the connection with nothing more sent."""
+        try:
+            return not self._fill() and not self.buffer
+        except ConnectionResetError:
+            return True
+
+
+def vectors(body: bytes) -> list[list[float]]:
+    return [item["embedding"] for item in json.loads(body)["data"]]
+
+
+def test_pipelined_requests_are_answered_in_order_each_with_its_own_vectors(server):
+    batches = [["one"], ["two", "three", "four"], [f"text {i}" for i in range(9)], ["five", "six"]]
+    expected = [vectors(httpx.post(server.url + "/v1/embeddings", content=embed_body(texts),
+                                   headers={"Authorization": f"Bearer {KEY}"}, timeout=60).content)
+                for texts in batches]
+    with connect(server) as sock:
+        sock.sendall(b"".join(request("/v1/embeddings", embed_body(texts)) for texts in batches))
+        reader = Reader(sock)
+        for want in expected:
+            status, _, body = reader.response()
+            assert status == 200
+            assert vectors(body) == want
+        # keep-alive: the same connection takes another request
+        sock.sendall(request("/v1/models", method="GET"))
+        status, _, body = reader.response()
+        assert status == 200 and json.loads(body)["object"] == "list"
+
+
+def test_http_1_0_and_connection_close_are_answered_then_closed(server):
+    for raw in (request("/v1/models", method="GET", version="1.0"),
+                request("/v1/models", method="GET", extra="Connection: close\r\n")):
+        with connect(server) as sock:
+            sock.sendall(raw)
+            reader = Reader(sock)
+            status, headers, _ = reader.response()
+            assert status == 200 and headers["connection"] == "close"
+            assert reader.closed()
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_its_timeout(server):
+    with connect(server) as sock:
+        sock.sendall(request("/health", method="GET", auth=False))
+        reader = Reader(sock)
+        assert reader.response()[0] == 200
+        assert reader.closed()  # (--timeout-keep-alive 1; recv's own bound is 60 s)
+
+
+def test_expect_100_continue_gets_its_interim_answer_and_a_refusal_gets_none(server):
+    body = embed_body(["hello"])
+    with connect(server) as sock:
+        head = request("/v1/embeddings", body, extra="Expect: 100-continue\r\n")[:-len(body)]
+        sock.sendall(head)
+        reader = Reader(sock)
+        assert reader.response()[0] == 100
+        sock.sendall(body)
+        status, _, answer = reader.response()
+        assert status == 200 and len(vectors(answer)) == 1
+    with connect(server) as sock:  # no API key: the final answer at once, and the connection closed
+        sock.sendall(request("/v1/embeddings", body, extra="Expect: 100-continue\r\n", auth=False)[:-len(body)])
+        reader = Reader(sock)
+        status, headers, answer = reader.response()
+        assert status == 401 and headers["connection"] == "close"
+        assert "Bearer" in json.loads(answer)["error"]["message"]
+        assert reader.closed()
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_sent_and_the_connection_stays_usable(server):
+    big = embed_body(["y" * 1000] * 100)  # ~100 KB > 64 KB
+    with connect(server) as sock:
+        sock.sendall(request("/v1/embeddings", big)[:-len(big)])  # the head alone
+        reader = Reader(sock)
+        status, headers, answer = reader.response()
+        assert status == 413 and "connection" not in headers
+        assert "larger than" in json.loads(answer)["error"]["message"]
+        sock.sendall(big)  # sent anyway: read and dropped
+        sock.sendall(request("/v1/embeddings", embed_body(["after"])))
+        status, _, answer = reader.response()
+        assert status == 200 and len(vectors(answer)) == 1
+
+
+def chunked(body: bytes, piece: int) -> bytes:
+    out = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + piece]), body[i:i + piece]) for i in range(0, len(body), piece))
+    return out + b"0\r\n\r\n"
+
+
+def test_chunked_bodies_are_read_and_one_over_the_limit_is_refused_once_it_passes_it(server):
+    head = (f"POST /v1/embeddings HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {KEY}\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n").encode()
+    with connect(server) as sock:
+        reader = Reader(sock)
+        sock.sendall(head + chunked(embed_body(["a", "b", "c"]), 7))
+        status, _, answer = reader.response()
+        assert status == 200 and len(vectors(answer)) == 3
+        sock.sendall(head + chunked(embed_body(["z" * 1000] * 100), 4096))
+        status, _, answer = reader.response()
+        assert status == 413 and "larger than" in json.loads(answer)["error"]["message"]
+        sock.sendall(request("/v1/embeddings", embed_body(["next"])))  # the rest was dropped; the stream goes on
+        status, _, answer = reader.response()
+        assert status == 200 and len(vectors(answer)) == 1
+
+
+def test_head_gets_no_body_and_the_stream_stays_in_step(server):
+    with connect(server) as sock:
+        reader = Reader(sock)
+        sock.sendall(request("/v1/models", method="HEAD") + request("/v1/models", method="GET"))
+        status, headers, _ = reader.response(head_request=True)
+        assert status == 405 and int(headers["content-length"]) > 0
+        status, _, body = reader.response()
+        assert status == 200 and json.loads(body)["object"] == "list"
+
+
+def test_a_percent_encoded_path_is_decoded_before_routing(server):
+    with connect(server) as sock:
+        sock.sendall(request("/v1/embedding%73", embed_body(["x"])))
+        status, _, body = Reader(sock).response()
+        assert status == 200 and len(vectors(body)) == 1
+
+
+@pytest.mark.parametrize("raw, status, says", [
+    (b"NOT HTTP AT ALL\r\n\r\n", 400, "not valid HTTP"),
+    (b"POST /v1/embeddings HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 7\r\n\r\nhello", 400, "not valid HTTP"),
+    (b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * (70 << 10) + b"\r\n\r\n", 431, "larger than"),
+    (b"GET /health HTTP/1.1\r\n" + b"X-Many: b\r\n" * 8000 + b"\r\n", 431, "larger than"),
+], ids=["not-http", "two-lengths", "one-huge-header", "many-headers"])
+def test_a_malformed_or_oversized_head_is_answered_then_the_connection_closed(server, raw, status, says):
+    with connect(server) as sock:
+        sock.sendall(raw)
+        reader = Reader(sock)
+        got, headers, body = reader.response()
+        assert got == status and headers["connection"] == "close"
+        assert says in json.loads(body)["error"]["message"]
+        assert reader.closed()
+    assert httpx.get(server.url + "/health").status_code == 200  # the server is unharmed
+
+
+def test_uvicorns_own_protocol_serves_the_same_answers():
+    texts = ["alpha", "beta gamma"]
+    with started_server("--device", "sim", "--http-protocol", "uvicorn") as srv:
+        theirs = httpx.post(srv.url + "/v1/embeddings", json={"input": texts}, timeout=60)
+        refused = httpx.post(srv.url + "/v1/embeddings", json={"input": 3}, timeout=60)
+        missing = httpx.get(srv.url + "/v1/nothing", timeout=60)
+    with started_server("--device", "sim") as srv:
+        ours = httpx.post(srv.url + "/v1/embeddings", json={"input": texts}, timeout=60)
+    assert theirs.status_code == ours.status_code == 200
+    assert vectors(theirs.content) == vectors(ours.content)
+    assert refused.status_code == 400 and "input" in refused.json()["error"]["message"]
+    assert missing.status_code == 404
+
+
+def test_many_connections_at_once_each_get_their_own_answer(server):
+    socks = [connect(server) for _ in range(40)]
+    try:
+        for i, sock in enumerate(socks):
+            sock.sendall(request("/v1/embeddings", embed_body([f"c{i}"] * (1 + i % 5))))
+        for i, sock in enumerate(socks):
+            status, _, body = Reader(sock).response()
+            assert status == 200 and len(vectors(body)) == 1 + i % 5
+    finally:
+        for sock in socks:
+            sock.close()
