@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 import httpx
 import pytest
@@ -201,7 +202,8 @@ def test_a_percent_encoded_path_is_decoded_before_routing(server):
     (b"POST /v1/embeddings HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 7\r\n\r\nhello", 400, "not valid HTTP"),
     (b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * (70 << 10) + b"\r\n\r\n", 431, "larger than"),
     (b"GET /health HTTP/1.1\r\n" + b"X-Many: b\r\n" * 8000 + b"\r\n", 431, "larger than"),
-], ids=["not-http", "two-lengths", "one-huge-header", "many-headers"])
+    (b"GET http://[bad HTTP/1.1\r\nHost: x\r\n\r\n", 400, "not a valid URL"),
+], ids=["not-http", "two-lengths", "one-huge-header", "many-headers", "bad-target"])
 def test_a_malformed_or_oversized_head_is_answered_then_the_connection_closed(server, raw, status, says):
     with connect(server) as sock:
         sock.sendall(raw)
@@ -213,14 +215,18 @@ def test_a_malformed_or_oversized_head_is_answered_then_the_connection_closed(se
     assert httpx.get(server.url + "/health").status_code == 200  # the server is unharmed
 
 
-def test_uvicorns_own_protocol_serves_the_same_answers():
+def test_uvicorns_own_protocol_serves_the_same_answers_and_the_access_log_names_requests():
     texts = ["alpha", "beta gamma"]
     with started_server("--device", "sim", "--http-protocol", "uvicorn") as srv:
         theirs = httpx.post(srv.url + "/v1/embeddings", json={"input": texts}, timeout=60)
         refused = httpx.post(srv.url + "/v1/embeddings", json={"input": 3}, timeout=60)
         missing = httpx.get(srv.url + "/v1/nothing", timeout=60)
-    with started_server("--device", "sim") as srv:
+    with started_server("--device", "sim", "--access-log") as srv:
         ours = httpx.post(srv.url + "/v1/embeddings", json={"input": texts}, timeout=60)
+        deadline = time.monotonic() + 30  # (the line is written just after the answer: a bound for a lost one)
+        while '"POST /v1/embeddings HTTP/1.1" 200' not in srv.log():  # --access-log: a line per request
+            assert time.monotonic() < deadline, srv.log()[-2000:]
+            time.sleep(0.02)
     assert theirs.status_code == ours.status_code == 200
     assert vectors(theirs.content) == vectors(ours.content)
     assert refused.status_code == 400 and "input" in refused.json()["error"]["message"]

@@ -127,6 +127,15 @@ class HttpConnection(asyncio.Protocol):
             # (no protocol upgrades: the request was answered as plain HTTP; nothing after it is read)
             self._stop_reading()
             return
+        except httptools.HttpParserCallbackError as e:  # (raised in one of this class's callbacks)
+            self._stop_reading()
+            cause = e.__context__
+            if isinstance(cause, httptools.HttpParserInvalidURLError):
+                self._refuse(self.app.head("", ""), 400, "the request target is not a valid URL")
+            else:
+                log.error("reading a request failed: this is a bug", exc_info=cause)
+                self._refuse(self.current or self.app.head("", ""), 500, "internal error reading the request")
+            return
         except httptools.HttpParserError as e:
             self._stop_reading()
             self._refuse(self.current or self.app.head("", ""), 400, f"the request is not valid HTTP/1.1: {e}")
@@ -287,7 +296,7 @@ class HttpConnection(asyncio.Protocol):
                  b"content-type: %s\r\ncontent-length: %d\r\n" % (response.content_type, len(body))]
         for name, value in response.headers:
             lines.append(b"%s: %s\r\n" % (name, value))
-        if not exchange.keep_alive:
+        if not exchange.keep_alive or self.closing:  # (closing: the server is shutting down)
             self.closing = True
             lines.append(b"connection: close\r\n")
         lines.append(b"\r\n")
