@@ -190,6 +190,16 @@ def test_head_gets_no_body_and_the_stream_stays_in_step(server):
         assert status == 200 and json.loads(body)["object"] == "list"
 
 
+def test_an_upgrade_request_is_answered_as_plain_http_and_the_connection_closed(server):
+    with connect(server) as sock:  # (no websockets: nothing after the request is read)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
+                     b"\x81\x85not-http")
+        reader = Reader(sock)
+        status, headers, _ = reader.response()
+        assert status == 200 and headers["connection"] == "close"
+        assert reader.closed()
+
+
 def test_a_percent_encoded_path_is_decoded_before_routing(server):
     with connect(server) as sock:
         sock.sendall(request("/v1/embedding%73", embed_body(["x"])))

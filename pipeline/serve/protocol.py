@@ -142,9 +142,7 @@ class HttpConnection(asyncio.Protocol):
             return
         # llhttp holds a head's pieces until the head ends: counted here, the bytes it can hold stay bounded
         if self.in_head and self.head_bytes > MAX_HEAD_BYTES:
-            self._stop_reading()
-            self._refuse(self.app.head("", ""), 431,
-                         f"the request line and headers are larger than this server's {MAX_HEAD_BYTES} bytes")
+            self._refuse_large_head("")
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -181,9 +179,7 @@ class HttpConnection(asyncio.Protocol):
         method = parser.get_method().decode("ascii")
         if self.head_bytes > MAX_HEAD_BYTES and _head_size(self.url, self.headers) > MAX_HEAD_BYTES:
             # (head_bytes counts whole reads, which may run past the head: measured exactly only then)
-            self._stop_reading()
-            self._refuse(self.app.head(method, ""), 431,
-                         f"the request line and headers are larger than this server's {MAX_HEAD_BYTES} bytes")
+            self._refuse_large_head(method)
             return
         # Names lower-cased; llhttp keeps a value's trailing whitespace, which is not part of it (RFC 9110 5.5).
         self.headers = [(name.lower(), value.rstrip(b" \t")) for name, value in self.headers]
@@ -317,6 +313,11 @@ class HttpConnection(asyncio.Protocol):
         self.discarding = True
         self._dispatch(Exchange(head, [], b"", "GET", False, time.perf_counter(),
                                 self.app.refusal(HTTPError(status, message), head.dialect)))
+
+    def _refuse_large_head(self, method: str) -> None:
+        self._stop_reading()
+        self._refuse(self.app.head(method, ""), 431,
+                     f"the request line and headers are larger than this server's {MAX_HEAD_BYTES} bytes")
 
     def _stop_reading(self) -> None:
         self.parser = None
