@@ -1,5 +1,6 @@
-"""The ASGI application: routing, authentication, the body bound, disconnect-abort, the mapping of the
-pipeline's exceptions to status codes, and the metrics every request feeds.
+"""The application: routing, authentication, the body bound, disconnect-abort, the mapping of the
+pipeline's exceptions to status codes, and the metrics every request feeds. pipeline-serve's own HTTP
+protocol (protocol.py) calls its parts directly; `App.__call__` is the same app as an ASGI callable.
 
 A route is a `Route` (method, path, handler, dialect); each dialect's module lists its own
 (`openai_routes.ROUTES`, `tei_routes.ROUTES`, `rerank_routes.ROUTES`). A handler is
