@@ -7,10 +7,12 @@ through uvicorn's own protocol (`--http-protocol uvicorn`) answers alike."""
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import time
 
 import httpx
+import psutil
 import pytest
 from serve_helpers import started_server
 
@@ -110,6 +112,7 @@ def test_pipelined_requests_are_answered_in_order_each_with_its_own_vectors(serv
 def test_http_1_0_connection_close_and_an_upgrade_are_answered_then_closed(server):
     # (no websockets: an upgrade request is answered as plain HTTP, and nothing after it is read)
     for raw in (request("/v1/models", method="GET", version="1.0"),
+                request("/v1/models", method="GET", version="1.0", extra="Connection: keep-alive\r\n"),
                 request("/v1/models", method="GET", extra="Connection: close\r\n"),
                 request("/v1/models", method="GET", extra="Connection: Upgrade\r\nUpgrade: websocket\r\n")
                 + b"\x81\x85not-http"):
@@ -148,6 +151,19 @@ def test_expect_100_continue_gets_its_interim_answer_and_a_refusal_gets_none(ser
         assert reader.closed()
 
 
+def test_a_pipelined_expect_100_continue_gets_its_interim_answer_after_the_answers_before_it(server):
+    body = embed_body(["hello"])
+    with connect(server) as sock:
+        sock.sendall(request("/v1/models", method="GET")
+                     + request("/v1/embeddings", body, extra="Expect: 100-continue\r\n")[:-len(body)])
+        reader = Reader(sock)
+        assert reader.response()[0] == 200  # the models list first
+        assert reader.response()[0] == 100  # then the pending request's 100 Continue
+        sock.sendall(body)
+        status, _, answer = reader.response()
+        assert status == 200 and len(vectors(answer)) == 1
+
+
 def test_a_body_over_the_limit_is_refused_before_it_is_sent_and_the_connection_stays_usable(server):
     big = embed_body(["y" * 1000] * 100)  # ~100 KB > 64 KB
     with connect(server) as sock:
@@ -183,6 +199,23 @@ def test_chunked_bodies_are_read_and_one_over_the_limit_is_refused_once_it_passe
         assert status == 200 and len(vectors(answer)) == 1
 
 
+def test_a_chunked_bodys_trailers_are_ignored_and_bounded_like_a_head(server):
+    head = (f"POST /v1/embeddings HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {KEY}\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n").encode()
+    body = chunked(embed_body(["a"]), 5)[:-2]  # (the last chunk, its trailers to follow)
+    with connect(server) as sock:
+        reader = Reader(sock)
+        sock.sendall(head + body + b"X-Trailer: one\r\n\r\n")
+        status, _, answer = reader.response()
+        assert status == 200 and len(vectors(answer)) == 1
+        sock.sendall(head + body)
+        for _ in range(10):  # 80 KB of trailer fields, sent as a client would stream them
+            sock.sendall(b"X-Trailer: b\r\n" * 600)
+        status, headers, answer = reader.response()
+        assert status == 431 and headers["connection"] == "close"
+        assert reader.closed()
+
+
 def test_head_gets_no_body_and_the_stream_stays_in_step(server):
     with connect(server) as sock:
         reader = Reader(sock)
@@ -193,11 +226,17 @@ def test_head_gets_no_body_and_the_stream_stays_in_step(server):
         assert status == 200 and json.loads(body)["object"] == "list"
 
 
-def test_a_percent_encoded_path_is_decoded_before_routing(server):
+def test_a_percent_encoded_or_absolute_form_target_is_routed_by_its_path(server):
     with connect(server) as sock:
+        reader = Reader(sock)
         sock.sendall(request("/v1/embedding%73", embed_body(["x"])))
-        status, _, body = Reader(sock).response()
+        status, _, body = reader.response()
         assert status == 200 and len(vectors(body)) == 1
+        sock.sendall(request("http://example.com/v1/models", method="GET") + request("http://example.com", method="GET"))
+        status, _, body = reader.response()
+        assert status == 200 and json.loads(body)["object"] == "list"
+        status, _, body = reader.response()  # (no path: the root, which is no route here)
+        assert status == 404 and "no route /" in json.loads(body)["error"]["message"]
 
 
 @pytest.mark.parametrize("raw, status, says", [
@@ -216,6 +255,42 @@ def test_a_malformed_or_oversized_head_is_answered_then_the_connection_closed(se
         assert says in json.loads(body)["error"]["message"]
         assert reader.closed()
     assert httpx.get(server.url + "/health").status_code == 200  # the server is unharmed
+
+
+def test_a_request_after_an_oversized_head_is_not_read_and_nothing_fails_in_the_server(server):
+    with connect(server) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * (70 << 10) + b"\r\n\r\n"
+                     + request("/v1/models", method="GET"))
+        reader = Reader(sock)
+        assert reader.response()[0] == 431
+        assert reader.closed()
+    assert "Traceback" not in server.log() and "this is a bug" not in server.log()
+
+
+def test_sigterm_answers_a_request_whose_body_is_still_arriving():
+    body = embed_body(["hello"])
+    with started_server("--device", "sim") as srv:
+        with connect(srv) as idle, connect(srv) as upload:
+            idle.sendall(request("/health", method="GET"))
+            assert Reader(idle).response()[0] == 200
+            upload.sendall(request("/v1/embeddings", body)[:-len(body) + 10])  # the head and 10 bytes
+            wait_for_connections(srv, 2)
+            srv.proc.send_signal(signal.SIGTERM)
+            assert Reader(idle).closed()  # an idle connection is closed at once
+            upload.sendall(body[10:])
+            status, headers, answer = Reader(upload).response()
+            assert status == 200 and headers["connection"] == "close" and len(vectors(answer)) == 1
+        assert srv.proc.wait(60) == 0
+
+
+def wait_for_connections(server, n: int) -> None:
+    """Until the server process holds n established connections (a bound for a hung server)."""
+    deadline = time.monotonic() + 30
+    port = address(server)[1]
+    while sum(1 for c in psutil.Process(server.proc.pid).net_connections("tcp")
+              if c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED) < n:
+        assert time.monotonic() < deadline, "the connections never reached the server"
+        time.sleep(0.02)
 
 
 def test_uvicorns_own_protocol_serves_the_same_answers_and_the_access_log_names_requests():

@@ -86,8 +86,12 @@ class HttpConnection(asyncio.Protocol):
         self.access_log = access_log
         self.idle_timer: asyncio.TimerHandle | None = None
         self._dated: tuple[list, bytes] = ([], b"")  # uvicorn's default headers (Date) and their bytes
-        self.in_head = True  # between messages or inside a head: what arrives counts toward MAX_HEAD_BYTES
+        self.in_head = True  # between messages or inside a head
+        # What arrives while a head or a chunked body's trailers are read counts toward MAX_HEAD_BYTES:
+        # llhttp holds their pieces until each field ends, so the bound has to be on the bytes read.
+        self.counting = True
         self.head_bytes = 0
+        self.continue_owed = False  # an admitted `Expect: 100-continue` waits for the requests before it
         self._new_message()
 
     def _new_message(self) -> None:
@@ -119,7 +123,7 @@ class HttpConnection(asyncio.Protocol):
             self._disarm_idle_timer()
         if self.parser is None:  # (after a broken stream: the rest is not read)
             return
-        if self.in_head:
+        if self.counting:
             self.head_bytes += len(data)
         try:
             self.parser.feed_data(data)
@@ -128,8 +132,10 @@ class HttpConnection(asyncio.Protocol):
             self._stop_reading()
             return
         except httptools.HttpParserCallbackError as e:  # (raised in one of this class's callbacks)
-            self._stop_reading()
             cause = e.__context__
+            if isinstance(cause, _Stopped):  # (a callback refused the stream: nothing after it is parsed)
+                return
+            self._stop_reading()
             if isinstance(cause, httptools.HttpParserInvalidURLError):
                 self._refuse(self.app.head("", ""), 400, "the request target is not a valid URL")
             else:
@@ -140,8 +146,7 @@ class HttpConnection(asyncio.Protocol):
             self._stop_reading()
             self._refuse(self.current or self.app.head("", ""), 400, f"the request is not valid HTTP/1.1: {e}")
             return
-        # llhttp holds a head's pieces until the head ends: counted here, the bytes it can hold stay bounded
-        if self.in_head and self.head_bytes > MAX_HEAD_BYTES:
+        if self.counting and self.head_bytes > MAX_HEAD_BYTES:
             self._refuse_large_head("")
 
     def pause_writing(self) -> None:
@@ -152,13 +157,15 @@ class HttpConnection(asyncio.Protocol):
         self._next()
 
     def eof_received(self) -> bool | None:
-        return None  # (close the transport: a client that half-closes gets what is running, no more)
+        # Close (as uvicorn does): a client that closed its socket and one that only half-closed it look
+        # the same here, and the first must have its request aborted. A half-closing client gets no answer.
+        return None
 
     def shutdown(self) -> None:
         """uvicorn's graceful shutdown: close now if idle, else after the answer in progress."""
         self.closing = True
         self.waiting.clear()
-        if self.task is None:
+        if self.task is None and (self.in_head or self.discarding):  # (not while a body is on its way)
             self.transport.close()
 
     # -- httptools' callbacks --
@@ -170,24 +177,30 @@ class HttpConnection(asyncio.Protocol):
         self.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
+        if self.in_head:  # (after the head: a chunked body's trailers, which nothing here reads)
+            self.headers.append((name, value))
+
+    def on_chunk_header(self) -> None:
+        self.counting, self.head_bytes = True, 0  # (the last chunk's header is followed by the trailers)
 
     def on_headers_complete(self) -> None:
         parser = self.parser
         started = time.perf_counter()
-        self.in_head = False
+        self.in_head = self.counting = False
         method = parser.get_method().decode("ascii")
         if self.head_bytes > MAX_HEAD_BYTES and _head_size(self.url, self.headers) > MAX_HEAD_BYTES:
             # (head_bytes counts whole reads, which may run past the head: measured exactly only then)
             self._refuse_large_head(method)
-            return
+            raise _Stopped()
         # Names lower-cased; llhttp keeps a value's trailing whitespace, which is not part of it (RFC 9110 5.5).
         self.headers = [(name.lower(), value.rstrip(b" \t")) for name, value in self.headers]
-        path = httptools.parse_url(self.url).path.decode("latin-1")
+        # (an absolute-form target with no path, `http://host`, is the root: RFC 9112 3.2.2)
+        path = (httptools.parse_url(self.url).path or b"/").decode("latin-1")
         if "%" in path:
             path = urllib.parse.unquote(path)
         head = self.current = self.app.head(method, path)
-        keep_alive = parser.should_keep_alive() and not parser.should_upgrade()
+        # (HTTP/1.0 is answered once, as uvicorn does: its keep-alive would need a header of its own)
+        keep_alive = parser.should_keep_alive() and not parser.should_upgrade() and parser.get_http_version() != "1.0"
         try:
             self.app.admit(head, method, path, self.headers)
             length = header(self.headers, b"content-length")
@@ -201,10 +214,14 @@ class HttpConnection(asyncio.Protocol):
             self.discarding = True
             return
         self._started, self._method, self._keep_alive = started, method, keep_alive
-        if self.task is None and not self.waiting and _wants_continue(self.headers, parser):
-            self.transport.write(_CONTINUE)
+        if _wants_continue(self.headers, parser):
+            if self.task is None and not self.waiting:
+                self.transport.write(_CONTINUE)
+            else:  # (written once the answers before it are: the 100 must not come between them)
+                self.continue_owed = True
 
     def on_body(self, body: bytes) -> None:
+        self.counting = False
         if self.discarding:
             return
         self.body_bytes += len(body)
@@ -218,7 +235,8 @@ class HttpConnection(asyncio.Protocol):
         self.body.append(body)
 
     def on_message_complete(self) -> None:
-        self.in_head, self.head_bytes = True, 0
+        self.in_head = self.counting = True
+        self.head_bytes, self.continue_owed = 0, False
         if self.discarding:
             return
         body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
@@ -279,7 +297,11 @@ class HttpConnection(asyncio.Protocol):
                 if not self.waiting and self.parser is not None:
                     self.transport.resume_reading()
             return
-        self._arm_idle_timer()
+        if self.continue_owed:
+            self.continue_owed = False
+            self.transport.write(_CONTINUE)
+        if self.in_head:  # (between requests; a body on its way is not idle)
+            self._arm_idle_timer()
 
     def _write(self, response: Response, exchange: Exchange) -> None:
         dated, date_bytes = self._dated
@@ -326,6 +348,7 @@ class HttpConnection(asyncio.Protocol):
     # -- the idle connection's timeout --
 
     def _arm_idle_timer(self) -> None:
+        self._disarm_idle_timer()  # (resume_writing can arm it again: one timer, never an orphan)
         self.idle_timer = self.loop.call_later(self.keep_alive_s, self._idle_timeout)
 
     def _disarm_idle_timer(self) -> None:
@@ -337,6 +360,11 @@ class HttpConnection(asyncio.Protocol):
         self.idle_timer = None
         if self.task is None and not self.waiting:
             self.transport.close()
+
+
+class _Stopped(Exception):
+    """Raised in a parser callback once the stream was refused: llhttp stops there, rather than parse
+    what follows with no parser state to put it in."""
 
 
 def _head_size(url: bytes, headers: list[tuple[bytes, bytes]]) -> int:
