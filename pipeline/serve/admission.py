@@ -38,12 +38,18 @@ class Admission:
     def inflight(self) -> int:
         return self.capacity - self.free
 
-    async def acquire(self, n: int) -> None:
-        """Room for `n` inputs (1 <= n <= capacity, checked by the caller), or Overloaded."""
+    def try_acquire(self, n: int) -> bool:
+        """Room for `n` inputs now, if there is some and nobody waits before (no coroutine: the usual case)."""
         if not 1 <= n <= self.capacity:
             raise RuntimeError(f"admission of {n} inputs with capacity {self.capacity}: this is a bug")
         if not self._waiters and self.free >= n:
             self.free -= n
+            return True
+        return False
+
+    async def acquire(self, n: int) -> None:
+        """Room for `n` inputs (1 <= n <= capacity, checked by the caller), or Overloaded."""
+        if self.try_acquire(n):
             return
         entry = (n, asyncio.get_running_loop().create_future())
         self._waiters.append(entry)

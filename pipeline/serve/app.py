@@ -94,12 +94,15 @@ def usage(tokens: int) -> dict:
 def list_response(kind: str, model: str, data: list | ItemParts, tokens: int) -> Response:
     """vLLM's list envelope (embeddings, score, classify, pooling): id, object, created, model, data, usage.
     `data`: the items, or their JSON written ahead (`ItemParts`), which the body is joined around."""
-    head = {"id": response_id(kind), "object": "list", "created": int(time.time()), "model": model}
-    if isinstance(data, ItemParts):
-        return Response(b"".join([encode_json(head)[:-1], b',"data":[', *data.parts, b'],"usage":',
-                                  encode_json(usage(tokens)), b"}"]))
-    head["data"], head["usage"] = data, usage(tokens)
-    return Response(encode_json(head))
+    if isinstance(data, ItemParts):  # (the same bytes msgspec writes for the dict below, by hand)
+        parts = [b'{"id":"%s","object":"list","created":%d,"model":%s,"data":['
+                 % (response_id(kind).encode(), int(time.time()), encode_json(model))]
+        parts += data.parts
+        parts.append(b'],"usage":{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":0,'
+                     b'"prompt_tokens_details":null}}' % (tokens, tokens))
+        return Response(b"".join(parts))
+    return Response(encode_json({"id": response_id(kind), "object": "list", "created": int(time.time()),
+                                 "model": model, "data": data, "usage": usage(tokens)}))
 
 
 class Route(NamedTuple):
@@ -150,7 +153,8 @@ class Server:
             if n > self.admission.capacity:
                 raise HTTPError(413, f"the request needs {n} pipeline requests, more than its window of "
                                      f"{self.admission.capacity} (--max-inflight)")
-            await self.admission.acquire(n)
+            if not self.admission.try_acquire(n):
+                await self.admission.acquire(n)
         except BaseException:
             call.close()  # (the coroutine never started)
             raise

@@ -36,7 +36,7 @@ from typing import NamedTuple
 import httptools
 
 from pooling_pipeline.serve.app import App, Head, Response
-from pooling_pipeline.serve.http import REASONS, BodyTooLarge, HTTPError, header
+from pooling_pipeline.serve.http import REASONS, BodyTooLarge, HTTPError
 
 log = logging.getLogger("pipeline.serve")
 access_log = logging.getLogger("pipeline.serve.access")
@@ -85,6 +85,7 @@ class HttpConnection(asyncio.Protocol):
         self.write_paused = False
         self.access_log = access_log
         self.idle_timer: asyncio.TimerHandle | None = None
+        self.last_active = 0.0  # loop time of the last bytes read or answer written
         self._dated: tuple[list, bytes] = ([], b"")  # uvicorn's default headers (Date) and their bytes
         self.in_head = True  # between messages or inside a head
         # What arrives while a head or a chunked body's trailers are read counts toward MAX_HEAD_BYTES:
@@ -107,11 +108,13 @@ class HttpConnection(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.state.connections.add(self)
-        self._arm_idle_timer()
+        self.last_active = self.loop.time()
+        self._check_idle_in(self.keep_alive_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.state.connections.discard(self)
-        self._disarm_idle_timer()
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
         self.gone = True
         self.waiting.clear()  # (never started: nothing of theirs is in the pipeline)
         if self.task is not None:
@@ -119,8 +122,7 @@ class HttpConnection(asyncio.Protocol):
         self.parser = None
 
     def data_received(self, data: bytes) -> None:
-        if self.idle_timer is not None:
-            self._disarm_idle_timer()
+        self.last_active = self.loop.time()
         if self.parser is None:  # (after a broken stream: the rest is not read)
             return
         if self.counting:
@@ -177,8 +179,15 @@ class HttpConnection(asyncio.Protocol):
         self.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.in_head:  # (after the head: a chunked body's trailers, which nothing here reads)
+        if self.in_head:
             self.headers.append((name, value))
+            return
+        # A chunked body's trailers: nothing here reads them, but they are bounded as a head is (the
+        # bytes read count too, for a field that never ends).
+        self.trailer_bytes += len(name) + len(value) + 4
+        if self.trailer_bytes > MAX_HEAD_BYTES:
+            self._refuse_large_head(self._method)
+            raise _Stopped()
 
     def on_chunk_header(self) -> None:
         self.counting, self.head_bytes = True, 0  # (the last chunk's header is followed by the trailers)
@@ -187,34 +196,39 @@ class HttpConnection(asyncio.Protocol):
         parser = self.parser
         started = time.perf_counter()
         self.in_head = self.counting = False
+        self.trailer_bytes = 0
         method = parser.get_method().decode("ascii")
         if self.head_bytes > MAX_HEAD_BYTES and _head_size(self.url, self.headers) > MAX_HEAD_BYTES:
             # (head_bytes counts whole reads, which may run past the head: measured exactly only then)
             self._refuse_large_head(method)
             raise _Stopped()
         # Names lower-cased; llhttp keeps a value's trailing whitespace, which is not part of it (RFC 9110 5.5).
-        self.headers = [(name.lower(), value.rstrip(b" \t")) for name, value in self.headers]
+        headers = self.headers = [(name.lower(), value.rstrip(b" \t")) for name, value in self.headers]
+        fields = dict(headers)  # (for the single-valued fields read here)
         # (an absolute-form target with no path, `http://host`, is the root: RFC 9112 3.2.2)
         path = (httptools.parse_url(self.url).path or b"/").decode("latin-1")
         if "%" in path:
             path = urllib.parse.unquote(path)
         head = self.current = self.app.head(method, path)
-        # (HTTP/1.0 is answered once, as uvicorn does: its keep-alive would need a header of its own)
-        keep_alive = parser.should_keep_alive() and not parser.should_upgrade() and parser.get_http_version() != "1.0"
+        keep_alive = parser.should_keep_alive()
+        if keep_alive and (b"connection" in fields or method == "CONNECT"):
+            # No upgrades; HTTP/1.0 is answered once, as uvicorn does (its keep-alive would need a header
+            # of its own). (Both need a Connection field, or CONNECT, to be asked for.)
+            keep_alive = not parser.should_upgrade() and parser.get_http_version() != "1.0"
+        expect = fields.get(b"expect")
         try:
-            self.app.admit(head, method, path, self.headers)
-            length = header(self.headers, b"content-length")
+            self.app.admit(head, method, path, headers)
+            length = fields.get(b"content-length")
             if length is not None and int(length) > self.app.max_body_bytes:  # (llhttp checked the digits)
                 raise BodyTooLarge(self.app.max_body_bytes)
         except HTTPError as e:
             # A client that waits for 100 Continue may never send the body it announced: close after.
-            expects = header(self.headers, b"expect") is not None
-            self._dispatch(Exchange(head, self.headers, b"", method, keep_alive and not expects, started,
+            self._dispatch(Exchange(head, headers, b"", method, keep_alive and expect is None, started,
                                     self.app.refusal(e, head.dialect)))
             self.discarding = True
             return
         self._started, self._method, self._keep_alive = started, method, keep_alive
-        if _wants_continue(self.headers, parser):
+        if expect is not None and expect.lower() == b"100-continue" and parser.get_http_version() == "1.1":
             if self.task is None and not self.waiting:
                 self.transport.write(_CONTINUE)
             else:  # (written once the answers before it are: the 100 must not come between them)
@@ -252,9 +266,9 @@ class HttpConnection(asyncio.Protocol):
             self.transport.pause_reading()  # (one read ahead at most: memory stays bounded)
 
     def _start(self, exchange: Exchange) -> None:
-        task = self.task = self.loop.create_task(self._answer(exchange))
-        self.state.tasks.add(task)
-        task.add_done_callback(self.state.tasks.discard)
+        # (in uvicorn's set of tasks, which its shutdown waits for; _answer takes itself out)
+        self.task = self.loop.create_task(self._answer(exchange))
+        self.state.tasks.add(self.task)
 
     async def _answer(self, exchange: Exchange) -> None:
         try:
@@ -280,6 +294,7 @@ class HttpConnection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
         finally:
+            self.state.tasks.discard(self.task)
             self.task = None
             self.state.total_requests += 1
             if not self.gone:
@@ -300,8 +315,7 @@ class HttpConnection(asyncio.Protocol):
         if self.continue_owed:
             self.continue_owed = False
             self.transport.write(_CONTINUE)
-        if self.in_head:  # (between requests; a body on its way is not idle)
-            self._arm_idle_timer()
+        self.last_active = self.loop.time()
 
     def _write(self, response: Response, exchange: Exchange) -> None:
         dated, date_bytes = self._dated
@@ -345,21 +359,24 @@ class HttpConnection(asyncio.Protocol):
         self.parser = None
         self.transport.pause_reading()
 
-    # -- the idle connection's timeout --
+    # -- the idle connection's timeout: one timer a connection, not one a request --
 
-    def _arm_idle_timer(self) -> None:
-        self._disarm_idle_timer()  # (resume_writing can arm it again: one timer, never an orphan)
-        self.idle_timer = self.loop.call_later(self.keep_alive_s, self._idle_timeout)
+    def _check_idle_in(self, delay: float) -> None:
+        self.idle_timer = self.loop.call_later(delay, self._check_idle)
 
-    def _disarm_idle_timer(self) -> None:
-        if self.idle_timer is not None:
-            self.idle_timer.cancel()
-            self.idle_timer = None
-
-    def _idle_timeout(self) -> None:
+    def _check_idle(self) -> None:
+        """Closes a connection that has been idle -- between requests (or inside a head), nothing read
+        and nothing to answer -- for `keep_alive_s`; else looks again when it could be."""
         self.idle_timer = None
-        if self.task is None and not self.waiting:
+        if self.gone:
+            return
+        if self.task is not None or self.waiting or not self.in_head:  # (busy, or a body on its way)
+            self.last_active = self.loop.time()
+        left = self.last_active + self.keep_alive_s - self.loop.time()
+        if left <= 0:
             self.transport.close()
+        else:
+            self._check_idle_in(left)
 
 
 class _Stopped(Exception):
@@ -370,8 +387,3 @@ class _Stopped(Exception):
 def _head_size(url: bytes, headers: list[tuple[bytes, bytes]]) -> int:
     """The head's bytes on the wire, near enough: the target, and each field with its ": " and CRLF."""
     return len(url) + sum([len(name) + len(value) + 4 for name, value in headers])
-
-
-def _wants_continue(headers: list[tuple[bytes, bytes]], parser) -> bool:
-    expect = header(headers, b"expect")
-    return expect is not None and expect.lower() == b"100-continue" and parser.get_http_version() == "1.1"
