@@ -21,6 +21,18 @@ def positive_int(value: str) -> int:
     return n
 
 
+def positive_seconds(value: str) -> float:
+    """A duration flag: a finite number above 0 (0, a negative or nan would turn a bound into none, or
+    into an immediate refusal of everything)."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of seconds is expected, got {value!r}") from None
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0, got {value}")
+    return seconds
+
+
 def declared_flag(group, flag: str, struct_type: type, name: str, **given) -> None:
     """Adds `flag` for the declared option `name` (a Pipeline or call option: see the flag tables in
     job_spec.py); `given` (metavar, a narrower type, its own help) wins over what the declaration says."""

@@ -16,6 +16,8 @@ import psutil
 import pytest
 from serve_helpers import started_server
 
+from pooling_pipeline.serve.cli import build_parser
+
 pytestmark = pytest.mark.slow
 
 KEY = "k-123"
@@ -322,3 +324,12 @@ def test_many_connections_at_once_each_get_their_own_answer(server):
     finally:
         for sock in socks:
             sock.close()
+
+
+@pytest.mark.parametrize("flag", ["--timeout-keep-alive", "--max-queue-wait-s", "--graceful-shutdown-s"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
+def test_a_duration_flag_that_is_not_a_positive_number_is_a_usage_error(flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args([flag, value])
+    assert exit_.value.code == 2
+    assert flag in capsys.readouterr().err

@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 
-from pooling_pipeline.cli_flags import declared_flag, positive_int
+from pooling_pipeline.cli_flags import declared_flag, positive_int, positive_seconds
 from pooling_pipeline.options import PipelineOptions, declared
 
 log = logging.getLogger("pipeline.serve")
@@ -44,15 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a larger request body is answered 413 before it is read" + d)
     http.add_argument("--max-client-batch-size", type=positive_int, default=1024,
                       help="inputs in one request; more is a 413" + d)
-    http.add_argument("--max-queue-wait-s", type=float, default=10.0,
+    http.add_argument("--max-queue-wait-s", type=positive_seconds, default=10.0,
                       help="seconds a request waits for room in the pipeline's window before its 429" + d)
     http.add_argument("--auto-truncate", action="store_true",
                       help="cut over-long inputs where the request does not say (default: refuse them, naming them)")
     http.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                       help="image inputs may name files under this directory (default: none; base64 and data: URIs only)")
-    http.add_argument("--graceful-shutdown-s", type=float, default=60.0,
+    http.add_argument("--graceful-shutdown-s", type=positive_seconds, default=60.0,
                       help="on SIGTERM, how long requests in flight may take to finish" + d)
-    http.add_argument("--timeout-keep-alive", type=float, default=5.0,
+    http.add_argument("--timeout-keep-alive", type=positive_seconds, default=5.0,
                       help="seconds an idle keep-alive connection stays open (uvicorn's flag)" + d)
     http.add_argument("--access-log", action="store_true", help="log every request (costs CPU per request)")
     http.add_argument("--http-protocol", choices=("pipeline", "uvicorn"), default="pipeline",
