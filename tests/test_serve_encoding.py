@@ -25,9 +25,16 @@ def rows_of_every_layout() -> list[np.ndarray]:
             np.zeros(0, dtype=np.float32)]  # empty (dimensions never gives one, but it must not break)
 
 
+def float32_rows_one_strided() -> list[np.ndarray]:
+    """All float32, as the pipeline's rows are, but one a strided view: the encoder's fast path must not take it."""
+    wide = np.random.default_rng(8).standard_normal((3, 10)).astype(np.float32)
+    return [wide[0], wide[:, 3], wide[2]]
+
+
+@pytest.mark.parametrize("make_rows", [rows_of_every_layout, float32_rows_one_strided])
 @pytest.mark.parametrize("encoding_format", ["float", "base64"])
-def test_embedding_list_reads_back_as_the_float32_rows(encoding_format):
-    rows = rows_of_every_layout()
+def test_embedding_list_reads_back_as_the_float32_rows(encoding_format, make_rows):
+    rows = make_rows()
     body = json.loads(list_response("embd", "m", embedding_items(rows, encoding_format), 12).body)
     assert list(body) == ["id", "object", "created", "model", "data", "usage"]
     assert body["object"] == "list" and body["model"] == "m" and body["id"].startswith("embd-")

@@ -163,11 +163,8 @@ _HEADS = {opening: [b'{"object":"embedding","index":%d,"embedding":%s' % (i, ope
 
 
 def _encoded_rows(rows: list[np.ndarray], encode: Callable[[np.ndarray], bytes]) -> list[bytes]:
-    if all([row.dtype is _F32 for row in rows]):  # (the pipeline's own rows: float32, contiguous)
-        try:
-            return list(map(encode, rows))
-        except ValueError:  # (a row that is not contiguous: converted below)
-            pass
+    if all([row.dtype is _F32 and row.flags.c_contiguous for row in rows]):  # (the pipeline's own rows)
+        return list(map(encode, rows))
     return [encode(_f32(row)) for row in rows]
 
 

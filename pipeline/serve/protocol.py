@@ -44,7 +44,7 @@ access_log = logging.getLogger("pipeline.serve.access")
 MAX_HEAD_BYTES = 64 << 10  # the request line and headers together (nginx's default large buffers: 4 x 8 KB)
 
 _STATUS_LINES = {status: b"HTTP/1.1 %d %s\r\n" % (status, reason.encode()) for status, reason in
-                 {200: "OK", 431: "Request Header Fields Too Large", 499: "Client Closed Request", **REASONS}.items()}
+                 {200: "OK", 431: "Request Header Fields Too Large", **REASONS}.items()}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
@@ -149,7 +149,7 @@ class HttpConnection(asyncio.Protocol):
             self._refuse(self.current or self.app.head("", ""), 400, f"the request is not valid HTTP/1.1: {e}")
             return
         if self.counting and self.head_bytes > MAX_HEAD_BYTES:
-            self._refuse_large_head("")
+            self._refuse_large_head()
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -186,7 +186,7 @@ class HttpConnection(asyncio.Protocol):
         # bytes read count too, for a field that never ends).
         self.trailer_bytes += len(name) + len(value) + 4
         if self.trailer_bytes > MAX_HEAD_BYTES:
-            self._refuse_large_head(self._method)
+            self._refuse_large_head()
             raise _Stopped()
 
     def on_chunk_header(self) -> None:
@@ -200,7 +200,7 @@ class HttpConnection(asyncio.Protocol):
         method = parser.get_method().decode("ascii")
         if self.head_bytes > MAX_HEAD_BYTES and _head_size(self.url, self.headers) > MAX_HEAD_BYTES:
             # (head_bytes counts whole reads, which may run past the head: measured exactly only then)
-            self._refuse_large_head(method)
+            self._refuse_large_head()
             raise _Stopped()
         # Names lower-cased; llhttp keeps a value's trailing whitespace, which is not part of it (RFC 9110 5.5).
         headers = self.headers = [(name.lower(), value.rstrip(b" \t")) for name, value in self.headers]
@@ -350,9 +350,9 @@ class HttpConnection(asyncio.Protocol):
         self._dispatch(Exchange(head, [], b"", "GET", False, time.perf_counter(),
                                 self.app.refusal(HTTPError(status, message), head.dialect)))
 
-    def _refuse_large_head(self, method: str) -> None:
+    def _refuse_large_head(self) -> None:
         self._stop_reading()
-        self._refuse(self.app.head(method, ""), 431,
+        self._refuse(self.app.head("", ""), 431,
                      f"the request line and headers are larger than this server's {MAX_HEAD_BYTES} bytes")
 
     def _stop_reading(self) -> None:
