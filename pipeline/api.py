@@ -114,7 +114,7 @@ def _method(plan: Callable, options: str, returns: str | None, stream: bool, pos
         async def method(*args, **kwargs):
             own, values = sig.bind(args, kwargs)
             call = plan(*own, **values)
-            outs = [out async for out in own[0]._abortable_astream(call.prompts, call.opts, materialize=True)]
+            outs = await own[0]._acollect(call.prompts, call.opts)
             return call.finish(outs) if call.finish else outs
     method.__module__ = plan.__module__
     method.__wrapped__ = plan
@@ -452,30 +452,21 @@ class Pipeline:
         finally:
             self._ended(call)
 
-    def _abortable_astream(self, prompts, opts: CallOptions, materialize: bool = False) -> AsyncIterator:
+    def _abortable_astream(self, prompts, opts: CallOptions) -> AsyncIterator:
         """`_astream` whose call is aborted when the async generator is collected unclosed.
         asyncio closes a collected async generator (`aclose()`) only through its event loop: one
         whose loop was closed first (a `new_event_loop()` closed without `shutdown_asyncgens()`)
         is never closed, and its call would hold its slots for the Pipeline's life. The abort
         needs no event loop: it goes through the receiver thread."""
         started: list[Call] = []  # the call, once the stream has started (no reference to the generator)
-        stream = self._astream(prompts, opts, materialize, started=started)
+        stream = self._astream(prompts, opts, started)
         weakref.finalize(stream, _abandon, started)
         return stream
 
-    async def _astream(self, prompts, opts: CallOptions, materialize: bool = False,
-                       started: list | None = None) -> AsyncIterator:
+    async def _astream(self, prompts, opts: CallOptions, started: list) -> AsyncIterator:
         """`_stream` on the caller's event loop (`started` gets its Call once there is one)."""
-        prefix, source, total = self._requests(prompts, opts, materialize)
-        if materialize:  # checked whole before any work starts; a long list in a thread
-            items = self._dispatcher.batch_items
-            if total is not None and total <= ASYNC_INLINE_CHECK_ITEMS:
-                source = source.drain(items)
-            else:
-                source = await asyncio.to_thread(source.drain, items)
-        call = self._start_call(prefix, source, opts, total, loop=asyncio.get_running_loop(), materialize=materialize)
-        if started is not None:
-            started.append(call)
+        call = await self._astart(prompts, opts, materialize=False)
+        started.append(call)
         try:
             async for result in call.aoutputs():
                 yield self._post_process_one(result) if opts.plugin else result
@@ -484,6 +475,31 @@ class Pipeline:
             raise
         finally:
             self._ended(call)
+
+    async def _acollect(self, prompts, opts: CallOptions) -> list:
+        """An async list call, checked whole before any work starts and gathered by its Call a
+        turn's results at a time. Cancelled or closed unfinished, the call is aborted
+        (`Call.acollect`)."""
+        call = await self._astart(prompts, opts, materialize=True)
+        try:
+            outs = await call.acollect()
+        except EngineDeadError:
+            self.close()
+            raise
+        finally:
+            self._ended(call)
+        return [self._post_process_one(out) for out in outs] if opts.plugin else outs
+
+    async def _astart(self, prompts, opts: CallOptions, materialize: bool) -> Call:
+        """The call of an async stream or list call, started on the caller's event loop."""
+        prefix, source, total = self._requests(prompts, opts, materialize)
+        if materialize:  # checked whole before any work starts; a long list in a thread
+            items = self._dispatcher.batch_items
+            if total is not None and total <= ASYNC_INLINE_CHECK_ITEMS:
+                source = source.drain(items)
+            else:
+                source = await asyncio.to_thread(source.drain, items)
+        return self._start_call(prefix, source, opts, total, loop=asyncio.get_running_loop(), materialize=materialize)
 
     def _ended(self, call: Call) -> None:
         self._last_stats = call.stats
