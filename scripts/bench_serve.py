@@ -51,6 +51,7 @@ import sys
 import tempfile
 import threading
 import time
+import timeit
 from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
@@ -524,7 +525,23 @@ def part_sim(args, log_dir: Path) -> dict:
     table = {label: {cell: summarize(cell_runs, SHAPES[cell.shape]) for cell, cell_runs in by_cell.items() if cell_runs}
              for label, by_cell in runs.items()}
     stub_delay = f"after {args.stub_delay_ms:g} ms" if args.stub_delay_ms else "at once"
-    return {"table": table, "runs": runs, "profiles": profiles, "stub_delay": stub_delay}
+    writing = {str(cell): vector_writing_us(cell) for cell in SIM_REQUESTS}
+    return {"table": table, "runs": runs, "profiles": profiles, "stub_delay": stub_delay, "vector_writing_us": writing}
+
+
+def vector_writing_us(cell: Cell) -> float:
+    """The CPU the server's handler spends writing a cell's vectors into the answer (`embedding_items`, the function
+    it calls), timed alone in this process on unit vectors of the sim preset's width: the part of the HTTP layer
+    that grows with the numbers answered (JSON floats: float32's shortest round-trip digits, ~20 ns a number with
+    orjson). Median of 7 repeats."""
+    import numpy as np
+
+    from pooling_pipeline.serve.http import embedding_items
+    vectors = np.random.default_rng(1).standard_normal((SHAPES[cell.shape], 384)).astype(np.float32)
+    rows = list(vectors / np.linalg.norm(vectors, axis=1, keepdims=True))
+    number = 200
+    times = timeit.repeat(lambda: embedding_items(rows, cell.fmt), number=number, repeat=7)
+    return 1e6 * statistics.median(times) / number
 
 
 # -- pipeline-serve's app on a stub pipeline: the HTTP layer alone --
@@ -700,8 +717,8 @@ def print_sim(part: dict) -> None:
           f"that answers {part['stub_delay']} (the HTTP layer alone):\n")
     print("| texts / request | encoding_format | server requests/s | server p99 ms | in-process requests/s | server main CPU "
           "us / request (min-max) | in-process main CPU us / request (min-max) | HTTP layer us / request, median (min-max) | "
-          "stub server CPU us / request (min-max) | client CPU us / request |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "of which writing the vectors (timed alone) | stub server CPU us / request (min-max) | client CPU us / request |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
     def spread(s: dict) -> str:
         return f"{s['server_cpu_us']:.0f} ({s['server_cpu_range'][0]:.0f}-{s['server_cpu_range'][1]:.0f})"
@@ -710,7 +727,7 @@ def print_sim(part: dict) -> None:
         http = http_layer_us(part["runs"], cell)
         print(f"| {SHAPES[cell.shape]} | {cell.fmt} | {s['requests_s']:.0f} | {s['p99_ms']:.1f} | {i['requests_s']:.0f} | "
               f"{spread(s)} | {spread(i)} | **{statistics.median(http):.0f}** ({min(http):.0f}-{max(http):.0f}; target "
-              f"<= 150) | {spread(stub[cell])} | {fmt(s['client_cpu_us'])} |")
+              f"<= 150) | {part['vector_writing_us'][str(cell)]:.0f} | {spread(stub[cell])} | {fmt(s['client_cpu_us'])} |")
     for cell, profile in part.get("profiles", {}).items():
         print_profile(cell, profile)
 
