@@ -74,6 +74,12 @@ def _drawing_stack() -> list:
     return stack
 
 
+def _release(waiter: asyncio.Future) -> None:
+    """A waiting call's timer: its turn comes (a wake-up may have come first)."""
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 def new_call_prefix() -> str:
     """A call's id: random (unguessable: 64 bits); a request's external id is the call's id then its index."""
     return secrets.token_hex(8) + "-"
@@ -178,7 +184,10 @@ class Call:
                 outs += ready
                 if done:
                     return outs
-                await self._next_turn(bool(ready))
+                # Straight to the wake-up even after results: nothing ran since the receiver's
+                # last one was handled, so a bare pass of the loop would only find the inbox as
+                # it was (a turn more a request). Awaiting it yields to the loop's other tasks.
+                await self._next_turn(had_results=False)
         except BaseException:
             self.abort()
             raise
@@ -197,13 +206,15 @@ class Call:
         # Held weakly here (the awaiting task holds it): the dispatcher holds this call, and a
         # strong reference would keep the task, its coroutine and its stream alive after their
         # event loop was closed, so the stream's finalizer (the abort) never ran.
+        # The timer re-checks the dispatcher after CALL_WAIT_S (not asyncio.wait_for: its second
+        # future, done callback and partial cost a turn ~5 us).
         waiter = self.loop.create_future()
         self._waiter = weakref.ref(waiter)
+        timer = self.loop.call_later(CALL_WAIT_S, _release, waiter)
         try:
-            await asyncio.wait_for(waiter, CALL_WAIT_S)
-        except asyncio.TimeoutError:
-            pass
+            await waiter
         finally:
+            timer.cancel()
             self._waiter = None
 
     def pump(self) -> tuple[list[PoolingRequestOutput], bool]:
