@@ -239,8 +239,12 @@ def test_a_percent_encoded_or_absolute_form_target_is_routed_by_its_path(server)
         sock.sendall(request("http://example.com/v1/models", method="GET") + request("http://example.com", method="GET"))
         status, _, body = reader.response()
         assert status == 200 and json.loads(body)["object"] == "list"
-        status, _, body = reader.response()  # (no path: the root, which is no route here)
-        assert status == 404 and "no route /" in json.loads(body)["error"]["message"]
+        status, _, body = reader.response()  # (no path: the root, GET / being TEI's health check)
+        assert status == 200 and body == b""
+        sock.sendall(request("http://example.com?x=1", method="GET") + request("http://example.com/nothing", method="GET"))
+        assert reader.response()[0] == 200
+        status, _, body = reader.response()
+        assert status == 404 and "no route /nothing" in json.loads(body)["error"]["message"]
 
 
 @pytest.mark.parametrize("raw, status, says", [

@@ -126,6 +126,18 @@ def test_truncation_when_asked_equals_sentence_transformers(server, st_model, au
     assert out.json()["usage"]["prompt_tokens"] == st_model.max_seq_length
 
 
+def test_the_routes_without_v1_serve_an_openai_client_given_the_bare_address(server, st_model):
+    """/embeddings and /models, as TEI and Infinity serve them: what the client asks for when its
+    base_url is the server's address alone."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0)
+    result = client.embeddings.create(model=NAME, input=TEXTS)
+    got = np.array([d.embedding for d in result.data], dtype=np.float32)
+    np.testing.assert_allclose(got, embed(st_model, TEXTS), atol=1e-5, rtol=0)
+    assert [m.id for m in client.models.list()] == [NAME, "other-name"]
+
+
 def test_models_health_and_metrics(server, auth):
     assert server.url.startswith("http://127.0.0.1:")  # loopback unless --host says otherwise
     models = httpx.get(server.url + "/v1/models", headers=auth).json()
@@ -208,9 +220,13 @@ def test_unknown_route_wrong_method_and_authentication(server, auth):
     assert "no route" in error_of(httpx.post(server.url + "/v1/nothing", json={}, headers=auth), 404)
     assert "not allowed" in error_of(httpx.get(server.url + "/v1/embeddings", headers=auth), 405)
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
-        response = httpx.post(server.url + "/v1/embeddings", json={"input": "x"}, headers=headers)
-        error_of(response, 401)
-        assert response.headers["www-authenticate"] == "Bearer"
+        for path in ("/v1/embeddings", "/embeddings", "/", "/invocations"):
+            response = httpx.post(server.url + path, json={"input": "x"}, headers=headers)
+            assert response.status_code == 401, (path, response.text)
+            assert response.headers["www-authenticate"] == "Bearer"
+        error_of(httpx.post(server.url + "/v1/embeddings", json={"input": "x"}, headers=headers), 401)
+    for path in ("/health", "/", "/ping"):  # the health checks (TEI's three) ask for no key
+        assert httpx.get(server.url + path).status_code == 200, path
 
 
 def test_a_body_over_the_limit_is_refused_before_it_is_read_whole(server, auth):

@@ -1,5 +1,6 @@
 """pipeline-serve's text-embeddings-inference routes (/embed, /embed_sparse, /rerank, /predict,
-/tokenize, /info) against real servers: TEI's request and response shapes, values equal to
+/similarity, /tokenize, /decode, /info, and POST / as huggingface_hub's client calls it) against real
+servers: TEI's request and response shapes, values equal to
 sentence-transformers' (transformers' for a single text classified) within 1e-5, TEI's truncation
 rules, and every bad request answered with TEI's status and error body -- the next request unharmed."""
 
@@ -173,6 +174,81 @@ def test_tokenize_gives_the_pipelines_ids_with_tei_offsets(minilm, st_model):
     refused(post(minilm, "/tokenize", {"inputs": ["a"] * 9}), 413, "batch size 9", "8")
 
 
+def test_decode_gives_the_tokenizers_text(minilm, st_model):
+    """One list of ids is one text (in a list), a batch a text each; special tokens skipped unless
+    asked for, as TEI's (the tokenizers library's own decoder)."""
+    ids = [st_model.tokenizer(text)["input_ids"] for text in TEXTS[:3]]
+    want = [st_model.tokenizer.decode(i, skip_special_tokens=True) for i in ids]
+    assert ok(minilm, "/decode", {"ids": ids[0]}) == want[:1]
+    assert ok(minilm, "/decode", {"ids": ids}) == want
+    assert ok(minilm, "/decode", {"ids": ids[0], "skip_special_tokens": False}) == [
+        st_model.tokenizer.decode(ids[0], skip_special_tokens=False)]
+    assert ok(minilm, "/decode", {"ids": ids[0], "skip_special_tokens": False})[0].startswith("[CLS]")
+    assert ok(minilm, "/decode", {"ids": []}) == [""]
+
+
+# ---- /similarity, and TEI's POST / as huggingface_hub calls it -----------------------------------------
+
+@pytest.fixture
+def hub_client(monkeypatch):
+    """huggingface_hub's InferenceClient for a server's address. HF_HUB_OFFLINE (set for the whole
+    suite: nothing may reach a hub) makes it refuse every request, a local address's too: it is lifted
+    for the test's own server alone -- the client reaches nothing else."""
+    import huggingface_hub.constants
+    from huggingface_hub import InferenceClient
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    return lambda srv: InferenceClient(model=srv.url)
+
+
+def test_similarity_equals_sentence_transformers(minilm, st_model, hub_client):
+    source, others = TEXTS[0], TEXTS[1:]
+    vectors = st_model.encode([source, *others], convert_to_tensor=True)
+    want = st_model.similarity(vectors[:1], vectors[1:])[0].numpy()
+    got = ok(minilm, "/similarity", {"inputs": {"source_sentence": source, "sentences": others}})
+    assert len(got) == len(others)
+    close(got, want, "/similarity")
+    close(hub_client(minilm).sentence_similarity(source, other_sentences=others), want,
+          "huggingface_hub's sentence_similarity (POST /)")
+    cut = ok(minilm, "/similarity", {"inputs": {"source_sentence": source, "sentences": [LONG]},
+                                      "parameters": {"truncate": True}})
+    long_vectors = st_model.encode([source, LONG], convert_to_tensor=True)
+    close(cut, st_model.similarity(long_vectors[:1], long_vectors[1:])[0].numpy(), "truncate=true")
+
+
+def test_post_root_is_the_models_own_route_as_tei_picks_it(minilm, cross, nli, splade, st_model, hub_client):
+    """huggingface_hub's InferenceClient given the server's address posts to `/` (so does LangChain's
+    HuggingFaceEndpointEmbeddings through it): /embed for an embedding model, /rerank for a reranker,
+    /predict for a classifier, /embed_sparse for SPLADE; SageMaker's /invocations the same. The health
+    checks TEI answers on GET / and /ping."""
+    got = hub_client(minilm).feature_extraction(TEXTS[1])
+    assert got.shape == (1, 384) and got.dtype == np.float32
+    close(got, st_model.encode(TEXTS[1:2]), "feature_extraction (POST /)")
+    for path in ("/", "/invocations"):
+        close(ok(minilm, path, {"inputs": TEXTS, "normalize": False}), ok(minilm, "/embed", {"inputs": TEXTS,
+              "normalize": False}), f"{path} on an embedding model")
+        rerank = {"query": QUERY, "texts": DOCS, "return_text": True}
+        assert _ranks(ok(cross, path, rerank)) == _ranks(ok(cross, "/rerank", rerank))
+        assert _labels(ok(nli, path, {"inputs": TEXTS[0]})) == _labels(ok(nli, "/predict", {"inputs": TEXTS[0]}))
+        assert _sparse(ok(splade, path, {"inputs": TEXTS[:2]})) == _sparse(ok(splade, "/embed_sparse",
+                                                                               {"inputs": TEXTS[:2]}))
+    for path in ("/", "/ping", "/health"):
+        response = httpx.get(minilm.url + path, timeout=60)
+        assert response.status_code == 200 and response.text == ""
+
+
+def _ranks(ranks: list) -> list:
+    return [(r["index"], r["text"], round(r["score"], 5)) for r in ranks]
+
+
+def _labels(predictions: list) -> list:
+    return [(p["label"], round(p["score"], 5)) for p in predictions]
+
+
+def _sparse(vectors: list) -> list:
+    return [[(v["index"], round(v["value"], 4)) for v in vector] for vector in vectors]
+
+
 # ---- /info -------------------------------------------------------------------------------------------
 
 def test_info_gives_teis_fields(minilm, cross, nli, splade):
@@ -214,6 +290,18 @@ def test_info_gives_teis_fields(minilm, cross, nli, splade):
     ("/rerank", {"query": "q", "texts": []}, 400, "`texts` cannot be empty"),
     ("/predict", {"inputs": "a"}, 424, "not a classifier"),
     ("/embed_sparse", {"inputs": "a"}, 424, "SPLADE"),
+    ("/similarity", {"inputs": {"source_sentence": "a", "sentences": []}}, 400, "`inputs.sentences` cannot be empty"),
+    ("/similarity", {"inputs": {"source_sentence": "", "sentences": ["a"]}}, 400, "request 0"),
+    ("/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b"] * 8}}, 413, "batch size 9"),
+    ("/similarity", {"inputs": {"source_sentence": "a", "sentences": [LONG]}}, 413, "request 1"),
+    ("/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b"]},
+                     "parameters": {"prompt_name": "nope"}}, 413, "nope"),
+    ("/similarity", {"inputs": ["a", "b"]}, 422, "inputs"),
+    ("/decode", {"ids": [101, -1]}, 422, "`ids`"),
+    ("/decode", {"ids": [[101], [30522]]}, 422, "request 1"),
+    ("/decode", {"ids": "abc"}, 422, "`ids`"),
+    ("/decode", {"ids": [[1]] * 9}, 413, "batch size 9"),
+    ("/", {"inputs": 5}, 422, "`inputs`"),
 ])
 def test_bad_requests_get_teis_status_and_the_next_one_is_served(minilm, st_model, path, body, status, phrase):
     response = post(minilm, path, content=body) if isinstance(body, bytes) else post(minilm, path, body)
@@ -223,6 +311,8 @@ def test_bad_requests_get_teis_status_and_the_next_one_is_served(minilm, st_mode
 
 def test_routes_a_reranker_cannot_serve(cross):
     refused(post(cross, "/embed", {"inputs": "a"}), 424, "not an embedding model")
+    refused(post(cross, "/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b"]}}), 424,
+            "not an embedding model")
     refused(post(cross, "/embed_sparse", {"inputs": "a"}), 424, "SPLADE")
     assert len(ok(cross, "/rerank", {"query": "q", "texts": ["a"]})) == 1
 

@@ -236,7 +236,7 @@ class App:
             if by_method is None:
                 raise HTTPError(404, f"no route {path}")
             raise HTTPError(405, f"{method} is not allowed on {path}; use {', '.join(by_method)}")
-        if self._expected is not None and path != "/health":
+        if self._expected is not None and head.route.handler is not health:  # (health checks need no key)
             given = header(headers, b"authorization") or b""
             if not hmac.compare_digest(given, self._expected):  # constant time: no prefix leaks by timing
                 raise HTTPError(401, "Unauthorized: a valid 'Authorization: Bearer <api key>' header is required",
@@ -358,7 +358,10 @@ async def metrics(request: Request) -> Response:
     return Response(text.encode(), content_type=b"text/plain; version=0.0.4; charset=utf-8")
 
 
+# TEI answers its health check on / (the Inference API's) and /ping (SageMaker's) too.
 ROUTES = [Route("GET", "/health", health, "tei", inference=False),
+          Route("GET", "/", health, "tei", inference=False),
+          Route("GET", "/ping", health, "tei", inference=False),
           Route("GET", "/metrics", metrics, "tei", inference=False)]
 __all__ = ["App", "Head", "Route", "Request", "Response", "Server", "ServeSettings", "ROUTES", "encode_json", "list_response",
            "response_id", "usage"]

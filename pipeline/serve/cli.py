@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 serves other machines" + d)
     http.add_argument("--port", type=int, default=DEFAULT_PORT, help="port; 0 picks a free one (printed)" + d)
     http.add_argument("--api-key", default=os.environ.get("PIPELINE_API_KEY"),
-                      help="a Bearer token every route but /health asks for (default: $PIPELINE_API_KEY, else none)")
+                      help="a Bearer token every route but the health checks (GET /health, / and /ping) asks for "
+                           "(default: $PIPELINE_API_KEY, else none)")
     http.add_argument("--max-body-bytes", type=positive_int, default=64 << 20,
                       help="a larger request body is answered 413 before it is read" + d)
     http.add_argument("--max-client-batch-size", type=positive_int, default=1024,

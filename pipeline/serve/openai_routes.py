@@ -1,4 +1,5 @@
-"""OpenAI's (and vLLM's) routes: `POST /v1/embeddings` and `GET /v1/models`, in their exact shapes.
+"""OpenAI's (and vLLM's) routes: `POST /v1/embeddings` and `GET /v1/models` (and both without `/v1`, as
+TEI and Infinity serve them), in their exact shapes.
 
 `input` is a string, a list of strings, a list of token ids or a list of such lists; `encoding_format`
 "float" (JSON numbers) or "base64" (the float32 little-endian bytes, what the `openai` client asks for
@@ -99,5 +100,9 @@ async def models(request: Request) -> Response:
          "parent": None, "max_model_len": server.spec.max_model_len} for name in server.settings.served_model_names]}))
 
 
+# Without the /v1 prefix too, as TEI and Infinity serve them: an `openai` client given the server's
+# bare address (base_url="http://host:port") asks for /embeddings and /models.
 ROUTES = [Route("POST", "/v1/embeddings", embeddings, "openai"),
-          Route("GET", "/v1/models", models, "openai", inference=False)]
+          Route("POST", "/embeddings", embeddings, "openai"),
+          Route("GET", "/v1/models", models, "openai", inference=False),
+          Route("GET", "/models", models, "openai", inference=False)]

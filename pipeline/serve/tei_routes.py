@@ -6,8 +6,13 @@
   a body with `documents` instead of `texts` (the Jina / Cohere shape vLLM serves on /rerank too)
   goes to `rerank_routes.rerank_documents`
 - `POST /predict` (a sequence classifier): `[{"score", "label"}, ...]` by score, or a list of those
+- `POST /similarity`: `inputs: {"source_sentence", "sentences"}` -> `[cosine, ...]`, one a sentence
 - `POST /tokenize`: `[[{"id", "text", "special", "start", "stop"}, ...], ...]`
+- `POST /decode`: token ids (one list, or a batch of them) -> `[text, ...]`
 - `GET /info`: the model and the server's bounds, TEI's fields
+- `POST /` and `POST /invocations` (SageMaker's): the model's own route, as TEI picks it --
+  what huggingface_hub's `InferenceClient` (and LangChain's `HuggingFaceEndpointEmbeddings` through
+  it) posts to when given the server's address
 
 As TEI: `truncate` defaults to the server's --auto-truncate; without truncation an input over the
 model's length is refused, naming its token count; a route the model cannot run is a 424.
@@ -84,6 +89,33 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     inputs: str | list[str]
     add_special_tokens: bool = True
     prompt_name: str | None = None
+
+
+class SimilarityInput(msgspec.Struct, kw_only=True):
+    source_sentence: str
+    sentences: list[str]
+
+
+class SimilarityParameters(msgspec.Struct, kw_only=True):
+    truncate: bool | None = None
+    truncation_direction: Direction | None = None
+    prompt_name: str | None = None
+
+
+class SimilarityRequest(msgspec.Struct, kw_only=True):
+    inputs: SimilarityInput
+    parameters: SimilarityParameters | None = None
+
+
+class DecodeRequest(msgspec.Struct, kw_only=True):
+    ids: Any  # a list of token ids, or a batch of such lists
+    skip_special_tokens: bool = True
+
+
+class _InputsShape(msgspec.Struct):
+    """Whether `inputs` is a JSON object (a similarity request); left unparsed."""
+
+    inputs: msgspec.Raw = msgspec.Raw()
 
 
 class _RerankShape(msgspec.Struct):
@@ -348,6 +380,25 @@ async def predict(request: Request) -> Response:
     return Response(encode_json(predictions[0] if single else predictions))
 
 
+async def similarity(request: Request) -> Response:
+    """TEI's /similarity: the source sentence's cosine with each sentence, on the model's embeddings
+    (sentence-transformers' `similarity` with cos_sim: a zero vector's cosine is 0)."""
+    body: SimilarityRequest = request.json(SimilarityRequest)
+    server = request.server
+    if not body.inputs.sentences:
+        raise HTTPError(400, "`inputs.sentences` cannot be empty")
+    params = body.parameters or SimilarityParameters()
+    embed_body = EmbedRequest(inputs=[body.inputs.source_sentence, *body.inputs.sentences], truncate=params.truncate,
+                              truncation_direction=params.truncation_direction, prompt_name=params.prompt_name)
+    prompts, options = _embedding_inputs(request, embed_body, "embed")
+    outs = await _run_texts(request, len(prompts), server.pipe.aembed(
+        prompts, pooling_params=PoolingParams(normalize=False), prompt_name=params.prompt_name, **options))
+    server.count_tokens(outs)
+    vectors = np.stack([out.data for out in outs]).astype(np.float64)
+    vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)  # (torch's normalize eps)
+    return Response(encode_json(float_rows((vectors[1:] @ vectors[0]).astype(np.float32))))
+
+
 async def tokenize(request: Request) -> Response:
     body: TokenizeRequest = request.json(TokenizeRequest)
     server = request.server
@@ -366,6 +417,49 @@ async def tokenize(request: Request) -> Response:
     tokens = await asyncio.to_thread(lambda: [tokenizer.tokenize(prompt + text, body.add_special_tokens)
                                               for text in texts])
     return Response(encode_json(tokens))
+
+
+async def decode(request: Request) -> Response:
+    """TEI's /decode: `ids` is one list of token ids (its text, in a list of one) or a batch of them."""
+    body: DecodeRequest = request.json(DecodeRequest)
+    server = request.server
+    ids = body.ids
+    if isinstance(ids, list) and all(_is_id(x) for x in ids):
+        batch = [ids]
+    elif isinstance(ids, list) and all(isinstance(item, list) for item in ids):
+        server.check_batch(len(ids), "`ids`")
+        batch = ids
+    else:
+        raise HTTPError(422, "`ids` must be a list of token ids (integers >= 0) or a list of such lists")
+    tokenizer = await served_tokenizer(server)
+    vocab = tokenizer.vocab_size
+    for i, item in enumerate(batch):
+        bad = next((x for x in item if not (_is_id(x) and x < vocab)), None) if item else None
+        if bad is not None:
+            raise HTTPError(422, f"request {i}: {bad!r} is not a token id of this model (0 .. {vocab - 1})")
+    texts = await asyncio.to_thread(lambda: [tokenizer.decode(item, body.skip_special_tokens) for item in batch])
+    return Response(encode_json(texts))
+
+
+def default_route(spec):
+    """TEI's `POST /` for this model: /rerank for a reranker, /predict for a classifier,
+    /embed_sparse for SPLADE, else /embed (the kinds of `model_type`, which /info shows)."""
+    if is_reranker(spec):
+        return rerank
+    if spec.head == "sequence_classification":
+        return predict
+    return embed_sparse if "sparse_embed" in spec.tasks else embed
+
+
+async def default(request: Request) -> Response:
+    """TEI's `POST /` and SageMaker's `POST /invocations`: the model's own route. For an embedding
+    model a body whose `inputs` is an object -- `{"source_sentence", "sentences"}`, what
+    huggingface_hub's `sentence_similarity` sends -- is a /similarity request (TEI takes it there
+    only when started with TASK=sentence-similarity; an /embed body's `inputs` is never an object)."""
+    handler = default_route(request.server.spec)
+    if handler is embed and bytes(request.json(_InputsShape).inputs)[:1] == b"{":  # (a Raw value: no whitespace)
+        handler = similarity
+    return await handler(request)
 
 
 async def info(request: Request) -> Response:
@@ -428,5 +522,9 @@ ROUTES = [Route("POST", "/embed", embed, "tei"),
           Route("POST", "/embed_sparse", embed_sparse, "tei"),
           Route("POST", "/rerank", rerank, "tei"),
           Route("POST", "/predict", predict, "tei"),
+          Route("POST", "/similarity", similarity, "tei"),
+          Route("POST", "/", default, "tei"),
+          Route("POST", "/invocations", default, "tei"),
           Route("POST", "/tokenize", tokenize, "tei", inference=False),
+          Route("POST", "/decode", decode, "tei", inference=False),
           Route("GET", "/info", info, "tei", inference=False)]

@@ -1,5 +1,5 @@
 """The model's tokenizer in the server process, for what a route must answer before (or without)
-the pipeline: TEI's `/tokenize`, and a pair's length where the request forbids truncation (the
+the pipeline: TEI's `/tokenize` and `/decode`, and a pair's length where the request forbids truncation (the
 pipeline truncates a cross-encoder's pairs longest-first, as ST does, and has no way to refuse them).
 
 It is the render workers' own tokenizer (`workers.render.render_backend`: transformers' configured
@@ -18,8 +18,8 @@ import numpy as np
 
 
 class ServedTokenizer:
-    """One model's tokenizer: `tokenize` (whole texts, TEI's /tokenize) and `content_tokens` (a
-    text's length without special tokens, counted no further than a budget)."""
+    """One model's tokenizer: `tokenize` (whole texts, TEI's /tokenize), `decode` (TEI's /decode) and
+    `content_tokens` (a text's length without special tokens, counted no further than a budget)."""
 
     def __init__(self, spec) -> None:
         from pooling_pipeline.workers.render import load_hf_tokenizer, render_backend
@@ -43,6 +43,14 @@ class ServedTokenizer:
                 tokens.append({"id": id_, "text": text[start:stop], "special": False,
                                "start": to_bytes(start), "stop": to_bytes(stop)})
         return tokens
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        """TEI's /decode: the text of token ids (the library's own decoder, as TEI's)."""
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
 
     def content_tokens(self, text: str, budget: int) -> tuple[int, bool]:
         """Tokens of `text` without special tokens: (count, exact). Past `budget` the count is a
