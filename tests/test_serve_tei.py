@@ -1,5 +1,5 @@
-"""pipeline-serve's text-embeddings-inference routes (/embed, /embed_sparse, /rerank, /predict,
-/similarity, /tokenize, /decode, /info, and POST / as huggingface_hub's client calls it) against real
+"""pipeline-serve's text-embeddings-inference routes (/embed, /embed_sparse, /embed_all, /rerank,
+/predict, /similarity, /tokenize, /decode, /info, and POST / as huggingface_hub's client calls it) against real
 servers: TEI's request and response shapes, values equal to
 sentence-transformers' (transformers' for a single text classified) within 1e-5, TEI's truncation
 rules, and every bad request answered with TEI's status and error body -- the next request unharmed."""
@@ -145,6 +145,21 @@ def test_embed_truncation(minilm, st_model):
               left, f"truncation_direction={direction}")
     assert np.abs(left - st_model.encode([left_text])).max() > 1e-3  # (the side changes the vector)
     refused(post(minilm, "/embed", {"inputs": "a", "truncation_direction": "up"}), 422, "truncation_direction")
+
+
+def test_embed_all_gives_sentence_transformers_token_embeddings(minilm, st_model):
+    """Every token's vector, special tokens included, not pooled and not normalized: ST's
+    output_value="token_embeddings"."""
+    ref = [t.numpy() for t in st_model.encode(TEXTS[:3], output_value="token_embeddings")]
+    got = ok(minilm, "/embed_all", {"inputs": TEXTS[:3]})
+    assert [len(tokens) for tokens in got] == [len(r) for r in ref] and len(got[0][0]) == 384
+    for i, (tokens, want) in enumerate(zip(got, ref)):
+        close(tokens, want, f"input {i}")
+    assert len(ok(minilm, "/embed_all", {"inputs": TEXTS[0]})) == 1  # one input: still a list of inputs
+    refused(post(minilm, "/embed_all", {"inputs": [TEXTS[0], LONG]}), 413, "request 1", "302 tokens")
+    cut = ok(minilm, "/embed_all", {"inputs": LONG, "truncate": True})
+    assert len(cut[0]) == 256
+    close(cut[0], st_model.encode([LONG], output_value="token_embeddings")[0].numpy(), "truncate=true")
 
 
 # ---- /tokenize ---------------------------------------------------------------------------------------
@@ -313,6 +328,7 @@ def test_routes_a_reranker_cannot_serve(cross):
     refused(post(cross, "/embed", {"inputs": "a"}), 424, "not an embedding model")
     refused(post(cross, "/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b"]}}), 424,
             "not an embedding model")
+    refused(post(cross, "/embed_all", {"inputs": "a"}), 424, "not an embedding model")
     refused(post(cross, "/embed_sparse", {"inputs": "a"}), 424, "SPLADE")
     assert len(ok(cross, "/rerank", {"query": "q", "texts": ["a"]})) == 1
 

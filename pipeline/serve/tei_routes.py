@@ -2,6 +2,7 @@
 
 - `POST /embed`: pooled embeddings, `[[float, ...], ...]` (always a list, one per input)
 - `POST /embed_sparse` (SPLADE): `[[{"index": token id, "value": weight}, ...], ...]`
+- `POST /embed_all`: every token's vector before pooling, `[[[float, ...], ...], ...]` (one a token)
 - `POST /rerank` (a cross-encoder): `[{"index", "score", "text" (return_text)}, ...]`, best first;
   a body with `documents` instead of `texts` (the Jina / Cohere shape vLLM serves on /rerank too)
   goes to `rerank_routes.rerank_documents`
@@ -67,6 +68,10 @@ class EmbedSparseRequest(msgspec.Struct, kw_only=True):
     truncate: bool | None = None
     truncation_direction: Direction | None = None
     prompt_name: str | None = None
+
+
+class EmbedAllRequest(EmbedSparseRequest, kw_only=True):
+    """The same fields as /embed_sparse's."""
 
 
 class RerankRequest(msgspec.Struct, kw_only=True):
@@ -140,6 +145,7 @@ def is_classifier(spec) -> bool:
 SERVES = {
     "embed": (lambda spec: "embed" in spec.tasks, "Model is not an embedding model"),
     "embed_sparse": (lambda spec: "sparse_embed" in spec.tasks, "Model is not an embedding model with SPLADE pooling"),
+    "embed_all": (lambda spec: "token_embed" in spec.tasks, "Model is not an embedding model"),
     "rerank": (is_reranker, "model is not a re-ranker model"),
     "predict": (is_classifier, "Model is not a classifier model"),
 }
@@ -277,7 +283,7 @@ def _best_first(scores: list[float]) -> list[int]:
 # ---- routes ----------------------------------------------------------------------------------------
 
 def _embedding_inputs(request: Request, body: EmbedRequest | EmbedSparseRequest, route: str) -> tuple[list, dict]:
-    """What /embed and /embed_sparse share: the model serves `route`, the inputs as prompts within the
+    """What /embed, /embed_sparse and /embed_all share: the model serves `route`, the inputs as prompts within the
     batch bound, the prompt name checked, and the truncation options."""
     spec = request.server.spec
     _require(spec, route)
@@ -310,6 +316,19 @@ async def embed_sparse(request: Request) -> Response:
     server.count_tokens(outs)
     return Response(encode_json([[{"index": i, "value": v} for i, v in zip(out.indices.tolist(), out.data.tolist())]
                                  for out in outs]))
+
+
+async def embed_all(request: Request) -> Response:
+    """TEI's /embed_all: the transformer's output for every token, special tokens included, not
+    pooled and not normalized (sentence-transformers' `output_value="token_embeddings"`)."""
+    body: EmbedAllRequest = request.json(EmbedAllRequest)
+    server = request.server
+    prompts, options = _embedding_inputs(request, body, "embed_all")
+    outs = await _run_texts(request, len(prompts), server.pipe.aencode(
+        prompts, task="token_embed", pooling_params=PoolingParams(normalize=False), prompt_name=body.prompt_name,
+        **options))
+    server.count_tokens(outs)
+    return Response(encode_json([float_rows(out.data) for out in outs]))
 
 
 async def rerank(request: Request) -> Response:
@@ -520,6 +539,7 @@ def _version() -> str:
 
 ROUTES = [Route("POST", "/embed", embed, "tei"),
           Route("POST", "/embed_sparse", embed_sparse, "tei"),
+          Route("POST", "/embed_all", embed_all, "tei"),
           Route("POST", "/rerank", rerank, "tei"),
           Route("POST", "/predict", predict, "tei"),
           Route("POST", "/similarity", similarity, "tei"),
