@@ -80,6 +80,28 @@ def _release(waiter: asyncio.Future) -> None:
         waiter.set_result(None)
 
 
+class _Driving:
+    """Around a call's driving loop (`outputs`, `aoutputs`, `acollect`): whatever ends it early --
+    an error, KeyboardInterrupt, a cancelled task, a generator or coroutine closed or collected
+    unfinished (GeneratorExit) -- aborts the call; every end finishes it."""
+
+    __slots__ = ("call",)
+
+    def __init__(self, call: Call) -> None:
+        self.call = call
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, value, traceback) -> bool:
+        try:
+            if kind is not None:
+                self.call.abort()
+        finally:
+            self.call.finish()
+        return False  # (the exception goes on)
+
+
 def new_call_prefix() -> str:
     """A call's id: random (unguessable: 64 bits); a request's external id is the call's id then its index."""
     return secrets.token_hex(8) + "-"
@@ -139,7 +161,7 @@ class Call:
 
     def outputs(self) -> Iterator[PoolingRequestOutput]:
         """Results in input order, in the calling thread."""
-        try:
+        with _Driving(self):
             while True:
                 self._event.clear()
                 ready, done = self.pump()
@@ -148,15 +170,10 @@ class Call:
                     return
                 if not ready:
                     self._event.wait(CALL_WAIT_S)
-        except BaseException:
-            self.abort()
-            raise
-        finally:
-            self.finish()
 
     async def aoutputs(self) -> AsyncIterator[PoolingRequestOutput]:
         """Results in input order, on the caller's event loop (never blocking it to wait)."""
-        try:
+        with _Driving(self):
             while True:
                 self._signaled = False
                 ready, done = self.pump()
@@ -165,11 +182,6 @@ class Call:
                 if done:
                     return
                 await self._next_turn(bool(ready))
-        except BaseException:
-            self.abort()
-            raise
-        finally:
-            self.finish()
 
     async def acollect(self) -> list[PoolingRequestOutput]:
         """Every result in input order, on the caller's event loop: a list call's `aoutputs`,
@@ -177,7 +189,7 @@ class Call:
         A coroutine closed unfinished (its task cancelled, or collected with its event loop
         closed) aborts the call, as a closed stream does."""
         outs: list[PoolingRequestOutput] = []
-        try:
+        with _Driving(self):
             while True:
                 self._signaled = False
                 ready, done = self.pump()
@@ -188,11 +200,6 @@ class Call:
                 # last one was handled, so a bare pass of the loop would only find the inbox as
                 # it was (a turn more a request). Awaiting it yields to the loop's other tasks.
                 await self._next_turn(had_results=False)
-        except BaseException:
-            self.abort()
-            raise
-        finally:
-            self.finish()
 
     def _next_turn(self, had_results: bool) -> Awaitable[None]:
         """What a turn awaits before the next: a bare pass of the event loop when results came or
