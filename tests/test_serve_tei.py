@@ -208,12 +208,16 @@ def test_decode_gives_the_tokenizers_text(minilm, st_model):
 def hub_client(monkeypatch):
     """huggingface_hub's InferenceClient for a server's address. HF_HUB_OFFLINE (set for the whole
     suite: nothing may reach a hub) makes it refuse every request, a local address's too: it is lifted
-    for the test's own server alone -- the client reaches nothing else."""
+    for the test's own server alone -- the client reaches nothing else. Its process-wide keep-alive
+    session is closed after the test: a pooled connection to a server stopped later would stay open
+    (CLOSE_WAIT) in this process, which test_reliability checks has no TCP connection."""
     import huggingface_hub.constants
     from huggingface_hub import InferenceClient
+    from huggingface_hub.utils import close_session
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    return lambda srv: InferenceClient(model=srv.url)
+    yield lambda srv: InferenceClient(model=srv.url)
+    close_session()
 
 
 def test_similarity_equals_sentence_transformers(minilm, st_model, hub_client):
