@@ -1,6 +1,8 @@
 """Bad input gets a ValueError/TypeError naming the request and the problem; the group stays usable."""
 
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -136,6 +138,58 @@ def test_model_dir_without_tokenizer_or_config(tmp_path, model_path):
     a_file.write_text("x")
     with pytest.raises(ValueError, match="is not a directory"):
         Pipeline(model=str(a_file))
+
+
+def _sentencepiece_only_copy(model_path, target):
+    """The bundled model with its vocabulary replaced by a SentencePiece model alone (a protobuf built with
+    transformers' own copy of sentencepiece's schema), as a T5 / XLM-R folder saved without tokenizer.json."""
+    from transformers.utils import sentencepiece_model_pb2_new as spm
+
+    shutil.copytree(model_path, target)
+    for name in ("tokenizer.json", "vocab.txt"):
+        (target / name).unlink(missing_ok=True)
+    proto = spm.ModelProto()
+    for piece in ("<pad>", "</s>", "<unk>", "\u2581a", "\u2581cat"):
+        proto.pieces.add(piece=piece, score=-1.0)
+    (target / "spiece.model").write_bytes(proto.SerializeToString())
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    (target / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "T5Tokenizer"}))
+    return target
+
+
+def test_sentencepiece_only_tokenizer_without_the_package_names_it(tmp_path, model_path, monkeypatch):
+    """Without sentencepiece, transformers hands spiece.model to tiktoken, whose error ("Error parsing line
+    b'\\x0e' in .../spiece.model") came from a render worker: the caller names the package instead."""
+    import importlib.util
+
+    folder = _sentencepiece_only_copy(model_path, tmp_path / "spm-only")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "sentencepiece" else real_find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"only a SentencePiece model \(spiece.model, no tokenizer.json\).*"
+                                         r"pip install sentencepiece"):
+        Pipeline(model=str(folder))
+
+
+def test_sentencepiece_check_spares_other_tokenizer_folders(tmp_path, model_path, monkeypatch):
+    """A tokenizer.json beside the SentencePiece file, the package present, or a tiktoken tokenizer.model
+    (text: Llama 3's) are not refused by the check."""
+    import importlib.util
+
+    from pooling_pipeline.core.model_folder.transformer_config import check_tokenizer_files
+
+    folder = _sentencepiece_only_copy(model_path, tmp_path / "spm-only")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    check_tokenizer_files(folder, "present")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(ValueError, match="sentencepiece"):
+        check_tokenizer_files(folder, "absent")
+    shutil.copy(Path(model_path) / "tokenizer.json", folder / "tokenizer.json")
+    check_tokenizer_files(folder, "with tokenizer.json")
+    tiktoken = tmp_path / "tiktoken"
+    tiktoken.mkdir()
+    (tiktoken / "tokenizer.model").write_text("IQ== 0\nIg== 1\n")
+    check_tokenizer_files(tiktoken, "tiktoken")
 
 
 def _re(text: str) -> str:

@@ -13,7 +13,7 @@ from pooling_pipeline.core.model_folder.st_config import positive_int, read_st_c
 from pooling_pipeline.core.model_folder.st_files import Module, read_json, read_modules, read_optional_json
 from pooling_pipeline.core.model_folder.st_layout import STLayout
 from pooling_pipeline.core.model_folder.st_modules import read_chain
-from pooling_pipeline.core.model_folder.transformer_config import TOKENIZER_FILES, tokenizer_max_length
+from pooling_pipeline.core.model_folder.transformer_config import check_tokenizer_files, tokenizer_max_length
 
 _ROUTER_TYPES = {"Router", "Asym"}  # Asym: ST's older name of the same module
 _ROUTER_KEYS = {"default_route", "allow_empty_key", "route_mappings"}
@@ -119,8 +119,7 @@ def _static_embedding_spec(where: Path) -> ModelSpec:
                          "supported (an idf.json 'path' is not read: weights must be saved in the module's folder)")
     if not any((where / name).is_file() for name in ("model.safetensors", "pytorch_model.bin")):
         raise ValueError(f"{where}: SparseStaticEmbedding has no weights (model.safetensors or pytorch_model.bin)")
-    if not any((where / name).is_file() for name in TOKENIZER_FILES):
-        raise ValueError(f"{where}: SparseStaticEmbedding has no tokenizer")
+    check_tokenizer_files(where, f"{where}: SparseStaticEmbedding")
     max_length = tokenizer_max_length(where)
     if max_length is None:
         raise ValueError(f"{where}: SparseStaticEmbedding's tokenizer has no model_max_length (ST would not "

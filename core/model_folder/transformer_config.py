@@ -4,6 +4,7 @@ the common families allow it."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from pooling_pipeline.core.config import ENCODER_ONLY_CLASSES
@@ -11,6 +12,11 @@ from pooling_pipeline.core.model_folder.st_files import read_json, read_optional
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer.model", "spiece.model",
                    "sentencepiece.bpe.model", "vocab.json")
+# A SentencePiece model file (protobuf) is read only by the `sentencepiece` package; a folder whose sole
+# vocabulary it is (no tokenizer.json to load instead) cannot be opened without that package.
+SENTENCEPIECE_FILES = ("spiece.model", "tokenizer.model", "sentencepiece.bpe.model")
+# Other vocabularies transformers reads without sentencepiece.
+PLAIN_VOCAB_FILES = ("tokenizer.json", "vocab.txt", "vocab.json")
 # Position embeddings of these families reserve padding_idx + 1 slots.
 OFFSET_POSITION_FAMILIES = ("roberta", "xlm-roberta", "camembert", "longformer", "mpnet")
 
@@ -21,9 +27,35 @@ def transformer_config(path: Path, base: Path | None = None) -> dict:
     config_dir = base or path
     if not (config_dir / "config.json").is_file():
         raise ValueError(f"model directory {str(config_dir)!r} has no config.json")
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        raise ValueError(f"model directory {str(path)!r} has no tokenizer (expected one of {', '.join(TOKENIZER_FILES)})")
+    check_tokenizer_files(path, f"model directory {str(path)!r}")
     return read_json(config_dir / "config.json")
+
+
+def check_tokenizer_files(path: Path, where: str) -> None:
+    """Refuses, in the caller, a tokenizer folder that a render worker could not open: no vocabulary at
+    all, or only a SentencePiece model with the `sentencepiece` package absent (transformers then hands
+    the protobuf file to tiktoken, which fails with "Error parsing line b'\\x0e' in .../spiece.model")."""
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{where} has no tokenizer (expected one of {', '.join(TOKENIZER_FILES)})")
+    if any((path / name).is_file() for name in PLAIN_VOCAB_FILES):
+        return
+    sentencepiece = [name for name in SENTENCEPIECE_FILES if _is_sentencepiece_model(path / name)]
+    if sentencepiece and importlib.util.find_spec("sentencepiece") is None:
+        raise ValueError(f"{where}: its tokenizer is only a SentencePiece model ({sentencepiece[0]}, no tokenizer.json), "
+                         "which needs the sentencepiece package: `pip install sentencepiece`, or save the tokenizer "
+                         "with a tokenizer.json (AutoTokenizer.from_pretrained(folder).save_pretrained(folder) where "
+                         "sentencepiece is installed)")
+
+
+def _is_sentencepiece_model(file: Path) -> bool:
+    """A SentencePiece ModelProto, not a tiktoken BPE file (lines of base64 and a rank, also named
+    tokenizer.model: Llama 3's), which transformers reads without sentencepiece. A protobuf's first
+    byte is its first field's tag; a tiktoken file is printable ASCII."""
+    if not file.is_file():
+        return False
+    with open(file, "rb") as f:
+        head = f.read(64)
+    return bool(head) and not all(32 <= byte < 127 or byte in (9, 10, 13) for byte in head)
 
 
 # transformers' attribute_map of the common families whose config.json names a size otherwise
