@@ -41,17 +41,23 @@ class CudaGraphs:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pool = None
+        # The capture stream is named on the engine's device: torch.cuda.graph's default one is made
+        # once per process, on whichever device is current the first time.
+        self.capture_stream = torch.cuda.Stream(device)
 
     def capture(self, forward: Forward, static: dict[str, torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
-                forward(static)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            output = forward(static)
+        # Under the engine's device whatever the thread's current one: CUDAGraph.capture_begin
+        # captures on the current device, and torch.cuda.graph synchronizes it first.
+        with torch.cuda.device(self.device):
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP_RUNS):
+                    forward(static)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
+                output = forward(static)
         if self.pool is None:
             self.pool = graph.pool()
         return graph.replay, output

@@ -3,7 +3,10 @@ between the host and the device, and the events that time the step there. A runn
 queues its copies, its kernels and an end event and returns; its `finish` waits on that event
 alone (the engine collates the next batch meanwhile, see core/engine.py's launch-ahead). On a
 CPU each is a no-op: tensors stay where they are and a step is timed on the host
-(`finish_step`)."""
+(`finish_step`).
+
+Every CUDA call runs under the engine's own device: `use_device` makes it the current device when
+the runner is built, before any other CUDA call, and the events name its stream."""
 
 from __future__ import annotations
 
@@ -13,6 +16,27 @@ import numpy as np
 import torch
 
 from pooling_pipeline.core.step_runner import PendingStep, host_seconds
+
+
+def use_device(device: torch.device) -> torch.device:
+    """`device`, made this thread's current CUDA device where it is one (its index filled in: plain
+    "cuda" is the current device); any other device as it is. Called where a runner is built,
+    before any other CUDA call of the engine.
+
+    Why: much of torch's CUDA acts on the current device, whatever tensor it serves -- an event
+    recorded without a stream, a pinned host buffer (allocated in the current device's context),
+    `torch.cuda.graph`'s capture (its default stream and `capture_begin`), `is_bf16_supported` --,
+    and a process starts on cuda:0. Without this a data-parallel engine core on cuda:k
+    (pipeline/cpu_plan.engine_devices) timed and waited for its steps on GPU 0's empty stream,
+    so it read its pinned copies back before they had landed, captured its graphs on a GPU 0
+    stream, and opened a context (and its memory) on GPU 0. The current device is per thread: the
+    engine's steps run on the thread that builds its runner (core/engine.py's loop)."""
+    if device.type != "cuda":
+        return device
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(device)
+    return device
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -42,8 +66,15 @@ def start_events(device: torch.device) -> tuple[torch.cuda.Event | None, torch.c
     # the device counted as work, and took a core from the render workers).
     begin = torch.cuda.Event(enable_timing=True, blocking=True)
     end = torch.cuda.Event(enable_timing=True, blocking=True)
-    begin.record()
+    begin.record(torch.cuda.current_stream(device))
     return begin, end
+
+
+def record_end(end: torch.cuda.Event | None, device: torch.device) -> None:
+    """Records a step's end event (start_events' second; None on a CPU: nothing to do) on `device`'s
+    stream, once the step's work and its copies back are queued."""
+    if end is not None:
+        end.record(torch.cuda.current_stream(device))
 
 
 def wait_for_device(step: PendingStep) -> float | None:

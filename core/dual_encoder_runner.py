@@ -22,7 +22,7 @@ import torch
 
 from pooling_pipeline.core.columns import Requests, option_groups, probe_batch
 from pooling_pipeline.core.config import ModelSpec
-from pooling_pipeline.core.device_copies import finish_step, start_events, to_device, to_host
+from pooling_pipeline.core.device_copies import finish_step, record_end, start_events, to_device, to_host, use_device
 from pooling_pipeline.core.options import TASKS
 from pooling_pipeline.core.pooling import SentenceHead
 from pooling_pipeline.core.step_cost import probe_step_cost
@@ -37,6 +37,7 @@ class DualEncoderRunner:
                  threads: int = 1) -> None:
         from transformers import AutoModel
 
+        device = use_device(device)  # (made current before any CUDA call: see device_copies.use_device)
         self.spec, self.device, self.dtype = spec, device, dtype
         self.model = AutoModel.from_pretrained(spec.path, dtype=dtype).to(device).eval()
         self.image_tower = None  # backend "openvino": the image tower compiled by OpenVINO
@@ -118,8 +119,7 @@ class DualEncoderRunner:
             return finish_grouped_sentence_embeddings(arrays[0], groups, spec)
 
         host = [to_host(vectors)]
-        if end is not None:
-            end.record()
+        record_end(end, self.device)
         return PendingStep(padded, host, finish, started, begin, end)
 
     def _normalized(self, pixels: np.ndarray) -> torch.Tensor:

@@ -14,7 +14,7 @@ from pooling_pipeline.core.checkpoint_precision import checkpoint_distance, half
 from pooling_pipeline.core.columns import Requests, option_groups, probe_batch
 from pooling_pipeline.core.config import ENCODER_ONLY_CLASSES, ModelSpec
 from pooling_pipeline.core.cuda_graphs import CudaGraphs, EagerStandIn, GraphedForward
-from pooling_pipeline.core.device_copies import finish_step, start_events, to_device, to_host
+from pooling_pipeline.core.device_copies import finish_step, record_end, start_events, to_device, to_host, use_device
 from pooling_pipeline.core.openvino_model import clear_padding
 from pooling_pipeline.core.options import TASKS
 from pooling_pipeline.core.pooling import SentenceHead, apply_activation, pool, splade
@@ -31,11 +31,13 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def resolve_device(device: str) -> torch.device:
+    """The engine's torch device for `device` ("auto", "cpu", "cuda", "cuda:N"): a CUDA one with its
+    index, made this thread's current device before any other CUDA call (device_copies.use_device)."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return use_device(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} was asked for but CUDA is not available")
-    return torch.device(device)
+    return use_device(torch.device(device))
 
 
 def resolve_dtype(dtype: str, device: torch.device, config_dtype: object) -> torch.dtype:
@@ -326,8 +328,7 @@ class ModelRunner:
             tensors, finish = self._from_logits(output, lengths_np[:n], batch)
         # Copies back start now and overlap whatever the host does next (pinned memory on CUDA).
         host = [to_host(t) for t in tensors]
-        if end is not None:
-            end.record()
+        record_end(end, self.device)
         return PendingStep(ids.size, host, finish, started, begin, end)
 
     def finish(self, step: PendingStep) -> tuple[list, int, float]:
@@ -457,8 +458,7 @@ class ModelRunner:
         begin, end = start_events(self.device)
         groups = [np.flatnonzero(route == r) for r in np.unique(route).tolist()]
         steps = [self.routes[int(route[rows[0]])].launch(batch.select(rows)) for rows in groups]
-        if end is not None:
-            end.record()
+        record_end(end, self.device)
 
         def finish(arrays: list[np.ndarray]) -> list:
             out: list = [None] * len(batch)
@@ -610,6 +610,5 @@ class StaticEmbeddingRoute:
         tensors, finish = sparse_outputs(presence * self.weight, self.spec.max_active_dims,
                                          on_device=self.device.type != "cpu")
         host = [to_host(t) for t in tensors]
-        if end is not None:
-            end.record()
+        record_end(end, self.device)
         return PendingStep(int(batch.lengths.sum()), host, finish, started, begin, end)

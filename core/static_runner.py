@@ -13,7 +13,7 @@ import torch
 
 from pooling_pipeline.core.columns import Requests, option_groups, probe_batch
 from pooling_pipeline.core.config import ModelSpec
-from pooling_pipeline.core.device_copies import finish_step, start_events, to_device, to_host
+from pooling_pipeline.core.device_copies import finish_step, record_end, start_events, to_device, to_host, use_device
 from pooling_pipeline.core.model_folder.static_embedding import load_static_weights
 from pooling_pipeline.core.options import TASKS
 from pooling_pipeline.core.pooling import SentenceHead
@@ -27,13 +27,13 @@ class StaticEmbeddingRunner:
 
     def __init__(self, spec: ModelSpec, device: torch.device) -> None:
         self.spec = spec
-        self.device = device
+        self.device = use_device(device)  # (current before any CUDA call: see device_copies.use_device)
         self.dtype = torch.float32
-        self.weight = load_static_weights(spec.path).float().to(device)
+        self.weight = load_static_weights(spec.path).float().to(self.device)
         if self.weight.shape[0] != spec.vocab_size:
             raise ValueError(f"{spec.path}: the static embedding table has {self.weight.shape[0]} rows, the layout "
                              f"said {spec.vocab_size}: this is a bug")
-        self.sentence_head = SentenceHead(spec.head_modules).to(device).eval() if spec.head_modules else None
+        self.sentence_head = SentenceHead(spec.head_modules).to(self.device).eval() if spec.head_modules else None
         self.backend_info: dict = {"backend": "torch", "model": "static embedding (no transformer)"}
 
     def step_cost(self, max_tokens: int) -> tuple[float, float]:
@@ -66,8 +66,7 @@ class StaticEmbeddingRunner:
         if self.sentence_head is not None:
             pooled = self.sentence_head(pooled)
         host = [to_host(pooled)]
-        if end is not None:
-            end.record()
+        record_end(end, self.device)
         groups = option_groups(batch, batch.normalize)
         spec = self.spec
 
