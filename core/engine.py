@@ -46,6 +46,7 @@ from pooling_pipeline.core.runtime import (
     exit_process,
     exit_with_parent,
     release_free_memory,
+    leave_owner_signals,
     run_maybe_profiled,
     setup_logging,
     socket,
@@ -628,3 +629,4 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     exit_process(main(sys.argv))
+    leave_owner_signals()  # Ctrl-C or a supervisor's SIGTERM to the whole group: the frontend's to handle

@@ -1,12 +1,15 @@
 """What every child process of the group does the same way: logging, sockets, the group's key,
-dying with its parent, and clocks that do not count time the process was stopped."""
+dying with its parent, leaving a signal sent to the whole process group to its owner, and clocks that
+do not count time the process was stopped."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -72,6 +75,34 @@ def exit_with_parent(parent_pid: int, socket_dir: str | None = None) -> None:
     if os.getppid() != parent_pid:
         leave()
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+# The signals a terminal's Ctrl-C (SIGINT) and a supervisor (systemd's default KillMode=control-group,
+# supervisord's stopasgroup: SIGTERM) send to every process of the group. The group's owner handles
+# them -- a server drains, a caller gets its KeyboardInterrupt -- and then ends its children; children
+# that died of one at once failed every request in flight (a server's 50 of 50 were answered 503). SIGKILL
+# and SIGSTOP still reach every process, and a child whose owner is gone leaves (exit_with_parent).
+OWNER_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def owner_signals_held():
+    """Around the start of a child, in the thread that starts it: OWNER_SIGNALS blocked in this thread
+    (the process still takes them in its other threads, and this one when the block ends). The child
+    inherits the block across fork and exec, so a signal sent to the group while it imports (torch:
+    seconds) waits there until `leave_owner_signals` drops it."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, OWNER_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def leave_owner_signals() -> None:
+    """A child's first step: OWNER_SIGNALS ignored (one already waiting is dropped), then unblocked."""
+    for sig in OWNER_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, OWNER_SIGNALS)
 
 
 class RunClock:

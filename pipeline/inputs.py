@@ -115,11 +115,22 @@ class RequestSource:
         """A request's RenderOptions: the call's settings and its per-request options' values."""
         opts = self.opts
         return RenderOptions(task=opts.task, max_tokens=max_tokens, params=values["pooling_params"],
-                             truncate_left=self.truncate_left, long_inputs=opts.long_inputs,
+                             truncate_left=self.truncate_left, long_inputs=self._long_inputs(values),
                              chunk_overlap=opts.chunk_overlap,
                              text_prefix=None if text_prefix is None else plain_str(text_prefix),
                              max_query_tokens=opts.max_tokens_per_query, max_doc_tokens=opts.max_tokens_per_doc,
                              **self.values.column_values(values))
+
+    def _long_inputs(self, values: dict) -> str:
+        """The call's long_inputs, except where ST would keep the whole text (a model with no max
+        length anywhere, ModelSpec.whole_text) and the call asks for no length: a text longer than
+        the pipeline keeps whole is then refused, naming its length, never cut."""
+        opts = self.opts
+        if (opts.long_inputs == "truncate" and opts.truncate_prompt_tokens is None
+                and values["pooling_params"].truncate_prompt_tokens is None
+                and route_spec(self.spec, values["route"]).whole_text):
+            return "error"
+        return opts.long_inputs
 
     def take(self, limit: int, max_chars: int) -> list[RenderBatch | FailedRequest]:
         """Up to `limit` requests, strictly in input order (the call keeps them in a ring by index):
@@ -375,7 +386,10 @@ def is_single_prompt(prompts: object) -> bool:
     if isinstance(prompts, (list, tuple)) and prompts:
         if is_conversation(prompts):
             return True
-        return all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in prompts)
+        # Numbers with an integer among them are one prompt's token ids, a float or a bool among them
+        # refused as such ([101, 2.5] is no list of two prompts, the first of them "an int").
+        return (all(isinstance(x, (int, float, np.integer, np.floating)) for x in prompts)
+                and any(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in prompts))
     return False
 
 
@@ -539,6 +553,15 @@ def _check_raw(raw: object, index: int) -> object:
     return raw
 
 
+def _not_an_integer(ids: object, arr: np.ndarray) -> str:
+    """A list's first value that is no integer, and where it is; an array's dtype."""
+    if isinstance(ids, (list, tuple)):
+        for position, x in enumerate(ids):
+            if not isinstance(x, (int, np.integer)):
+                return f"{type(x).__name__} {x!r} at position {position}"
+    return f"{arr.dtype} values"
+
+
 def _check_token_ids(ids: object, index: int, vocab_size: int) -> np.ndarray:
     if isinstance(ids, (list, tuple)) and any(isinstance(x, bool) for x in ids):
         raise TypeError(f"request {index}: token ids must be integers, not bools")
@@ -552,7 +575,7 @@ def _check_token_ids(ids: object, index: int, vocab_size: int) -> np.ndarray:
     if arr.size == 0:
         raise ValueError(f"request {index}: the prompt's token id list is empty")
     if arr.dtype.kind not in "iu":
-        raise TypeError(f"request {index}: token ids must be integers, got {arr.dtype} values")
+        raise TypeError(f"request {index}: token ids must be integers, got {_not_an_integer(ids, arr)}")
     if ids_out_of_range(arr, vocab_size):
         low, high = int(arr.min()), int(arr.max())
         bad = low if low < 0 else high

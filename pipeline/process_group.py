@@ -54,6 +54,7 @@ from pooling_pipeline.core.runtime import (
     HEARTBEAT_INTERVAL_S,
     DropLog,
     RunClock,
+    owner_signals_held,
     router_socket,
     send_to,
     socket,
@@ -311,7 +312,9 @@ class ProcessGroup:
         fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(msgspec.json.encode(cfg))
-        with open(log_path, "ab") as log_file:
+        # The child leaves SIGINT / SIGTERM sent to the whole process group to this process (Ctrl-C, a
+        # supervisor's stop: see runtime.OWNER_SIGNALS); held from its first instruction, imports included.
+        with open(log_path, "ab") as log_file, owner_signals_held():
             proc = subprocess.Popen(
                 [sys.executable, "-m", module, str(config_path)],
                 stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
@@ -643,11 +646,22 @@ class ProcessGroup:
         # The children are ended and the sockets closed whatever the asking raised: a context
         # left open would hang the process that collects it (its sockets' messages never leave).
         try:
+            self._kill_unready_children()
             self._ask_children_to_exit()
         finally:
             self._end_children()
             self.ctx.destroy(linger=0)
             shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _kill_unready_children(self) -> None:
+        """Kills at once the children that have not said Ready: a start cut short (Ctrl-C while the model
+        loads), a worker restarting. They hold no work and cannot be asked yet, and they leave a signal
+        sent to the process group to this process (runtime.OWNER_SIGNALS): waiting out SHUTDOWN_GRACE_S
+        for them made a Ctrl-C during start-up take 6 s. (A conversion an engine leaves unfinished is
+        swept by the cache's next writer: core/staging.py.)"""
+        for child in self.children:
+            if (child.role, child.index) not in self.ready and child.alive():
+                child.proc.send_signal(signal.SIGKILL)
 
     def _ask_children_to_exit(self) -> None:
         """Sends each live child a Shutdown."""

@@ -48,13 +48,15 @@ class RunningServer:
             return []
 
 
-def start_server(*args: str, env: dict | None = None) -> RunningServer:
+def start_server(*args: str, env: dict | None = None, new_session: bool = False) -> RunningServer:
     """Starts `pipeline-serve --port 0 ARGS` (the bundled model unless ARGS name one) and waits until it
-    prints its address; raises with its log when it exits or does not start in time."""
+    prints its address; raises with its log when it exits or does not start in time. `new_session`: the
+    server leads a process group of its own (a test may then signal that whole group, as systemd does)."""
     log = tempfile.NamedTemporaryFile("w", prefix="pipeline-serve-", suffix=".log", delete=False)
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "pooling_pipeline.serve.cli", "--port", "0", *args],
-                            stdout=subprocess.PIPE, stderr=log, text=True, env=environment)
+                            stdout=subprocess.PIPE, stderr=log, text=True, env=environment,
+                            start_new_session=new_session)
     found: list[str] = []
 
     def read() -> None:  # the ready line (stdout); anything after it is drained so the pipe never fills

@@ -21,8 +21,11 @@ BAD_PROMPTS = [
     ([OK, [101, -5, 102]], ValueError, "request 1: token id -5 at position 1"),
     ([[101, 30522, 102]], ValueError, "request 0: token id 30522 at position 1 is outside the vocabulary"),
     ([OK, []], ValueError, "request 1: the prompt's token id list is empty"),
-    ([[101, 2.5, 102]], TypeError, "request 0: token ids must be integers"),
+    ([[101, 2.5, 102]], TypeError, "request 0: token ids must be integers, got float 2.5 at position 1"),
     ([[True, False]], TypeError, "request 0: token ids must be integers, not bools"),
+    # one prompt's token ids with a bad one among them: not two prompts, the first "an int"
+    ([101, 2.5], TypeError, "request 0: token ids must be integers, got float 2.5 at position 1"),
+    ([101, True], TypeError, "request 0: token ids must be integers, not bools"),
     ([{"prompt_token_ids": []}], ValueError, "request 0"),
     ([{"tokens": [1, 2]}], ValueError, "request 0: a dict prompt must have exactly one key"),
     ([{"prompt": 5}], TypeError, "request 0: 'prompt' must be a str"),

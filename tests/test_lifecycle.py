@@ -148,6 +148,62 @@ def test_the_caller_exiting_or_sigtermed_mid_call_leaves_no_process_and_no_direc
     assert not os.path.exists(report["dir"])
 
 
+_CTRL_C = """
+import itertools, json, signal
+import numpy as np
+from pooling_pipeline import Pipeline
+signal.signal(signal.SIGINT, signal.default_int_handler)  # (as in a terminal: a test runner may ignore SIGINT)
+pipe = Pipeline(num_render_workers=1)
+children = [pipe.pids["engine"], *pipe.pids["workers"]]
+texts = ["a text to embed", "another one"]
+before = np.stack([o.embedding for o in pipe.embed(texts, use_tqdm=False)])
+try:
+    for n, _ in enumerate(pipe.embed_stream(itertools.cycle(texts))):
+        if n == 50:
+            print(json.dumps({"pids": children, "dir": str(pipe._group.dir)}), flush=True)
+except KeyboardInterrupt:
+    pass
+after = np.stack([o.embedding for o in pipe.embed(texts, use_tqdm=False)])
+print(json.dumps({"same_children": [pipe.pids["engine"], *pipe.pids["workers"]] == children,
+                  "max_diff": float(np.abs(after - before).max())}), flush=True)
+for n, _ in enumerate(pipe.embed_stream(itertools.cycle(texts))):
+    if n == 50:
+        print("streaming again", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_terminal_interrupts_the_call_and_leaves_the_group_to_the_caller(tmp_path, tmpdir_base):
+    """A terminal's Ctrl-C sends SIGINT to the whole foreground process group: the caller's call stops
+    with KeyboardInterrupt, and the render worker and the engine, which leave the signal to their
+    owner, go on serving the next call. A second Ctrl-C, not caught, ends the interpreter, whose exit
+    closes the group. (Before: the children died of the first one, and the next call failed.)"""
+    script = tmp_path / "caller.py"
+    script.write_text(_CTRL_C)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path, start_new_session=True)
+    try:
+        report = json.loads(proc.stdout.readline() or "{}")
+        assert report, proc.communicate(timeout=60)[1][-3000:]
+        os.killpg(proc.pid, signal.SIGINT)
+        line = proc.stdout.readline()
+        assert line, proc.communicate(timeout=60)[1][-3000:]
+        after = json.loads(line)
+        assert proc.stdout.readline() == "streaming again\n"
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert after["same_children"]  # no child died of the first Ctrl-C (none was restarted)
+    assert after["max_diff"] <= 1e-5  # and the next call's vectors are the same
+    assert proc.returncode == -signal.SIGINT, err[-3000:]  # the uncaught KeyboardInterrupt ended the interpreter
+    assert err.count("Traceback") == 1 and err.rstrip().endswith("KeyboardInterrupt"), err[-3000:]
+    assert wait_gone(report["pids"], 10.0) == []
+    assert not os.path.exists(report["dir"])
+
+
 # ---- directories of dead groups ------------------------------------------------------------
 
 

@@ -6,6 +6,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 import corpus
@@ -130,6 +131,35 @@ def test_a_refusal_the_engine_finds_at_start_up_is_raised_as_the_value_error_it_
     assert not isinstance(info.value, EngineDeadError)
     assert info.value.__notes__ == ["(raised by the engine core at start-up)"]
     assert len(spawned) == 2 and wait_gone(spawned) == []
+
+
+@pytest.mark.slow
+def test_a_start_cut_short_by_ctrl_c_kills_the_children_still_loading_at_once(monkeypatch, model_path, spawned):
+    """Ctrl-C while the model loads reaches the children too, and they leave it to the caller: they neither die
+    of it nor can be asked to stop before their Ready, so close() kills them at once (they hold no work). The
+    grace period for an orderly exit is an hour here: a close that waited on them would not return."""
+    from pooling_pipeline import process_group
+
+    monkeypatch.setattr(process_group, "SHUTDOWN_GRACE_S", 3600.0)
+
+    def interrupted(self) -> None:
+        raise KeyboardInterrupt  # (where a terminal's Ctrl-C lands: the caller waiting for the Ready messages)
+
+    monkeypatch.setattr(process_group.ProcessGroup, "wait_ready", interrupted)
+    raised: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            Pipeline(model_path, num_render_workers=1)
+        except BaseException as e:
+            raised.append(e)
+
+    starting = threading.Thread(target=start, daemon=True)
+    starting.start()
+    starting.join(120)  # (a bound for a close that waits out the grace period, not a timing)
+    assert not starting.is_alive(), "close() waited for children that had not said Ready"
+    assert len(raised) == 1 and isinstance(raised[0], KeyboardInterrupt)
+    assert len(spawned) == 2 and wait_gone(spawned, 5.0) == []
 
 
 def _bidirectional_gemma3(target) -> str:

@@ -7,8 +7,12 @@ through uvicorn's own protocol (`--http-protocol uvicorn`) answers alike."""
 from __future__ import annotations
 
 import json
+import os
+import select
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -332,10 +336,161 @@ def test_many_connections_at_once_each_get_their_own_answer(server):
             sock.close()
 
 
-@pytest.mark.parametrize("flag", ["--timeout-keep-alive", "--max-queue-wait-s", "--graceful-shutdown-s"])
+@pytest.mark.parametrize("flag", ["--timeout-keep-alive", "--max-queue-wait-s", "--graceful-shutdown-s", "--timeout-header",
+                                  "--timeout-body"])
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
 def test_a_duration_flag_that_is_not_a_positive_number_is_a_usage_error(flag, value, capsys):
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args([flag, value])
     assert exit_.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+# -- what a connection may hold, and for how long --
+
+
+@pytest.fixture(scope="module")
+def deadlines():
+    # (a keep-alive of 30 s: only the head and body deadlines can close what these tests trickle)
+    with started_server("--device", "sim", "--timeout-header", "2", "--timeout-body", "2", "--min-body-rate", "1000",
+                        "--timeout-keep-alive", "30") as srv:
+        yield srv
+
+
+def trickle(sock: socket.socket, more: bytes, every_s: float = 0.2, bound_s: float = 60.0) -> int:
+    """Sends `more` a byte at a time, one every `every_s` (the idle clock's restart on each byte kept such
+    a client for ever), until the server answers or closes; returns the bytes sent. `bound_s` is for a
+    server that never does."""
+    start, sent = time.monotonic(), 0
+    while not select.select([sock], [], [], every_s)[0]:
+        assert time.monotonic() - start < bound_s, f"the server still waits after {sent} bytes trickled"
+        try:
+            sock.sendall(more[sent % len(more):sent % len(more) + 1])
+        except (BrokenPipeError, ConnectionResetError):
+            break
+        sent += 1
+    return sent
+
+
+def test_a_head_trickled_a_byte_at_a_time_is_408_at_the_header_deadline_and_others_are_served(deadlines):
+    with connect(deadlines) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n")
+        trickle(sock, b"X-Slow: 1\r\n")
+        reader = Reader(sock)
+        status, headers, body = reader.response()
+        assert status == 408 and headers["connection"] == "close"
+        assert "request line and headers did not arrive in time" in json.loads(body)["error"]["message"]
+        assert reader.closed()
+    assert httpx.get(deadlines.url + "/health", timeout=60).status_code == 200
+
+
+@pytest.mark.parametrize("sent, more", [
+    (b"", b""),  # a Content-Length and no body at all
+    (b'{"input": ', b" "),  # a body trickled: each byte within the stall bound, the average far under the rate
+], ids=["no-body", "trickled"])
+def test_a_body_that_stalls_or_trickles_is_408_and_others_are_served(deadlines, sent, more):
+    with connect(deadlines) as sock:
+        sock.sendall(request("/v1/embeddings", b"x" * 100_000)[:-100_000] + sent)
+        if more:
+            assert trickle(sock, more) > 0
+        reader = Reader(sock)
+        status, headers, body = reader.response()
+        assert status == 408 and headers["connection"] == "close"
+        assert "body did not arrive in time" in json.loads(body)["error"]["message"]
+        assert reader.closed()
+    answer = httpx.post(deadlines.url + "/v1/embeddings", json={"input": ["after"]}, timeout=60)
+    assert answer.status_code == 200 and len(vectors(answer.content)) == 1
+
+
+def test_a_request_on_a_connection_opened_past_max_connections_is_503_but_a_health_check_is_answered():
+    with started_server("--device", "sim", "--max-connections", "3", "--timeout-keep-alive", "60") as srv:
+        held = [connect(srv) for _ in range(3)]
+        try:
+            for sock in held:  # three open connections, each answered
+                sock.sendall(request("/v1/models", method="GET", auth=False))
+                assert Reader(sock).response()[0] == 200
+            with connect(srv) as sock:
+                sock.sendall(request("/v1/embeddings", embed_body(["over"]), auth=False))
+                reader = Reader(sock)
+                status, headers, body = reader.response()
+                assert status == 503 and headers["connection"] == "close" and headers["retry-after"] == "1"
+                assert "--max-connections" in json.loads(body)["error"]["message"]
+                assert reader.closed()
+            assert httpx.get(srv.url + "/health", timeout=60).status_code == 200  # (a supervisor's check)
+            sock = held.pop()
+            sock.sendall(request("/v1/embeddings", embed_body(["held"]), auth=False))  # the three still served
+            assert Reader(sock).response()[0] == 200
+            sock.close()
+            deadline = time.monotonic() + 30  # (the server sees the close soon: a bound for one it never sees)
+            while (answer := httpx.post(srv.url + "/v1/embeddings", json={"input": ["in"]}, timeout=60)).status_code == 503:
+                assert time.monotonic() < deadline, "a closed connection's room never came back"
+                time.sleep(0.05)
+            assert answer.status_code == 200 and len(vectors(answer.content)) == 1
+        finally:
+            for sock in held:
+                sock.close()
+
+
+BUDGET = 100_000  # --max-held-body-bytes: one 60 KB body fits, two do not
+
+
+@pytest.fixture(scope="module")
+def budget():
+    with started_server("--device", "sim", "--max-body-bytes", str(64 << 10), "--max-held-body-bytes", str(BUDGET)) as srv:
+        yield srv
+
+
+def padded(texts: list[str], size: int) -> bytes:
+    """An embeddings request of exactly `size` bytes (JSON's trailing whitespace)."""
+    body = embed_body(texts)
+    return body + b" " * (size - len(body))
+
+
+def bytes_held(server) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=60).text
+    return float(next(line.split()[1] for line in text.splitlines()
+                      if line.startswith("pipeline_request_body_bytes_held ")))
+
+
+def wait_held(server, check) -> None:
+    deadline = time.monotonic() + 30  # (a bound for a server that never gets there)
+    while not check(held := bytes_held(server)):
+        assert time.monotonic() < deadline, f"the server holds {held} body bytes"
+        time.sleep(0.02)
+
+
+def test_bodies_held_at_once_are_bounded_and_one_past_the_budget_is_503_while_the_first_is_answered(budget):
+    first, second = padded(["first"], 60_000), padded(["second"], 60_000)
+    with connect(budget) as a, connect(budget) as b:
+        a.sendall(request("/v1/embeddings", first, auth=False)[:-10_000])  # 50 KB of its body
+        wait_held(budget, lambda held: held == 50_000)
+        b.sendall(request("/v1/embeddings", second, auth=False))
+        reader_b = Reader(b)
+        status, headers, body = reader_b.response()
+        assert status == 503 and headers["retry-after"] == "1"
+        assert "--max-held-body-bytes" in json.loads(body)["error"]["message"]
+        a.sendall(first[-10_000:])
+        status, _, body = Reader(a).response()
+        assert status == 200 and len(vectors(body)) == 1
+        wait_held(budget, lambda held: held == 0)  # given back once answered
+        b.sendall(request("/v1/embeddings", second, auth=False))  # the refused body was dropped: b goes on
+        status, _, body = reader_b.response()
+        assert status == 200 and len(vectors(body)) == 1
+
+
+def test_a_body_whose_client_leaves_gives_its_bytes_back(budget):
+    body = padded(["leaves"], 60_000)
+    with connect(budget) as sock:
+        sock.sendall(request("/v1/embeddings", body, auth=False)[:-1000])
+        wait_held(budget, lambda held: held == 59_000)
+    wait_held(budget, lambda held: held == 0)
+    answer = httpx.post(budget.url + "/v1/embeddings", content=padded(["full"], 60_000), timeout=60)
+    assert answer.status_code == 200 and len(vectors(answer.content)) == 1
+
+
+def test_a_body_budget_under_the_largest_body_is_a_usage_error():
+    done = subprocess.run([sys.executable, "-m", "pooling_pipeline.serve.cli", "--device", "sim", "--port", "0",
+                           "--max-body-bytes", "2000", "--max-held-body-bytes", "1000"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 2
+    assert "max_held_body_bytes=1000 is less than max_body_bytes=2000" in done.stderr

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import signal
 import threading
 import time
@@ -126,6 +127,57 @@ def test_truncation_when_asked_equals_sentence_transformers(server, st_model, au
     assert out.json()["usage"]["prompt_tokens"] == st_model.max_seq_length
 
 
+def test_token_ids_over_the_models_length_are_refused_unless_truncation_is_asked(server, st_model, auth):
+    """A list of token ids is measured as a text is: over max_seq_length (256) it is vLLM's 400 naming
+    the input and its count (before: 300 or 600 ids were cut to 256 in silence, a 200); with
+    truncate_prompt_tokens it is cut to that many ids, as the same ids cut by the client."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    long_ids = st_model.tokenizer(" ".join(corpus.sentences(80, seed=5)))["input_ids"]
+    assert len(long_ids) > 600
+    for n in (257, 300, 600):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.embeddings.create(model=NAME, input=[long_ids[:n]])
+        assert f"request 0: `input` has {n} tokens" in str(refused.value)
+        assert "maximum context length of 256 tokens" in str(refused.value)
+    batch = [long_ids[:10], long_ids[:300]]
+    assert "request 1: `input` has 300 tokens" in error_of(
+        httpx.post(server.url + "/v1/embeddings", json={"input": batch}, headers=auth), 400)
+    at_limit = client.embeddings.create(model=NAME, input=[long_ids[:256]], encoding_format="float")
+    assert at_limit.usage.prompt_tokens == 256
+    for keep in (256, -1):  # -1: the model's length, max_model_len
+        cut = client.embeddings.create(model=NAME, input=[long_ids[:600]], encoding_format="float",
+                                       extra_body={"truncate_prompt_tokens": keep})
+        assert cut.usage.prompt_tokens == 256
+        np.testing.assert_allclose(cut.data[0].embedding, at_limit.data[0].embedding, atol=1e-6, rtol=0)
+    with pytest.raises(openai.BadRequestError) as refused:  # vLLM: no more than max_model_len
+        client.embeddings.create(model=NAME, input="x", extra_body={"truncate_prompt_tokens": 300})
+    assert "truncate_prompt_tokens=300 is greater than max_model_len (256)" in str(refused.value)
+
+
+def test_models_report_the_length_served_and_one_model_is_retrieved_by_name(server, st_model, auth):
+    """max_model_len is the length the server keeps and refuses past (ST's max_seq_length, 256), not
+    the position table's 512; GET /v1/models/{model} is the openai client's models.retrieve, a name
+    not served its 404."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    assert [m.model_extra["max_model_len"] for m in client.models.list()] == [st_model.max_seq_length] * 2
+    for name in (NAME, "other-name"):
+        card = client.models.retrieve(name)
+        assert (card.id, card.object, card.model_extra["max_model_len"]) == (name, "model", st_model.max_seq_length)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4")
+    assert "The model `gpt-4` does not exist." in str(missing.value)
+    bare = httpx.get(server.url + "/models/" + NAME, headers=auth)  # (without /v1 too, as /models)
+    assert bare.status_code == 200 and bare.json()["id"] == NAME
+    assert httpx.get(server.url + "/v1/models/" + NAME).status_code == 401  # the key is asked for
+    assert "not allowed" in error_of(httpx.post(server.url + "/v1/models/" + NAME, json={}, headers=auth), 405)
+    text = httpx.get(server.url + "/metrics", headers=auth).text
+    assert 'route="/v1/models/{model}",status="404"' in text and "gpt-4" not in text  # one label for every name
+
+
 def test_the_routes_without_v1_serve_an_openai_client_given_the_bare_address(server, st_model):
     """/embeddings and /models, as TEI and Infinity serve them: what the client asks for when its
     base_url is the server's address alone."""
@@ -142,7 +194,7 @@ def test_models_health_and_metrics(server, auth):
     assert server.url.startswith("http://127.0.0.1:")  # loopback unless --host says otherwise
     models = httpx.get(server.url + "/v1/models", headers=auth).json()
     assert [m["id"] for m in models["data"]] == [NAME, "other-name"]
-    assert models["data"][0]["max_model_len"] == 512
+    assert models["data"][0]["max_model_len"] == 256  # ST's max_seq_length: what the server keeps
     assert httpx.get(server.url + "/health").status_code == 200  # no key needed
     httpx.post(server.url + "/v1/embeddings", json={"input": "counted"}, headers=auth)
     text = httpx.get(server.url + "/metrics", headers=auth).text
@@ -259,6 +311,26 @@ def wait_for(url: str, name: str, at_least: float, failure: str, timeout_s: floa
         time.sleep(0.02)
 
 
+def test_an_openai_request_of_2048_inputs_is_served_through_a_smaller_window(st_model):
+    """OpenAI takes 2,048 inputs a request: so does the default --max-client-batch-size, whatever the
+    window (here 64: before, the batch bound was cut to the window and such a request was a 413); the
+    pipeline feeds them through its window, and each input gets ST's vector in its place (every 8th is
+    compared: ST's own 2,048 would double the test's time)."""
+    import openai
+
+    texts = [f"{i}: {t[:40]}" for i, t in enumerate(corpus.sentences(2048, seed=51))]  # (short: 2,048 of them)
+    with started_server("--max-inflight", "64") as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+        result = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts)
+        assert httpx.get(srv.url + "/info").json()["max_client_batch_size"] == 2048
+        assert [d.index for d in result.data] == list(range(len(texts)))
+        got = np.array([d.embedding for d in result.data], dtype=np.float32)
+        np.testing.assert_allclose(got[::8], embed(st_model, texts[::8]), atol=1e-5, rtol=0)
+        too_many = httpx.post(srv.url + "/v1/embeddings", json={"input": ["x"] * 2049}, timeout=60)
+        assert "batch size 2049" in error_of(too_many, 413)
+        assert metric(srv.url, "pipeline_inputs_in_flight") == 0  # the window's room is all back
+
+
 def test_a_full_window_answers_429_with_retry_after_then_serves():
     with slow_server("--max-queue-wait-s", "0.2") as srv:
         url = srv.url + "/v1/embeddings"
@@ -311,6 +383,51 @@ def test_sigterm_drains_what_is_in_flight_then_exits_cleanly():
             httpx.post(url, json={"input": "late"}, timeout=5)
         assert children and not wait_gone(children, 30.0)  # the group was closed on the way out
     finally:
+        stop_server(srv.proc)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_whole_process_group_drains_every_request_in_flight(st_model, sig):
+    """systemd's KillMode=control-group and supervisord's stopasgroup send SIGTERM, a terminal's Ctrl-C
+    SIGINT, to every process of the group: the render workers and the engine leave it to the server,
+    which drains. The 50 requests in flight are all answered with ST's vectors, then the server ends its
+    children and exits 0. (Before: the children died with the signal and 49 of 50 got a 503.)"""
+    requests, per_request = 50, 2
+    # ~80-160 tokens each: on this 2-core machine ~7 s of the engine's work, in flight when the signal comes
+    texts = corpus.medium_texts(requests * per_request, seed=7, min_chars=400, max_chars=800)
+    srv = start_server("--max-num-seqs", "16", new_session=True)
+    answers: dict[int, httpx.Response] = {}
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=300,
+                                     limits=httpx.Limits(max_connections=requests)) as http:
+            async def one(k: int) -> None:
+                body = {"input": texts[k * per_request:(k + 1) * per_request], "truncate_prompt_tokens": 256}
+                answers[k] = await http.post("/v1/embeddings", json=body)
+            await asyncio.gather(*(one(k) for k in range(requests)))
+
+    client = threading.Thread(target=asyncio.run, args=(run(),))
+    try:
+        client.start()
+        deadline = time.monotonic() + 120
+        while (metric(srv.url, "pipeline_inputs_in_flight") / per_request
+               + metric(srv.url, "pipeline_queue_waiting_requests") + len(answers)) < requests:
+            assert time.monotonic() < deadline, "the requests never reached the server"
+            time.sleep(0.01)
+        answered_before = len(answers)
+        children = srv.children()
+        os.killpg(srv.proc.pid, sig)
+        client.join(300)
+        assert answered_before < requests  # (requests were in flight at the signal: else this proves nothing)
+        assert sorted(answers) == list(range(requests))
+        assert [answers[k].status_code for k in range(requests)] == [200] * requests
+        got = np.array([d["embedding"] for k in range(requests) for d in answers[k].json()["data"]], dtype=np.float32)
+        np.testing.assert_allclose(got, st_model.encode(texts, convert_to_numpy=True, batch_size=64), atol=1e-5, rtol=0)
+        assert srv.proc.wait(120) == 0
+        assert children and not wait_gone(children, 30.0)  # ended by the server, after the drain
+        assert "Traceback" not in srv.log()
+    finally:
+        client.join(300)
         stop_server(srv.proc)
 
 

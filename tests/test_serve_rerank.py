@@ -7,6 +7,7 @@ error body, each followed by a request that still works."""
 from __future__ import annotations
 
 import base64
+import os
 
 import httpx
 import numpy as np
@@ -147,6 +148,137 @@ def test_score_one_to_n_and_n_to_n_match_cross_encoder(cross, cross_encoder):
         np.testing.assert_allclose([d["score"] for d in got["data"]], expected, atol=TOL, rtol=0, err_msg=str(names))
     single = post(cross, "/score", {"text_1": QUERY, "text_2": DOCS[0]}).json()  # 1:1 as two strings
     np.testing.assert_allclose([single["data"][0]["score"]], cross_encoder.predict([(QUERY, DOCS[0])]), atol=TOL)
+
+
+# ---- over-long inputs: refused unless a cut is asked for (vLLM's, Cohere's rules) ----------------------
+
+LONG = " ".join(["word"] * 2000)  # 2,000 words, one WordPiece token each: far past any model's length here
+
+
+@pytest.fixture(scope="module")
+def cross_128(models):
+    """ST's CrossEncoder at the length the server keeps for the tiny model (its 128 positions; ST would
+    take the tokenizer's 512 and fail past the table)."""
+    from sentence_transformers import CrossEncoder
+
+    return CrossEncoder(models["cross"], device="cpu", max_length=128)
+
+
+def test_over_long_pairs_are_refused_unless_a_cut_is_asked_for(cross, cross_128):
+    """/v1/rerank, /v2/rerank, /score and /v1/score refuse a pair over the model's length, naming it
+    and its token count (before: all four cut it in silence, a 200); truncate_prompt_tokens cuts the
+    pair as ST's CrossEncoder does, max_tokens_per_doc (Cohere's) the document, and the rerank answer
+    says what was cut (Cohere's meta.warnings)."""
+    assert httpx.get(cross.url + "/v1/models").json()["data"][0]["max_model_len"] == 128
+    docs = [DOCS[0], DOCS[1], LONG]
+    for path, body in (("/v1/rerank", {"query": QUERY, "documents": docs}),
+                       ("/v2/rerank", {"query": QUERY, "documents": docs}),
+                       ("/score", {"text_1": QUERY, "text_2": docs}),
+                       ("/v1/score", {"queries": QUERY, "documents": docs})):
+        response = post(cross, path, body)
+        assert_error(response, 400, "request 2: the pair (`")
+        assert "tokens, more than this model's maximum context length of 128 tokens" in response.text, path
+    cut = post(cross, "/v1/rerank", {"query": QUERY, "documents": docs, "truncate_prompt_tokens": 128}).json()
+    expected = cross_128.predict([(QUERY, d) for d in docs])
+    got = {r["index"]: r["relevance_score"] for r in cut["results"]}
+    np.testing.assert_allclose([got[i] for i in range(3)], expected, atol=TOL, rtol=0)
+    [warning] = cut["meta"]["warnings"]
+    assert warning.startswith("request 2: the pair (`query`, `documents`[2]) was cut from at least") and "to 128" in warning
+    scored = post(cross, "/score", {"text_1": QUERY, "text_2": docs, "truncate_prompt_tokens": 128}).json()
+    np.testing.assert_allclose([d["score"] for d in scored["data"]], expected, atol=TOL, rtol=0)
+    # max_tokens_per_doc: the document alone, to 50 of its tokens ("word" is one token)
+    fifty = " ".join(["word"] * 50)
+    assert len(cross_128.tokenizer(fifty, add_special_tokens=False)["input_ids"]) == 50
+    per_doc = post(cross, "/v2/rerank", {"query": QUERY, "documents": docs, "max_tokens_per_doc": 50}).json()
+    got = {r["index"]: r["relevance_score"] for r in per_doc["results"]}
+    np.testing.assert_allclose([got[i] for i in range(3)], cross_128.predict([(QUERY, d) for d in docs[:2] + [fifty]]),
+                               atol=TOL, rtol=0)
+    assert per_doc["meta"]["warnings"] == ["`documents`[2] was cut to 50 tokens (max_tokens_per_doc)"]
+    assert "meta" not in post(cross, "/v1/rerank", {"query": QUERY, "documents": DOCS[:2]}).json()  # nothing cut
+    # the document's cut is not the pair's: a query too long for any document is still refused
+    assert_error(post(cross, "/v1/rerank", {"query": LONG, "documents": DOCS[:2], "max_tokens_per_doc": 50}), 400,
+                 "request 0: the pair (`query`, `documents`[0]) has at least")
+
+
+def test_an_embedding_models_rerank_and_score_refuse_over_long_texts_unless_cut(bundled, st_model):
+    """Scored by cosine, each text is embedded alone: one over max_seq_length is refused by name (before:
+    cut to 256 in silence); with truncate_prompt_tokens it is ST's vector of the text cut at 256."""
+    docs = [DOCS[0], LONG]
+    response = post(bundled, "/v1/rerank", {"query": QUERY, "documents": docs})
+    assert_error(response, 400, "request 1: `documents`[1] has at least")
+    assert_error(post(bundled, "/score", {"text_1": LONG, "text_2": DOCS[:2]}), 400, "request 0: `text_1`[0] has at least")
+    assert_error(post(bundled, "/v1/rerank", {"query": LONG, "documents": DOCS[:2]}), 400, "`query` has at least")
+    cut = post(bundled, "/v1/rerank", {"query": QUERY, "documents": docs, "truncate_prompt_tokens": 256}).json()
+    expected = st_model.similarity(st_model.encode([QUERY]), st_model.encode(docs)).numpy()[0]  # (ST cuts at 256)
+    got = {r["index"]: r["relevance_score"] for r in cut["results"]}
+    np.testing.assert_allclose([got[0], got[1]], expected, atol=TOL, rtol=0)
+    [warning] = cut["meta"]["warnings"]
+    assert warning.startswith("request 1: `documents`[1] was cut from at least") and warning.endswith("to 256 tokens")
+    assert_error(post(bundled, "/v1/rerank", {"query": QUERY, "documents": docs, "max_tokens_per_doc": 50}), 400,
+                 "max_tokens_per_doc applies to a cross-encoder's pairs")
+
+
+def test_token_ids_over_the_length_are_refused_on_embeddings_pooling_and_classify(bundled, cross):
+    """Token ids are measured as texts are (before: 600 or 10^6 ids were cut to the model's length, a 200)."""
+    million = [101] + [2773] * 1_000_000 + [102]
+    assert_error(post(bundled, "/v1/embeddings", {"input": million}), 400, "request 0: `input` has 1000002 tokens")
+    six_hundred = [101] + [2773] * 600 + [102]
+    assert_error(post(bundled, "/pooling", {"input": [[101, 102], six_hundred]}), 400, "request 1: `input` has 602 tokens")
+    assert_error(post(cross, "/classify", {"input": [six_hundred[:200]]}), 400, "request 0: `input` has 200 tokens")
+    kept = post(bundled, "/pooling", {"input": [six_hundred], "truncate_prompt_tokens": 256}).json()
+    direct = post(bundled, "/pooling", {"input": [six_hundred[:256]]}).json()
+    np.testing.assert_allclose(kept["data"][0]["data"], direct["data"][0]["data"], atol=1e-6, rtol=0)
+    assert kept["usage"]["prompt_tokens"] == 256
+
+
+# ---- the clients people point at a rerank server: cohere, litellm ------------------------------------
+
+def _litellm():
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # (else importing it fetches a price list)
+    import litellm
+
+    return litellm
+
+
+@pytest.fixture(scope="module")
+def infinity(models):
+    """The cross-encoder with POST /rerank answering Infinity's shape (each document a string)."""
+    with started_server("--model", models["cross"], "--served-model-name", "ce", "--rerank-dialect", "infinity") as srv:
+        yield srv
+
+
+def test_the_cohere_client_ranks_and_sees_refusals_and_cuts(cross, cross_encoder):
+    import cohere
+
+    client = cohere.ClientV2(base_url=cross.url, api_key="unused", timeout=120)
+    ranked = [r["corpus_id"] for r in cross_encoder.rank(QUERY, DOCS)]
+    answer = client.rerank(model="ce", query=QUERY, documents=DOCS, top_n=3)
+    assert [r.index for r in answer.results] == ranked[:3]
+    np.testing.assert_allclose([r.relevance_score for r in answer.results],
+                               cross_encoder.predict([(QUERY, DOCS[i]) for i in ranked[:3]]), atol=TOL, rtol=0)
+    with pytest.raises(cohere.errors.BadRequestError) as refused:  # (Cohere would cut at its 4,096 in silence)
+        client.rerank(model="ce", query=QUERY, documents=[DOCS[0], LONG])
+    assert "request 1: the pair" in str(refused.value.body) and "max_tokens_per_doc" in str(refused.value.body)
+    cut = client.rerank(model="ce", query=QUERY, documents=[DOCS[0], LONG], max_tokens_per_doc=50)
+    assert cut.meta.warnings == ["`documents`[1] was cut to 50 tokens (max_tokens_per_doc)"]
+
+
+def test_litellms_infinity_and_cohere_providers_parse_the_rerank_answers(infinity, cross_encoder):
+    """litellm's infinity/ posts to /rerank and reads each document as a string; its cohere/ posts to
+    /v1/rerank and reads {"text": ...}: one server answers both (--rerank-dialect infinity)."""
+    litellm = _litellm()
+    ranked = [r["corpus_id"] for r in cross_encoder.rank(QUERY, DOCS)]
+    expected = cross_encoder.predict([(QUERY, DOCS[i]) for i in ranked])
+    for model in ("infinity/ce", "cohere/ce"):
+        answer = litellm.rerank(model=model, api_base=infinity.url, api_key="unused", query=QUERY, documents=DOCS,
+                                return_documents=True)
+        assert [r["index"] for r in answer.results] == ranked, model
+        assert [r["document"]["text"] for r in answer.results] == [DOCS[i] for i in ranked], model
+        np.testing.assert_allclose([r["relevance_score"] for r in answer.results], expected, atol=TOL, rtol=0)
+    raw = post(infinity, "/rerank", {"model": "ce", "query": QUERY, "documents": DOCS[:2]}).json()
+    assert raw["object"] == "rerank" and {r["document"] for r in raw["results"]} == {None}  # Infinity: no documents
+    assert isinstance(raw["created"], int) and raw["usage"]["prompt_tokens"] == raw["usage"]["total_tokens"] > 0
+    assert post(infinity, "/v1/rerank", GOOD).json()["results"][0]["document"]["text"] in DOCS  # vLLM's, as before
 
 
 # ---- classify and pooling ----------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from pooling_pipeline.core.runtime import (
     addressed_socket,
     exit_process,
     exit_with_parent,
+    leave_owner_signals,
     release_free_memory,
     run_maybe_profiled,
     setup_logging,
@@ -46,6 +47,7 @@ IMAGE_ROWS_PER_PART = 8  # (see parts_to_send_as_rendered)
 
 
 def main(argv: list[str]) -> int:
+    leave_owner_signals()  # Ctrl-C or a supervisor's SIGTERM to the whole group: the frontend's to handle
     with open(argv[1], "rb") as f:  # the config file the group wrote (see ProcessGroup._spawn)
         cfg = msgspec.json.decode(f.read(), type=WorkerConfig)
     key = take_group_key()

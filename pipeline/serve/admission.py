@@ -1,7 +1,11 @@
 """The server's in-flight bound: inputs admitted to the pipeline, all requests together, never more
 than its window. A request whose inputs do not fit waits, first come first served, up to a bound and
 is then answered 429 with Retry-After (TEI's "model is overloaded") -- so a burst costs a bounded
-queue of waiting requests, never an unbounded one inside the pipeline."""
+queue of waiting requests, never an unbounded one inside the pipeline.
+
+And the bounds on what connections hold before a request reaches the window: the bytes of request
+bodies held at once, all connections together (`BodyBudget`), and the refusals past them and past the
+cap on open connections (both 503 with Retry-After, as uvicorn's --limit-concurrency answers)."""
 
 from __future__ import annotations
 
@@ -16,6 +20,44 @@ class Overloaded(HTTPError):
     def __init__(self, waited_s: float, retry_after_s: float) -> None:
         super().__init__(429, f"Model is overloaded: no room in the pipeline's window within {waited_s:g} s; "
                               "retry later", headers=[(b"retry-after", str(max(1, math.ceil(retry_after_s))).encode())])
+
+
+class BodiesFull(HTTPError):
+    def __init__(self, capacity: int) -> None:
+        super().__init__(503, f"the server holds its limit of {capacity} bytes of request bodies being read or "
+                              "answered (--max-held-body-bytes); retry later", headers=[(b"retry-after", b"1")])
+
+
+class TooManyConnections(HTTPError):
+    def __init__(self, capacity: int) -> None:
+        super().__init__(503, f"the server has its limit of {capacity} open connections (--max-connections); "
+                              "retry later", headers=[(b"retry-after", b"1")])
+
+
+class BodyBudget:
+    """Bytes of request bodies held at once, all connections together: a body reserves its bytes as
+    they arrive and gives them back once its request is answered (or dropped). Without it 20 clients
+    sending 64 MiB bodies at once took the server past 2.5 GB."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"the body byte budget must be at least 1, got {capacity}")
+        self.capacity = capacity
+        self.held = 0
+        self.refused = 0  # requests answered 503 for it
+
+    def take(self, n: int) -> bool:
+        """Reserves `n` more bytes if they fit."""
+        if self.held + n > self.capacity:
+            self.refused += 1
+            return False
+        self.held += n
+        return True
+
+    def give_back(self, n: int) -> None:
+        self.held -= n
+        if self.held < 0:
+            raise RuntimeError(f"body bytes given back that were never taken (held {self.held}): this is a bug")
 
 
 class Admission:

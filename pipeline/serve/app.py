@@ -19,13 +19,13 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 
 from pooling_pipeline.core.options import TOO_LONG_MARK
 from pooling_pipeline.errors import EngineDeadError, PipelineError, StepError
-from pooling_pipeline.serve.admission import Admission
+from pooling_pipeline.serve.admission import Admission, BodyBudget
 from pooling_pipeline.serve.http import (
     ClientGone,
     HTTPError,
@@ -48,10 +48,17 @@ class ServeSettings(msgspec.Struct, frozen=True, kw_only=True):
     served_model_names: tuple[str, ...]  # what `model` may say in a request; the first is the one listed
     api_key: str | None = None  # Bearer token every route but /health asks for
     max_body_bytes: int = 64 << 20  # a larger body is a 413 before it is read whole
-    max_client_batch_size: int = 1024  # inputs in one request (TEI's --max-client-batch-size)
+    max_client_batch_size: int = 2048  # inputs in one request (TEI's --max-client-batch-size; OpenAI takes 2,048)
     max_queue_wait_s: float = 10.0  # how long a request waits for room in the window before its 429
     auto_truncate: bool = False  # truncate over-long inputs where the request does not say (TEI's --auto-truncate)
     allowed_local_media_path: str | None = None  # a directory image inputs may name files in (vLLM's flag)
+    rerank_dialect: Literal["vllm", "infinity"] = "vllm"  # POST /rerank's answer to a `documents` body
+    # What one connection may hold, and for how long (pipeline-serve's own protocol; docs/serving.md):
+    timeout_header_s: float = 60.0  # a request's head must arrive within this of its first byte (nginx's)
+    timeout_body_s: float = 60.0  # a body with no byte for this long is a 408 (nginx's client_body_timeout)
+    min_body_rate: int = 16 << 10  # bytes/s a body must average after its first timeout_body_s (Apache's MinRate)
+    max_connections: int = 1024  # a request on a connection opened past this many is a 503 (uvicorn's limit)
+    max_held_body_bytes: int = 256 << 20  # request bodies held at once, all connections together; past it a 503
 
 
 class Response(NamedTuple):
@@ -62,13 +69,14 @@ class Response(NamedTuple):
 
 
 class Request:
-    """One HTTP request as a handler sees it: its headers (names lower-cased), its body, and what every
-    handler shares (`server`)."""
+    """One HTTP request as a handler sees it: its headers (names lower-cased), its body, what every
+    handler shares (`server`), and the path's last segment where its route ends in `{name}` (`param`)."""
 
-    __slots__ = ("headers", "body", "server", "dialect")
+    __slots__ = ("headers", "body", "server", "dialect", "param")
 
-    def __init__(self, headers: list[tuple[bytes, bytes]], body: bytes, server: Server, dialect: str) -> None:
-        self.headers, self.body, self.server, self.dialect = headers, body, server, dialect
+    def __init__(self, headers: list[tuple[bytes, bytes]], body: bytes, server: Server, dialect: str,
+                 param: str | None = None) -> None:
+        self.headers, self.body, self.server, self.dialect, self.param = headers, body, server, dialect, param
 
     def json(self, type_: Any) -> Any:
         return decode_json(self.body, type_, self.dialect)
@@ -107,7 +115,7 @@ def list_response(kind: str, model: str, data: list | ItemParts, tokens: int) ->
 
 class Route(NamedTuple):
     method: str
-    path: str
+    path: str  # exact, or ending in "/{name}": the rest of the path, slashes too, is the handler's `param`
     handler: Handler
     dialect: str  # "openai" (vLLM's error body) or "tei"
     inference: bool = True  # runs the model: its latencies feed the histogram (/health, /metrics, /info do not)
@@ -121,10 +129,11 @@ class Server:
         self.pipe = pipe
         self.settings = settings
         self.spec = pipe.model_spec
-        if settings.max_client_batch_size > pipe.max_inflight:
-            raise ValueError(f"max_client_batch_size={settings.max_client_batch_size} is more than the pipeline's "
-                             f"max_inflight={pipe.max_inflight}: such a request could never be admitted")
         self.admission = Admission(pipe.max_inflight, settings.max_queue_wait_s)
+        if settings.max_held_body_bytes < settings.max_body_bytes:
+            raise ValueError(f"max_held_body_bytes={settings.max_held_body_bytes} is less than max_body_bytes="
+                             f"{settings.max_body_bytes}: a body of the largest size could never be read")
+        self.bodies = BodyBudget(settings.max_held_body_bytes)
         self.metrics = Metrics()
         self.started = time.time()
 
@@ -147,21 +156,21 @@ class Server:
     async def run(self, n: int, call: Awaitable, client_inputs: int | None = None) -> Any:
         """Awaits a pipeline call of `n` requests once the window has room for them (or 429).
         `client_inputs`: what the client sent, checked against --max-client-batch-size (default `n`;
-        a rerank of an embedding model sends its query too)."""
+        a rerank of an embedding model sends its query too). A call larger than the window (OpenAI's
+        2,048 inputs in a window of 1,024) takes the whole window: the pipeline feeds its requests
+        through its own window of that size, so no more than that are in flight either way."""
+        slots = min(n, self.admission.capacity)
         try:
             self.check_batch(n if client_inputs is None else client_inputs)
-            if n > self.admission.capacity:
-                raise HTTPError(413, f"the request needs {n} pipeline requests, more than its window of "
-                                     f"{self.admission.capacity} (--max-inflight)")
-            if not self.admission.try_acquire(n):
-                await self.admission.acquire(n)
+            if not self.admission.try_acquire(slots):
+                await self.admission.acquire(slots)
         except BaseException:
             call.close()  # (the coroutine never started)
             raise
         try:
             return await call
         finally:
-            self.admission.release(n)
+            self.admission.release(slots)
             self.metrics.inputs += n
 
     def count_tokens(self, outs) -> int:
@@ -182,6 +191,8 @@ class Server:
             "pipeline_inputs_in_flight": ("Inputs admitted and not yet answered.", float(self.admission.inflight)),
             "pipeline_requests_rejected_total": ("Requests answered 429 (no room in time).",
                                                  float(self.admission.rejected)),
+            "pipeline_request_body_bytes_held": ("Bytes of request bodies read or being answered (--max-held-body-bytes).",
+                                                 float(self.bodies.held)),
             "pipeline_group_inflight": ("Requests issued to the workers and engines, not yet handed back.",
                                         float(stats.get("inflight", 0))),
             "pipeline_worker_restarts_total": ("Render workers replaced after a crash.",
@@ -199,8 +210,9 @@ class Head(NamedTuple):
 
     route: Route | None
     dialect: str
-    label: str
+    label: str  # the route's path ("/v1/models/{model}" for every model: a bounded set of labels)
     timed: bool
+    param: str | None = None  # what a route ending in "/{name}" matched
 
 
 class App:
@@ -211,10 +223,13 @@ class App:
     def __init__(self, server: Server, routes: list[Route]) -> None:
         self.server = server
         self.routes: dict[str, dict[str, Route]] = {}
+        self.templates: dict[str, str] = {}  # a route ending in "/{name}": its path up to the "{" -> its path
         for route in routes:
             if route.method in self.routes.get(route.path, {}):
                 raise RuntimeError(f"two handlers for {route.method} {route.path}: this is a bug")
             self.routes.setdefault(route.path, {})[route.method] = route
+            if route.path.endswith("}"):
+                self.templates[route.path[: route.path.index("{")]] = route.path
         key = server.settings.api_key
         self._expected = f"Bearer {key}".encode() if key else None
         self.max_body_bytes = server.settings.max_body_bytes
@@ -222,17 +237,22 @@ class App:
     # -- the parts --
 
     def head(self, method: str, path: str) -> Head:
-        by_method = self.routes.get(path)
+        by_method, label, param = self.routes.get(path), path, None
+        if by_method is None:
+            for prefix, template in self.templates.items():
+                if path.startswith(prefix) and len(path) > len(prefix):
+                    by_method, label, param = self.routes[template], template, path[len(prefix):]
+                    break
         route = by_method.get(method) if by_method else None
         if route is None:
-            return Head(None, "openai", path if by_method else "unmatched", False)
-        return Head(route, route.dialect, path, route.inference)
+            return Head(None, "openai", label if by_method else "unmatched", False)
+        return Head(route, route.dialect, label, route.inference, param)
 
     def admit(self, head: Head, method: str, path: str, headers: list[tuple[bytes, bytes]]) -> None:
         """Raises the HTTPError that refuses a request before its body is read: no route (404), a method
         the path does not take (405), a missing or wrong API key (401)."""
         if head.route is None:
-            by_method = self.routes.get(path)
+            by_method = self.routes.get(path) or self.routes.get(head.label)
             if by_method is None:
                 raise HTTPError(404, f"no route {path}")
             raise HTTPError(405, f"{method} is not allowed on {path}; use {', '.join(by_method)}")
@@ -246,7 +266,7 @@ class App:
         """An admitted request's answer; what its handler raises becomes the dialect's error response.
         (Cancellation -- the client left, the server stops -- is the caller's to handle.)"""
         try:
-            return await head.route.handler(Request(headers, body, self.server, head.dialect))
+            return await head.route.handler(Request(headers, body, self.server, head.dialect, head.param))
         except Exception as e:
             return self.refusal(e, head.dialect)
 
@@ -321,7 +341,7 @@ class App:
 
 
 def _error_kind(status: int) -> str:
-    return {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
+    return {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 408: "timeout",
             413: "too_large", 422: "invalid", 424: "model", 429: "overloaded", 501: "not_implemented",
             503: "unavailable"}.get(status, "internal")
 

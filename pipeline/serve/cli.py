@@ -43,18 +43,39 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default: $PIPELINE_API_KEY, else none)")
     http.add_argument("--max-body-bytes", type=positive_int, default=64 << 20,
                       help="a larger request body is answered 413 before it is read" + d)
-    http.add_argument("--max-client-batch-size", type=positive_int, default=1024,
-                      help="inputs in one request; more is a 413" + d)
+    http.add_argument("--max-client-batch-size", type=positive_int, default=2048,
+                      help="inputs in one request; more is a 413 (OpenAI takes 2,048; a request larger than the "
+                           "pipeline's window is fed through it)" + d)
     http.add_argument("--max-queue-wait-s", type=positive_seconds, default=10.0,
                       help="seconds a request waits for room in the pipeline's window before its 429" + d)
     http.add_argument("--auto-truncate", action="store_true",
                       help="cut over-long inputs where the request does not say (default: refuse them, naming them)")
+    http.add_argument("--rerank-dialect", choices=("vllm", "infinity"), default="vllm",
+                      help="the answer of POST /rerank to a body with `documents` (TEI's own has `texts`): vllm (each "
+                           "document {\"text\": ...}: vLLM's, litellm's hosted_vllm/) or infinity (each document a "
+                           "string: Infinity's, litellm's infinity/); /v1/rerank and /v2/rerank stay vLLM's, "
+                           "Jina's and Cohere's" + d)
     http.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                       help="image inputs may name files under this directory (default: none; base64 and data: URIs only)")
     http.add_argument("--graceful-shutdown-s", type=positive_seconds, default=60.0,
                       help="on SIGTERM, how long requests in flight may take to finish" + d)
     http.add_argument("--timeout-keep-alive", type=positive_seconds, default=5.0,
                       help="seconds an idle keep-alive connection stays open (uvicorn's flag)" + d)
+    http.add_argument("--timeout-header", type=positive_seconds, default=60.0,
+                      help="seconds a request's line and headers may take from its first byte (a connection's "
+                           "first request: from its open); later, 408 and closed (nginx's client_header_timeout)" + d)
+    http.add_argument("--timeout-body", type=positive_seconds, default=60.0,
+                      help="seconds a request body may go without a byte; later, 408 and closed (nginx's "
+                           "client_body_timeout)" + d)
+    http.add_argument("--min-body-rate", type=positive_int, default=16 << 10, metavar="BYTES_PER_S",
+                      help="after its first --timeout-body seconds a body must average this many bytes a second, "
+                           "else 408 (Apache's MinRate: a body sent a byte a second is not held for ever)" + d)
+    http.add_argument("--max-connections", type=positive_int, default=1024,
+                      help="open connections; a request on one opened past them is a 503 and the connection closed "
+                           "(uvicorn's --limit-concurrency), the health checks excepted" + d)
+    http.add_argument("--max-held-body-bytes", type=positive_int, default=256 << 20,
+                      help="bytes of request bodies held at once, all connections together (a body is held from its "
+                           "first byte to its answer); a body that would pass it is a 503; at least --max-body-bytes" + d)
     http.add_argument("--access-log", action="store_true", help="log every request (costs CPU per request)")
     http.add_argument("--http-protocol", choices=("pipeline", "uvicorn"), default="pipeline",
                       help="pipeline: this server's own HTTP/1.1 connection (httptools' parser; requests go to the "
@@ -114,9 +135,11 @@ def _serve(pipe, args: argparse.Namespace, stop: _StopSignals) -> int:
     try:
         app = make_app(pipe, ServeSettings(
             served_model_names=names, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-            max_client_batch_size=min(args.max_client_batch_size, pipe.max_inflight),
+            max_client_batch_size=args.max_client_batch_size, rerank_dialect=args.rerank_dialect,
             max_queue_wait_s=args.max_queue_wait_s, auto_truncate=args.auto_truncate,
-            allowed_local_media_path=args.allowed_local_media_path))
+            allowed_local_media_path=args.allowed_local_media_path, timeout_header_s=args.timeout_header,
+            timeout_body_s=args.timeout_body, min_body_rate=args.min_body_rate, max_connections=args.max_connections,
+            max_held_body_bytes=args.max_held_body_bytes))
     except ValueError as e:
         print(f"pipeline-serve: error: {e}", file=sys.stderr)
         return 2
@@ -129,6 +152,9 @@ def _serve(pipe, args: argparse.Namespace, stop: _StopSignals) -> int:
                             proxy_headers=False, server_header=False,
                             access_log=args.access_log, timeout_graceful_shutdown=args.graceful_shutdown_s,
                             timeout_keep_alive=args.timeout_keep_alive,
+                            # (uvicorn's own protocol: its connection cap; the read deadlines and the body
+                            # budget are this server's protocol's)
+                            limit_concurrency=args.max_connections if args.http_protocol == "uvicorn" else None,
                             log_level="info" if args.access_log else "warning")
     server = uvicorn.Server(config)
     stop.serving = True

@@ -10,6 +10,8 @@ docs/serving-stack.md has the measurements.
 
 from __future__ import annotations
 
+import re
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
@@ -30,13 +32,14 @@ JSON = b"application/json"
 
 # Reason phrases of the status codes this server answers with (the error bodies name them too).
 REASONS = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
-           413: "Payload Too Large", 415: "Unsupported Media Type", 422: "Unprocessable Entity",
+           408: "Request Timeout", 413: "Payload Too Large", 415: "Unsupported Media Type", 422: "Unprocessable Entity",
            424: "Failed Dependency", 429: "Too Many Requests", 500: "Internal Server Error",
            501: "Not Implemented", 503: "Service Unavailable"}
 # vLLM's error `type` per status (its OpenAI-compatible server names the exception class).
 OPENAI_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "BadRequestError",
-                413: "BadRequestError", 415: "BadRequestError", 422: "BadRequestError", 429: "RateLimitError",
-                500: "InternalServerError", 501: "NotImplementedError", 503: "ServiceUnavailableError"}
+                408: "BadRequestError", 413: "BadRequestError", 415: "BadRequestError", 422: "BadRequestError",
+                429: "RateLimitError", 500: "InternalServerError", 501: "NotImplementedError",
+                503: "ServiceUnavailableError"}
 # text-embeddings-inference's `error_type` per status, as its server writes it (serde's default for its
 # ErrorType enum: "Validation", not the lower case of its OpenAPI examples).
 TEI_TYPES = {400: "Empty", 413: "Validation", 422: "Tokenizer", 424: "Backend", 429: "Overloaded",
@@ -114,7 +117,32 @@ def decode_json(body: bytes, type_: Any, dialect: str) -> Any:
     except msgspec.ValidationError as e:
         raise HTTPError(422 if dialect == "tei" else 400, f"invalid request: {e}") from None
     except msgspec.DecodeError as e:
-        raise HTTPError(400, f"the body is not valid JSON: {e}") from None
+        raise HTTPError(400, f"the body is not valid JSON: {_json_problem(body, e)}") from None
+    except RecursionError:  # (msgspec reads a level of nesting per stack frame, unknown fields included)
+        raise HTTPError(400, f"the body's JSON is nested more than about {sys.getrecursionlimit()} levels deep "
+                             "(arrays or objects inside each other), more than this server reads") from None
+
+
+# A \u escape of a UTF-16 surrogate: after an odd number of backslashes (`\\ud800` is a backslash and text).
+_SURROGATE_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*(\\u[dD][89a-fA-F][0-9a-fA-F]{2})")
+_LOW_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+
+
+def _json_problem(body: bytes, error: msgspec.DecodeError) -> str:
+    """msgspec's words, except for a lone surrogate escape (`"\\ud800"`), which it calls "Input data was
+    truncated": that escape and where it is, found only on this error path."""
+    message = str(error)
+    if message != "Input data was truncated" and "surrogate" not in message:
+        return message
+    paired_low = -1
+    for match in _SURROGATE_ESCAPE.finditer(body):
+        start, escape = match.start(1), match.group(1).decode()
+        if escape[3] in "89abAB" and _LOW_SURROGATE_ESCAPE.match(body, start + 6):
+            paired_low = start + 6  # a high surrogate and its low one: one character
+        elif start != paired_low:
+            return (f"invalid \\u escape at byte {start}: {escape} is a lone surrogate (half of a UTF-16 pair "
+                    "without its other half), which is no Unicode character")
+    return message
 
 
 def encode_json(obj: Any) -> bytes:

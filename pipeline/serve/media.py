@@ -10,6 +10,8 @@ import base64
 import binascii
 import os
 
+import msgspec
+
 from pooling_pipeline.core.families import family_of
 from pooling_pipeline.serve.http import HTTPError
 
@@ -22,6 +24,20 @@ def text_prompt(text: str, images: bool) -> object:
     """A text as the pipeline reads it on this model: `{"text": ...}` where a bare string could be read
     as an image file's name."""
     return {"text": text} if images else text
+
+
+NUMBERS = (int, float, bool)  # what JSON numbers and booleans decode to: a list of these is meant as token ids
+
+
+def token_ids_refusal(ids: list, where: str, nonnegative: bool = False) -> str:
+    """Why a list of JSON numbers is no list of token ids, naming its first bad value by its position
+    (`[101, 2.5]` is one input whose second id is no integer, not an input 101 of the wrong type)."""
+    for k, x in enumerate(ids):
+        if type(x) is not int or (nonnegative and x < 0):
+            kind = {float: "float ", bool: "boolean "}.get(type(x), "")
+            rule = "integers >= 0" if nonnegative else "integers"
+            return f"{where}[{k}]: token ids must be {rule}, got {kind}{msgspec.json.encode(x).decode()}"
+    raise RuntimeError(f"{where} holds only token ids, yet was refused: this is a bug")
 
 
 def image_prompt(value: object, index: int, allowed_dir: str | None) -> dict:

@@ -1,5 +1,5 @@
-"""OpenAI's (and vLLM's) routes: `POST /v1/embeddings` and `GET /v1/models` (and both without `/v1`, as
-TEI and Infinity serve them), in their exact shapes.
+"""OpenAI's (and vLLM's) routes: `POST /v1/embeddings`, `GET /v1/models` and `GET /v1/models/{model}`
+(and all without `/v1`, as TEI and Infinity serve them), in their exact shapes.
 
 `input` is a string, a list of strings, a list of token ids or a list of such lists; `encoding_format`
 "float" (JSON numbers) or "base64" (the float32 little-endian bytes, what the `openai` client asks for
@@ -7,7 +7,9 @@ by default and decodes with numpy); `dimensions` keeps the first k (a Matryoshka
 counts the prompt tokens the model saw. vLLM's extras are taken too: `truncate_prompt_tokens`,
 `normalize`, `priority`, and (Infinity's) `modality: "image"` for a CLIP / SigLIP model.
 An input longer than the model's length is a 400 naming it unless the request (truncate_prompt_tokens)
-or the operator (--auto-truncate) asks for truncation, as vLLM does.
+or the operator (--auto-truncate) asks for truncation, as vLLM does. The model's length is ST's
+max_seq_length (`default_max_tokens`), what `max_model_len` reports: vLLM's for a sentence-transformers
+model, which caps max_model_len at it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import msgspec
 from pooling_pipeline.core.messages import PoolingParams
 from pooling_pipeline.serve.app import Request, Response, Route, list_response
 from pooling_pipeline.serve.http import HTTPError, embedding_items, encode_json
-from pooling_pipeline.serve.media import image_prompt, takes_images, text_prompt
+from pooling_pipeline.serve.media import NUMBERS, image_prompt, takes_images, text_prompt, token_ids_refusal
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
@@ -59,23 +61,63 @@ def prompts_of(value: Any, request: Request, modality: str = "text", field: str 
         return [{"prompt_token_ids": value}]
     if not images and kinds == {str}:
         return value  # (the common case, a list of texts: no copy)
+    if value and all(k in NUMBERS for k in kinds):  # one input's token ids, one of them no integer
+        raise HTTPError(400, token_ids_refusal(value, f"`{field}`"))
     prompts = []
     for i, item in enumerate(value):
         if isinstance(item, str):
             prompts.append(text_prompt(item, images))
         elif isinstance(item, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in item):
             prompts.append({"prompt_token_ids": item})
+        elif isinstance(item, list) and all(type(x) in NUMBERS for x in item):
+            raise HTTPError(400, token_ids_refusal(item, f"`{field}`[{i}]"))
         else:
             raise HTTPError(400, f"`{field}`[{i}] must be a string or a list of token ids, got "
                                  f"{type(item).__name__}")
     return prompts
 
 
-def long_input_options(request: Request, truncate_prompt_tokens: int | None) -> dict:
-    """How an over-long input is handled: cut where the request or the operator says, else refused."""
-    if truncate_prompt_tokens is not None:
-        return {"truncate_prompt_tokens": truncate_prompt_tokens, "long_inputs": "truncate"}
-    return {"long_inputs": "truncate" if request.server.settings.auto_truncate else "error"}
+def max_model_len(request: Request) -> int:
+    """The most tokens of an input the OpenAI-shaped routes keep: ST's max_seq_length, as /v1/models says."""
+    return request.server.spec.default_max_tokens
+
+
+def truncation(request: Request, truncate_prompt_tokens: int | None) -> int | None:
+    """The tokens a request asks to keep, as vLLM reads truncate_prompt_tokens: -1 is max_model_len, more
+    than it a 400. (The pipeline would keep up to the position table: more than /v1/models reports.)"""
+    if truncate_prompt_tokens is None:
+        return None
+    limit = max_model_len(request)
+    if truncate_prompt_tokens == -1:
+        return limit
+    if truncate_prompt_tokens > limit:
+        raise HTTPError(400, f"truncate_prompt_tokens={truncate_prompt_tokens} is greater than max_model_len "
+                             f"({limit}). Please, select a smaller truncation size.")
+    return truncate_prompt_tokens
+
+
+def too_long(where: str, tokens: int, limit: int, exact: bool = True, also: str = "") -> HTTPError:
+    """vLLM's refusal of an over-long input (a 400), naming the input, its token count and how to have it cut."""
+    return HTTPError(400, f"{where} has {'' if exact else 'at least '}{tokens} tokens, more than this model's "
+                          f"maximum context length of {limit} tokens (max_model_len); send truncate_prompt_tokens"
+                          f"{also} to have it cut, or start the server with --auto-truncate")
+
+
+def long_input_options(request: Request, truncate_prompt_tokens: int | None, prompts: list) -> dict:
+    """How an over-long input is handled: cut where the request or the operator says, else refused --
+    a text by the render workers (by its token count), token ids here: the workers cut those whatever
+    the call says (300, 600 or 10^6 ids were once cut to 256 in silence)."""
+    limit = truncation(request, truncate_prompt_tokens)
+    if limit is not None:
+        return {"truncate_prompt_tokens": limit, "long_inputs": "truncate"}
+    if request.server.settings.auto_truncate:
+        return {"long_inputs": "truncate"}
+    limit = max_model_len(request)
+    for i, prompt in enumerate(prompts):
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+        if ids is not None and len(ids) > limit:
+            raise too_long(f"request {i}: `input`", len(ids), limit)
+    return {"long_inputs": "error"}
 
 
 async def embeddings(request: Request) -> Response:
@@ -86,18 +128,27 @@ async def embeddings(request: Request) -> Response:
     params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
     outs = await server.run(len(prompts), server.pipe.aembed(
         prompts, pooling_params=params, priority=body.priority,
-        **long_input_options(request, body.truncate_prompt_tokens)))
+        **long_input_options(request, body.truncate_prompt_tokens, prompts)))
     tokens = server.count_tokens(outs)
     data = embedding_items([out.data for out in outs], body.encoding_format)
     return list_response("embd", server.model_name(body.model), data, tokens)
 
 
+def model_card(request: Request, name: str) -> dict:
+    """vLLM's ModelCard; `max_model_len` is the length the server keeps, not the position table's."""
+    return {"id": name, "object": "model", "created": int(request.server.started), "owned_by": "pooling-pipeline",
+            "root": name, "parent": None, "max_model_len": max_model_len(request)}
+
+
 async def models(request: Request) -> Response:
-    server = request.server
-    created = int(server.started)
-    return Response(encode_json({"object": "list", "data": [
-        {"id": name, "object": "model", "created": created, "owned_by": "pooling-pipeline", "root": name,
-         "parent": None, "max_model_len": server.spec.max_model_len} for name in server.settings.served_model_names]}))
+    names = request.server.settings.served_model_names
+    return Response(encode_json({"object": "list", "data": [model_card(request, name) for name in names]}))
+
+
+async def model(request: Request) -> Response:
+    """`GET /v1/models/{model}` (the `openai` client's models.retrieve); a name not served is a 404."""
+    request.server.check_model(request.param)
+    return Response(encode_json(model_card(request, request.param)))
 
 
 # Without the /v1 prefix too, as TEI and Infinity serve them: an `openai` client given the server's
@@ -105,4 +156,6 @@ async def models(request: Request) -> Response:
 ROUTES = [Route("POST", "/v1/embeddings", embeddings, "openai"),
           Route("POST", "/embeddings", embeddings, "openai"),
           Route("GET", "/v1/models", models, "openai", inference=False),
-          Route("GET", "/models", models, "openai", inference=False)]
+          Route("GET", "/models", models, "openai", inference=False),
+          Route("GET", "/v1/models/{model}", model, "openai", inference=False),
+          Route("GET", "/models/{model}", model, "openai", inference=False)]

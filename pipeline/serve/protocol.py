@@ -20,7 +20,16 @@ What a connection does, in order:
   that are not HTTP are a 400 and the connection is closed;
 - `Expect: 100-continue` gets its interim answer when the request is admitted;
 - a client that closes its connection has its request's task cancelled, which aborts its pipeline call
-  by id; a connection idle (no request in progress) for uvicorn's `timeout_keep_alive` is closed;
+  by id;
+- each connection has one clock (`_check_time`): one idle between requests for uvicorn's
+  `timeout_keep_alive` is closed; a head must arrive whole within `timeout_header_s` of its first byte
+  (of the connection's open for its first request) and a body must not stall for `timeout_body_s` nor
+  average under `min_body_rate` bytes/s after its first `timeout_body_s`, else 408 and the connection is
+  closed (nginx's client_header_timeout and client_body_timeout, Apache's MinRate); the clock starts
+  again when an answer is written (a pipelined request's time waiting for its turn is not counted);
+- the bytes of bodies held, all connections together, are bounded (`Server.bodies`): a body that would
+  pass the bound is a 503 and dropped as it comes; a request on a connection opened while
+  `max_connections` were open is a 503 (uvicorn's limit_concurrency), the health checks excepted;
 - when uvicorn shuts down, an idle connection is closed at once and a busy one after its answer.
 """
 
@@ -35,7 +44,8 @@ from typing import NamedTuple
 
 import httptools
 
-from pooling_pipeline.serve.app import App, Head, Response
+from pooling_pipeline.serve.admission import BodiesFull, TooManyConnections
+from pooling_pipeline.serve.app import App, Head, Response, health
 from pooling_pipeline.serve.http import REASONS, BodyTooLarge, HTTPError
 
 log = logging.getLogger("pipeline.serve")
@@ -46,6 +56,10 @@ MAX_HEAD_BYTES = 64 << 10  # the request line and headers together (nginx's defa
 _STATUS_LINES = {status: b"HTTP/1.1 %d %s\r\n" % (status, reason.encode()) for status, reason in
                  {200: "OK", 431: "Request Header Fields Too Large", **REASONS}.items()}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+# What a connection's clock times: nothing started (between requests, or a new connection), a head
+# being read, a body being read; and a connection timed out, whose answer gets a last bound to be sent.
+_IDLE, _HEAD, _BODY, _CLOSING = range(4)
 
 
 class Exchange(NamedTuple):
@@ -58,6 +72,7 @@ class Exchange(NamedTuple):
     keep_alive: bool
     started: float  # perf_counter at its head, for the latency histogram
     refused: Response | None = None  # answered without running a handler
+    held: int = 0  # its body's bytes reserved in the server's BodyBudget, given back once it is answered
 
 
 def protocol_factory(app: App, access_log: bool = False):
@@ -84,8 +99,22 @@ class HttpConnection(asyncio.Protocol):
         self.closing = False  # answer what runs, then close (shutdown, Connection: close, a broken stream)
         self.write_paused = False
         self.access_log = access_log
-        self.idle_timer: asyncio.TimerHandle | None = None
-        self.last_active = 0.0  # loop time of the last bytes read or answer written
+        settings = app.server.settings
+        self.header_s, self.body_s, self.min_body_rate = (settings.timeout_header_s, settings.timeout_body_s,
+                                                          settings.min_body_rate)
+        self.max_connections = settings.max_connections
+        self.bodies = app.server.bodies  # the bytes of bodies held, all connections together
+        self.held = 0  # of those, the bytes of the body being read
+        self.over_limit = False  # opened while max_connections were: its request is a 503
+        # The clock (one timer a connection, checked when it fires; see _check_time). It looks at least
+        # every poll_s, so a phase begun since it was armed (each lasts at least poll_s) is never late.
+        self.timer: asyncio.TimerHandle | None = None
+        self.poll_s = min(keep_alive_s, self.header_s, self.body_s)
+        self.phase = _IDLE
+        self.phase_since = 0.0  # loop time the phase began (a new connection's first head: its open)
+        self.first = True  # no request begun yet on this connection
+        self.last_read = 0.0  # loop time of the last bytes read
+        self.body_base = 0  # body bytes read before the body's clock (re)started
         self._dated: tuple[list, bytes] = ([], b"")  # uvicorn's default headers (Date) and their bytes
         self.in_head = True  # between messages or inside a head
         # What arrives while a head or a chunked body's trailers are read counts toward MAX_HEAD_BYTES:
@@ -107,22 +136,24 @@ class HttpConnection(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        self.over_limit = len(self.state.connections) >= self.max_connections
         self.state.connections.add(self)
-        self.last_active = self.loop.time()
-        self._check_idle_in(self.keep_alive_s)
+        self.phase_since = self.last_read = self.loop.time()
+        self._arm(self.poll_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.state.connections.discard(self)
-        if self.idle_timer is not None:
-            self.idle_timer.cancel()
+        if self.timer is not None:
+            self.timer.cancel()
         self.gone = True
-        self.waiting.clear()  # (never started: nothing of theirs is in the pipeline)
+        self._drop_body()
+        self._drop_waiting()  # (never started: nothing of theirs is in the pipeline)
         if self.task is not None:
             self.task.cancel()  # its pipeline call is aborted by id
         self.parser = None
 
     def data_received(self, data: bytes) -> None:
-        self.last_active = self.loop.time()
+        self.last_read = self.loop.time()
         if self.parser is None:  # (after a broken stream: the rest is not read)
             return
         if self.counting:
@@ -166,7 +197,7 @@ class HttpConnection(asyncio.Protocol):
     def shutdown(self) -> None:
         """uvicorn's graceful shutdown: close now if idle, else after the answer in progress."""
         self.closing = True
-        self.waiting.clear()
+        self._drop_waiting()
         if self.task is None and (self.in_head or self.discarding):  # (not while a body is on its way)
             self.transport.close()
 
@@ -174,6 +205,11 @@ class HttpConnection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._new_message()
+        self.phase = _HEAD
+        if self.first:  # (the first head's clock runs from the connection's open)
+            self.first = False
+        else:
+            self.phase_since = self.loop.time()
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -216,7 +252,11 @@ class HttpConnection(asyncio.Protocol):
             # of its own). (Both need a Connection field, or CONNECT, to be asked for.)
             keep_alive = not parser.should_upgrade() and parser.get_http_version() != "1.0"
         expect = fields.get(b"expect")
+        self.phase, self.phase_since, self.body_base = _BODY, self.loop.time(), 0
         try:
+            if self.over_limit and (head.route is None or head.route.handler is not health):
+                keep_alive = False  # (the connection closes after its refusal: it is past the cap)
+                raise TooManyConnections(self.max_connections)
             self.app.admit(head, method, path, headers)
             length = fields.get(b"content-length")
             if length is not None and int(length) > self.app.max_body_bytes:  # (llhttp checked the digits)
@@ -236,25 +276,36 @@ class HttpConnection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self.counting = False
+        n = len(body)
+        self.body_bytes += n  # (a dropped body's bytes too: its rate is timed as well)
         if self.discarding:
             return
-        self.body_bytes += len(body)
         if self.body_bytes > self.app.max_body_bytes:  # (a chunked body: no length was declared)
-            self.body.clear()
-            self.discarding = True
-            head = self.current
-            self._dispatch(Exchange(head, self.headers, b"", self._method, self._keep_alive, self._started,
-                                    self.app.refusal(BodyTooLarge(self.app.max_body_bytes), head.dialect)))
-            return
-        self.body.append(body)
+            self._refuse_body(BodyTooLarge(self.app.max_body_bytes))
+        elif not self.bodies.take(n):
+            self._refuse_body(BodiesFull(self.bodies.capacity))
+        else:
+            self.held += n
+            self.body.append(body)
+
+    def _refuse_body(self, error: HTTPError) -> None:
+        """Answers the request whose body is being read now; the rest of the body is dropped as it comes."""
+        self._drop_body()
+        head = self.current
+        self._dispatch(Exchange(head, self.headers, b"", self._method, self._keep_alive, self._started,
+                                self.app.refusal(error, head.dialect)))
 
     def on_message_complete(self) -> None:
         self.in_head = self.counting = True
         self.head_bytes, self.continue_owed = 0, False
+        self.phase = _IDLE  # (its clock starts once the answer is written: _answer)
         if self.discarding:
             return
         body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
-        self._dispatch(Exchange(self.current, self.headers, body, self._method, self._keep_alive, self._started))
+        self.body = []  # (the pieces go now, not at the next request: the body is held once while answered)
+        held, self.held = self.held, 0  # (the exchange gives them back)
+        self._dispatch(Exchange(self.current, self.headers, body, self._method, self._keep_alive, self._started,
+                                held=held))
 
     # -- answering, one request at a time, in order --
 
@@ -294,10 +345,16 @@ class HttpConnection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
         finally:
+            if exchange.held:
+                self.bodies.give_back(exchange.held)
             self.state.tasks.discard(self.task)
             self.task = None
             self.state.total_requests += 1
             if not self.gone:
+                # The clock starts now: for the idle time after the answer, or for a head or body read
+                # behind it, whose time waiting for its turn is not counted against it.
+                self.phase_since = self.last_read = self.loop.time()
+                self.body_base = self.body_bytes
                 self._next()
 
     def _next(self) -> None:
@@ -315,7 +372,6 @@ class HttpConnection(asyncio.Protocol):
         if self.continue_owed:
             self.continue_owed = False
             self.transport.write(_CONTINUE)
-        self.last_active = self.loop.time()
 
     def _write(self, response: Response, exchange: Exchange) -> None:
         dated, date_bytes = self._dated
@@ -346,7 +402,7 @@ class HttpConnection(asyncio.Protocol):
 
     def _refuse(self, head: Head, status: int, message: str) -> None:
         """A head that cannot be read on: answered (after what runs) and the connection closed."""
-        self.discarding = True
+        self._drop_body()
         self._dispatch(Exchange(head, [], b"", "GET", False, time.perf_counter(),
                                 self.app.refusal(HTTPError(status, message), head.dialect)))
 
@@ -359,24 +415,72 @@ class HttpConnection(asyncio.Protocol):
         self.parser = None
         self.transport.pause_reading()
 
-    # -- the idle connection's timeout: one timer a connection, not one a request --
+    def _drop_body(self) -> None:
+        """The body being read is not kept (refused, timed out, or its client gone): its bytes go back."""
+        self.discarding = True
+        self.body.clear()
+        if self.held:
+            self.bodies.give_back(self.held)
+            self.held = 0
 
-    def _check_idle_in(self, delay: float) -> None:
-        self.idle_timer = self.loop.call_later(delay, self._check_idle)
+    def _drop_waiting(self) -> None:
+        for exchange in self.waiting:
+            if exchange.held:
+                self.bodies.give_back(exchange.held)
+        self.waiting.clear()
 
-    def _check_idle(self) -> None:
-        """Closes a connection that has been idle -- between requests (or inside a head), nothing read
-        and nothing to answer -- for `keep_alive_s`; else looks again when it could be."""
-        self.idle_timer = None
+    # -- the connection's clock: one timer a connection, not one a request --
+
+    def _arm(self, delay: float) -> None:
+        self.timer = self.loop.call_later(delay, self._check_time)
+
+    def _check_time(self) -> None:
+        """Closes a connection idle for `keep_alive_s`, answers 408 to one whose head or body is late
+        (_deadline), and otherwise looks again when it could be (at least every poll_s)."""
+        self.timer = None
         if self.gone:
             return
-        if self.task is not None or self.waiting or not self.in_head:  # (busy, or a body on its way)
-            self.last_active = self.loop.time()
-        left = self.last_active + self.keep_alive_s - self.loop.time()
-        if left <= 0:
-            self.transport.close()
+        now = self.loop.time()
+        if self.phase == _CLOSING:
+            if now >= self.phase_since + self.poll_s:  # (its 408 not taken by a client that does not read)
+                self.transport.abort()
+            else:
+                self._arm(self.phase_since + self.poll_s - now)
+            return
+        if self.task is not None or self.waiting:  # (answering: the clock starts again after, in _answer)
+            self._arm(self.poll_s)
+            return
+        left = self._deadline() - now
+        if left > 0:
+            self._arm(min(left, self.poll_s))
         else:
-            self._check_idle_in(left)
+            self._time_out()
+
+    def _deadline(self) -> float:
+        if self.phase == _IDLE:  # (a new connection that sends nothing: the head's bound, if shorter)
+            return self.phase_since + (min(self.keep_alive_s, self.header_s) if self.first else self.keep_alive_s)
+        if self.phase == _HEAD:
+            return self.phase_since + self.header_s
+        # A body: no byte for body_s, or under min_body_rate bytes/s on average after its first body_s.
+        rate_bound = self.phase_since + self.body_s + (self.body_bytes - self.body_base) / self.min_body_rate
+        return min(self.last_read + self.body_s, rate_bound)
+
+    def _time_out(self) -> None:
+        if self.phase == _IDLE or self.discarding or self.parser is None:
+            # Nothing begun, or its answer given already (refused from its head): closed without one.
+            self.transport.close()
+            return
+        late = "request line and headers" if self.phase == _HEAD else "body"
+        bound = (f"{self.header_s:g} s (--timeout-header)" if self.phase == _HEAD else
+                 f"{self.body_s:g} s without a byte, or under {self.min_body_rate} bytes/s "
+                 "(--timeout-body, --min-body-rate)")
+        head = self.current if self.phase == _BODY else self.app.head("", "")
+        self.phase, self.phase_since = _CLOSING, self.loop.time()
+        # Nothing more is parsed, but what still comes is read and dropped: a socket closed with unread
+        # bytes is reset, and a reset can overtake the 408 on its way.
+        self.parser = None
+        self._refuse(head, 408, f"the request's {late} did not arrive in time: this server waits {bound}")
+        self._arm(self.poll_s)
 
 
 class _Stopped(Exception):

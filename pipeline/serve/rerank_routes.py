@@ -18,7 +18,9 @@ vLLM ignores them).
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import time
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -28,10 +30,12 @@ import numpy as np
 from pooling_pipeline.core.messages import PoolingParams
 from pooling_pipeline.core.model_folder.st_files import read_optional_json
 from pooling_pipeline.core.options import EMBEDDING_TASKS
+from pooling_pipeline.request_options import model_prompts
 from pooling_pipeline.serve.app import Request, Response, Route, list_response, response_id
 from pooling_pipeline.serve.http import HTTPError, base64_string, encode_json, float_rows
 from pooling_pipeline.serve.media import takes_images, text_prompt
-from pooling_pipeline.serve.openai_routes import long_input_options, prompts_of
+from pooling_pipeline.serve.openai_routes import long_input_options, prompts_of, too_long, truncation
+from pooling_pipeline.serve.tokenizer import served_tokenizer
 
 UNSET: Any = msgspec.UNSET
 TokenLimit = Annotated[int, msgspec.Meta(ge=-1)]  # truncate_prompt_tokens: -1 is the model's maximum
@@ -54,7 +58,7 @@ class RerankRequest(_Common, kw_only=True):
     query: Any
     documents: Any
     top_n: Annotated[int, msgspec.Meta(ge=0)] = 0  # vLLM: 0 (or absent) is every document
-    return_documents: bool = True  # Jina's; vLLM always returns them
+    return_documents: bool | None = None  # Jina's (default true; vLLM always returns them); Infinity's (default false)
     max_tokens_per_doc: Annotated[int, msgspec.Meta(ge=1)] | None = None  # Cohere v2's; cross-encoders only
     truncation_side: Any = UNSET  # (a pair is cut as ST's CrossEncoder cuts it)
 
@@ -97,8 +101,11 @@ class PoolingRequest(ClassifyRequest, kw_only=True):
 # ---- rerank ------------------------------------------------------------------------------------
 
 async def rerank_documents(request: Request) -> Response:
-    """A query against documents, best first (vLLM's and Jina's shape; TEI's `/rerank` hands over
-    bodies that carry `documents`)."""
+    """A query against documents, best first: vLLM's, Jina's and Cohere's shape (each document
+    `{"text": ...}`, and `meta.warnings` naming what was cut: Cohere's field); or, on TEI's `/rerank`
+    (which hands over bodies that carry `documents`) with --rerank-dialect infinity, Infinity's (each
+    document a string). Both are what their clients parse: litellm's hosted_vllm/ reads
+    `document["text"]`, its infinity/ the string, and both post to /rerank."""
     body: RerankRequest = request.json(RerankRequest)
     server = request.server
     server.check_model(body.model)
@@ -106,20 +113,30 @@ async def rerank_documents(request: Request) -> Response:
     _check_scores(server.spec, "Rerank (Score) API")
     query = _one_text(body.query, "query")
     documents = _texts(body.documents, "documents")
-    scores = await _pair_scores(request, [query], documents, body, max_tokens_per_doc=body.max_tokens_per_doc)
+    infinity = request.dialect == "tei" and server.settings.rerank_dialect == "infinity"
+    scores, cuts = await _pair_scores(request, [query], documents, body, ("query", "documents"),
+                                      max_tokens_per_doc=body.max_tokens_per_doc, notes=not infinity)
     tokens = server.count_tokens(scores)
     # Best first; equal scores keep their input order (vLLM's stable sort, ST's CrossEncoder.rank).
     order = sorted(range(len(scores)), key=lambda i: -scores[i].score)
     if 0 < body.top_n < len(order):
         order = order[: body.top_n]
+    model, usage = server.model_name(body.model), {"prompt_tokens": tokens, "total_tokens": tokens}
+    if infinity:  # Infinity's ReRankResult; its return_documents defaults to false
+        results = [{"relevance_score": scores[i].score, "index": i,
+                    "document": documents[i] if body.return_documents else None} for i in order]
+        return Response(encode_json({"object": "rerank", "results": results, "model": model, "usage": usage,
+                                     "id": response_id("infinity"), "created": int(time.time())}))
     results = []
     for i in order:
         result = {"index": i, "relevance_score": scores[i].score}
-        if body.return_documents:
+        if body.return_documents is not False:
             result["document"] = {"text": documents[i], "multi_modal": None}
         results.append(result)
-    return Response(encode_json({"id": response_id("rerank"), "model": server.model_name(body.model),
-                                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, "results": results}))
+    answer = {"id": response_id("rerank"), "model": model, "usage": usage, "results": results}
+    if cuts:
+        answer["meta"] = {"warnings": cuts}
+    return Response(encode_json(answer))
 
 
 # ---- score ---------------------------------------------------------------------------------------
@@ -135,7 +152,7 @@ async def score(request: Request) -> Response:
     if len(queries) != 1 and len(queries) != len(documents):
         raise HTTPError(400, f"`{first}` and `{second}` must be 1:1, 1:N or N:N; got {len(queries)} and "
                              f"{len(documents)} items")
-    scores = await _pair_scores(request, queries, documents, body)
+    scores, _ = await _pair_scores(request, queries, documents, body, (first, second))
     tokens = server.count_tokens(scores)
     data = [{"index": i, "object": "score", "score": s.score} for i, s in enumerate(scores)]
     return list_response("score", server.model_name(body.model), data, tokens)
@@ -151,23 +168,88 @@ def _score_sides(body: ScoreRequest) -> tuple[str, str]:
 
 
 async def _pair_scores(request: Request, queries: list[str], documents: list[str], body: _Common,
-                       max_tokens_per_doc: int | None = None) -> list:
-    """The API's `score` of the pairs (one query against every document, or pair by pair)."""
+                       sides: tuple[str, str], max_tokens_per_doc: int | None = None,
+                       notes: bool = False) -> tuple[list, list[str]]:
+    """The API's `score` of the pairs (one query against every document, or pair by pair), and (`notes`)
+    what was cut. `sides`: the request's names of the queries and the documents."""
     server = request.server
     spec = server.spec
     kind = spec.score_kind
     if body.use_activation is not None and kind != "cross_encoder":
         raise HTTPError(400, f"`use_activation` applies to a cross-encoder's scores; this model scores by the "
                              f"{spec.similarity if kind == 'bi_encoder' else 'MaxSim'} of its embeddings")
+    if max_tokens_per_doc is not None and kind != "cross_encoder":
+        raise HTTPError(400, "max_tokens_per_doc applies to a cross-encoder's pairs; this model embeds each text: "
+                             "use truncate_prompt_tokens")
+    server.check_batch(len(documents))  # (before measuring them)
+    keep = truncation(request, body.truncate_prompt_tokens)
+    cuts = await _long_inputs(request, queries, documents, sides, keep, max_tokens_per_doc, notes)
     images = takes_images(spec)  # (a CLIP model reads a bare string naming a file as that image)
     firsts = [text_prompt(t, images) for t in queries]
     seconds = [text_prompt(t, images) for t in documents]
     # What the pipeline runs: a cross-encoder reads each pair at once; an embedding model embeds each text.
     requests = len(seconds) if kind == "cross_encoder" else len(firsts) + len(seconds)
     params = PoolingParams(use_activation=body.use_activation) if body.use_activation is not None else None
-    return await server.run(requests, server.pipe.ascore(
-        firsts, seconds, pooling_params=params, truncate_prompt_tokens=body.truncate_prompt_tokens,
+    scores = await server.run(requests, server.pipe.ascore(
+        firsts, seconds, pooling_params=params, truncate_prompt_tokens=keep,
         priority=body.priority, max_tokens_per_doc=max_tokens_per_doc), client_inputs=len(seconds))
+    return scores, cuts
+
+
+async def _long_inputs(request: Request, queries: list[str], documents: list[str], sides: tuple[str, str],
+                       keep: int | None, max_doc: int | None, notes: bool) -> list[str]:
+    """vLLM's rule for an over-long input: a 400 naming it and its token count, unless the request
+    (truncate_prompt_tokens; max_tokens_per_doc, for the documents alone) or the operator (--auto-truncate)
+    asks for a cut. The pipeline cuts a pair, and an embedding model's scored texts, and cannot refuse
+    them: they are measured here first (the render workers' tokenizer, no further than the length
+    needs). Returns, where `notes` asks, what was cut (Cohere's meta.warnings)."""
+    server = request.server
+    spec = server.spec
+    refuse = keep is None and not server.settings.auto_truncate
+    measured = spec.score_kind == "cross_encoder" or (spec.multi_vector is None and not spec.routes)
+    if not (refuse or notes) or not measured or takes_images(spec):
+        return []  # (a routed or multi-vector model's texts are cut at each route's length, as ST cuts them)
+    tokenizer = await served_tokenizer(server)
+    limit = spec.default_max_tokens if keep is None else keep
+    name = spec.default_prompt_name  # (the pipeline puts the model's default prompt in front of each query)
+    prompt = model_prompts(spec).get(name, "") if name is not None else ""
+    measure = _pair_cuts if spec.score_kind == "cross_encoder" else _text_cuts
+    return await asyncio.to_thread(measure, tokenizer, prompt, queries, documents, sides, limit, max_doc, refuse)
+
+
+def _pair_cuts(tokenizer, prompt: str, queries: list[str], documents: list[str], sides: tuple[str, str],
+               limit: int, max_doc: int | None, refuse: bool) -> list[str]:
+    """A cross-encoder's pairs, each as the pipeline keeps it: the document cut to max_doc, then the pair."""
+    cuts = []
+    for i, document in enumerate(documents):
+        q = 0 if len(queries) == 1 else i
+        length = tokenizer.measure(prompt + queries[q], document, limit, max_doc)
+        if length.pair_cut:
+            cuts.append(f"`{sides[1]}`[{i}] was cut to {max_doc} tokens (max_tokens_per_doc)")
+        if length.tokens > limit:
+            where = f"request {i}: the pair (`{sides[0]}`{'' if len(queries) == 1 else f'[{q}]'}, `{sides[1]}`[{i}])"
+            if refuse:
+                also = " (or max_tokens_per_doc)" if sides[1] == "documents" else ""
+                raise too_long(where, length.tokens, limit, length.exact, also)
+            cuts.append(f"{where} was cut from {'' if length.exact else 'at least '}{length.tokens} to {limit} "
+                        "tokens, longest first")
+    return cuts
+
+
+def _text_cuts(tokenizer, prompt: str, queries: list[str], documents: list[str], sides: tuple[str, str],
+               limit: int, max_doc: int | None, refuse: bool) -> list[str]:
+    """An embedding model's scored texts, each embedded alone (the model's default prompt in front)."""
+    cuts = []
+    for side, texts in zip(sides, (queries, documents)):
+        for i, text in enumerate(texts):
+            length = tokenizer.measure(prompt + text, None, limit)
+            if length.tokens > limit:
+                where = f"`{side}`" if side == "query" else f"request {i}: `{side}`[{i}]"
+                if refuse:
+                    raise too_long(where, length.tokens, limit, length.exact)
+                cuts.append(f"{where} was cut from {'' if length.exact else 'at least '}{length.tokens} to {limit} "
+                            "tokens")
+    return cuts
 
 
 def _check_scores(spec, api: str) -> None:
@@ -187,7 +269,7 @@ async def classify(request: Request) -> Response:
     prompts = _text_inputs(body, request)
     params = PoolingParams(use_activation=body.use_activation) if body.use_activation is not None else None
     outs = await server.run(len(prompts), server.pipe.aclassify(prompts, pooling_params=params,
-                                                                 **_text_options(body, request)))
+                                                                 **_text_options(body, request, prompts)))
     tokens = server.count_tokens(outs)
     labels = model_labels(server.spec.base_path, server.spec.num_labels)
     data = []
@@ -222,7 +304,7 @@ async def pooling(request: Request) -> Response:
                            normalize=body.use_activation if embedding else None,
                            use_activation=None if embedding else body.use_activation)
     outs = await server.run(len(prompts), server.pipe.aencode(prompts, task=task, pooling_params=params,
-                                                               **_text_options(body, request)))
+                                                               **_text_options(body, request, prompts)))
     tokens = server.count_tokens(outs)
     vector = base64_string if body.encoding_format == "base64" else float_rows
     data = [{"index": i, "object": "pooling", "data": vector(out.data)} for i, out in enumerate(outs)]
@@ -243,9 +325,9 @@ def _text_inputs(body: ClassifyRequest, request: Request) -> list:
     return prompts_of(body.input, request)
 
 
-def _text_options(body: ClassifyRequest, request: Request) -> dict:
+def _text_options(body: ClassifyRequest, request: Request, prompts: list) -> dict:
     return {"priority": body.priority, "truncation_side": body.truncation_side,
-            **long_input_options(request, body.truncate_prompt_tokens)}
+            **long_input_options(request, body.truncate_prompt_tokens, prompts)}
 
 
 def _refuse_given(body: msgspec.Struct, names: tuple[str, ...]) -> None:

@@ -39,7 +39,7 @@ from pooling_pipeline.core.options import TOO_LONG_MARK
 from pooling_pipeline.request_options import model_prompts
 from pooling_pipeline.serve.app import Request, Response, Route
 from pooling_pipeline.serve.http import HTTPError, encode_json, float_rows
-from pooling_pipeline.serve.media import takes_images, text_prompt
+from pooling_pipeline.serve.media import NUMBERS, takes_images, text_prompt, token_ids_refusal
 from pooling_pipeline.serve.rerank_routes import model_labels, rerank_documents
 from pooling_pipeline.serve.tokenizer import served_tokenizer
 
@@ -168,6 +168,8 @@ def _embed_prompts(value: Any, spec) -> list:
     token-id lists. An empty input is TEI's 400."""
     if isinstance(value, str) or (isinstance(value, list) and all(_is_id(x) for x in value)):
         items = [value]
+    elif isinstance(value, list) and all(type(x) in NUMBERS for x in value):  # one input's ids, one of them bad
+        raise HTTPError(422, token_ids_refusal(value, "`inputs`", nonnegative=True))
     elif isinstance(value, list):
         items = value
     else:
@@ -180,6 +182,8 @@ def _embed_prompts(value: Any, spec) -> list:
             prompts.append(text_prompt(item, images))
         elif isinstance(item, list) and all(_is_id(x) for x in item):
             prompts.append({"prompt_token_ids": item})
+        elif isinstance(item, list) and all(type(x) in NUMBERS for x in item):
+            raise HTTPError(422, token_ids_refusal(item, f"`inputs`[{i}]", nonnegative=True))
         else:
             raise HTTPError(422, f"`inputs`[{i}] must be a string or a list of token ids (integers >= 0), got "
                                  f"{type(item).__name__}")
@@ -263,13 +267,10 @@ def _first_too_long(tokenizer, items: list, spec) -> HTTPError | None:
     limit = spec.default_max_tokens
     prompt = _prompt_text(spec, None)
     for i, item in enumerate(items):
-        texts = [prompt + item[0], item[1]] if isinstance(item, tuple) else [prompt + item]
-        specials = tokenizer.num_special_tokens_pair if isinstance(item, tuple) else tokenizer.num_special_tokens
-        budget = max(0, limit - specials)
-        counts = [tokenizer.content_tokens(text, budget) for text in texts]
-        tokens = specials + sum(n for n, _ in counts)
-        if tokens > limit:
-            return _too_long(i, tokens, limit, all(exact for _, exact in counts))
+        text, pair = (prompt + item[0], item[1]) if isinstance(item, tuple) else (prompt + item, None)
+        length = tokenizer.measure(text, pair, limit)
+        if length.tokens > limit:
+            return _too_long(i, length.tokens, limit, length.exact)
     return None
 
 
@@ -448,6 +449,8 @@ async def decode(request: Request) -> Response:
     elif isinstance(ids, list) and all(isinstance(item, list) for item in ids):
         server.check_batch(len(ids), "`ids`")
         batch = ids
+    elif isinstance(ids, list) and all(type(x) in NUMBERS for x in ids):
+        raise HTTPError(422, token_ids_refusal(ids, "`ids`", nonnegative=True))
     else:
         raise HTTPError(422, "`ids` must be a list of token ids (integers >= 0) or a list of such lists")
     tokenizer = await served_tokenizer(server)

@@ -1,6 +1,7 @@
 """The model's tokenizer in the server process, for what a route must answer before (or without)
-the pipeline: TEI's `/tokenize` and `/decode`, and a pair's length where the request forbids truncation (the
-pipeline truncates a cross-encoder's pairs longest-first, as ST does, and has no way to refuse them).
+the pipeline: TEI's `/tokenize` and `/decode`, and a pair's (or a scored text's) length where the request forbids
+truncation (the pipeline truncates a cross-encoder's pairs longest-first, as ST does, and the texts of an
+embedding model's score, and has no way to refuse them).
 
 It is the render workers' own tokenizer (`workers.render.render_backend`: transformers' configured
 backend, ST's do_lower_case, special tokens as ST adds them), so its ids are the ones the model sees.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 
@@ -56,6 +58,30 @@ class ServedTokenizer:
         """Tokens of `text` without special tokens: (count, exact). Past `budget` the count is a
         lower bound: only a prefix was tokenized (a 10 MB text costs what the budget costs)."""
         return self.counter.count_tokens(text, budget)
+
+    def measure(self, text: str, pair: str | None, limit: int, max_pair_tokens: int | None = None) -> Measured:
+        """What the render workers would keep of a text, or of a (text, pair) pair whose second text is
+        first cut to `max_pair_tokens` content tokens (max_tokens_per_doc), before the model's own cut:
+        special tokens included, each text tokenized no further than `limit` (or `max_pair_tokens`)
+        needs to tell."""
+        specials = self.num_special_tokens if pair is None else self.num_special_tokens_pair
+        budget = max(0, limit - specials)
+        first, exact = self.content_tokens(text, budget)
+        if pair is None:
+            return Measured(specials + first, exact, False)
+        second, second_exact = self.content_tokens(pair, max(budget, max_pair_tokens or 0))
+        pair_cut = max_pair_tokens is not None and second > max_pair_tokens
+        if pair_cut:
+            second, second_exact = max_pair_tokens, True
+        return Measured(specials + first + second, exact and second_exact, pair_cut)
+
+
+class Measured(NamedTuple):
+    """A text's (or a pair's) length as `ServedTokenizer.measure` counts it."""
+
+    tokens: int  # special tokens included; a lower bound where not `exact` (the rest was not tokenized)
+    exact: bool
+    pair_cut: bool  # the pair's second text has more content tokens than max_pair_tokens
 
 
 def _byte_positions(text: str):
