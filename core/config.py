@@ -194,6 +194,17 @@ class ModelSpec(msgspec.Struct, kw_only=True):
     static_truncate_left: bool = False  # a StaticEmbedding's tokenizer.json truncates from the left
     multi_vector: MultiVectorSpec | None = None  # ST's MultiVectorEncoder (ColBERT, PyLate layouts)
     adapter: AdapterSpec | None = None  # a PEFT adapter on the transformer, merged at load
+    # A row longer than this runs unpadded, in a forward with only rows of its own length: padding
+    # changes the model's output for a row (Funnel's pooled attention: 0, every row; BigBird's
+    # block-sparse attention: its full-attention switch). None: padded batches are exact.
+    unpadded_above: int | None = None
+    # BigBird's attention_type "block_sparse": block-sparse for a row longer than this, full
+    # attention at or below it -- what transformers picks for one text alone (it switches itself
+    # for good on the first short batch; the engine sets the type before every forward).
+    block_sparse_above: int | None = None
+    # No max length anywhere (no max_seq_length, tokenizer model_max_length or position table): ST
+    # keeps the whole text. With no length from the call, a text over max_model_len is refused, not cut.
+    whole_text: bool = False
 
     @property
     def base_path(self) -> str:

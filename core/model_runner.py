@@ -168,6 +168,10 @@ class ModelRunner:
     def _device_steps(self, on: bool, cuda_graphs: bool | None) -> None:
         """Steps as on an accelerator (see __init__), or as on a CPU (nothing padded, the 2-D mask)."""
         on = on and isinstance(self.model, torch.nn.Module)  # (an OpenVINO model has shapes of its own)
+        if self.spec.unpadded_above is not None:  # (a bucketed shape pads every row: not for these rows)
+            self.backend_info["batching"] = (f"rows over {self.spec.unpadded_above} tokens run unpadded, in forwards "
+                                             "of one length (padding changes this model's output)")
+            on = False
         self.shapes_bucketed = on
         if self.device.type == "cuda":
             self.backend_info["attention"] = sdpa_backends()
@@ -201,7 +205,7 @@ class ModelRunner:
         precision checkpoint to float32, a model running its own code (which `auto` keeps on torch)."""
         from pooling_pipeline.core.openvino_model import checked_cached_conversion
 
-        if (self.spec.logit_score is not None or self.spec.trust_remote_code
+        if (self.spec.logit_score is not None or self.spec.trust_remote_code or self.spec.unpadded_above is not None
                 or (half_checkpoint_dtype(getattr(config, "dtype", None)) is not None and self.dtype == torch.float32)):
             return None
         output = "last_hidden_state" if self.spec.head == "none" and self.spec.sparse is None else "logits"
@@ -250,6 +254,15 @@ class ModelRunner:
             if not isinstance(e, BackendUnavailable):  # a failure, not a refusal: told to the caller too
                 self.backend_info["warnings"] = (f"backend 'auto': OpenVINO failed, the torch backend runs the model "
                                                  f"({reason})")
+        if self.spec.unpadded_above is not None:
+            # Funnel pools with Python-side shapes, BigBird picks its attention by length: a traced
+            # conversion would follow the probe's length only.
+            reason = (f"a {self.spec.model_type!r} model runs each length its own way (see launch), which a traced "
+                      "conversion does not follow")
+            if backend == "openvino":
+                raise ValueError(f"backend='openvino' cannot run model {self.spec.path!r}: {reason}")
+            self._keep_torch(reason)
+            return
             return
         self.backend_info = info
 
@@ -297,6 +310,33 @@ class ModelRunner:
             types = ((np.arange(max_len)[None, :] >= starts[:, None]) & (starts[:, None] >= 0)
                      & (np.arange(max_len)[None, :] < lengths_np[:, None])).astype(np.int64)
         begin, end = start_events(self.device)
+        if self.spec.unpadded_above is not None:
+            return self._launch_unpadded(batch)
+        return self._launch_padded(batch)
+
+    def _launch_unpadded(self, batch: Requests) -> PendingStep:
+        """A model whose output for a row depends on its padding (ModelSpec.unpadded_above: Funnel,
+        BigBird's block-sparse attention): each row longer than `unpadded_above` runs in a forward
+        of rows of its own length only, the shorter ones together, so each text gets the vector ST
+        gives it alone, whatever it was batched with."""
+        lengths = batch.lengths
+        key = np.where(lengths > self.spec.unpadded_above, lengths, 0)
+        if (key == key[0]).all():
+            return self._launch_attention(batch)
+        groups = [np.flatnonzero(key == k) for k in np.unique(key).tolist()]
+        return self._launch_groups(batch, groups, lambda rows: self._launch_attention(batch.select(rows)))
+
+    def _launch_attention(self, batch: Requests) -> PendingStep:
+        """BigBird's attention type set for this forward (ModelSpec.block_sparse_above), as
+        transformers picks it for one text alone, then the forward."""
+        above = self.spec.block_sparse_above
+        if above is not None:
+            longest = int(batch.lengths.max())
+            self.model.base_model.set_attention_type("block_sparse" if longest > above else "original_full")
+        return self._launch_padded(batch)
+
+    def _launch_padded(self, batch: Requests) -> PendingStep:
+        """One forward of the batch's rows, padded to the longest."""
         input_ids = to_device(ids, self.device)
         lengths = to_device(lengths_np, self.device)
         mask = (torch.arange(max_len, device=self.device)[None, :] < lengths[:, None]).long()
@@ -456,8 +496,7 @@ class ModelRunner:
             return self.routes[int(route[0])].launch(batch)
         started = time.perf_counter()
         begin, end = start_events(self.device)
-        groups = [np.flatnonzero(route == r) for r in np.unique(route).tolist()]
-        steps = [self.routes[int(route[rows[0]])].launch(batch.select(rows)) for rows in groups]
+        steps = [launch(rows) for rows in groups]
         record_end(end, self.device)
 
         def finish(arrays: list[np.ndarray]) -> list:
@@ -469,6 +508,12 @@ class ModelRunner:
                 for i, row in enumerate(rows.tolist()):
                     out[row] = part[i]
             return out
+        groups = [np.flatnonzero(route == r) for r in np.unique(route).tolist()]
+        return self._launch_groups(batch, groups, lambda rows: self.routes[int(route[rows[0]])].launch(batch.select(rows)))
+
+    def _launch_groups(self, batch: Requests, groups: list[np.ndarray], launch) -> PendingStep:
+        """One step of several launches, one per group of the batch's rows (`launch(rows)`), their
+        results put back in the batch's order."""
 
         return PendingStep(sum(step.padded for step in steps), [t for step in steps for t in step.host], finish,
                            started, begin, end)

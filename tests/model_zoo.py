@@ -433,6 +433,35 @@ def hf_backbone(target: str | Path, family: str, name: str | None = None) -> str
         if family == "mistral":
             kw["sliding_window"] = None
         return str(_save_hf(model_cls(cfg_cls(**kw)), tok, path))
+    return _attention_variant_backbone(tf, family, path, common)
+
+
+def _attention_variant_backbone(tf, family: str, path: Path, common: dict) -> str:
+    """hf_backbone's families whose attention ST's batching changes (tests/test_architectures.py):
+    BigBird's block-sparse attention, Funnel's pooled attention, XLNet's relative positions."""
+    if family == "big_bird":
+        # Block-sparse attention with blocks of 4 and one random block: transformers runs it for a
+        # batch longer than (5 + 2 * 1) * 4 = 28 tokens and switches to full attention at or below.
+        cfg = tf.BigBirdConfig(vocab_size=30522, hidden_size=HIDDEN, max_position_embeddings=512,
+                               attention_type="block_sparse", block_size=4, num_random_blocks=1, **common)
+        return str(_save_hf(tf.BigBirdModel(cfg, add_pooling_layer=False), None, path))
+    if family == "funnel":
+        # Funnel's own tokenizer (<cls> and <sep> added to the WordPiece vocabulary); a FunnelModel
+        # (with its decoder: one state per input token), pooling once between two blocks of one layer
+        # (with three blocks, transformers' Funnel fails on a 3-token text: ST too).
+        vocab = {w: i for i, w in enumerate(_bundled_vocab())}
+        tok = tf.FunnelTokenizer(vocab=vocab, model_max_length=MAX_LEN)
+        cfg = tf.FunnelConfig(vocab_size=len(tok), block_sizes=[1, 1], num_decoder_layers=1, d_model=HIDDEN, n_head=4,
+                              d_head=8, d_inner=64, initializer_range=INIT_RANGE)
+        return str(_save_hf(tf.FunnelModel(cfg), tok, path))
+    if family == "xlnet":
+        # XLNet's own tokenizer class on the zoo's Unigram pieces: `A <sep> <cls>`, padding on the
+        # left, and no model_max_length (XLNet has relative positions and no position table).
+        specials = ["<unk>", "<s>", "</s>", "<cls>", "<sep>", "<pad>", "<mask>", "<eod>", "<eop>"]
+        tok = tf.XLNetTokenizer(vocab=[(s, 0.0) for s in specials] + list(_unigram_pieces()))
+        cfg = tf.XLNetConfig(vocab_size=len(tok), d_model=HIDDEN, n_layer=2, n_head=4, d_inner=64,
+                             pad_token_id=tok.pad_token_id, initializer_range=INIT_RANGE)
+        return str(_save_hf(tf.XLNetModel(cfg), tok, path))
     raise ValueError(f"unknown family {family!r}")
 
 

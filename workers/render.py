@@ -513,8 +513,13 @@ class Renderer:
         count, exact = self.tokenizer.count_tokens(text, budget)
         if count > budget:
             total = count + self.tokenizer.num_special_tokens
+            why = ""
+            if self.spec.whole_text and max_tokens == self.spec.max_model_len:  # (the call gave no length)
+                why = (f": the model has no max length, so sentence-transformers keeps the whole text, and the "
+                       f"pipeline keeps up to {max_tokens} tokens whole rather than cut it; pass "
+                       "truncate_prompt_tokens to cut it, or long_inputs='chunk'")
             raise ValueError(f"prompt has {'' if exact else 'at least '}{total} tokens, more than the "
-                             f"{max_tokens} this call keeps {TOO_LONG_MARK}")
+                             f"{max_tokens} this call keeps {TOO_LONG_MARK}{why}")
 
     def _chunks(self, text: str, opts: RenderOptions) -> list[list[int]]:
         """Chunk mode: the whole document in chunks of `max_tokens` (special tokens included),

@@ -18,6 +18,7 @@ from pooling_pipeline.core.model_folder.transformer_config import (
     check_remote_code,
     check_text_model,
     model_lengths,
+    padding_rules,
     transformer_config,
     widths,
 )
@@ -43,7 +44,7 @@ def spec_of_layout(root: Path, st: STLayout, trust_remote_code: bool) -> ModelSp
     check_text_model(config, model_type, path)
     hidden_size, vocab_size = widths(config, model_type, path)
     check_encoder_only(config, model_type)
-    max_model_len, default_max_tokens = model_lengths(st.max_seq_length, config, model_type, path)
+    lengths = model_lengths(st.max_seq_length, config, model_type, path)
     architectures = [str(a) for a in config.get("architectures") or []]
     head = _head(st.task, architectures)
     num_labels = 1 if head == "causal_lm" else _num_labels(config)  # ST: a LogitScore gives one score
@@ -57,8 +58,9 @@ def spec_of_layout(root: Path, st: STLayout, trust_remote_code: bool) -> ModelSp
         hidden_size=hidden_size,
         embedding_size=_embedding_size(hidden_size, st),
         vocab_size=vocab_size,
-        max_model_len=max_model_len,
-        default_max_tokens=default_max_tokens,
+        max_model_len=lengths.max_model_len,
+        default_max_tokens=lengths.default_max_tokens,
+        whole_text=lengths.whole_text,
         pooling=st.pooling,
         head_modules=st.head_modules,
         # Late-interaction (ColBERT) token vectors are compared normalized: part of the model.
@@ -82,6 +84,7 @@ def spec_of_layout(root: Path, st: STLayout, trust_remote_code: bool) -> ModelSp
         logit_score=st.logit_score,
         chat_pairs=st.chat_pairs,
         adapter=adapter,
+        **padding_rules(config, model_type, path),
     )
     return with_multi_vector(spec, st, path)
 

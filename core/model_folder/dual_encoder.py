@@ -76,7 +76,7 @@ def dual_encoder_spec(st: STLayout) -> ModelSpec:
     vision = {**family["vision"], **(config.get("vision_config") or {})}
     width = config.get("projection_dim", family["projection_dim"]) if family["projection_dim"] else \
         text.get("projection_size") or text["hidden_size"]
-    max_model_len, default_max_tokens = model_lengths(st.max_seq_length, text, f"{model_type}_text_model", path)
+    max_model_len, default_max_tokens, _ = model_lengths(st.max_seq_length, text, f"{model_type}_text_model", path)
     return ModelSpec(
         path=str(path.resolve()), model_type=model_type, architectures=[str(a) for a in config.get("architectures") or []],
         hidden_size=int(width), embedding_size=dense_chain_width(int(width), st.head_modules),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import NamedTuple
 
 from pooling_pipeline.core.config import ENCODER_ONLY_CLASSES
 from pooling_pipeline.core.model_folder.st_files import read_json, read_optional_json
@@ -144,19 +145,30 @@ def check_encoder_only(config: dict, model_type: str) -> None:
                          f"{sorted(ENCODER_ONLY_CLASSES)} are supported")
 
 
-# When the caller gives no max length and nothing bounds it (no max_seq_length, no tokenizer
-# model_max_length, no position table): ST would keep the whole text; the pipeline keeps this many.
-UNBOUNDED_FALLBACK = 512
+# A model with no max length anywhere (no max_seq_length, no tokenizer model_max_length, no position
+# table: XLNet, for one): ST keeps the whole text, so the pipeline keeps it whole up to this many
+# tokens and refuses a longer one (naming its length) unless the call gives a length. Why this
+# bound: attention over relative positions grows with the square of the length -- one 2,048-token
+# text through XLNet-base (768 wide, 12 heads) peaked at 1.5 GB above the model on a CPU, one of
+# 8,192 passed 16 GB before it was stopped -- and 2,048 is the CPU engine's default step budget.
+WHOLE_TEXT_MAX_TOKENS = 2048
 
 
-def model_lengths(max_seq_length: int | None, config: dict, model_type: str, path: Path) -> tuple[int, int]:
-    """(max_model_len, default_max_tokens): the most tokens the model takes, and what is kept of
-    a text when the caller says nothing -- ST's rule, exactly:
+class Lengths(NamedTuple):
+    max_model_len: int  # the most tokens the model takes
+    default_max_tokens: int  # what is kept of a text when the caller says nothing
+    whole_text: bool  # ST keeps the whole text (see WHOLE_TEXT_MAX_TOKENS)
+
+
+def model_lengths(max_seq_length: int | None, config: dict, model_type: str, path: Path) -> Lengths:
+    """The most tokens the model takes, and what is kept of a text when the caller says nothing --
+    ST's rule, exactly:
 
     - an old layout's `max_seq_length` (sentence_bert_config.json; None where it has none) is the tokenizer's model_max_length
       as it is, uncapped;
     - else the tokenizer's `model_max_length`, capped at the config's max_position_embeddings
-      (under its family's name too) where it has one (and it is not -1).
+      (under its family's name too) where it has one (and it is not -1);
+    - else nothing: ST keeps the whole text, the pipeline up to WHOLE_TEXT_MAX_TOKENS (`whole_text`).
 
     Where that is more than an absolute position table holds (BERT-like, GPT-2), ST fails on a
     longer text; the pipeline keeps what the table holds instead. Rotary, ALiBi and relative
@@ -169,11 +181,11 @@ def model_lengths(max_seq_length: int | None, config: dict, model_type: str, pat
         if positions is not None:
             kept = positions if kept is None else min(kept, positions)
     table = _position_table(config, model_type, positions)
-    if kept is None:
-        kept = table or UNBOUNDED_FALLBACK
     if table is not None:
-        return table, min(kept, table)
-    return max(kept, positions or 0), kept
+        return Lengths(table, min(kept or table, table), False)
+    if kept is None:
+        return Lengths(WHOLE_TEXT_MAX_TOKENS, WHOLE_TEXT_MAX_TOKENS, True)
+    return Lengths(max(kept, positions or 0), kept, False)
 
 
 def _position_table(config: dict, model_type: str, positions: int | None) -> int | None:
@@ -197,3 +209,35 @@ def tokenizer_max_length(path: Path) -> int | None:
     if isinstance(value, (int, float)) and 0 < value < 1e9:  # the library writes ~1e30 for "no limit"
         return int(value)
     return None
+
+
+# BigBirdConfig's defaults (config.json written by save_pretrained leaves out values at their default).
+BIG_BIRD_DEFAULTS = {"attention_type": "block_sparse", "block_size": 64, "num_random_blocks": 3}
+
+
+def padding_rules(config: dict, model_type: str, path: Path) -> dict[str, int]:
+    """ModelSpec's `unpadded_above` / `block_sparse_above` for the families whose output for a row
+    depends on the rows it is padded with (so that ST's vector for a text depends on its batch);
+    the engine gives each text the vector ST gives it alone:
+
+    - Funnel Transformer: its attention pools the sequence (stride 2) with the padding in it, and
+      its relative positions are built for the padded length (ST batched against one text at a
+      time: up to 0.25 apart on a tiny model) -- every row runs at its own length.
+    - BigBird with attention_type "block_sparse": its first and last blocks attend globally, so the
+      padding at the end changes every row's attention; and transformers switches the model to
+      full attention, for good, the first time a batch is no longer than
+      (5 + 2 * num_random_blocks) * block_size tokens. Alone, a text that short gets full attention,
+      a longer one block-sparse attention: the engine picks the type for each forward by that rule,
+      and runs the longer rows at their own length."""
+    if model_type == "funnel":
+        if "FunnelBaseModel" in (config.get("architectures") or []):
+            raise ValueError(f"{str(path)!r} holds a FunnelBaseModel, whose output is pooled to a shorter sequence "
+                             "than its input: ST pools those pooled states, which the pipeline does not support "
+                             "(a FunnelModel, with its decoder, is supported)")
+        return {"unpadded_above": 0}
+    if model_type == "big_bird":
+        big_bird = {**BIG_BIRD_DEFAULTS, **{k: config[k] for k in BIG_BIRD_DEFAULTS if k in config}}
+        if big_bird["attention_type"] == "block_sparse":
+            full_up_to = (5 + 2 * int(big_bird["num_random_blocks"])) * int(big_bird["block_size"])
+            return {"unpadded_above": full_up_to, "block_sparse_above": full_up_to}
+    return {}
