@@ -606,6 +606,7 @@ def _or_die(fn, log):
 
 
 def main(argv: list[str]) -> int:
+    leave_owner_signals()  # Ctrl-C or a supervisor's SIGTERM to the whole group: the frontend's to handle
     with open(argv[1], "rb") as f:  # the config file the group wrote (see ProcessGroup._spawn)
         cfg = msgspec.json.decode(f.read(), type=EngineConfig)
     key = take_group_key()
@@ -629,4 +630,3 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     exit_process(main(sys.argv))
-    leave_owner_signals()  # Ctrl-C or a supervisor's SIGTERM to the whole group: the frontend's to handle
