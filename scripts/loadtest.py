@@ -108,15 +108,75 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
+# The engine's CUDA-graph counters in stats()["engine"], by the names engines have used: the first present
+# is read (None: this engine does not count them, printed "n/a").
+GRAPH_COUNTERS = {"graphs_captured": ("graphs_captured", "cuda_graphs_captured"),
+                  "eager_steps": ("eager_steps", "cuda_graphs_eager_steps")}
+
+
+def graph_counts(engine: dict) -> dict[str, float | None]:
+    """The engine's graph counters (cumulative since its start) from stats()["engine"], None where absent."""
+    return {name: next((float(engine[k]) for k in keys if engine.get(k) is not None), None)
+            for name, keys in GRAPH_COUNTERS.items()}
+
+
+def fresh_graph_counts(pipe) -> dict[str, float | None]:
+    """graph_counts after one more heartbeat (they travel with it, once a second), so that captures made
+    just before are in; no wait where the engine counts no graphs (a CPU, the simulated device)."""
+    from pooling_pipeline.core.runtime import HEARTBEAT_INTERVAL_S
+
+    counts = graph_counts(pipe.stats()["engine"])
+    if all(v is None for v in counts.values()):
+        return counts
+    time.sleep(HEARTBEAT_INTERVAL_S + 0.25)
+    return graph_counts(pipe.stats()["engine"])
+
+
+def window_figures(call: dict, graphs_before: dict, graphs_after: dict, engine_cpu_s: float) -> dict:
+    """What happened in the engine during a timed window, from its call's stats (stats() counts one call):
+    steps, texts a step, device ms a step (the steps' own time: events on CUDA), host ms a step (the
+    engine process's CPU, its IO threads included), and the graphs captured and eager steps in it
+    (None where the engine does not count them)."""
+    steps = call["batches"]
+    per = 1e3 / steps if steps else float("nan")
+    counted = {name: (graphs_after[name] - graphs_before[name] if graphs_after[name] is not None
+                      and graphs_before[name] is not None else None) for name in GRAPH_COUNTERS}
+    return {"steps": steps, "texts_per_step": call["requests"] / steps if steps else 0.0,
+            "device_ms_per_step": call["engine_busy_s"] * per, "host_ms_per_step": engine_cpu_s * per, **counted}
+
+
+def format_window(window: dict) -> str:
+    """"61 texts/step, host 0.42 ms/step, device 1.10 ms/step, graphs captured 0, eager steps 0" ("n/a": not counted)."""
+    def count(name: str) -> str:
+        return "n/a" if window.get(name) is None else f"{window[name]:.0f}"
+
+    return (f"{window['texts_per_step']:.0f} texts/step, host {window['host_ms_per_step']:.2f} ms/step, "
+            f"device {window['device_ms_per_step']:.2f} ms/step, graphs captured {count('graphs_captured')}, "
+            f"eager steps {count('eager_steps')} (in the timed window: {window['steps']} steps)")
+
+
+def warm_up(pipe, feed: list, count: int, max_seconds: float | None, max_tokens: int | None = None) -> int:
+    """The first `count` inputs of the run's own feed (the timed window's distribution), stopped after
+    `max_seconds`: the shapes the window will see are met (graphs captured, allocator blocks made) first."""
+    start, done = time.perf_counter(), 0
+    for _ in pipe.embed_stream(iter(feed[:count]), truncate_prompt_tokens=max_tokens):
+        done += 1
+        if max_seconds is not None and time.perf_counter() - start > max_seconds:
+            break
+    return done
+
+
 def run_once(model: str | None, workers: int, threads: int | None, texts: list, max_seconds: float,
-             batch_shape: dict, pipeline_kwargs: dict | None = None, max_tokens: int | None = None) -> dict:
+             batch_shape: dict, pipeline_kwargs: dict | None = None, max_tokens: int | None = None,
+             warmup: int = 256, warmup_seconds: float | None = None) -> dict:
     kwargs = {} if threads is None else {"engine_threads": threads}
     with Pipeline(model=model, num_render_workers=workers, **batch_shape, **kwargs, **(pipeline_kwargs or {})) as pipe:
-        pipe.embed(texts[:256], use_tqdm=False)  # warm-up
+        warmed = warm_up(pipe, texts, warmup, warmup_seconds, max_tokens)
         pids = {"frontend": os.getpid(), "engine": pipe.pids["engine"]}
         # Data parallel: the other engine cores are sampled too and folded into "engine" below.
         pids.update({f"engine{k}": p for k, p in enumerate(pipe.pids.get("engines", [])) if k})
         pids.update({f"worker{i}": p for i, p in enumerate(pipe.pids["workers"])})
+        graphs_before = fresh_graph_counts(pipe)
         sampler = Sampler(pids)
         cpu_before = cpu_seconds(pids)
         start = time.perf_counter()
@@ -129,8 +189,10 @@ def run_once(model: str | None, workers: int, threads: int | None, texts: list, 
                 break
         wall = time.perf_counter() - start
         cpu_after = cpu_seconds(pids)
+        stats = pipe.stats()  # (the window's call: stats() counts the last call)
         procs = sampler.finish()
-        stats = pipe.stats()
+        window = window_figures(stats, graphs_before, fresh_graph_counts(pipe),
+                                sum(cpu_after[n] - cpu_before[n] for n in pids if n.startswith("engine")))
     for name in procs:  # CPU microseconds per request, per process (the frontend's includes this loop)
         procs[name]["cpu_us_per_request"] = 1e6 * (cpu_after[name] - cpu_before[name]) / max(done, 1)
     for name in [n for n in procs if n.startswith("engine") and n != "engine"]:  # all engine cores together
@@ -144,7 +206,7 @@ def run_once(model: str | None, workers: int, threads: int | None, texts: list, 
             "requests": done, "complete": complete, "wall_s": wall, "requests_per_s": done / wall,
             "tokens_per_s": stats["prompt_tokens"] / wall, "engine_busy": stats["engine_busy_fraction"],
             "padding_efficiency": 1 - stats["padding_fraction"], "max_inflight": stats["max_inflight_seen"],
-            "max_in_core": stats["max_in_core_seen"], "processes": procs,
+            "max_in_core": stats["max_in_core_seen"], "processes": procs, "warmup_requests": warmed, "window": window,
             "stages": stats["stages"], "queue_depths": stats["queue_depths"], "stats_lines": format_stats(stats),
             "batches": stats["batches"], "padded_tokens": stats["padded_tokens"]}
 
@@ -265,6 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "cost from the text runs and the engine's and frontend's from the ids runs)")
     ap.add_argument("--max-tokens", type=int, default=None, help="truncate_prompt_tokens for every request")
     ap.add_argument("--max-seconds", type=float, default=120)
+    ap.add_argument("--warmup", type=int, default=256,
+                    help="inputs of the run's own feed embedded before its timed window (default 256)")
+    ap.add_argument("--warmup-seconds", type=float, default=None, help="stop the warm-up after this long")
     ap.add_argument("--repeats", type=int, default=None,
                     help="runs of each setting; the tables show medians (default: 3 with a simulated regime, else 1)")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: 256 tiny, the Pipeline's default real")
@@ -494,12 +559,12 @@ def run_all(args: argparse.Namespace, model: str | None, feeds: dict[str, list],
                 tries = []
                 for _ in range(repeats):
                     run = run_once(model, workers, threads, feed, args.max_seconds, batch_shape, pipeline_kwargs,
-                                   args.max_tokens)
+                                   args.max_tokens, args.warmup, args.warmup_seconds)
                     tries.append(run)
                     print(f"inputs {kind}, workers {workers} threads {run['engine_threads']}: "
                           f"{run['requests_per_s']:,.0f} req/s, engine busy {run['engine_busy']:.0%}, CPU us/request "
-                          + " / ".join(f"{name} {v['cpu_us_per_request']:.1f}" for name, v in run["processes"].items()),
-                          flush=True)
+                          + " / ".join(f"{name} {v['cpu_us_per_request']:.1f}" for name, v in run["processes"].items())
+                          + f"; {format_window(run['window'])}", flush=True)
                 run = median_run(tries)
                 run["inputs"] = kind
                 runs.append(run)
