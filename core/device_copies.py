@@ -39,6 +39,24 @@ def use_device(device: torch.device) -> torch.device:
     return device
 
 
+# What a CUDA error that leaves the process's context unusable says (torch raises RuntimeError or its
+# subclass torch.AcceleratorError with "CUDA error: <this>"): after one, every later CUDA call of the
+# process fails the same way, so a step retried request by request would fail each request in turn on
+# a dead device while the engine looked alive. Out of memory, a shape or dtype error: not sticky.
+STICKY_CUDA_ERRORS = ("device-side assert triggered", "an illegal memory access was encountered",
+                      "unspecified launch failure", "an illegal instruction was encountered", "misaligned address",
+                      "uncorrectable ECC error encountered", "the launch timed out and was terminated",
+                      "hardware stack error")
+
+
+def sticky_device_error(error: BaseException) -> str | None:
+    """The sticky CUDA error `error` reports (STICKY_CUDA_ERRORS' phrase), or None for any other error."""
+    if not isinstance(error, RuntimeError):
+        return None
+    text = str(error)
+    return next((phrase for phrase in STICKY_CUDA_ERRORS if phrase in text), None)
+
+
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """`array` on `device`; on CUDA through pinned memory, so the copy does not hold up the host."""
     tensor = torch.from_numpy(array)

@@ -12,7 +12,8 @@ loop only schedules, collates and launches while socket work happens beside it.
     simulated device) it launches the next step before it waits for the previous one, so the
     device is never idle while the host collates; a CPU step is finished as soon as launched.
     A step that raises is retried request by request, so only the culprit fails; it is dropped
-    by external id and reported; the loop goes on. A failed chunk fails its whole document: the
+    by external id and reported; the loop goes on (after a sticky CUDA error, which kills the
+    device's context, the engine core exits instead: `_end_if_device_lost`). A failed chunk fails its whole document: the
     document's other chunks are dropped by external id (waiting, in the failed step, or still on
     their way), never computed for nothing;
   * the output thread packs each finished step's results, encodes and sends them.
@@ -38,6 +39,7 @@ from pooling_pipeline.core import messages as m
 from pooling_pipeline.core.columns import Requests, invalid_rows, task_lookup
 from pooling_pipeline.core.config import EngineConfig
 from pooling_pipeline.core.content_hash import cache_root
+from pooling_pipeline.core.device_copies import sticky_device_error
 from pooling_pipeline.core.families import family_of
 from pooling_pipeline.core.runtime import (
     BusyClock,
@@ -45,8 +47,8 @@ from pooling_pipeline.core.runtime import (
     addressed_socket,
     exit_process,
     exit_with_parent,
-    release_free_memory,
     leave_owner_signals,
+    release_free_memory,
     run_maybe_profiled,
     setup_logging,
     socket,
@@ -54,11 +56,11 @@ from pooling_pipeline.core.runtime import (
     start_heartbeat,
     take_group_key,
 )
-from pooling_pipeline.core.scheduler import Scheduler
+from pooling_pipeline.core.scheduler import MIN_ROWS_CUT, Scheduler
 from pooling_pipeline.core.serial import Decoder, Encoder
 from pooling_pipeline.core.step_cost import StepCostModel, remembered_probe
 from pooling_pipeline.core.step_runner import StepRunner
-from pooling_pipeline.core.step_shapes import bucket_shape
+from pooling_pipeline.core.step_shapes import bucket_shape, scheduled_shapes
 
 IDLE_WAIT_S = 0.5
 LAUNCH_AHEAD_ENV = "POOLING_PIPELINE_LAUNCH_AHEAD"
@@ -66,6 +68,10 @@ LAUNCH_AHEAD_ENV = "POOLING_PIPELINE_LAUNCH_AHEAD"
 # logic on its CPU stand-in -- so the tests drive the whole device path without a GPU; =0 turns
 # them off anywhere (to measure what they are worth).
 DEVICE_STEPS_ENV = "POOLING_PIPELINE_DEVICE_STEPS"
+# =0: no CUDA graphs captured at start-up -- each shape is captured the first time a step takes it,
+# as before the start-up plan (to measure what the plan is worth; a test on the eager CPU stand-in
+# that is about something else: there each capture is four eager forwards, MiniLM's plan minutes).
+GRAPH_PLAN_ENV = "POOLING_PIPELINE_GRAPH_PLAN"
 # Batches of ever-changing shapes fragment the C heap: freed memory stays in the process unless it
 # is handed back now and then (a soak of 1M requests grew the engine by 124 MB without this).
 TRIM_EVERY_STEPS = 256
@@ -80,6 +86,8 @@ MAX_OVERHEAD_TOKENS = 1 << 16
 # than its window in flight, so older entries can only be strays.
 MAX_REMEMBERED_ABORTS = 1 << 20
 MAX_REMEMBERED_ABORTED_CALLS = 1 << 16
+# The exit code of an engine core whose CUDA context a sticky error killed (see `_end_if_device_lost`).
+DEVICE_LOST_EXIT = 71
 
 
 class Window:
@@ -190,6 +198,10 @@ class EngineCore:
         # when a step is mostly overhead (a small model, a GPU) and keep them tight when not.
         # A short probe seeds it; every finished step refines it (`StepCostModel`).
         loaded = time.perf_counter()
+        # The CUDA graphs of every step shape the scheduler can cut, captured before the probe (whose
+        # steps then replay them, as served steps will) and before serving: none is captured later.
+        self.graph_plan = self._capture_graphs()
+        captured = time.perf_counter()
         try:
             overhead_s, per_token_s, probe = self._probe_step_cost()
         except Exception as e:  # a model that cannot run a synthetic batch still serves
@@ -199,7 +211,10 @@ class EngineCore:
         self.step_cost = StepCostModel(overhead_s, per_token_s, MAX_OVERHEAD_TOKENS)
         # Where the start-up went (stats()["engine"]; scripts/bench_startup.py prints them).
         self.startup = {"startup_torch_import_s": round(started - importing, 3), "startup_load_s": round(loaded - started, 3),
-                        "startup_probe_s": round(time.perf_counter() - loaded, 3), "startup_probe": probe}
+                        "startup_graphs_s": round(captured - loaded, 3),
+                        "startup_probe_s": round(time.perf_counter() - captured, 3), "startup_probe": probe}
+        if self.graph_plan:  # (a shape without a graph runs eager from here)
+            self.runner.end_startup()
         # Where the runner pads steps to bucketed shapes (on a device), batches are counted in them.
         cap = cfg.model.max_model_len
         shape = (lambda rows, longest: bucket_shape(rows, longest, max(cap, longest))) \
@@ -220,6 +235,16 @@ class EngineCore:
         self.clock = BusyClock()
         self.aborted_requests = 0  # dropped by aborts, waiting or on their way in (a server's disconnects)
         self._graphs_off_told = False
+
+    def _capture_graphs(self) -> dict:
+        """The runner's CUDA graphs for the bucketed shapes the scheduler can cut (step_shapes.
+        scheduled_shapes, with this engine's limits), captured now; their start-up facts, or {}."""
+        capture = getattr(self.runner, "capture_graphs", None)
+        if capture is None or not getattr(self.runner, "shapes_bucketed", False) or os.environ.get(GRAPH_PLAN_ENV) == "0":
+            return {}
+        shapes = scheduled_shapes(self.cfg.max_num_seqs, self.max_num_batched_tokens, self.cfg.model.max_model_len,
+                                  MIN_ROWS_CUT)
+        return capture(shapes)
 
     def _probe_step_cost(self) -> tuple[float, float, str]:
         """The step cost's seed: probed once per model, backend, precision, device and threads, then
@@ -246,7 +271,7 @@ class EngineCore:
         return {"device": str(self.runner.device), "dtype": str(self.runner.dtype).removeprefix("torch."),
                 "torch_threads": torch.get_num_threads(),
                 "max_num_batched_tokens": self.max_num_batched_tokens,
-                **self.step_cost.info(), "launch_ahead": self.launch_ahead, **self.startup,
+                **self.step_cost.info(), "launch_ahead": self.launch_ahead, **self.startup, **self.graph_plan,
                 **getattr(self.runner, "backend_info", {"backend": "sim"})}
 
     def running_info(self) -> dict:
@@ -366,7 +391,8 @@ class EngineCore:
 
     def _isolate(self, batch: Requests, in_core: int, error: Exception) -> None:
         """A step failed. One bad input must not cost its batch: each request runs alone, so
-        only the culprit fails and the others get their results."""
+        only the culprit fails and the others get their results (not after a sticky CUDA error)."""
+        self._end_if_device_lost(error)
         if len(batch) == 1:
             self._fail_step(batch, error)
             return
@@ -381,9 +407,25 @@ class EngineCore:
                 with self.clock:
                     results, padded = self.runner.run(request)
             except Exception as e:
+                self._end_if_device_lost(e)
                 self._fail_step(request, e)
                 continue
             self._send_results(request, results, padded, time.perf_counter() - start, in_core)
+
+    def _end_if_device_lost(self, error: Exception) -> None:
+        """Ends the engine core after a sticky CUDA error (device_copies.sticky_device_error): its
+        context is dead, every later step would fail the same way, and retrying the step request by
+        request failed each request in turn while the engine looked alive. The process exits with
+        DEVICE_LOST_EXIT after saying why; the group handles it as an engine core that died (every
+        running call: EngineDeadError with this message)."""
+        phrase = sticky_device_error(error)
+        if phrase is None:
+            return
+        self.log.critical("the device's CUDA context is lost (%s: %s): no step can run on it any more, so the engine "
+                          "core exits (code %d) rather than fail every request in turn; a new engine core (a new "
+                          "Pipeline, a restarted server) gets a fresh context", type(error).__name__, error,
+                          DEVICE_LOST_EXIT)
+        exit_process(DEVICE_LOST_EXIT)
 
     def _fail_step(self, batch: Requests, error: Exception) -> None:
         self.log.error("step failed for %s: %s: %s", list(zip(batch.calls.tolist(), batch.indices.tolist())),

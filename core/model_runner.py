@@ -13,7 +13,7 @@ from pooling_pipeline.core.attention_mask import choose_mask, sdpa_backends
 from pooling_pipeline.core.checkpoint_precision import checkpoint_distance, half_checkpoint_dtype
 from pooling_pipeline.core.columns import Requests, option_groups, probe_batch
 from pooling_pipeline.core.config import ENCODER_ONLY_CLASSES, ModelSpec
-from pooling_pipeline.core.cuda_graphs import CudaGraphs, EagerStandIn, GraphedForward
+from pooling_pipeline.core.cuda_graphs import CudaGraphs, EagerStandIn, GraphedForward, capture_plan
 from pooling_pipeline.core.device_copies import finish_step, record_end, start_events, to_device, to_host, use_device
 from pooling_pipeline.core.openvino_model import clear_padding
 from pooling_pipeline.core.options import TASKS
@@ -40,14 +40,54 @@ def resolve_device(device: str) -> torch.device:
     return use_device(torch.device(device))
 
 
-def resolve_dtype(dtype: str, device: torch.device, config_dtype: object) -> torch.dtype:
+# Families whose activations pass float16's range (65,504) and come out inf / NaN there. T5-style
+# encoders: transformers clamps their hidden states in float16 (modeling_t5's "clamp inf values")
+# and pretrained T5 / mT5 are known to give NaNs in it; they were trained in bfloat16. Gemma:
+# EmbeddingGemma's card says its "activations do not support float16", and transformers' Gemma
+# models scale their embeddings by sqrt(hidden) in the model's dtype. Never run in float16 here.
+FLOAT16_OVERFLOWS = frozenset({"t5", "mt5", "umt5", "longt5", "switch_transformers",
+                               "gemma", "gemma2", "gemma3", "gemma3_text"})
+
+
+def bfloat16_units(device: torch.device) -> bool:
+    """Whether a CUDA device computes bfloat16 natively: compute capability 8.0 (Ampere) or newer, or
+    ROCm. (torch.cuda.is_bf16_supported() says True on older GPUs too, through emulation: slow.)"""
+    return bool(torch.version.hip) or torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def resolve_dtype(dtype: str, device: torch.device, config_dtype: object, model_type: str = "") -> torch.dtype:
+    return choose_dtype(dtype, device, config_dtype, model_type)[0]
+
+
+def choose_dtype(dtype: str, device: torch.device, config_dtype: object, model_type: str = "") -> tuple[torch.dtype, str | None]:
+    """The dtype the model runs in, and what `auto` chose on an accelerator and why (None: nothing to
+    say). `auto`: float32 on a CPU (half precision is slower there on most CPUs); on CUDA bfloat16
+    where the device has bfloat16 units (float32's range: nothing overflows), the checkpoint's
+    float16 kept, float16 only on a GPU without bfloat16 units -- and never float16 for a family
+    that overflows in it (FLOAT16_OVERFLOWS): float32 then, said. dtype="float16" for such a family
+    is refused."""
+    overflows = model_type in FLOAT16_OVERFLOWS
+    if dtype == "float16" and overflows:
+        raise ValueError(f"dtype='float16' cannot run a {model_type!r} model: its activations overflow float16's "
+                         "range (inf / NaN vectors); pass dtype='bfloat16' (on a GPU with bfloat16 units) or "
+                         "dtype='float32'")
     if dtype != "auto":
-        return DTYPES[dtype]
-    if device.type == "cpu":
-        return torch.float32  # half precision is slower than float32 on most CPUs
-    if str(config_dtype) in ("bfloat16", "torch.bfloat16") and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return torch.float16
+        return DTYPES[dtype], None
+    if device.type != "cuda":
+        return torch.float32, None
+    checkpoint = half_checkpoint_dtype(config_dtype)
+    stored = str(checkpoint or torch.float32).removeprefix("torch.")
+    if bfloat16_units(device):
+        chosen = torch.float16 if checkpoint == torch.float16 and not overflows else torch.bfloat16
+        units = "bfloat16 units"
+    else:
+        chosen = torch.float32 if overflows else torch.float16
+        units = "no bfloat16 units"
+    major, minor = (0, 0) if torch.version.hip else torch.cuda.get_device_capability(device)
+    capability = "ROCm" if torch.version.hip else f"compute capability {major}.{minor}"
+    why = f"; not float16: a {model_type!r} model overflows in float16" if overflows else ""
+    return chosen, (f"{str(chosen).removeprefix('torch.')} for a {stored} checkpoint on {device} ({capability}, "
+                    f"{units}){why}")
 
 
 def _model_class(spec: ModelSpec):
@@ -109,7 +149,7 @@ class ModelRunner:
         self.spec = spec
         self.device = resolve_device(device)
         config = AutoConfig.from_pretrained(spec.base_path, trust_remote_code=spec.trust_remote_code)
-        self.dtype = resolve_dtype(dtype, self.device, getattr(config, "dtype", None))
+        self.dtype, dtype_auto = choose_dtype(dtype, self.device, getattr(config, "dtype", None), spec.model_type)
         openvino_precision = self._openvino_precision(backend, quantize)
         self._cache_warnings: list[str] = []  # a damaged cache entry met on the way: told to the caller
         cached = (self._checked_cached_conversion(config, threads, openvino_precision)
@@ -148,7 +188,8 @@ class ModelRunner:
         precision_note = (checkpoint_distance(self, checkpoint)
                           if checkpoint is not None and self.dtype == torch.float32 and self.device.type == "cpu"
                           and shared_model is None else {})
-        self.backend_info: dict = {"backend": "torch", **precision_note}
+        self.backend_info: dict = {"backend": "torch", **precision_note,
+                                   **({"dtype_auto": dtype_auto} if dtype_auto else {})}
         if quantize is not None and shared_model is None:
             self.model = quantized(self.model, quantize)
             self.backend_info["quantize"] = quantize
@@ -198,6 +239,21 @@ class ModelRunner:
         """The CUDA graphs' counts (captured, replays, eager steps; why they were turned off), or {}."""
         return self.graphed.stats() if getattr(self, "graphed", None) is not None else {}
 
+    def capture_graphs(self, shapes: list[tuple[int, int]]) -> dict:
+        """The CUDA graphs of these bucketed step shapes captured now, before serving (the engine's
+        start: core/cuda_graphs.capture_plan), each through a synthetic step of its shape; the start-up
+        facts, or {} where the forward is not graphed (a Router's routes capture as they go)."""
+        if getattr(self, "graphed", None) is None:
+            return {}
+        token = min(1000, self.spec.vocab_size - 1)
+        return capture_plan(self.graphed, shapes,
+                            lambda rows, length: self.run(probe_batch(rows, length, token, self.spec.tasks[0])))
+
+    def end_startup(self) -> None:
+        """Serving starts: a step shape without a graph runs eager from now on, counted."""
+        if getattr(self, "graphed", None) is not None:
+            self.graphed.seal()
+
     def _checked_cached_conversion(self, config, threads: int, precision: str):
         """OpenVINO's cached conversion when it can stand in for the torch module from the start
         (core/openvino_model.checked_cached_conversion), else None. Not for what needs the torch
@@ -239,6 +295,15 @@ class ModelRunner:
             self._keep_torch("the model runs its own code (trust_remote_code), which a traced conversion may "
                              "not follow")
             return
+        if self.spec.unpadded_above is not None:
+            # Funnel pools with Python-side shapes, BigBird picks its attention by length: a traced
+            # conversion would follow the probe's length only.
+            reason = (f"a {self.spec.model_type!r} model runs each length its own way (see launch), which a traced "
+                      "conversion does not follow")
+            if backend == "openvino":
+                raise ValueError(f"backend='openvino' cannot run model {self.spec.path!r}: {reason}")
+            self._keep_torch(reason)
+            return
         base = self.logit_rows is not None
         output = ("last_hidden_state" if base or (self.spec.head == "none" and self.spec.sparse is None)
                   else "logits")
@@ -254,15 +319,6 @@ class ModelRunner:
             if not isinstance(e, BackendUnavailable):  # a failure, not a refusal: told to the caller too
                 self.backend_info["warnings"] = (f"backend 'auto': OpenVINO failed, the torch backend runs the model "
                                                  f"({reason})")
-        if self.spec.unpadded_above is not None:
-            # Funnel pools with Python-side shapes, BigBird picks its attention by length: a traced
-            # conversion would follow the probe's length only.
-            reason = (f"a {self.spec.model_type!r} model runs each length its own way (see launch), which a traced "
-                      "conversion does not follow")
-            if backend == "openvino":
-                raise ValueError(f"backend='openvino' cannot run model {self.spec.path!r}: {reason}")
-            self._keep_torch(reason)
-            return
             return
         self.backend_info = info
 
@@ -295,21 +351,6 @@ class ModelRunner:
         works, so the engine can collate the next batch meanwhile; on a CPU it returns when done."""
         if self.routes is not None:
             return self._launch_routes(batch)
-        started = time.perf_counter()
-        n = len(batch)
-        ids, real = batch.padded(self.pad_token_id)  # one masked assignment, no loop over requests
-        lengths_np = np.ascontiguousarray(batch.lengths)
-        if self.shapes_bucketed:  # (rows of one pad token and columns of padding, dropped below)
-            shape = bucket_shape(n, ids.shape[1], max(self.spec.max_model_len, ids.shape[1]))
-            ids, lengths_np = padded_to(ids, lengths_np, shape, self.pad_token_id)
-        max_len = ids.shape[1]
-        types = None
-        if self.uses_token_types:
-            starts = np.full(len(ids), -1, np.int64)
-            starts[:n] = batch.token_type_start  # zeros, then ones from the start (a pair's second text)
-            types = ((np.arange(max_len)[None, :] >= starts[:, None]) & (starts[:, None] >= 0)
-                     & (np.arange(max_len)[None, :] < lengths_np[:, None])).astype(np.int64)
-        begin, end = start_events(self.device)
         if self.spec.unpadded_above is not None:
             return self._launch_unpadded(batch)
         return self._launch_padded(batch)
@@ -337,6 +378,21 @@ class ModelRunner:
 
     def _launch_padded(self, batch: Requests) -> PendingStep:
         """One forward of the batch's rows, padded to the longest."""
+        started = time.perf_counter()
+        n = len(batch)
+        ids, real = batch.padded(self.pad_token_id)  # one masked assignment, no loop over requests
+        lengths_np = np.ascontiguousarray(batch.lengths)
+        if self.shapes_bucketed:  # (rows of one pad token and columns of padding, dropped below)
+            shape = bucket_shape(n, ids.shape[1], max(self.spec.max_model_len, ids.shape[1]))
+            ids, lengths_np = padded_to(ids, lengths_np, shape, self.pad_token_id)
+        max_len = ids.shape[1]
+        types = None
+        if self.uses_token_types:
+            starts = np.full(len(ids), -1, np.int64)
+            starts[:n] = batch.token_type_start  # zeros, then ones from the start (a pair's second text)
+            types = ((np.arange(max_len)[None, :] >= starts[:, None]) & (starts[:, None] >= 0)
+                     & (np.arange(max_len)[None, :] < lengths_np[:, None])).astype(np.int64)
+        begin, end = start_events(self.device)
         input_ids = to_device(ids, self.device)
         lengths = to_device(lengths_np, self.device)
         mask = (torch.arange(max_len, device=self.device)[None, :] < lengths[:, None]).long()
@@ -494,6 +550,12 @@ class ModelRunner:
                              f"has no default route (routes: {self.spec.routes})")
         if (route == route[0]).all():  # the usual case: one route for the whole batch
             return self.routes[int(route[0])].launch(batch)
+        groups = [np.flatnonzero(route == r) for r in np.unique(route).tolist()]
+        return self._launch_groups(batch, groups, lambda rows: self.routes[int(route[rows[0]])].launch(batch.select(rows)))
+
+    def _launch_groups(self, batch: Requests, groups: list[np.ndarray], launch) -> PendingStep:
+        """One step of several launches, one per group of the batch's rows (`launch(rows)`), their
+        results put back in the batch's order."""
         started = time.perf_counter()
         begin, end = start_events(self.device)
         steps = [launch(rows) for rows in groups]
@@ -508,12 +570,6 @@ class ModelRunner:
                 for i, row in enumerate(rows.tolist()):
                     out[row] = part[i]
             return out
-        groups = [np.flatnonzero(route == r) for r in np.unique(route).tolist()]
-        return self._launch_groups(batch, groups, lambda rows: self.routes[int(route[rows[0]])].launch(batch.select(rows)))
-
-    def _launch_groups(self, batch: Requests, groups: list[np.ndarray], launch) -> PendingStep:
-        """One step of several launches, one per group of the batch's rows (`launch(rows)`), their
-        results put back in the batch's order."""
 
         return PendingStep(sum(step.padded for step in steps), [t for step in steps for t in step.host], finish,
                            started, begin, end)

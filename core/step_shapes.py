@@ -72,3 +72,20 @@ def padded_to(ids: np.ndarray, lengths: np.ndarray, shape: tuple[int, int], pad_
     grown = np.ones(target_rows, dtype=lengths.dtype)
     grown[:rows] = lengths
     return out, grown
+
+
+def scheduled_shapes(max_rows: int, max_tokens: int, cap: int, cut_above: int) -> list[tuple[int, int]]:
+    """Every bucketed (rows, length) shape a step of the engine's scheduler can take (the CUDA graphs
+    captured at start-up, core/cuda_graphs.capture_plan): a step of `count` requests up to `longest`
+    tokens has count <= `max_rows` and count x longest <= `max_tokens` (one request alone whatever
+    its length, at most `cap`, the model's limit); a step of more than `cut_above` requests is cut to
+    a row bucket's size (Scheduler.next_batch), a smaller one is padded to its bucket. A bucket is
+    reachable when its fewest rows times its shortest length fits."""
+    lengths = [bucket_length(1, cap)]
+    while lengths[-1] < cap:
+        lengths.append(bucket_length(lengths[-1] + 1, cap))
+    shortest = {length: (lengths[i - 1] + 1 if i else 1) for i, length in enumerate(lengths)}
+    fewest = {bucket_rows(count): count for count in range(min(max_rows, cut_above), 0, -1)}
+    fewest.update({rows: rows for rows in ROW_LADDER if cut_above < rows <= max_rows})
+    return [(rows, length) for rows, least in sorted(fewest.items()) for length in lengths
+            if least == 1 or least * shortest[length] <= max_tokens]

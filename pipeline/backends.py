@@ -38,6 +38,14 @@ def describe_backend(engine: dict) -> str:
         extra.append(f"quantize {engine['quantize']}")
     if engine.get("openvino_refused"):
         extra.append(f"openvino refused: {engine['openvino_refused']}")
+    if engine.get("dtype_auto"):  # what dtype="auto" chose on a GPU, and why (core/model_runner.choose_dtype)
+        extra.append(f"dtype auto: {engine['dtype_auto']}")
+    if engine.get("cuda_graphs_planned") is not None:  # the start-up capture (core/cuda_graphs.capture_plan)
+        pool = f", the pool grew {engine['cuda_graphs_pool_mb']:.0f} MB" if "cuda_graphs_pool_mb" in engine else ""
+        extra.append(f"CUDA graphs: {engine.get('cuda_graphs_startup_captured', 0)} of {engine['cuda_graphs_planned']} "
+                     f"step shapes captured at start-up in {engine.get('cuda_graphs_capture_s', 0):.1f} s "
+                     f"({engine.get('cuda_graphs_buffers_mb', 0):.0f} MB of buffers{pool})"
+                     + (f"; {engine['cuda_graphs_left_eager']}" if engine.get("cuda_graphs_left_eager") else ""))
     where = f" {engine['dtype']} on {engine['device']}" if engine.get("dtype") and engine.get("device") else ""
     return f"backend {backend}{where}" + (f" ({'; '.join(extra)})" if extra else "")
 

@@ -50,8 +50,11 @@ def build_tiny_model(target: str | Path | None = None) -> str:
                       num_attention_heads=1, intermediate_size=16, max_position_embeddings=512)
 
 
-def faulty_model_dir(tmp_path: Path, model_path: str, trigger_token_id: int) -> Path:
-    """A real model whose forward raises when a chosen token id is in the batch.
+def faulty_model_dir(tmp_path: Path, model_path: str, trigger_token_id: int, message: str | None = None,
+                     sticky: bool = False) -> Path:
+    """A real model whose forward raises RuntimeError when a chosen token id is in the batch
+    (`message`: its text; by default "fault token <id> in the batch"). `sticky`: as a CUDA context
+    after a device-side assert, every forward after that one raises too.
 
     The model class lives in a module of the model directory and loads through the normal path
     (transformers' auto_map with trust_remote_code), so no code of the project is patched.
@@ -61,13 +64,17 @@ def faulty_model_dir(tmp_path: Path, model_path: str, trigger_token_id: int) -> 
     cfg = json.loads((target / "config.json").read_text())
     cfg["auto_map"] = {"AutoModel": "modeling_faulty.FaultyBertModel"}
     cfg["fault_token_id"] = trigger_token_id
+    cfg["fault_message"] = message or f"fault token {trigger_token_id} in the batch"
+    cfg["fault_sticky"] = sticky
     (target / "config.json").write_text(json.dumps(cfg))
     (target / "modeling_faulty.py").write_text(
         "from transformers import BertModel\n\n\n"
         "class FaultyBertModel(BertModel):\n"
+        "    dead = False\n\n"
         "    def forward(self, input_ids=None, **kwargs):\n"
-        "        if input_ids is not None and bool((input_ids == self.config.fault_token_id).any()):\n"
-        "            raise RuntimeError(f'fault token {self.config.fault_token_id} in the batch')\n"
+        "        if FaultyBertModel.dead or (input_ids is not None and bool((input_ids == self.config.fault_token_id).any())):\n"
+        "            FaultyBertModel.dead = self.config.fault_sticky\n"
+        "            raise RuntimeError(self.config.fault_message)\n"
         "        return super().forward(input_ids=input_ids, **kwargs)\n"
     )
     return target

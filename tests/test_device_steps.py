@@ -5,6 +5,8 @@ equal to the CPU's own steps. (core/step_shapes.py, core/attention_mask.py, core
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -246,11 +248,14 @@ def test_a_pipeline_on_device_steps_equals_st(monkeypatch):
     from sentence_transformers import SentenceTransformer
 
     from pooling_pipeline import Pipeline
-    from pooling_pipeline.core.engine import DEVICE_STEPS_ENV, LAUNCH_AHEAD_ENV
+    from pooling_pipeline.core.engine import DEVICE_STEPS_ENV, GRAPH_PLAN_ENV, LAUNCH_AHEAD_ENV
     from pooling_pipeline.core.model_folder.load import load_model_spec
 
     monkeypatch.setenv(DEVICE_STEPS_ENV, "1")
     monkeypatch.setenv(LAUNCH_AHEAD_ENV, "1")
+    # Graphs captured as shapes come (the start-up plan of MiniLM's shapes is minutes of eager forwards
+    # on the CPU stand-in; the next test checks the plan on a tiny model)
+    monkeypatch.setenv(GRAPH_PLAN_ENV, "0")
     texts = corpus.sentences(300, seed=3) + corpus.medium_texts(30, seed=3)
     reference = SentenceTransformer(load_model_spec(None).path, device="cpu").encode(texts)
     with Pipeline(backend="torch", num_render_workers=1, max_num_seqs=32) as pipe:
@@ -259,3 +264,84 @@ def test_a_pipeline_on_device_steps_equals_st(monkeypatch):
     assert np.abs(got - reference).max() <= TOL
     assert engine["step_shapes"].startswith("buckets") and engine["attention_mask"].startswith("4-D"), engine
     assert engine["cuda_graphs"].startswith("on (a CPU stand-in") and engine["cuda_graphs_captured"] >= 1, engine
+
+
+@pytest.mark.slow
+def test_every_scheduled_shape_is_captured_before_the_first_request_and_none_while_serving(monkeypatch, tmp_path):
+    """The engine's start in a real process group, on the CPU stand-in of CUDA graphs (DEVICE_STEPS_ENV):
+    every bucketed shape its scheduler can cut (step_shapes.scheduled_shapes, with its limits) has a
+    graph before the first request; requests of every length after that replay them -- no capture,
+    no eager step -- and equal ST's vectors within 1e-5. The start-up facts say how many, how long
+    and how much memory. (Before: only the probe's shapes were captured at the start, every other
+    one on its first step, in the middle of serving.)"""
+    import corpus
+    from sentence_transformers import SentenceTransformer
+
+    from pooling_pipeline import Pipeline
+    from pooling_pipeline.backends import describe_backend
+    from pooling_pipeline.core.engine import DEVICE_STEPS_ENV, LAUNCH_AHEAD_ENV
+    from pooling_pipeline.core.model_folder.load import load_model_spec
+    from pooling_pipeline.core.scheduler import MIN_ROWS_CUT
+    from pooling_pipeline.core.step_shapes import scheduled_shapes
+
+    model = build_st(tmp_path, "bert")
+    monkeypatch.setenv(DEVICE_STEPS_ENV, "1")
+    monkeypatch.setenv(LAUNCH_AHEAD_ENV, "1")
+    texts = corpus.sentences(200, seed=5) + corpus.medium_texts(40, seed=5) + ["a", "word " * 300]
+    reference = SentenceTransformer(model, device="cpu").encode(texts)
+    with Pipeline(model=model, backend="torch", num_render_workers=1, max_num_seqs=16, max_num_batched_tokens=512) as pipe:
+        start = pipe.stats()["engine"]
+        planned = len(scheduled_shapes(16, start["max_num_batched_tokens"], load_model_spec(model).max_model_len,
+                                       MIN_ROWS_CUT))
+        assert start["cuda_graphs_planned"] == start["cuda_graphs_startup_captured"] == planned, start
+        assert "cuda_graphs_left_eager" not in start, start
+        assert start["cuda_graphs_buffers_mb"] > 0 and start["cuda_graphs_capture_s"] > 0, start
+        line = describe_backend(start)  # (the start-up line)
+        assert f"CUDA graphs: {planned} of {planned} step shapes captured at start-up in" in line, line
+        got = np.stack([o.embedding for o in pipe.embed(texts, use_tqdm=False)])
+        got_again = np.stack([o.embedding for o in pipe.embed(texts[::-1], use_tqdm=False)])
+        time.sleep(1.5)  # (the counts ride on the engine's heartbeat: one is due within a second)
+        engine = pipe.stats()["engine"]
+    np.testing.assert_allclose(got, reference, atol=TOL, rtol=0)
+    np.testing.assert_allclose(got_again, reference[::-1], atol=TOL, rtol=0)
+    assert engine["cuda_graphs_captured"] == planned and engine["cuda_graphs_captured_in_run"] == 0, engine
+    assert engine["cuda_graphs_eager_steps"] == 0 and engine["cuda_graphs_replays"] >= 2, engine
+
+
+def test_the_start_up_plan_keeps_the_smallest_shapes_within_its_bounds_and_the_rest_run_eager():
+    """capture_plan on the stand-in: past the graph count or the memory budget the plan keeps the
+    shapes of the fewest padded tokens (a large step keeps the device busy anyway) and says what
+    was left; once sealed, a shape without a graph runs eager and is counted, none is captured."""
+    from pooling_pipeline.core.cuda_graphs import EagerStandIn, GraphedForward, capture_plan
+
+    weight = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+
+    def forward(inputs):
+        return inputs["x"] @ weight
+
+    def graphed_and_step(max_graphs: int):
+        graphed = GraphedForward(forward, EagerStandIn(), half=False, max_graphs=max_graphs)
+
+        def step(rows: int, length: int) -> None:
+            graphed({"x": torch.randn(rows, length, 8, generator=torch.Generator().manual_seed(rows))})
+
+        return graphed, step
+
+    shapes = [(8, 64), (1, 16), (4, 32), (2, 16), (16, 64), (1, 32)]
+    graphed, step = graphed_and_step(64)
+    facts = capture_plan(graphed, shapes, step)
+    assert facts["cuda_graphs_planned"] == facts["cuda_graphs_startup_captured"] == 6, facts
+    assert "cuda_graphs_left_eager" not in facts and facts["cuda_graphs_buffers_mb"] > 0, facts
+
+    graphed, step = graphed_and_step(3)  # the smallest three: (1, 16), (2, 16), (1, 32)
+    facts = capture_plan(graphed, shapes, step)
+    assert sorted(key[0][1][:2] for key in graphed.graphs) == [(1, 16), (1, 32), (2, 16)], facts
+    assert facts["cuda_graphs_left_eager"].startswith("3 of 6 planned shapes run eager: at most 3 graphs"), facts
+
+    graphed, step = graphed_and_step(64)  # buffers of 32 tokens x 8 floats x 2 (in, out): 2 KB per 16 tokens
+    facts = capture_plan(graphed, shapes, step, memory_budget=(16 + 32 + 32 + 128) * 8 * 4 * 2)
+    assert facts["cuda_graphs_startup_captured"] == 4 and "MB of buffers" in facts["cuda_graphs_left_eager"], facts
+    graphed.seal()
+    step(16, 64)
+    step(1, 16)
+    assert graphed.stats() == {"captured": 4, "replays": 1, "eager_steps": 1, "captured_in_run": 0}

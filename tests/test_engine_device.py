@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-from model_zoo import build_clip, build_st, build_static
+from model_zoo import build_clip, build_sentence_t5, build_st, build_static
 from torch.overrides import TorchFunctionMode
 
 from pooling_pipeline.core.columns import COL, probe_batch
@@ -39,7 +39,8 @@ class StandInCuda:
     on a stream made on the device current at its first use (its default capture stream),
     synchronizing the current device first; CUDAGraph.capture_begin captures on the current device."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int] = (9, 0)) -> None:
+        self.capability = capability  # every GPU's (8.0: A100, 9.0: H100 / H200, 7.5: T4)
         self.calls: list[tuple[str, int | None]] = []
         self._thread = threading.local()  # (CUDA's current device is per thread)
         self.default_capture_stream: Stream | None = None
@@ -50,7 +51,8 @@ class StandInCuda:
                    "Stream": partial(Stream, self), "Event": partial(Event, self), "CUDAGraph": partial(CUDAGraph, self),
                    "graph": partial(GraphCapture, self), "synchronize": self.synchronize,
                    "empty_cache": lambda: self.ran("empty_cache", self.current()),
-                   "is_bf16_supported": self.is_bf16_supported, "mem_get_info": self.mem_get_info}
+                   "is_bf16_supported": self.is_bf16_supported, "mem_get_info": self.mem_get_info,
+                   "get_device_capability": self.get_device_capability}
         for name, value in patches.items():
             monkeypatch.setattr(torch.cuda, name, value)
         # (a process-wide switch the engine turns on CUDA: not this test process's)
@@ -83,8 +85,13 @@ class StandInCuda:
         self.ran("synchronize", self.index(device))
 
     def is_bf16_supported(self, including_emulation: bool = True) -> bool:
+        """As torch's: True on a GPU without bfloat16 units too unless emulation is left out."""
         self.ran("is_bf16_supported", self.current())
-        return True
+        return including_emulation or self.capability[0] >= 8
+
+    def get_device_capability(self, device=None) -> tuple[int, int]:
+        self.ran("get_device_capability", self.index(device))
+        return self.capability
 
     def mem_get_info(self, device=None) -> tuple[int, int]:
         self.ran("mem_get_info", self.index(device))
@@ -319,3 +326,63 @@ def test_events_and_graph_captures_name_the_engines_device_whatever_the_threads_
     assert {"CUDAGraph.capture_begin", "synchronize", "Event.record"} <= {what for what, _ in cuda.calls}
     cuda.calls.clear()
     assert str(resolve_device("cuda")) == "cuda:0" and cuda.calls == [("set_device", 0)]
+
+
+# dtype="auto" on CUDA, by (compute capability, the checkpoint's stored dtype, model_type). 7.5: a T4
+# (no bfloat16 units: torch.cuda.is_bf16_supported() still says True, through emulation); 8.0: A100;
+# 9.0: H100 / H200. T5-style encoders and Gemma overflow in float16: never run in it.
+AUTO_ON_CUDA = {
+    ((7, 5), "float32", "bert"): torch.float16, ((7, 5), "bfloat16", "bert"): torch.float16,
+    ((7, 5), "float16", "bert"): torch.float16, ((7, 5), "float32", "t5"): torch.float32,
+    ((7, 5), "bfloat16", "gemma3_text"): torch.float32, ((7, 5), "float32", "umt5"): torch.float32,
+    ((8, 0), "float32", "bert"): torch.bfloat16, ((8, 0), "bfloat16", "qwen3"): torch.bfloat16,
+    ((8, 0), "float16", "bert"): torch.float16, ((8, 0), "float32", "t5"): torch.bfloat16,
+    ((8, 0), "float16", "mt5"): torch.bfloat16,
+    ((9, 0), "float32", "bert"): torch.bfloat16, ((9, 0), "float32", "mt5"): torch.bfloat16,
+    ((9, 0), "float16", "xlm-roberta"): torch.float16, ((9, 0), "bfloat16", "gemma3_text"): torch.bfloat16,
+}
+
+
+@pytest.mark.parametrize("capability", [(7, 5), (8, 0), (9, 0)])
+def test_auto_dtype_on_cuda_is_bfloat16_where_the_gpu_has_it_and_never_float16_for_a_family_that_overflows(
+        monkeypatch, capability):
+    """dtype="auto" on CUDA: bfloat16 for a float32 checkpoint on sm80+ (before: float16 everywhere),
+    float16 only on a GPU without bfloat16 units (before: a bfloat16 checkpoint ran in emulated
+    bfloat16 there), a float16 checkpoint kept; a T5 / mT5 / UMT5 encoder or Gemma never in float16
+    (float32 on sm75, said). The choice names itself; dtype="float16" for such a family is refused."""
+    from pooling_pipeline.core.model_runner import choose_dtype
+
+    StandInCuda(monkeypatch, capability)
+    cuda = torch.device("cuda:0")
+    for (cap, stored, family), expected in AUTO_ON_CUDA.items():
+        if cap != capability:
+            continue
+        chosen, why = choose_dtype("auto", cuda, stored, family)
+        assert chosen == expected, (cap, stored, family, chosen)
+        name = str(expected).removeprefix("torch.")
+        assert why.startswith(f"{name} for a {stored} checkpoint on cuda:0 (compute capability {cap[0]}.{cap[1]}"), why
+        assert ("overflows in float16" in why) == (family in ("t5", "mt5", "umt5", "gemma3_text")), why
+    assert choose_dtype("auto", torch.device("cpu"), "float32", "t5") == (torch.float32, None)
+    assert choose_dtype("float16", cuda, "float32", "bert") == (torch.float16, None)
+    for device in (cuda, torch.device("cpu")):
+        with pytest.raises(ValueError, match=r"dtype='float16' cannot run a 't5' model.*dtype='bfloat16'.*dtype='float32'"):
+            choose_dtype("float16", device, "float32", "t5")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capability, expected", [((7, 5), torch.float32), ((9, 0), torch.bfloat16)])
+def test_a_t5_engine_on_cuda_never_loads_in_float16(monkeypatch, tmp_path, capability, expected):
+    """The engine's own start for a sentence-T5 model under dtype="auto": its runner is built in
+    float32 on a GPU without bfloat16 units and in bfloat16 on an H100, the start-up line says which
+    and why; dtype="float16" is a start-up ValueError naming the two that work."""
+    from pooling_pipeline.backends import describe_backend
+
+    cfg = msgspec.structs.replace(engine_config(build_sentence_t5(tmp_path), "cuda:0"), dtype="auto")
+    with CudaOnHost(StandInCuda(monkeypatch, capability)):
+        runner = family_of(cfg.model).runner(cfg)
+        assert runner.dtype == expected and next(runner.model.parameters()).dtype == expected
+        line = describe_backend({"dtype": str(expected).removeprefix("torch."), "device": "cuda:0", **runner.backend_info})
+        assert f"dtype auto: {str(expected).removeprefix('torch.')} for a float32 checkpoint on cuda:0" in line, line
+        assert "not float16: a 't5' model overflows in float16" in line, line
+        with pytest.raises(ValueError, match="dtype='float16' cannot run a 't5' model"):
+            family_of(cfg.model).runner(msgspec.structs.replace(cfg, dtype="float16"))

@@ -87,6 +87,58 @@ def test_step_failure_raise_names_only_the_culprit_and_return_isolates_it(tmp_pa
         assert pipe.stats()["errors"] == 1
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("launch_ahead", [False, True])
+def test_a_sticky_cuda_error_ends_the_engine_as_a_crash_does(tmp_path, model_path, st_model, launch_ahead, monkeypatch):
+    """A step whose forward raises what a dead CUDA context raises (a device-side assert: every
+    forward after it raises too, as a real context's calls do) ends the engine core with a clear
+    message, handled as an engine that died: EngineDeadError in the call (errors="return" too: no
+    request of it is retried on the dead device), the group stopped. (Before: the step was retried
+    request by request on the dead context, each request failing in turn, and the engine lived on.)"""
+    from pooling_pipeline.core.engine import DEVICE_LOST_EXIT
+
+    monkeypatch.setenv(LAUNCH_AHEAD_ENV, "1" if launch_ahead else "0")
+    trigger = st_model.tokenizer.convert_tokens_to_ids("zebra")
+    assert_error = ("CUDA error: device-side assert triggered\nCUDA kernel errors might be asynchronously reported "
+                    "at some other API call, so the stacktrace below might be incorrect.")
+    model = faulty_model_dir(tmp_path, model_path, trigger, message=assert_error, sticky=True)
+    good = corpus.sentences(40, seed=72)
+    with Pipeline(model=str(model), trust_remote_code=True) as pipe:
+        np.testing.assert_allclose(np.stack([o.embedding for o in pipe.embed(good, use_tqdm=False)]),
+                                   st_model.encode(good), atol=TOL, rtol=0)
+        pids = [pipe.pids["engine"], *pipe.pids["workers"]]
+        with pytest.raises(EngineDeadError) as info:
+            pipe.embed(good + ["A zebra walks into the engine core."] + good, errors="return", use_tqdm=False)
+        message = str(info.value)
+        assert f"exited with code {DEVICE_LOST_EXIT}" in message, message
+        assert "CUDA context is lost" in message and "device-side assert triggered" in message, message
+        assert "isolating the culprit" not in message and "step failed for" not in message, message
+        assert wait_gone(pids, 10.0) == []
+        with pytest.raises(PipelineError):
+            pipe.embed(good, use_tqdm=False)
+
+
+def test_sticky_cuda_errors_are_told_from_others():
+    """Only the errors that leave a CUDA context unusable end the engine; out of memory, a shape
+    error or a step that failed for one request's sake are retried request by request as before."""
+    import torch
+
+    from pooling_pipeline.core.device_copies import sticky_device_error
+
+    sticky = [RuntimeError("CUDA error: device-side assert triggered\nCompile with `TORCH_USE_CUDA_DSA`"),
+              torch.AcceleratorError("CUDA error: an illegal memory access was encountered"),
+              RuntimeError("CUDA error: unspecified launch failure"),
+              RuntimeError("CUDA error: misaligned address")]
+    others = [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+              RuntimeError("The size of tensor a (4) must match the size of tensor b (5)"),
+              ValueError("device-side assert triggered"),  # (not what torch raises: a model's own check)
+              RuntimeError("fault token 7 in the batch")]
+    assert [sticky_device_error(e) for e in sticky] == ["device-side assert triggered",
+                                                         "an illegal memory access was encountered",
+                                                         "unspecified launch failure", "misaligned address"]
+    assert [sticky_device_error(e) for e in others] == [None] * len(others)
+
+
 def test_bad_inputs_with_errors_return_fail_alone(pipe, st_model):
     prompts = ["good one", None, [101, -3, 102], "", "   ", "bad \udcff", [], {"x": 1}, "good two", 7]
     outs = pipe.embed(prompts, errors="return", use_tqdm=False)

@@ -7,13 +7,24 @@ from __future__ import annotations
 import corpus
 import numpy as np
 import pytest
+from helpers import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pooling_pipeline.core.columns import COL, TASK_CODE, Requests
 from pooling_pipeline.core.config import GPU_MAX_NUM_SEQS
 from pooling_pipeline.core.engine import GPU_BATCH_TOKENS, GPU_MAX_PADDING, MAX_OVERHEAD_TOKENS
-from pooling_pipeline.core.scheduler import Scheduler
+from pooling_pipeline.core.scheduler import MIN_ROWS_CUT, Scheduler
 from pooling_pipeline.core.schema import blank_table
-from pooling_pipeline.core.step_shapes import ROW_LADDER, bucket_length, bucket_rows, bucket_shape, padded_to, rows_at_most
+from pooling_pipeline.core.step_shapes import (
+    ROW_LADDER,
+    bucket_length,
+    bucket_rows,
+    bucket_shape,
+    padded_to,
+    rows_at_most,
+    scheduled_shapes,
+)
 
 # What the replay below holds the distinct step shapes to, per 1,000 steps (the buckets give 23
 # there, against 181 distinct raw shapes; a replay of 30,000 texts gave ~80 in ~470 steps before).
@@ -90,3 +101,39 @@ def test_a_replay_of_real_texts_takes_few_step_shapes_on_device_settings():
     assert np.mean(rows) >= 200  # hundreds of short texts a step, within the token budget
     assert all(r in ROW_LADDER for r in rows if r > 8)  # cut to a row bucket: no added rows
     assert real / bucketed >= 0.7, f"real tokens {real / bucketed:.0%} of the bucketed steps'"
+    # Every shape is one the engine captured a graph for at its start (core/cuda_graphs.capture_plan).
+    plan = set(scheduled_shapes(GPU_MAX_NUM_SEQS, GPU_BATCH_TOKENS, 512, MIN_ROWS_CUT))
+    assert set(shapes) <= plan, sorted(set(shapes) - plan)
+
+
+@given(st.integers(1, 300), st.integers(1, 4096), st.integers(8, 700), st.integers(0, 10**6),
+       st.sampled_from(["short", "long", "mixed"]))
+@settings(max_examples=examples(200))
+def test_every_step_the_scheduler_cuts_is_a_shape_of_the_start_up_plan(max_seqs, max_tokens, cap, seed, kind):
+    """Whatever the limits and the lengths, each step the scheduler cuts on a device (bucketed) is
+    one of scheduled_shapes' -- the graphs captured at start-up -- so none is captured while serving."""
+    rng = np.random.default_rng(seed)
+    max_tokens = max(max_tokens, cap)  # (the engine's budget is at least the longest input: EngineCore)
+    high = {"short": min(cap, 40), "long": cap, "mixed": cap}[kind]
+    lengths = rng.integers(1, high + 1, 600) if kind != "mixed" else np.concatenate(
+        [rng.integers(1, min(cap, 20) + 1, 400), rng.integers(1, cap + 1, 200)])
+    scheduler = Scheduler(max_seqs, max_tokens, GPU_MAX_PADDING, overhead_tokens=float(rng.integers(0, 5000)),
+                          capacity=len(lengths), shape=lambda rows, longest: bucket_shape(rows, longest, cap))
+    scheduler.add(message("c", 0, rng.permutation(lengths)))
+    plan = set(scheduled_shapes(max_seqs, max_tokens, cap, MIN_ROWS_CUT))
+    while len(scheduler):
+        step = scheduler.next_batch()
+        shape = bucket_shape(len(step), int(step.lengths.max()), cap)
+        assert shape in plan, (shape, max_seqs, max_tokens, cap)
+
+
+def test_the_start_up_plan_is_every_reachable_bucket_and_no_other():
+    """scheduled_shapes' arithmetic on small limits, by hand: rows 1, 2, 4 (3 requests), 8 (5 to 11),
+    12 (12 to 15: cut to 12); lengths 16 (1 to 16 tokens), 32 (17 to 32), 40 (33 to the cap); 5 x 33
+    tokens fit in 200, 12 x 17 do not (no (12, 32): a plan of shapes that cannot come costs captures)."""
+    assert scheduled_shapes(15, 200, 40, MIN_ROWS_CUT) == [
+        (1, 16), (1, 32), (1, 40), (2, 16), (2, 32), (2, 40), (4, 16), (4, 32), (4, 40),
+        (8, 16), (8, 32), (8, 40), (12, 16)]
+    # all-MiniLM-L6-v2 on a GPU (1,024 rows, 16,384 tokens, 256-token texts), and a BERT-base at 512
+    assert len(scheduled_shapes(GPU_MAX_NUM_SEQS, GPU_BATCH_TOKENS, 256, MIN_ROWS_CUT)) == 197
+    assert len(scheduled_shapes(GPU_MAX_NUM_SEQS, GPU_BATCH_TOKENS, 512, MIN_ROWS_CUT)) == 264
