@@ -28,6 +28,7 @@ one worker within a minute is an error for the calls running (the restarts go on
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import resource
@@ -52,6 +53,7 @@ from pooling_pipeline.core.families import family_of
 from pooling_pipeline.core.runtime import (
     GROUP_KEY_ENV,
     HEARTBEAT_INTERVAL_S,
+    OWNER_SIGNALS,
     DropLog,
     RunClock,
     owner_signals_held,
@@ -143,6 +145,35 @@ def check_resources(num_workers: int, num_engines: int = 1) -> None:
         f"too few file descriptors: this process may open {soft} files (ulimit -n) and has {open_now} open; a "
         f"process group with {num_workers} render worker(s) and {num_engines} engine core(s) needs about "
         f"{needed - open_now} more. Raise the limit (e.g. `ulimit -n 4096`) or use fewer render workers")
+
+
+@contextlib.contextmanager
+def _owner_signals_deferred():
+    """In the main thread, OWNER_SIGNALS' Python handlers are run at the end of the block instead of inside
+    it. owner_signals_held blocks them in this thread only: another thread takes one, and Python runs its
+    handler in the main thread at the next bytecode -- a KeyboardInterrupt raised inside Popen after the
+    fork lost the Popen object, and its child (which ignores both signals) lived on, unknown to close(),
+    until this process exited. (Another thread's spawn cannot be interrupted so: nothing to do there.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    taken: list[int] = []
+    handlers = {sig: signal.getsignal(sig) for sig in OWNER_SIGNALS}
+    for sig, handler in handlers.items():
+        if handler not in (signal.SIG_IGN, None):  # (None: a handler not set from Python; left alone)
+            signal.signal(sig, lambda signum, frame: taken.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            if handler not in (signal.SIG_IGN, None):
+                signal.signal(sig, handler)
+        for sig in taken:  # (now: the child is in self.children, for the close() the interrupt leads to)
+            handler = handlers[sig]
+            if callable(handler):
+                handler(sig, None)
+            else:  # (SIG_DFL: what it does)
+                signal.raise_signal(sig)
 
 
 class Child:
@@ -314,17 +345,19 @@ class ProcessGroup:
             f.write(msgspec.json.encode(cfg))
         # The child leaves SIGINT / SIGTERM sent to the whole process group to this process (Ctrl-C, a
         # supervisor's stop: see runtime.OWNER_SIGNALS); held from its first instruction, imports included.
-        with open(log_path, "ab") as log_file, owner_signals_held():
-            proc = subprocess.Popen(
-                [sys.executable, "-m", module, str(config_path)],
-                stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                # The private directory as working directory: nothing in the caller's (a local
-                # `core/` or `pipeline.py`) can shadow a module the children import.
-                env=env, cwd=self.dir, close_fds=True)
-        child = Child(role, index, proc, log_path, numbered=role == "engine" and self.num_engines > 1)
-        # Children of this slot that are gone and reaped are forgotten (a long job restarts many).
-        self.children = [c for c in self.children if c.role != role or c.index != index or c.proc.returncode is None]
-        self.children.append(child)
+        # And a KeyboardInterrupt waits until the child is one close() knows (_owner_signals_deferred).
+        with _owner_signals_deferred():
+            with open(log_path, "ab") as log_file, owner_signals_held():
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", module, str(config_path)],
+                    stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                    # The private directory as working directory: nothing in the caller's (a local
+                    # `core/` or `pipeline.py`) can shadow a module the children import.
+                    env=env, cwd=self.dir, close_fds=True)
+            child = Child(role, index, proc, log_path, numbered=role == "engine" and self.num_engines > 1)
+            # Children of this slot that are gone and reaped are forgotten (a long job restarts many).
+            self.children = [c for c in self.children if c.role != role or c.index != index or c.proc.returncode is None]
+            self.children.append(child)
         self.last_seen[(role, index)] = self.clock.now()
         self.busy_s[(role, index)] = 0.0
         self.ready.discard((role, index))

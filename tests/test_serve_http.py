@@ -1,11 +1,16 @@
 """pipeline-serve's own HTTP/1.1 connection (pipeline/serve/protocol.py), spoken to over raw sockets:
 pipelined requests answered in order, keep-alive and its idle timeout, HTTP/1.0 and `Connection: close`,
 `Expect: 100-continue`, chunked bodies, a body over the limit refused before it is sent and the
-connection still usable after, HEAD, malformed requests and oversized heads. And the same app served
-through uvicorn's own protocol (`--http-protocol uvicorn`) answers alike."""
+connection still usable after, HEAD, malformed requests and oversized heads; read deadlines, the
+connection cap and the body budget; clients that stop reading (--timeout-send) and refusals that close
+(the rest of the body read first). And the same app served through uvicorn's own protocol
+(`--http-protocol uvicorn`) answers alike."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import http.client
 import json
 import os
 import select
@@ -14,6 +19,9 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
+from types import SimpleNamespace
 
 import httpx
 import psutil
@@ -337,7 +345,7 @@ def test_many_connections_at_once_each_get_their_own_answer(server):
 
 
 @pytest.mark.parametrize("flag", ["--timeout-keep-alive", "--max-queue-wait-s", "--graceful-shutdown-s", "--timeout-header",
-                                  "--timeout-body"])
+                                  "--timeout-body", "--timeout-send"])
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
 def test_a_duration_flag_that_is_not_a_positive_number_is_a_usage_error(flag, value, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -417,6 +425,7 @@ def test_a_request_on_a_connection_opened_past_max_connections_is_503_but_a_heal
                 assert "--max-connections" in json.loads(body)["error"]["message"]
                 assert reader.closed()
             assert httpx.get(srv.url + "/health", timeout=60).status_code == 200  # (a supervisor's check)
+            assert httpx.get(srv.url + "/metrics", timeout=60).status_code == 200  # (and its scraper)
             sock = held.pop()
             sock.sendall(request("/v1/embeddings", embed_body(["held"]), auth=False))  # the three still served
             assert Reader(sock).response()[0] == 200
@@ -494,3 +503,209 @@ def test_a_body_budget_under_the_largest_body_is_a_usage_error():
                           capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 2
     assert "max_held_body_bytes=1000 is less than max_body_bytes=2000" in done.stderr
+
+
+def test_an_expect_100_continue_body_the_budget_cannot_hold_is_503_before_the_100(budget):
+    """The 100 asks the client for its body: a Content-Length the budget cannot hold now is refused with the
+    503 instead of the 100 (it was a 100, then the 503 once the whole body had come), and one it can hold is
+    reserved whole with its 100, before a byte of it is sent."""
+    first, second = padded(["first"], 60_000), padded(["second"], 60_000)
+    with connect(budget) as a, connect(budget) as b:
+        a.sendall(request("/v1/embeddings", first, auth=False)[:-10_000])  # 50 KB of the 100 KB budget
+        wait_held(budget, lambda held: held == 50_000)
+        b.sendall(request("/v1/embeddings", second, auth=False, extra="Expect: 100-continue\r\n")[:-len(second)])
+        reader_b = Reader(b)
+        status, headers, body = reader_b.response()
+        assert status == 503 and headers["retry-after"] == "1" and headers["connection"] == "close"
+        assert "--max-held-body-bytes" in json.loads(body)["error"]["message"]
+        assert reader_b.closed()  # (the body it holds back is not waited for)
+        a.sendall(first[-10_000:])
+        assert Reader(a).response()[0] == 200
+    wait_held(budget, lambda held: held == 0)
+    with connect(budget) as c:
+        c.sendall(request("/v1/embeddings", second, auth=False, extra="Expect: 100-continue\r\n")[:-len(second)])
+        reader = Reader(c)
+        assert reader.response()[0] == 100
+        assert bytes_held(budget) == 60_000  # reserved with its 100
+        c.sendall(second)
+        status, _, body = reader.response()
+        assert status == 200 and len(vectors(body)) == 1
+    wait_held(budget, lambda held: held == 0)
+
+
+# -- clients that stop reading, and refusals that close --
+
+
+@pytest.fixture(scope="module")
+def stalls():
+    # (--timeout-header 1: the clock looks every second; a keep-alive of 5 s that these tests outlast)
+    with started_server("--device", "sim", "--max-connections", "2", "--timeout-send", "2", "--timeout-keep-alive", "5",
+                        "--timeout-header", "1", "--max-body-bytes", str(64 << 10), "--max-held-body-bytes",
+                        str(BUDGET)) as srv:
+        yield srv
+
+
+# 2,048 texts: an answer of ~10 MB, more than the kernel's socket buffers hold for a client that reads nothing
+MANY = embed_body([f"word {i}" for i in range(2048)])
+
+
+def not_reading(server) -> socket.socket:
+    """A client that reads nothing (a 4 KB receive buffer, set before it connects)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(60)
+    sock.connect(address(server))
+    return sock
+
+
+def test_a_client_that_stops_reading_is_aborted_after_the_send_timeout_with_the_body_it_sent_next(stalls):
+    """It held its connection and its pipelined request's body bytes for ever (nothing is started while the
+    answer before cannot be written): the budget's 60 KB stayed taken and other clients' bodies got 503."""
+    with not_reading(stalls) as sock:
+        sock.sendall(request("/v1/embeddings", MANY, auth=False) + request("/v1/embeddings", padded(["next"], 60_000),
+                                                                            auth=False))
+        wait_held(stalls, lambda held: held >= 60_000)  # the second read whole, behind the first's answer
+        wait_held(stalls, lambda held: held == 0)  # --timeout-send 2: aborted, its bytes back
+    answer = httpx.post(stalls.url + "/v1/embeddings", content=padded(["after"], 60_000), timeout=60)
+    assert answer.status_code == 200 and len(vectors(answer.content)) == 1
+
+
+def test_a_client_that_reads_its_answer_slowly_is_not_aborted(stalls):
+    """--timeout-send bounds a time without progress, not an answer's whole time: 10 MB taken a megabyte at
+    a time with half a second between (5 s in all, each pause well under the 2 s bound)."""
+    texts = [f"slow {i}" for i in range(2048)]
+    with connect(stalls) as sock:
+        sock.sendall(request("/v1/embeddings", embed_body(texts), auth=False))
+        reader = Reader(sock)
+        while b"\r\n\r\n" not in reader.buffer:
+            assert reader._fill()
+        length = int(next(line.split(b":")[1] for line in reader.buffer.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        assert length > 6 << 20  # (more than the sockets' buffers hold: the server's own buffer is what waits)
+        while len(reader.buffer) < length:
+            time.sleep(0.5)
+            before = len(reader.buffer)
+            while len(reader.buffer) < min(before + (1 << 20), length):
+                assert reader._fill(), "the connection was closed under a client that reads"
+        status, _, body = reader.response()
+        assert status == 200 and len(vectors(body)) == len(texts)
+
+
+def test_connections_whose_clients_stop_reading_give_their_places_back_after_the_send_timeout(stalls):
+    """Two clients that read nothing held --max-connections 2 for ever (an idle close waits for the answer to
+    be taken): every later connection got 503."""
+    with not_reading(stalls) as one, not_reading(stalls) as two:
+        for sock in (one, two):
+            sock.sendall(request("/v1/embeddings", MANY, auth=False))
+        deadline = time.monotonic() + 60  # (a bound for places that never come back, not a timing)
+        while (status := post_status(stalls, embed_body(["in"]))) == 503:
+            assert time.monotonic() < deadline, "the connections of clients that read nothing were never aborted"
+            time.sleep(0.1)
+        assert status == 200
+
+
+def post_status(server, body: bytes) -> int:
+    with connect(server) as sock:
+        sock.sendall(request("/v1/embeddings", body, auth=False))
+        return Reader(sock).response()[0]
+
+
+def test_after_a_body_dropped_behind_its_refusal_the_idle_clock_runs_from_the_bodys_end(stalls):
+    """A 404 answered from its head, its body taking longer to come than --timeout-keep-alive (5 s): the
+    connection was closed as idle as soon as the body ended (its keep-alive counted from the 404)."""
+    body = b" " * 6000
+    with connect(stalls) as sock:
+        sock.sendall(request("/v1/nothing", body, auth=False)[:-len(body)])
+        reader = Reader(sock)
+        assert reader.response()[0] == 404
+        for k in range(6):  # the body over 6 s
+            time.sleep(1.0)
+            sock.sendall(body[k * 1000:(k + 1) * 1000])
+        time.sleep(2.5)  # idle, half the keep-alive (the clock looks every second)
+        sock.sendall(request("/health", method="GET", auth=False))
+        assert reader.response()[0] == 200
+
+
+def test_a_refusal_that_closes_the_connection_reads_the_body_first_so_that_the_client_sees_it(server):
+    """urllib sends `Connection: close`: its 8 MB body over --max-body-bytes (more than the sockets' buffers
+    take) got a reset (BrokenPipeError) where the 413 was written, the connection closed with the body coming."""
+    big = padded(["big"], 8 << 20)
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(urllib.request.Request(server.url + "/v1/embeddings", data=big, method="POST", headers={
+            "Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}), timeout=60)
+    assert refused.value.code == 413 and "body" in json.loads(refused.value.read())["error"]["message"]
+    assert httpx.get(server.url + "/health", timeout=60).status_code == 200
+
+
+def test_a_client_past_max_connections_that_sends_a_body_reads_its_503():
+    """http.client sends its whole body before it reads: a 4 MB POST past the cap got ECONNRESET, never its 503."""
+    with started_server("--device", "sim", "--max-connections", "1", "--timeout-keep-alive", "60") as srv:
+        with connect(srv) as holder:
+            holder.sendall(request("/health", method="GET", auth=False))
+            assert Reader(holder).response()[0] == 200
+            client = http.client.HTTPConnection(*address(srv), timeout=60)
+            try:
+                client.request("POST", "/v1/embeddings", body=padded(["over"], 4 << 20),
+                               headers={"Content-Type": "application/json"})
+                answer = client.getresponse()
+                assert answer.status == 503 and answer.getheader("retry-after") == "1"
+                assert "--max-connections" in json.loads(answer.read())["error"]["message"]
+            finally:
+                client.close()
+
+
+def test_a_refused_body_that_stops_coming_is_not_waited_for_past_its_bound(deadlines):
+    """The rest of a refused body is read before the close, but not for ever: one that stops coming is closed
+    after --timeout-body (2 s here; 5 s at most: nginx's lingering_timeout)."""
+    with connect(deadlines) as sock:
+        sock.sendall(request("/v1/nothing", b"x" * 100_000, extra="Connection: close\r\n")[:-100_000] + b"x" * 10)
+        reader = Reader(sock)
+        status, headers, _ = reader.response()
+        assert status == 404 and headers["connection"] == "close"
+        assert reader.closed()
+
+
+def test_a_broken_body_count_is_raised_and_the_connection_still_answers_the_request_behind(monkeypatch):
+    """A give-back of body bytes that raises (a broken count: "this is a bug") was the first step after an
+    answer: the rest was skipped and the pipelined request behind waited for ever. Now it comes last: raised
+    (reported by the loop) and the next request answered. In-process: the budget is made to fail."""
+    from uvicorn.server import ServerState
+
+    from pooling_pipeline.api import Pipeline
+    from pooling_pipeline.serve.app import ServeSettings
+    from pooling_pipeline.serve.protocol import protocol_factory
+    from pooling_pipeline.serve.routes import make_app
+
+    with Pipeline(device="sim") as pipe:
+        app = make_app(pipe, ServeSettings(served_model_names=("m",)))
+        give_back = app.server.bodies.give_back
+
+        def broken(n: int) -> None:
+            give_back(n)
+            raise RuntimeError(f"{n} body bytes given back twice: this is a bug")
+
+        monkeypatch.setattr(app.server.bodies, "give_back", broken)
+        statuses, reported = asyncio.run(_two_pipelined_requests(protocol_factory(app), ServerState()))
+    assert statuses == [200, 200]
+    assert any(isinstance(error, RuntimeError) and "this is a bug" in str(error) for error in reported)
+
+
+async def _two_pipelined_requests(make, state) -> tuple[list[int], list]:
+    loop = asyncio.get_running_loop()
+    reported: list = []
+    loop.set_exception_handler(lambda loop, context: reported.append(context.get("exception")))
+    listening = await loop.create_server(lambda: make(SimpleNamespace(timeout_keep_alive=5.0), state, _loop=loop),
+                                         "127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection(*listening.sockets[0].getsockname()[:2])
+    writer.write(request("/v1/embeddings", embed_body(["a"]), auth=False) + request("/health", method="GET", auth=False))
+    statuses = []
+    for _ in range(2):  # (the bound is for a connection left waiting)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+        await reader.readexactly(length)
+        statuses.append(int(head.split(b" ")[1]))
+    writer.close()
+    listening.close()
+    await listening.wait_closed()
+    gc.collect()  # (the task's unretrieved exception is reported as it is collected)
+    return statuses, reported

@@ -57,6 +57,7 @@ class ServeSettings(msgspec.Struct, frozen=True, kw_only=True):
     timeout_header_s: float = 60.0  # a request's head must arrive within this of its first byte (nginx's)
     timeout_body_s: float = 60.0  # a body with no byte for this long is a 408 (nginx's client_body_timeout)
     min_body_rate: int = 16 << 10  # bytes/s a body must average after its first timeout_body_s (Apache's MinRate)
+    timeout_send_s: float = 60.0  # a client that takes no byte of its answers for this long is aborted (nginx's send_timeout)
     max_connections: int = 1024  # a request on a connection opened past this many is a 503 (uvicorn's limit)
     max_held_body_bytes: int = 256 << 20  # request bodies held at once, all connections together; past it a 503
 

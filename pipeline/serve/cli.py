@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--min-body-rate", type=positive_int, default=16 << 10, metavar="BYTES_PER_S",
                       help="after its first --timeout-body seconds a body must average this many bytes a second, "
                            "else 408 (Apache's MinRate: a body sent a byte a second is not held for ever)" + d)
+    http.add_argument("--timeout-send", type=positive_seconds, default=60.0,
+                      help="seconds a client may take no byte of its answers; later the connection is aborted, with "
+                           "the request it had sent next and that request's body (nginx's send_timeout)" + d)
     http.add_argument("--max-connections", type=positive_int, default=1024,
                       help="open connections; a request on one opened past them is a 503 and the connection closed "
                            "(uvicorn's --limit-concurrency), the health checks excepted" + d)
@@ -138,7 +141,8 @@ def _serve(pipe, args: argparse.Namespace, stop: _StopSignals) -> int:
             max_client_batch_size=args.max_client_batch_size, rerank_dialect=args.rerank_dialect,
             max_queue_wait_s=args.max_queue_wait_s, auto_truncate=args.auto_truncate,
             allowed_local_media_path=args.allowed_local_media_path, timeout_header_s=args.timeout_header,
-            timeout_body_s=args.timeout_body, min_body_rate=args.min_body_rate, max_connections=args.max_connections,
+            timeout_body_s=args.timeout_body, min_body_rate=args.min_body_rate, timeout_send_s=args.timeout_send,
+            max_connections=args.max_connections,
             max_held_body_bytes=args.max_held_body_bytes))
     except ValueError as e:
         print(f"pipeline-serve: error: {e}", file=sys.stderr)

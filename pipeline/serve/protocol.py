@@ -15,10 +15,13 @@ What a connection does, in order:
 - a request the App refuses from its head (no route, wrong method, no API key, a Content-Length over
   the body limit) is answered before its body is read, and the body is read and dropped, so that the
   connection stays usable and the client is not reset while it still sends; a chunked body that passes
-  the limit is refused the same way once it does;
+  the limit is refused the same way once it does; a refusal that closes the connection (`Connection:
+  close`, past `max_connections`) reads and drops the rest of its body before closing (nginx's lingering
+  close: LINGER_S);
 - a head (request line and headers) over MAX_HEAD_BYTES is a 431 and the connection is closed; bytes
   that are not HTTP are a 400 and the connection is closed;
-- `Expect: 100-continue` gets its interim answer when the request is admitted;
+- `Expect: 100-continue` gets its interim answer when the request is admitted, its declared body's
+  bytes reserved in the server's budget first (a body the budget cannot hold is a 503 before the 100);
 - a client that closes its connection has its request's task cancelled, which aborts its pipeline call
   by id;
 - each connection has one clock (`_check_time`): one idle between requests for uvicorn's
@@ -26,10 +29,14 @@ What a connection does, in order:
   (of the connection's open for its first request) and a body must not stall for `timeout_body_s` nor
   average under `min_body_rate` bytes/s after its first `timeout_body_s`, else 408 and the connection is
   closed (nginx's client_header_timeout and client_body_timeout, Apache's MinRate); the clock starts
-  again when an answer is written (a pipelined request's time waiting for its turn is not counted);
+  again when an answer is written (a pipelined request's time waiting for its turn is not counted); a
+  client that takes no byte of its answers for `timeout_send_s` is aborted, whatever the connection
+  does, closing included (nginx's send_timeout): what it held -- a request read behind the answer, with
+  its body's bytes, a place under `max_connections` -- goes with it;
 - the bytes of bodies held, all connections together, are bounded (`Server.bodies`): a body that would
   pass the bound is a 503 and dropped as it comes; a request on a connection opened while
-  `max_connections` were open is a 503 (uvicorn's limit_concurrency), the health checks excepted;
+  `max_connections` were open is a 503 (uvicorn's limit_concurrency), the health checks and /metrics
+  excepted;
 - when uvicorn shuts down, an idle connection is closed at once and a busy one after its answer.
 """
 
@@ -45,7 +52,7 @@ from typing import NamedTuple
 import httptools
 
 from pooling_pipeline.serve.admission import BodiesFull, TooManyConnections
-from pooling_pipeline.serve.app import App, Head, Response, health
+from pooling_pipeline.serve.app import App, Head, Response, health, metrics
 from pooling_pipeline.serve.http import REASONS, BodyTooLarge, HTTPError
 
 log = logging.getLogger("pipeline.serve")
@@ -57,8 +64,17 @@ _STATUS_LINES = {status: b"HTTP/1.1 %d %s\r\n" % (status, reason.encode()) for s
                  {200: "OK", 431: "Request Header Fields Too Large", **REASONS}.items()}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
+# A refusal that closes its connection while its body still arrives reads and drops the rest first: a
+# socket closed with bytes unread is reset, and the reset overtakes the answer (http.client sending 4 MB
+# past --max-connections got ECONNRESET, never its 503). At most LINGER_S after the answer and
+# LINGER_READ_S (or --timeout-body, if shorter) between reads: nginx's lingering_time and lingering_timeout.
+LINGER_S, LINGER_READ_S = 30.0, 5.0
+
+# What a request on a connection opened past max_connections may still ask: a supervisor's checks.
+_UNCAPPED = (health, metrics)
+
 # What a connection's clock times: nothing started (between requests, or a new connection), a head
-# being read, a body being read; and a connection timed out, whose answer gets a last bound to be sent.
+# being read, a body being read; and a connection closing, whose last answers the send clock bounds.
 _IDLE, _HEAD, _BODY, _CLOSING = range(4)
 
 
@@ -100,8 +116,8 @@ class HttpConnection(asyncio.Protocol):
         self.write_paused = False
         self.access_log = access_log
         settings = app.server.settings
-        self.header_s, self.body_s, self.min_body_rate = (settings.timeout_header_s, settings.timeout_body_s,
-                                                          settings.min_body_rate)
+        self.header_s, self.body_s, self.min_body_rate, self.send_s = (
+            settings.timeout_header_s, settings.timeout_body_s, settings.min_body_rate, settings.timeout_send_s)
         self.max_connections = settings.max_connections
         self.bodies = app.server.bodies  # the bytes of bodies held, all connections together
         self.held = 0  # of those, the bytes of the body being read
@@ -109,12 +125,17 @@ class HttpConnection(asyncio.Protocol):
         # The clock (one timer a connection, checked when it fires; see _check_time). It looks at least
         # every poll_s, so a phase begun since it was armed (each lasts at least poll_s) is never late.
         self.timer: asyncio.TimerHandle | None = None
-        self.poll_s = min(keep_alive_s, self.header_s, self.body_s)
+        self.poll_s = min(keep_alive_s, self.header_s, self.body_s, self.send_s, LINGER_READ_S)
         self.phase = _IDLE
         self.phase_since = 0.0  # loop time the phase began (a new connection's first head: its open)
         self.first = True  # no request begun yet on this connection
         self.last_read = 0.0  # loop time of the last bytes read
         self.body_base = 0  # body bytes read before the body's clock (re)started
+        self.lingering = False  # answered and closing: the refused body still arriving is read and dropped first
+        # The send clock: bytes written, of those the bytes the client had taken when the clock last
+        # looked, and the loop time it last saw the client take some (or nothing left to take).
+        self.written = self.taken = 0
+        self.sent_at = 0.0
         self._dated: tuple[list, bytes] = ([], b"")  # uvicorn's default headers (Date) and their bytes
         self.in_head = True  # between messages or inside a head
         # What arrives while a head or a chunked body's trailers are read counts toward MAX_HEAD_BYTES:
@@ -131,6 +152,8 @@ class HttpConnection(asyncio.Protocol):
         self.body_bytes = 0
         self.current: Head | None = None
         self.discarding = False  # the message was answered from its head: its body is dropped
+        self.reserved = False  # its body's declared length is held in the budget already (Expect: 100-continue)
+        self.expects = False  # it has an Expect field: refused, its body is not waited for (the client holds it back)
 
     # -- asyncio's callbacks --
 
@@ -138,7 +161,7 @@ class HttpConnection(asyncio.Protocol):
         self.transport = transport
         self.over_limit = len(self.state.connections) >= self.max_connections
         self.state.connections.add(self)
-        self.phase_since = self.last_read = self.loop.time()
+        self.phase_since = self.last_read = self.sent_at = self.loop.time()
         self._arm(self.poll_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -199,7 +222,7 @@ class HttpConnection(asyncio.Protocol):
         self.closing = True
         self._drop_waiting()
         if self.task is None and (self.in_head or self.discarding):  # (not while a body is on its way)
-            self.transport.close()
+            self._end()
 
     # -- httptools' callbacks --
 
@@ -252,15 +275,23 @@ class HttpConnection(asyncio.Protocol):
             # of its own). (Both need a Connection field, or CONNECT, to be asked for.)
             keep_alive = not parser.should_upgrade() and parser.get_http_version() != "1.0"
         expect = fields.get(b"expect")
+        self.expects = expect is not None
         self.phase, self.phase_since, self.body_base = _BODY, self.loop.time(), 0
         try:
-            if self.over_limit and (head.route is None or head.route.handler is not health):
+            if self.over_limit and (head.route is None or head.route.handler not in _UNCAPPED):
                 keep_alive = False  # (the connection closes after its refusal: it is past the cap)
                 raise TooManyConnections(self.max_connections)
             self.app.admit(head, method, path, headers)
             length = fields.get(b"content-length")
             if length is not None and int(length) > self.app.max_body_bytes:  # (llhttp checked the digits)
                 raise BodyTooLarge(self.app.max_body_bytes)
+            continuing = expect is not None and expect.lower() == b"100-continue" and parser.get_http_version() == "1.1"
+            if continuing and length is not None:
+                # The 100 asks for the body: its bytes are reserved first, so that a body the budget
+                # cannot hold is refused before it is sent, not once it was (a chunked one: as it comes).
+                if not self.bodies.take(int(length)):
+                    raise BodiesFull(self.bodies.capacity)
+                self.held, self.reserved = int(length), True
         except HTTPError as e:
             # A client that waits for 100 Continue may never send the body it announced: close after.
             self._dispatch(Exchange(head, headers, b"", method, keep_alive and expect is None, started,
@@ -268,9 +299,10 @@ class HttpConnection(asyncio.Protocol):
             self.discarding = True
             return
         self._started, self._method, self._keep_alive = started, method, keep_alive
-        if expect is not None and expect.lower() == b"100-continue" and parser.get_http_version() == "1.1":
+        if continuing:
             if self.task is None and not self.waiting:
                 self.transport.write(_CONTINUE)
+                self.written += len(_CONTINUE)
             else:  # (written once the answers before it are: the 100 must not come between them)
                 self.continue_owed = True
 
@@ -282,11 +314,11 @@ class HttpConnection(asyncio.Protocol):
             return
         if self.body_bytes > self.app.max_body_bytes:  # (a chunked body: no length was declared)
             self._refuse_body(BodyTooLarge(self.app.max_body_bytes))
-        elif not self.bodies.take(n):
-            self._refuse_body(BodiesFull(self.bodies.capacity))
-        else:
-            self.held += n
+        elif self.reserved or self.bodies.take(n):
+            self.held += 0 if self.reserved else n
             self.body.append(body)
+        else:
+            self._refuse_body(BodiesFull(self.bodies.capacity))
 
     def _refuse_body(self, error: HTTPError) -> None:
         """Answers the request whose body is being read now; the rest of the body is dropped as it comes."""
@@ -300,6 +332,13 @@ class HttpConnection(asyncio.Protocol):
         self.head_bytes, self.continue_owed = 0, False
         self.phase = _IDLE  # (its clock starts once the answer is written: _answer)
         if self.discarding:
+            # Answered already (from its head): the idle clock runs from the dropped body's end, not from the
+            # answer -- a body longer in coming than keep_alive_s had its connection closed as idle at once.
+            self.phase_since = self.loop.time()
+            if self.lingering:  # (read to its end: the close resets nobody now; nothing after it is parsed)
+                self._close()
+                self.parser = None
+                raise _Stopped()
             return
         body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
         self.body = []  # (the pieces go now, not at the next request: the body is held once while answered)
@@ -343,10 +382,8 @@ class HttpConnection(asyncio.Protocol):
         except Exception:  # (a bug: the connection is closed rather than left waiting)
             log.exception("internal error answering %s %s", exchange.method, exchange.head.label)
             if self.transport is not None:
-                self.transport.close()
+                self.closing = True  # (closed by _next, below)
         finally:
-            if exchange.held:
-                self.bodies.give_back(exchange.held)
             self.state.tasks.discard(self.task)
             self.task = None
             self.state.total_requests += 1
@@ -356,12 +393,14 @@ class HttpConnection(asyncio.Protocol):
                 self.phase_since = self.last_read = self.loop.time()
                 self.body_base = self.body_bytes
                 self._next()
+            if exchange.held:  # (last: a broken count raises, loudly, with the connection already moving on)
+                self.bodies.give_back(exchange.held)
 
     def _next(self) -> None:
         if self.task is not None or self.gone:
             return
         if self.closing:
-            self.transport.close()
+            self._end()
             return
         if self.waiting:
             if not self.write_paused:
@@ -372,6 +411,7 @@ class HttpConnection(asyncio.Protocol):
         if self.continue_owed:
             self.continue_owed = False
             self.transport.write(_CONTINUE)
+            self.written += len(_CONTINUE)
 
     def _write(self, response: Response, exchange: Exchange) -> None:
         dated, date_bytes = self._dated
@@ -388,10 +428,13 @@ class HttpConnection(asyncio.Protocol):
             self.closing = True
             lines.append(b"connection: close\r\n")
         lines.append(b"\r\n")
+        head = b"".join(lines)
         if exchange.method == "HEAD" or not body:
-            self.transport.write(b"".join(lines))
+            self.transport.write(head)
+            self.written += len(head)
         else:  # (one writev: the body is not copied into a joined buffer)
-            self.transport.writelines([b"".join(lines), body])
+            self.transport.writelines([head, body])
+            self.written += len(head) + len(body)
 
     def _log_access(self, exchange: Exchange, status: int) -> None:
         peer = self.transport.get_extra_info("peername") if self.transport is not None else None
@@ -435,28 +478,40 @@ class HttpConnection(asyncio.Protocol):
         self.timer = self.loop.call_later(delay, self._check_time)
 
     def _check_time(self) -> None:
-        """Closes a connection idle for `keep_alive_s`, answers 408 to one whose head or body is late
-        (_deadline), and otherwise looks again when it could be (at least every poll_s)."""
+        """Aborts a connection whose client takes none of its answers for `send_s` (_send_stalled), closes
+        one idle for `keep_alive_s`, answers 408 to one whose head or body is late (_deadline), and looks
+        again when it could be (at least every poll_s) until the connection is gone."""
         self.timer = None
         if self.gone:
             return
         now = self.loop.time()
-        if self.phase == _CLOSING:
-            if now >= self.phase_since + self.poll_s:  # (its 408 not taken by a client that does not read)
-                self.transport.abort()
-            else:
-                self._arm(self.phase_since + self.poll_s - now)
+        if self._send_stalled(now):
+            # nginx's send_timeout. Without it such a client kept the connection for ever -- a close waits
+            # for the answer to be taken, a request read behind it waits for room to write -- with that
+            # request's body bytes and its place under max_connections. connection_lost gives them back.
+            self.transport.abort()
             return
-        if self.task is not None or self.waiting:  # (answering: the clock starts again after, in _answer)
-            self._arm(self.poll_s)
-            return
-        left = self._deadline() - now
-        if left > 0:
-            self._arm(min(left, self.poll_s))
-        else:
-            self._time_out()
+        left = self.poll_s  # (answering or closing: the read clocks start again after an answer, in _answer)
+        if self.phase != _CLOSING and self.task is None and not self.waiting:
+            left = self._deadline() - now
+            if left <= 0:
+                self._time_out()
+                left = self.poll_s
+        self._arm(min(left, self.poll_s))
+
+    def _send_stalled(self, now: float) -> bool:
+        """True once the client has taken no byte of what was written for `send_s` (a look at the
+        transport's buffer, each time the clock looks: nothing per write but a count)."""
+        unsent = self.transport.get_write_buffer_size()
+        taken = self.written - unsent
+        if unsent == 0 or taken != self.taken:
+            self.taken, self.sent_at = taken, now
+            return False
+        return now - self.sent_at >= self.send_s
 
     def _deadline(self) -> float:
+        if self.lingering:  # (answered: the refused body's rest gets a bound of its own)
+            return min(self.last_read + min(LINGER_READ_S, self.body_s), self.phase_since + LINGER_S)
         if self.phase == _IDLE:  # (a new connection that sends nothing: the head's bound, if shorter)
             return self.phase_since + (min(self.keep_alive_s, self.header_s) if self.first else self.keep_alive_s)
         if self.phase == _HEAD:
@@ -468,7 +523,7 @@ class HttpConnection(asyncio.Protocol):
     def _time_out(self) -> None:
         if self.phase == _IDLE or self.discarding or self.parser is None:
             # Nothing begun, or its answer given already (refused from its head): closed without one.
-            self.transport.close()
+            self._close()
             return
         late = "request line and headers" if self.phase == _HEAD else "body"
         bound = (f"{self.header_s:g} s (--timeout-header)" if self.phase == _HEAD else
@@ -480,7 +535,24 @@ class HttpConnection(asyncio.Protocol):
         # bytes is reset, and a reset can overtake the 408 on its way.
         self.parser = None
         self._refuse(head, 408, f"the request's {late} did not arrive in time: this server waits {bound}")
-        self._arm(self.poll_s)
+
+    # -- the end of a connection --
+
+    def _end(self) -> None:
+        """Closes the connection, once the rest of a refused body still arriving is read and dropped
+        (lingering: LINGER_S says why; on_message_complete closes at its end, _deadline bounds it)."""
+        if self.discarding and not self.in_head and not self.expects and self.parser is not None:
+            if not self.lingering:  # (its bounds run from the first call: _next comes again on resume_writing)
+                self.lingering = True
+                self.phase_since = self.last_read = self.loop.time()
+        else:
+            self._close()
+
+    def _close(self) -> None:
+        """Closes once what was written is taken; the clock runs on, to abort a client that does not take
+        it (_check_time)."""
+        self.phase, self.lingering = _CLOSING, False
+        self.transport.close()
 
 
 class _Stopped(Exception):
