@@ -9,6 +9,7 @@ options a user sets (`PipelineOptions`, `CallOptions`) are declared with these i
 
 from __future__ import annotations
 
+import re
 import typing
 from typing import Annotated, Any, Literal, NamedTuple
 
@@ -29,6 +30,32 @@ LongInputs = Literal["truncate", "error", "chunk"]
 # with its "payload too large" status: pooling_pipeline.serve).
 TOO_LONG_MARK = "(long_inputs='error')"
 LONG_INPUTS: tuple[str, ...] = typing.get_args(LongInputs)
+# The refusal as the frontend raises it: "request i: ValueError: <what> has [at least ]N tokens, more than ...".
+_TOO_LONG = re.compile(r"request (\d+): (?:ValueError: )?.*? has (at least )?(\d+) tokens, more than the \d+ this "
+                       r"call keeps " + re.escape(TOO_LONG_MARK))
+
+
+def too_long(what: str, tokens: int, exact: bool, max_tokens: int) -> str:
+    """The render workers' refusal of an input over the tokens kept (long_inputs='error'); `exact`
+    False: `tokens` is a lower bound (only a prefix was tokenized)."""
+    return f"{what} has {'' if exact else 'at least '}{tokens} tokens, more than the {max_tokens} this call keeps " \
+           f"{TOO_LONG_MARK}"
+
+
+class TooLong(NamedTuple):
+    """A `too_long` refusal read back from its error (a server names the input in its own terms)."""
+
+    index: int  # the request's index in its call
+    tokens: int
+    exact: bool
+
+
+def read_too_long(message: str) -> TooLong | None:
+    """The request, length and exactness of a `too_long` refusal; None for any other error."""
+    match = _TOO_LONG.match(message)
+    return None if match is None else TooLong(int(match[1]), int(match[3]), match[2] is None)
+
+
 TruncationSide = Literal["left", "right"]
 # What runs the model's transformer: torch, or OpenVINO on a CPU (core/openvino_model.py); "auto":
 # OpenVINO on a CPU where it is installed and passes its start-up check for this model, else torch.

@@ -371,6 +371,9 @@ class Pipeline:
         queries, docs = _score_side(data_1, "data_1"), _score_side(data_2, "data_2")
         if len(queries) != 1 and len(queries) != len(docs):
             raise ValueError(f"data_1 and data_2 must be 1:1, 1:N or N:N; got {len(queries)} and {len(docs)} items")
+        if values["long_inputs"] == "chunk":  # (an embedding model's score would take it: not ST's score)
+            raise ValueError("long_inputs='chunk' pools a document's chunks into one embedding: it applies to "
+                             "embed, not score; score takes 'truncate' (the default) or 'error'")
         if kind == "cross_encoder":
             opts = self._options("score", pairs=True, **values)
             pairs = [(queries[0] if len(queries) == 1 else queries[i], d) for i, d in enumerate(docs)]

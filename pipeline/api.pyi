@@ -164,7 +164,8 @@ class Pipeline:
             long_inputs='truncate'
                 a text longer than the tokens kept: 'truncate' cuts it, 'error' fails it (naming it and
                 its token count), 'chunk' embeds it in chunks pooled into one normalized, token-weighted
-                mean (embed only)
+                mean (embed only); score: a pair (or a scored text) past the tokens kept, each side's
+                max_tokens_per_* cut first
             chunk_overlap=0
                 long_inputs='chunk': tokens shared by neighbouring chunks
             truncation_side=None
@@ -219,7 +220,8 @@ class Pipeline:
             long_inputs='truncate'
                 a text longer than the tokens kept: 'truncate' cuts it, 'error' fails it (naming it and
                 its token count), 'chunk' embeds it in chunks pooled into one normalized, token-weighted
-                mean (embed only)
+                mean (embed only); score: a pair (or a scored text) past the tokens kept, each side's
+                max_tokens_per_* cut first
             chunk_overlap=0
                 long_inputs='chunk': tokens shared by neighbouring chunks
             truncation_side=None
@@ -278,7 +280,8 @@ class Pipeline:
             long_inputs='truncate'
                 a text longer than the tokens kept: 'truncate' cuts it, 'error' fails it (naming it and
                 its token count), 'chunk' embeds it in chunks pooled into one normalized, token-weighted
-                mean (embed only)
+                mean (embed only); score: a pair (or a scored text) past the tokens kept, each side's
+                max_tokens_per_* cut first
             truncation_side=None
                 'right' keeps the first tokens, 'left' the last (default: the tokenizer's side)
             errors='raise'
@@ -335,7 +338,8 @@ class Pipeline:
             long_inputs='truncate'
                 a text longer than the tokens kept: 'truncate' cuts it, 'error' fails it (naming it and
                 its token count), 'chunk' embeds it in chunks pooled into one normalized, token-weighted
-                mean (embed only)
+                mean (embed only); score: a pair (or a scored text) past the tokens kept, each side's
+                max_tokens_per_* cut first
             chunk_overlap=0
                 long_inputs='chunk': tokens shared by neighbouring chunks
             truncation_side=None
@@ -392,7 +396,8 @@ class Pipeline:
             long_inputs='truncate'
                 a text longer than the tokens kept: 'truncate' cuts it, 'error' fails it (naming it and
                 its token count), 'chunk' embeds it in chunks pooled into one normalized, token-weighted
-                mean (embed only)
+                mean (embed only); score: a pair (or a scored text) past the tokens kept, each side's
+                max_tokens_per_* cut first
             chunk_overlap=0
                 long_inputs='chunk': tokens shared by neighbouring chunks
             truncation_side=None
@@ -426,6 +431,7 @@ class Pipeline:
         prompt_name: str | Sequence[str | None] | None = None,
         prompt: str | Sequence[str | None] | None = None,
         route: str | Sequence[str | None] | None = None,
+        long_inputs: Literal['truncate', 'error', 'chunk'] = 'truncate',
     ) -> list[ScoringOutput]:
         """Scores query/document pairs: 1:1, 1:N (the single query against each document) or N:N.
 
@@ -462,6 +468,11 @@ class Pipeline:
                 which of the model's routes each text takes (ST's encode(task=...): 'query', 'document'
                 or another route its Router declares); one for every prompt, a list with one per prompt,
                 or None (the model's default route)
+            long_inputs='truncate'
+                a text longer than the tokens kept: 'truncate' cuts it, 'error' fails it (naming it and
+                its token count), 'chunk' embeds it in chunks pooled into one normalized, token-weighted
+                mean (embed only); score: a pair (or a scored text) past the tokens kept, each side's
+                max_tokens_per_* cut first
         """
 
     def rank(
@@ -480,6 +491,7 @@ class Pipeline:
         prompt_name: str | Sequence[str | None] | None = None,
         prompt: str | Sequence[str | None] | None = None,
         route: str | Sequence[str | None] | None = None,
+        long_inputs: Literal['truncate', 'error', 'chunk'] = 'truncate',
     ) -> list[RankedDocument]:
         """The documents ordered by their score against the query, best first, as
         `(index, score)` pairs (ST's `CrossEncoder.rank`); `top_k` keeps the best k.
@@ -513,6 +525,11 @@ class Pipeline:
                 which of the model's routes each text takes (ST's encode(task=...): 'query', 'document'
                 or another route its Router declares); one for every prompt, a list with one per prompt,
                 or None (the model's default route)
+            long_inputs='truncate'
+                a text longer than the tokens kept: 'truncate' cuts it, 'error' fails it (naming it and
+                its token count), 'chunk' embeds it in chunks pooled into one normalized, token-weighted
+                mean (embed only); score: a pair (or a scored text) past the tokens kept, each side's
+                max_tokens_per_* cut first
         """
 
     async def aembed(
@@ -550,7 +567,8 @@ class Pipeline:
             long_inputs='truncate'
                 a text longer than the tokens kept: 'truncate' cuts it, 'error' fails it (naming it and
                 its token count), 'chunk' embeds it in chunks pooled into one normalized, token-weighted
-                mean (embed only)
+                mean (embed only); score: a pair (or a scored text) past the tokens kept, each side's
+                max_tokens_per_* cut first
             chunk_overlap=0
                 long_inputs='chunk': tokens shared by neighbouring chunks
             truncation_side=None
@@ -606,7 +624,8 @@ class Pipeline:
             long_inputs='truncate'
                 a text longer than the tokens kept: 'truncate' cuts it, 'error' fails it (naming it and
                 its token count), 'chunk' embeds it in chunks pooled into one normalized, token-weighted
-                mean (embed only)
+                mean (embed only); score: a pair (or a scored text) past the tokens kept, each side's
+                max_tokens_per_* cut first
             chunk_overlap=0
                 long_inputs='chunk': tokens shared by neighbouring chunks
             truncation_side=None
@@ -659,7 +678,8 @@ class Pipeline:
             long_inputs='truncate'
                 a text longer than the tokens kept: 'truncate' cuts it, 'error' fails it (naming it and
                 its token count), 'chunk' embeds it in chunks pooled into one normalized, token-weighted
-                mean (embed only)
+                mean (embed only); score: a pair (or a scored text) past the tokens kept, each side's
+                max_tokens_per_* cut first
             truncation_side=None
                 'right' keeps the first tokens, 'left' the last (default: the tokenizer's side)
             errors='raise'
@@ -712,7 +732,8 @@ class Pipeline:
             long_inputs='truncate'
                 a text longer than the tokens kept: 'truncate' cuts it, 'error' fails it (naming it and
                 its token count), 'chunk' embeds it in chunks pooled into one normalized, token-weighted
-                mean (embed only)
+                mean (embed only); score: a pair (or a scored text) past the tokens kept, each side's
+                max_tokens_per_* cut first
             chunk_overlap=0
                 long_inputs='chunk': tokens shared by neighbouring chunks
             truncation_side=None
@@ -767,7 +788,8 @@ class Pipeline:
             long_inputs='truncate'
                 a text longer than the tokens kept: 'truncate' cuts it, 'error' fails it (naming it and
                 its token count), 'chunk' embeds it in chunks pooled into one normalized, token-weighted
-                mean (embed only)
+                mean (embed only); score: a pair (or a scored text) past the tokens kept, each side's
+                max_tokens_per_* cut first
             chunk_overlap=0
                 long_inputs='chunk': tokens shared by neighbouring chunks
             truncation_side=None
@@ -801,6 +823,7 @@ class Pipeline:
         prompt_name: str | Sequence[str | None] | None = None,
         prompt: str | Sequence[str | None] | None = None,
         route: str | Sequence[str | None] | None = None,
+        long_inputs: Literal['truncate', 'error', 'chunk'] = 'truncate',
     ) -> list[ScoringOutput]:
         """`score` for asyncio code.
 
@@ -832,6 +855,11 @@ class Pipeline:
                 which of the model's routes each text takes (ST's encode(task=...): 'query', 'document'
                 or another route its Router declares); one for every prompt, a list with one per prompt,
                 or None (the model's default route)
+            long_inputs='truncate'
+                a text longer than the tokens kept: 'truncate' cuts it, 'error' fails it (naming it and
+                its token count), 'chunk' embeds it in chunks pooled into one normalized, token-weighted
+                mean (embed only); score: a pair (or a scored text) past the tokens kept, each side's
+                max_tokens_per_* cut first
         """
 
     async def arank(
@@ -850,6 +878,7 @@ class Pipeline:
         prompt_name: str | Sequence[str | None] | None = None,
         prompt: str | Sequence[str | None] | None = None,
         route: str | Sequence[str | None] | None = None,
+        long_inputs: Literal['truncate', 'error', 'chunk'] = 'truncate',
     ) -> list[RankedDocument]:
         """`rank` for asyncio code.
 
@@ -881,6 +910,11 @@ class Pipeline:
                 which of the model's routes each text takes (ST's encode(task=...): 'query', 'document'
                 or another route its Router declares); one for every prompt, a list with one per prompt,
                 or None (the model's default route)
+            long_inputs='truncate'
+                a text longer than the tokens kept: 'truncate' cuts it, 'error' fails it (naming it and
+                its token count), 'chunk' embeds it in chunks pooled into one normalized, token-weighted
+                mean (embed only); score: a pair (or a scored text) past the tokens kept, each side's
+                max_tokens_per_* cut first
         """
 
     def stats(self) -> dict:

@@ -267,7 +267,8 @@ class RequestSource:
     def _check_pair_request(self, index: int) -> None:
         """A (text, text_pair) prompt is classified as ST's CrossEncoder reads a pair: by a
         sequence-classification head, encoded the way score() encodes its pairs (text/text_pair,
-        longest-first truncation from the right). What that encoding cannot honour is refused."""
+        longest-first truncation from the right; refused past the tokens kept under long_inputs='error').
+        What that encoding cannot honour is refused."""
         opts, spec = self.opts, self.spec
         if spec.head != "sequence_classification":
             raise ValueError(f"request {index}: a (text, text_pair) pair is classified by a cross-encoder (a "
@@ -278,9 +279,9 @@ class RequestSource:
         if self.truncate_left:
             raise ValueError(f"request {index}: a (text, text_pair) pair is truncated longest-first from the right "
                              "(as ST's CrossEncoder does); truncation_side='left' is not supported for pairs")
-        if opts.long_inputs != "truncate":
-            raise ValueError(f"request {index}: long_inputs={opts.long_inputs!r} is not supported for a "
-                             "(text, text_pair) pair: a pair is truncated longest-first to the model's length")
+        if opts.long_inputs == "chunk":  # ('error' refuses a pair longer than the tokens kept, as score's)
+            raise ValueError(f"request {index}: long_inputs='chunk' is not supported for a (text, text_pair) pair: "
+                             "a pair is truncated longest-first to the model's length")
 
     def _close(self, form: int, indices: list[int], payload: list) -> list[RenderBatch | FailedRequest]:
         """The batch of these requests (and, for token ids, the requests refused by its check)."""

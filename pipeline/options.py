@@ -194,7 +194,8 @@ class CallOptions(msgspec.Struct, frozen=True, kw_only=True):
         "the chat template conversations are rendered with (default: the tokenizer's)")] = None
     long_inputs: Annotated[LongInputs, described(
         "a text longer than the tokens kept: 'truncate' cuts it, 'error' fails it (naming it and its token "
-        "count), 'chunk' embeds it in chunks pooled into one normalized, token-weighted mean (embed only)")] = "truncate"
+        "count), 'chunk' embeds it in chunks pooled into one normalized, token-weighted mean (embed only); "
+        "score: a pair (or a scored text) past the tokens kept, each side's max_tokens_per_* cut first")] = "truncate"
     chunk_overlap: Annotated[up_to(MAX_TOKENS, low=0), described(
         "long_inputs='chunk': tokens shared by neighbouring chunks")] = 0
     truncation_side: Annotated[TruncationSide | None, described(
@@ -222,16 +223,17 @@ if {o.name for o in REQUEST_OPTIONS} - set(CallOptions.__struct_fields__):
 
 # The caller's options (`task`, `plugin` and `pairs` are the API's), and which call takes which,
 # in the order the methods list them. classify: chunks are pooled into embeddings only; score: a
-# pair is truncated by max_tokens_per_query / max_tokens_per_doc and the model's length, never
-# rendered with a chat template.
+# pair is truncated by max_tokens_per_query / max_tokens_per_doc and the model's length (or refused
+# past it: long_inputs='error'; 'chunk' is refused), never rendered with a caller's chat template.
 _CALLER = tuple(name for name in CallOptions.__struct_fields__ if name not in ("task", "plugin", "pairs"))
 _TEXT = tuple(name for name in _CALLER if not name.startswith("max_tokens_per_"))
 CALL_OPTIONS: dict[str, tuple[str, ...]] = {
     "embed": _TEXT,
     "encode": _TEXT,
     "classify": tuple(name for name in _TEXT if name != "chunk_overlap"),
+    # (long_inputs last: score took its other options by position before it took this one)
     "score": tuple(name for name in _CALLER
-                   if name not in ("chat_template", "long_inputs", "chunk_overlap", "truncation_side")),
+                   if name not in ("chat_template", "long_inputs", "chunk_overlap", "truncation_side")) + ("long_inputs",),
 }
 
 

@@ -156,6 +156,30 @@ def test_llm_reranker_scores_only(tmp_path):
                 method(["a text"])
 
 
+@pytest.mark.slow
+def test_long_inputs_error_refuses_a_pair_whose_render_is_over_the_max_length(tmp_path):
+    """score / rank with long_inputs='error' refuse a pair whose chat-template render is over the model's
+    256 tokens, naming ST's count of it: the template's own text counts (100 "cat"s render to 336 tokens,
+    the bare pair would fit). A pair that fits is ST's score; the default still cuts as ST does."""
+    path = zoo.build_llm_reranker(tmp_path, "qwen3")
+    ce = cross_encoder(path)
+    query, doc = "what is a cat", " ".join(["cat"] * 100)
+    ce.max_seq_length = 4096  # (the whole render, as ST tokenizes it)
+    whole = int(ce.preprocess([(query, doc)])["attention_mask"].sum())
+    ce.max_seq_length = 256
+    assert whole > 256
+    with Pipeline(model=path, num_render_workers=1) as pipe:
+        with pytest.raises(ValueError, match=rf"request 1: .*pair \(as the model's chat template renders it\) has "
+                                             rf"{whole} tokens, more than the 256"):
+            pipe.score(query, ["a cat", doc], long_inputs="error", use_tqdm=False)
+        with pytest.raises(ValueError, match=f"request 0: .* has {whole} tokens"):
+            pipe.rank(query, [doc], long_inputs="error", use_tqdm=False)
+        assert_close(scores(pipe, query, ["a cat"], long_inputs="error"), ce.predict([(query, "a cat")]),
+                     "a pair that fits, long_inputs='error'")
+        assert_close(scores(pipe, query, ["a cat", doc]), ce.predict([(query, "a cat"), (query, doc)]),
+                     "the default: cut as ST cuts")
+
+
 def _edit_json(path: Path, change) -> None:
     data = json.loads(path.read_text())
     change(data)

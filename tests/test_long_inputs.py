@@ -53,6 +53,21 @@ def test_long_inputs_error_names_the_request_and_its_size(pipe):
         pipe.embed(["x"], long_inputs="drop")
 
 
+def test_score_long_inputs_error_refuses_a_scored_text_over_the_length(pipe, st_model):
+    """An embedding model's score embeds each text: with long_inputs='error' one over the 256 tokens kept is
+    refused, naming it (its request: the queries first, then the documents) and its count; the default
+    still cuts it, as ST's encode does. 'chunk' is no score's."""
+    medium = " ".join(["word"] * 300)  # 302 tokens: counted exactly
+    with pytest.raises(ValueError, match="request 2: .*prompt has 302 tokens, more than the 256"):
+        pipe.score("a query", ["fine", medium], long_inputs="error", use_tqdm=False)
+    for docs, options in ((["fine"], {"long_inputs": "error"}), ([medium], {})):
+        got = [out.score for out in pipe.score("a query", docs, use_tqdm=False, **options)]
+        ref = st_model.similarity(st_model.encode(["a query"]), st_model.encode(docs)).numpy()[0]
+        np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
+    with pytest.raises(ValueError, match="long_inputs='chunk' .* not score"):
+        pipe.score("a query", ["fine"], long_inputs="chunk", use_tqdm=False)
+
+
 def _chunk_reference(st_model, doc: str, max_tokens: int, overlap: int) -> tuple[np.ndarray, int]:
     """By hand: whole-document ids, windows, one forward per window, token-weighted mean, normalize."""
     tok, model = st_model.tokenizer, st_model[0].auto_model

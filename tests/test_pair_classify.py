@@ -159,12 +159,21 @@ def test_bad_pairs_name_their_request(bert_nli_pipe, bad, error):
 @pytest.mark.slow
 def test_pairs_apply_to_classify_and_unsupported_options_are_refused(bert_nli_pipe, tmp_path):
     """A pair elsewhere than classify on a sequence-classification model, or with an option the
-    pair encoding cannot honour (left truncation, long_inputs='error'), is a ValueError naming its
-    request; score() on a 3-label model points to classify with pairs."""
+    pair encoding cannot honour (left truncation), is a ValueError naming its request; with
+    long_inputs='error' a pair that fits is classified as by default and one over the length is refused
+    naming its count; score() on a 3-label model points to classify with pairs."""
     pipe = bert_nli_pipe
-    for options in ({"truncation_side": "left"}, {"long_inputs": "error"}):
-        with pytest.raises(ValueError, match="request 0"):
-            pipe.classify([("a", "b")], use_tqdm=False, **options)
+    with pytest.raises(ValueError, match="request 0"):
+        pipe.classify([("a", "b")], use_tqdm=False, truncation_side="left")
+    fits = pipe.classify([("a", "b")], use_tqdm=False, long_inputs="error")
+    np.testing.assert_allclose(fits[0].data, pipe.classify([("a", "b")], use_tqdm=False)[0].data, atol=1e-6, rtol=0)
+    from transformers import AutoTokenizer
+
+    long, limit = " ".join(["word"] * 200), pipe.model_spec.default_max_tokens  # (short enough to count exactly)
+    tokens = len(AutoTokenizer.from_pretrained(pipe.model_spec.path)("a", long)["input_ids"])
+    assert tokens > limit
+    with pytest.raises(ValueError, match=rf"request 1: .*pair has {tokens} tokens, more than the {limit} "):
+        pipe.classify([("a", "b"), ("a", long)], use_tqdm=False, long_inputs="error")
     with pytest.raises(ValueError) as e:
         pipe.score("a premise", ["a hypothesis"], use_tqdm=False)
     assert "classify" in str(e.value) and "pairs" in str(e.value)

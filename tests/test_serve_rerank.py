@@ -218,6 +218,100 @@ def test_an_embedding_models_rerank_and_score_refuse_over_long_texts_unless_cut(
                  "max_tokens_per_doc applies to a cross-encoder's pairs")
 
 
+@pytest.fixture(scope="module")
+def llm_reranker(tmp_path_factory) -> str:
+    """A Qwen3-Reranker-shaped LLM reranker (max 256 tokens): each pair goes through its chat template,
+    whose own text is ~130 tokens of the tiny BPE."""
+    import model_zoo as zoo
+
+    return zoo.build_llm_reranker(tmp_path_factory.mktemp("serve-llm"), "qwen3")
+
+
+@pytest.fixture(scope="module")
+def llm(llm_reranker):
+    with started_server("--model", llm_reranker, "--served-model-name", "llm") as srv:
+        yield srv
+
+
+def cats(n: int) -> str:
+    return " ".join(["cat"] * n)
+
+
+def test_an_llm_rerankers_pairs_are_measured_as_its_chat_template_renders_them(llm, llm_reranker):
+    """An LLM reranker's pair is the chat template's render of it: 100 to 120 "cat"s with "what is a cat"
+    render to 336-376 tokens (ST's own count), over the model's 256. Each is refused naming that count (before:
+    the server measured the bare pair, 208-228 tokens, and the worker cut every one to 256 in silence, the
+    same score for all three); truncate_prompt_tokens=-1 gives ST's CrossEncoder scores and meta.warnings
+    names the cut; TEI's /rerank refuses with its 413 Validation."""
+    from sentence_transformers import CrossEncoder
+
+    ce = CrossEncoder(llm_reranker, device="cpu")
+    assert ce.max_seq_length == 256
+    query, counts = "what is a cat", {}
+    ce.max_seq_length = 4096  # (the whole render's length, as ST tokenizes it)
+    for n in (100, 110, 120):
+        counts[n] = int(ce.preprocess([(query, cats(n))])["attention_mask"].sum())
+    ce.max_seq_length = 256
+    assert counts == {100: 336, 110: 356, 120: 376}  # (over 256; the pair alone would fit)
+    for n, tokens in counts.items():
+        assert_error(post(llm, "/v1/rerank", {"query": query, "documents": ["a cat", cats(n)]}), 400,
+                     f"request 1: the pair (`query`, `documents`[1]) as the model's chat template renders it has "
+                     f"{tokens} tokens, more than this model's maximum context length of 256 tokens")
+    refused = post(llm, "/v1/rerank", {"query": query, "documents": [cats(100)]})
+    assert "max_tokens_per_doc" not in refused.text  # (which the model refuses: its pair is one render)
+    docs = ["a cat", cats(100), cats(120)]
+    cut = post(llm, "/v2/rerank", {"query": query, "documents": docs, "truncate_prompt_tokens": -1}).json()
+    got = {r["index"]: r["relevance_score"] for r in cut["results"]}
+    np.testing.assert_allclose([got[i] for i in range(3)], ce.predict([(query, d) for d in docs]), atol=TOL, rtol=0)
+    assert cut["meta"]["warnings"] == [
+        f"request {i}: the pair (`query`, `documents`[{i}]) as the model's chat template renders it was cut from "
+        f"{counts[n]} to 256 tokens" for i, n in ((1, 100), (2, 120))]
+    tei = post(llm, "/rerank", {"query": query, "texts": ["a cat", cats(110)]})
+    assert tei.status_code == 413 and tei.json()["error_type"] == "Validation", tei.text
+    assert "request 1" in tei.json()["error"] and "356 tokens" in tei.json()["error"]
+
+
+def inputs_served(srv) -> float:
+    """pipeline_inputs_total: the inputs of every call the server's window admitted."""
+    line = next(line for line in httpx.get(srv.url + "/metrics").text.splitlines()
+                if line.startswith("pipeline_inputs_total "))
+    return float(line.split()[1])
+
+
+@pytest.mark.parametrize("kind", ["cross", "bundled", "llm"])
+def test_over_long_pairs_are_refused_by_the_render_workers_inside_the_window(kind, request, st_model):
+    """The server tokenizes nothing before a call is admitted (before: every document was tokenized in the
+    server process ahead of the window -- 0.47 s of CPU for 2,048 documents -- and tokenized again by the
+    workers): the render workers refuse an over-long pair (or scored text) as they render it, so the refused
+    call went through the window (its inputs counted), and its count is the reference tokenizer's."""
+    srv = request.getfixturevalue(kind)
+    if kind == "cross":
+        tokenizer, limit, doc = request.getfixturevalue("cross_encoder").tokenizer, 128, " ".join(["word"] * 200)
+        tokens, words = len(tokenizer(QUERY, doc)["input_ids"]), "request 1: the pair (`query`, `documents`[1]) has"
+    elif kind == "bundled":
+        limit, doc = 256, " ".join(["word"] * 300)
+        tokens, words = len(st_model.tokenizer(doc)["input_ids"]), "request 1: `documents`[1] has"
+    else:
+        limit, doc, tokens = 256, cats(110), 356
+        words = "request 1: the pair (`query`, `documents`[1]) as the model's chat template renders it has"
+    inputs = 2 if kind != "bundled" else 3  # (an embedding model embeds the query too)
+    before = inputs_served(srv)
+    response = post(srv, "/v1/rerank", {"query": QUERY if kind != "llm" else "what is a cat",
+                                        "documents": [DOCS[0], doc]})
+    assert_error(response, 400, f"{words} {tokens} tokens, more than this model's maximum context length of {limit}")
+    assert inputs_served(srv) - before == inputs
+    assert post(srv, "/v1/rerank", {"query": QUERY, "documents": DOCS[:2]}).status_code == 200
+
+
+def test_teis_rerank_with_documents_refuses_an_over_long_pair_with_its_413(cross):
+    """TEI's /rerank answering the Jina / Cohere shape: an over-long pair is TEI's 413 "Validation", as its
+    own `texts` shape answers (before: a 400 "Empty")."""
+    response = post(cross, "/rerank", {"query": QUERY, "documents": [DOCS[0], LONG]})
+    assert response.status_code == 413 and response.json()["error_type"] == "Validation", response.text
+    assert "request 1: the pair (`query`, `documents`[1]) has at least" in response.json()["error"]
+    assert post(cross, "/rerank", {"query": QUERY, "documents": DOCS[:2]}).status_code == 200
+
+
 def test_token_ids_over_the_length_are_refused_on_embeddings_pooling_and_classify(bundled, cross):
     """Token ids are measured as texts are (before: 600 or 10^6 ids were cut to the model's length, a 200)."""
     million = [101] + [2773] * 1_000_000 + [102]

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 from pooling_pipeline.core.config import DEFAULT_MAX_IMAGE_PIXELS, ModelSpec
 from pooling_pipeline.core.families import family_of
 from pooling_pipeline.core.messages import PoolingParams, RenderBatch, RenderOptions, RenderParams
-from pooling_pipeline.core.options import TOO_LONG_MARK
+from pooling_pipeline.core.options import too_long
 from pooling_pipeline.core.schema import ids_out_of_range, packed_lengths, split_packed
 from pooling_pipeline.workers.packer import EngineInputPacker
 from pooling_pipeline.workers.truncation import TruncatingTokenizer
@@ -252,18 +252,23 @@ class Renderer:
                     failed.append((index, f"{type(e).__name__}: {e}"))
             return
         # Short texts kept from the start go through the tokenizer in one batched call; the rest
-        # one by one (the truncation planner: a long text costs what its kept prefix costs).
+        # one by one (the truncation planner: a long text costs what its kept prefix costs). Under
+        # long_inputs='error' a text kept shorter than max_tokens was not cut: only one that reached
+        # it is counted again (the servers' default mode; counting every text first cost a second
+        # tokenization of each, one by one).
         tokenizer = self.tokenizer
-        batched = opts.long_inputs == "truncate" and not opts.truncate_left
+        refuse = opts.long_inputs == "error"
+        batched = opts.long_inputs in ("truncate", "error") and not opts.truncate_left
         limit = tokenizer.short_text_chars(opts.max_tokens) if batched else -1
         short = [i for i, t in enumerate(texts) if len(t) <= limit]
         encoded: dict[int, list[int]] = {}
         if short:
             try:
-                if len(short) == len(texts):
-                    rows.extend(indices, tokenizer.encode_many(texts, opts.max_tokens), opts, pool_start=pool_start)
-                    return
                 encoded = dict(zip(short, tokenizer.encode_many([texts[i] for i in short], opts.max_tokens)))
+                if len(short) == len(texts) and not (refuse and any(len(ids) >= opts.max_tokens
+                                                                    for ids in encoded.values())):
+                    rows.extend(indices, list(encoded.values()), opts, pool_start=pool_start)
+                    return
             except Exception:
                 encoded = {}  # retried one by one below, so the failure lands on the right request
 
@@ -271,19 +276,31 @@ class Renderer:
             i, text = numbered
             ids = encoded.get(i)
             if ids is None:
-                if opts.long_inputs == "error":
-                    self._refuse_if_too_long(text, opts.max_tokens)
                 ids = tokenizer.encode(text, opts.max_tokens, left=opts.truncate_left)
+            if refuse and len(ids) >= opts.max_tokens:
+                self._refuse_if_too_long(text, opts.max_tokens)
             return ids, {"pool_start": pool_start}
 
         self._add_each(rows, indices, enumerate(texts), opts, failed, text_ids)
 
     def _pair_ids(self, query: str, document: str, opts: RenderOptions, pool_start: int) -> tuple[list[int], dict]:
         """A cross-encoder's pair, truncated longest-first; its columns: where type 1 starts, the prompt's tokens."""
-        ids, type_ids = self.tokenizer.encode_pair(query, document, opts.max_tokens,
-                                                   opts.max_query_tokens, opts.max_doc_tokens)
+        ids, type_ids = self._encode_pair(query, document, opts)
         start = compress_token_type_ids(type_ids) if self.sends_token_types else None
         return ids, {"token_type_start": -1 if start is None else start, "pool_start": pool_start}
+
+    def _encode_pair(self, query: str, document: str, opts: RenderOptions) -> tuple[list[int], list[int]]:
+        """(ids, type ids) of a text pair: each side capped (max_query_tokens / max_doc_tokens), then the
+        pair cut longest-first, as ST's CrossEncoder cuts it -- or, under long_inputs='error', refused
+        naming its length when that cut would shorten it."""
+        ids, type_ids = self.tokenizer.encode_pair(query, document, opts.max_tokens,
+                                                   opts.max_query_tokens, opts.max_doc_tokens)
+        if opts.long_inputs == "error" and len(ids) >= opts.max_tokens:  # (a shorter pair was not cut: no recount)
+            tokens, exact = self.tokenizer.pair_tokens(query, document, opts.max_tokens,
+                                                       opts.max_query_tokens, opts.max_doc_tokens)
+            if tokens > opts.max_tokens:
+                raise ValueError(too_long("pair", tokens, exact, opts.max_tokens))
+        return ids, type_ids
 
     def _add_chunks(self, rows: EngineInputPacker, index: int, text: str, opts: RenderOptions) -> None:
         """Chunk mode: the document's chunks, each a row under its index with raw-vector params."""
@@ -416,8 +433,7 @@ class Renderer:
         if item.pair is not None and self.spec.chat_pairs is not None:
             return self._chat_pair_ids(item.prompt, item.pair, opts.text_prefix, opts), None
         if item.pair is not None:
-            ids, type_ids = self.tokenizer.encode_pair(prompt, item.pair, opts.max_tokens,
-                                                     opts.max_query_tokens, opts.max_doc_tokens)
+            ids, type_ids = self._encode_pair(prompt, item.pair, opts)
             return ids, compress_token_type_ids(type_ids) if self.sends_token_types else None
         if opts.long_inputs == "error":
             self._refuse_if_too_long(prompt, opts.max_tokens)
@@ -429,21 +445,33 @@ class Renderer:
         """ST's "message" path for a (query, document) pair: the messages through the chat template,
         tokenized without special tokens (the template owns them), cut at max_tokens on the
         tokenizer's truncation side; a row that reached max_tokens gets the template's suffix back
-        over its last tokens (ST's restore_suffix), so the model still reads the answer position."""
+        over its last tokens (ST's restore_suffix), so the model still reads the answer position.
+        Under long_inputs='error' a render longer than max_tokens is refused, naming its length (the
+        template's own text counts: ~128 tokens of the tiny Qwen3-style one)."""
         if opts.max_query_tokens is not None or opts.max_doc_tokens is not None:
             raise ValueError("max_tokens_per_query / max_tokens_per_doc do not apply to a chat-template reranker "
                              "(ST truncates the rendered conversation as a whole); use truncate_prompt_tokens")
         if self.pair_roles_failure is not None:  # ST refuses such a pair rather than score the template alone
             raise ValueError(f"the model's chat template cannot carry a query/document pair: {self.pair_roles_failure}")
         left = opts.truncate_left or getattr(self.hf, "truncation_side", "right") == "left"
-        ids = self.tokenizer.encode(self._render_pair(query, document, prompt), opts.max_tokens,
-                                    add_special_tokens=False, left=left)
+        rendered = self._render_pair(query, document, prompt)
+        ids = self.tokenizer.encode(rendered, opts.max_tokens, add_special_tokens=False, left=left)
+        if opts.long_inputs == "error" and len(ids) >= opts.max_tokens:  # (a shorter render was not cut)
+            tokens, exact = self.tokenizer.count_tokens(rendered, opts.max_tokens)
+            if tokens > opts.max_tokens:
+                raise ValueError(too_long("pair (as the model's chat template renders it)", tokens, exact,
+                                          opts.max_tokens))
         if self.spec.chat_pairs.restore_suffix and len(ids) >= opts.max_tokens:
             suffix = self._chat_suffix(prompt)
             keep = min(len(suffix), len(ids))
             if keep:
                 ids = list(ids[: len(ids) - keep]) + suffix[len(suffix) - keep:]
         return ids
+
+    def chat_pair_tokens(self, query: str, document: str, prompt: str | None, limit: int) -> tuple[int, bool]:
+        """The tokens of a pair's render through the chat template, counted no further than `limit` needs
+        to tell: (tokens, exact). (A server's account of what was cut: pooling_pipeline.serve.tokenizer.)"""
+        return self.tokenizer.count_tokens(self._render_pair(query, document, prompt), limit)
 
     def _pair_messages(self, query: str, document: str, prompt: str | None) -> list[dict]:
         """ST's pair_to_messages (roles "query", "document"), a prompt first as a "system" message."""
@@ -518,8 +546,7 @@ class Renderer:
                 why = (f": the model has no max length, so sentence-transformers keeps the whole text, and the "
                        f"pipeline keeps up to {max_tokens} tokens whole rather than cut it; pass "
                        "truncate_prompt_tokens to cut it, or long_inputs='chunk'")
-            raise ValueError(f"prompt has {'' if exact else 'at least '}{total} tokens, more than the "
-                             f"{max_tokens} this call keeps {TOO_LONG_MARK}{why}")
+            raise ValueError(too_long("prompt", total, exact, max_tokens) + why)
 
     def _chunks(self, text: str, opts: RenderOptions) -> list[list[int]]:
         """Chunk mode: the whole document in chunks of `max_tokens` (special tokens included),

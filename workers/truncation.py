@@ -289,6 +289,20 @@ class TruncatingTokenizer:
         enc = self.tokenizer.post_process(encs[0], encs[1])
         return enc.ids, enc.type_ids
 
+    def pair_tokens(self, first: str, second: str, max_tokens: int, max_first: int | None = None,
+                    max_second: int | None = None) -> tuple[int, bool]:
+        """A pair's length before its longest-first cut, special tokens included, each side first capped
+        at `max_first` / `max_second` content tokens: (tokens, exact). Each side is tokenized no further
+        than `max_tokens` needs to tell, so past it the count is a lower bound."""
+        budget = max(0, max_tokens - self.num_special_tokens_pair)
+        total, exact = self.num_special_tokens_pair, True
+        for text, cap in ((first, max_first), (second, max_second)):
+            count, whole = self.count_tokens(text, budget if cap is None else min(budget, cap))
+            if cap is not None and count >= cap:
+                count, whole = cap, True
+            total, exact = total + count, exact and whole
+        return total, exact
+
     def _first_is_longer(self, sides: list[tuple[str, int | None]], budget: int) -> bool:
         """Whether the first text has more (capped) content tokens than the second: counted on
         growing prefixes until one side's length is known."""

@@ -96,9 +96,9 @@ def truncation(request: Request, truncate_prompt_tokens: int | None) -> int | No
     return truncate_prompt_tokens
 
 
-def too_long(where: str, tokens: int, limit: int, exact: bool = True, also: str = "") -> HTTPError:
+def too_long(where: str, tokens: int, limit: int, exact: bool = True, also: str = "", status: int = 400) -> HTTPError:
     """vLLM's refusal of an over-long input (a 400), naming the input, its token count and how to have it cut."""
-    return HTTPError(400, f"{where} has {'' if exact else 'at least '}{tokens} tokens, more than this model's "
+    return HTTPError(status, f"{where} has {'' if exact else 'at least '}{tokens} tokens, more than this model's "
                           f"maximum context length of {limit} tokens (max_model_len); send truncate_prompt_tokens"
                           f"{also} to have it cut, or start the server with --auto-truncate")
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from pooling_pipeline.core.messages import PoolingParams
 from pooling_pipeline.core.model_folder.st_files import read_optional_json
-from pooling_pipeline.core.options import EMBEDDING_TASKS
+from pooling_pipeline.core.options import EMBEDDING_TASKS, TooLong, read_too_long
 from pooling_pipeline.request_options import model_prompts
 from pooling_pipeline.serve.app import Request, Response, Route, list_response, response_id
 from pooling_pipeline.serve.http import HTTPError, base64_string, encode_json, float_rows
@@ -171,7 +171,13 @@ async def _pair_scores(request: Request, queries: list[str], documents: list[str
                        sides: tuple[str, str], max_tokens_per_doc: int | None = None,
                        notes: bool = False) -> tuple[list, list[str]]:
     """The API's `score` of the pairs (one query against every document, or pair by pair), and (`notes`)
-    what was cut. `sides`: the request's names of the queries and the documents."""
+    what was cut. `sides`: the request's names of the queries and the documents.
+
+    vLLM's rule for an over-long input: a 400 naming it and its token count, unless the request
+    (truncate_prompt_tokens; max_tokens_per_doc, for the documents alone) or the operator (--auto-truncate)
+    asks for a cut. The render workers refuse it (long_inputs='error'), measuring each pair as they
+    render it, an LLM reranker's chat template included: this process tokenizes nothing before the
+    call is admitted."""
     server = request.server
     spec = server.spec
     kind = spec.score_kind
@@ -181,74 +187,139 @@ async def _pair_scores(request: Request, queries: list[str], documents: list[str
     if max_tokens_per_doc is not None and kind != "cross_encoder":
         raise HTTPError(400, "max_tokens_per_doc applies to a cross-encoder's pairs; this model embeds each text: "
                              "use truncate_prompt_tokens")
-    server.check_batch(len(documents))  # (before measuring them)
+    server.check_batch(len(documents))  # (before any work on them)
     keep = truncation(request, body.truncate_prompt_tokens)
-    cuts = await _long_inputs(request, queries, documents, sides, keep, max_tokens_per_doc, notes)
+    measured = _measured(spec)
+    refuse = measured and keep is None and not server.settings.auto_truncate
     images = takes_images(spec)  # (a CLIP model reads a bare string naming a file as that image)
     firsts = [text_prompt(t, images) for t in queries]
     seconds = [text_prompt(t, images) for t in documents]
     # What the pipeline runs: a cross-encoder reads each pair at once; an embedding model embeds each text.
     requests = len(seconds) if kind == "cross_encoder" else len(firsts) + len(seconds)
     params = PoolingParams(use_activation=body.use_activation) if body.use_activation is not None else None
-    scores = await server.run(requests, server.pipe.ascore(
-        firsts, seconds, pooling_params=params, truncate_prompt_tokens=keep,
-        priority=body.priority, max_tokens_per_doc=max_tokens_per_doc), client_inputs=len(seconds))
-    return scores, cuts
+    start = functools.partial(server.pipe.ascore, firsts, seconds, pooling_params=params, truncate_prompt_tokens=keep,
+                              priority=body.priority, max_tokens_per_doc=max_tokens_per_doc,
+                              long_inputs="error" if refuse else "truncate")
+    cut_asked = keep is not None or max_tokens_per_doc is not None or server.settings.auto_truncate
+    cuts = None
+    if notes and measured and cut_asked and len(queries) == 1:  # measured once admitted, and only what was cut
+        cuts = functools.partial(_cuts, request, queries[0], documents, sides, keep, max_tokens_per_doc)
+    try:
+        return await server.run(requests, _scored(start, cuts), client_inputs=len(seconds))
+    except ValueError as e:
+        refused = read_too_long(str(e))
+        if refused is None:
+            raise
+        raise _too_long_pair(request, refused, len(queries), sides) from None
 
 
-async def _long_inputs(request: Request, queries: list[str], documents: list[str], sides: tuple[str, str],
-                       keep: int | None, max_doc: int | None, notes: bool) -> list[str]:
-    """vLLM's rule for an over-long input: a 400 naming it and its token count, unless the request
-    (truncate_prompt_tokens; max_tokens_per_doc, for the documents alone) or the operator (--auto-truncate)
-    asks for a cut. The pipeline cuts a pair, and an embedding model's scored texts, and cannot refuse
-    them: they are measured here first (the render workers' tokenizer, no further than the length
-    needs). Returns, where `notes` asks, what was cut (Cohere's meta.warnings)."""
+def _measured(spec) -> bool:
+    """Whether an over-long input can be told from what the dialects ask: a routed or multi-vector model's
+    texts are cut at each route's length, and a dual encoder's text at its tower's, as ST cuts them."""
+    plain = spec.score_kind == "cross_encoder" or (spec.multi_vector is None and not spec.routes)
+    return plain and not takes_images(spec)
+
+
+def _too_long_pair(request: Request, refused: TooLong, num_queries: int, sides: tuple[str, str]) -> HTTPError:
+    """The render workers' refusal in the dialect's words, naming the input as the request named it: vLLM's
+    400 (TEI's 413 Validation, on its /rerank)."""
+    spec = request.server.spec
+    i = refused.index
+    also = ""
+    if spec.score_kind == "cross_encoder":
+        where = f"request {i}: the pair (`{sides[0]}`{'' if num_queries == 1 else f'[{i}]'}, `{sides[1]}`[{i}])"
+        if spec.chat_pairs is not None:
+            where += " as the model's chat template renders it"  # (max_tokens_per_doc: the worker refuses it)
+        elif sides[1] == "documents":
+            also = " (or max_tokens_per_doc)"
+    elif i < num_queries:  # an embedding model's call: the queries, then the documents
+        where = f"`{sides[0]}`" if sides[0] == "query" else f"request {i}: `{sides[0]}`[{i}]"
+    else:
+        where = f"request {i - num_queries}: `{sides[1]}`[{i - num_queries}]"
+    status = 413 if request.dialect == "tei" else 400  # (TEI's "Validation" for an input over its length)
+    return too_long(where, refused.tokens, spec.default_max_tokens, refused.exact, also, status)
+
+
+async def _scored(start, cuts) -> tuple[list, list[str]]:
+    """What server.run awaits once the call is admitted: the scores (`start()`), and what `cuts(scores)`
+    says was cut of them. (Nothing is started before: a call refused a place starts no coroutine.)"""
+    scores = await start()
+    return scores, [] if cuts is None else await cuts(scores)
+
+
+async def _cuts(request: Request, query: str, documents: list[str], sides: tuple[str, str], keep: int | None,
+                max_doc: int | None, scores: list) -> list[str]:
+    """What was cut of the scored pairs (Cohere's meta.warnings), measured in this process after the call,
+    inside its admission, and only where the kept length says a cut may have happened (a pair at the
+    tokens kept, a document at max_tokens_per_doc): each no further than that length needs."""
     server = request.server
     spec = server.spec
-    refuse = keep is None and not server.settings.auto_truncate
-    measured = spec.score_kind == "cross_encoder" or (spec.multi_vector is None and not spec.routes)
-    if not (refuse or notes) or not measured or takes_images(spec):
-        return []  # (a routed or multi-vector model's texts are cut at each route's length, as ST cuts them)
     tokenizer = await served_tokenizer(server)
     limit = spec.default_max_tokens if keep is None else keep
     name = spec.default_prompt_name  # (the pipeline puts the model's default prompt in front of each query)
     prompt = model_prompts(spec).get(name, "") if name is not None else ""
-    measure = _pair_cuts if spec.score_kind == "cross_encoder" else _text_cuts
-    return await asyncio.to_thread(measure, tokenizer, prompt, queries, documents, sides, limit, max_doc, refuse)
+    kept = [out.num_prompt_tokens for out in scores]
+    if spec.score_kind != "cross_encoder":
+        measure = _text_cuts
+    elif spec.chat_pairs is not None:
+        measure = _chat_pair_cuts
+    else:
+        measure = _pair_cuts
+    return await asyncio.to_thread(measure, tokenizer, prompt, query, documents, kept, sides, limit, max_doc)
 
 
-def _pair_cuts(tokenizer, prompt: str, queries: list[str], documents: list[str], sides: tuple[str, str],
-               limit: int, max_doc: int | None, refuse: bool) -> list[str]:
-    """A cross-encoder's pairs, each as the pipeline keeps it: the document cut to max_doc, then the pair."""
+def _pair_cuts(tokenizer, prompt: str, query: str, documents: list[str], kept: list[int], sides: tuple[str, str],
+               limit: int, max_doc: int | None) -> list[str]:
+    """A cross-encoder's pairs, each as the pipeline kept it: the document cut to max_doc, then the pair.
+    A pair shorter than `limit` was not cut longest-first: its document's kept length tells whether
+    max_doc may have cut it."""
+    query = prompt + query
+    query_tokens, _ = tokenizer.content_tokens(query, limit)
     cuts = []
     for i, document in enumerate(documents):
-        q = 0 if len(queries) == 1 else i
-        length = tokenizer.measure(prompt + queries[q], document, limit, max_doc)
+        document_kept = kept[i] - tokenizer.num_special_tokens_pair - query_tokens
+        if kept[i] < limit and (max_doc is None or document_kept < max_doc):
+            continue  # nothing of this pair was cut
+        length = tokenizer.measure(query, document, limit, max_doc)
         if length.pair_cut:
             cuts.append(f"`{sides[1]}`[{i}] was cut to {max_doc} tokens (max_tokens_per_doc)")
         if length.tokens > limit:
-            where = f"request {i}: the pair (`{sides[0]}`{'' if len(queries) == 1 else f'[{q}]'}, `{sides[1]}`[{i}])"
-            if refuse:
-                also = " (or max_tokens_per_doc)" if sides[1] == "documents" else ""
-                raise too_long(where, length.tokens, limit, length.exact, also)
-            cuts.append(f"{where} was cut from {'' if length.exact else 'at least '}{length.tokens} to {limit} "
-                        "tokens, longest first")
+            cuts.append(f"request {i}: the pair (`{sides[0]}`, `{sides[1]}`[{i}]) was cut from "
+                        f"{'' if length.exact else 'at least '}{length.tokens} to {limit} tokens, longest first")
     return cuts
 
 
-def _text_cuts(tokenizer, prompt: str, queries: list[str], documents: list[str], sides: tuple[str, str],
-               limit: int, max_doc: int | None, refuse: bool) -> list[str]:
-    """An embedding model's scored texts, each embedded alone (the model's default prompt in front)."""
+def _chat_pair_cuts(tokenizer, prompt: str, query: str, documents: list[str], kept: list[int],
+                    sides: tuple[str, str], limit: int, max_doc: int | None) -> list[str]:
+    """An LLM reranker's pairs, each rendered through the model's chat template as the render workers
+    render it (ST's): one that reached `limit` tokens is measured whole (as far as `limit` needs)."""
     cuts = []
-    for side, texts in zip(sides, (queries, documents)):
-        for i, text in enumerate(texts):
-            length = tokenizer.measure(prompt + text, None, limit)
-            if length.tokens > limit:
-                where = f"`{side}`" if side == "query" else f"request {i}: `{side}`[{i}]"
-                if refuse:
-                    raise too_long(where, length.tokens, limit, length.exact)
-                cuts.append(f"{where} was cut from {'' if length.exact else 'at least '}{length.tokens} to {limit} "
-                            "tokens")
+    for i, document in enumerate(documents):
+        if kept[i] < limit:
+            continue
+        tokens, exact = tokenizer.chat_pair_tokens(query, document, prompt or None, limit)
+        if tokens > limit:
+            cuts.append(f"request {i}: the pair (`{sides[0]}`, `{sides[1]}`[{i}]) as the model's chat template "
+                        f"renders it was cut from {'' if exact else 'at least '}{tokens} to {limit} tokens")
+    return cuts
+
+
+def _text_cuts(tokenizer, prompt: str, query: str, documents: list[str], kept: list[int], sides: tuple[str, str],
+               limit: int, max_doc: int | None) -> list[str]:
+    """An embedding model's scored texts, each embedded alone (the model's default prompt in front); a pair's
+    kept length is its query's and its document's."""
+    cuts = []
+    length = tokenizer.measure(prompt + query, None, limit)
+    if length.tokens > limit:
+        cuts.append(f"`{sides[0]}` was cut from {'' if length.exact else 'at least '}{length.tokens} to {limit} tokens")
+    query_kept = min(length.tokens, limit)
+    for i, document in enumerate(documents):
+        if kept[i] - query_kept < limit:
+            continue  # its document was kept whole
+        length = tokenizer.measure(prompt + document, None, limit)
+        if length.tokens > limit:
+            cuts.append(f"request {i}: `{sides[1]}`[{i}] was cut from {'' if length.exact else 'at least '}"
+                        f"{length.tokens} to {limit} tokens")
     return cuts
 
 

@@ -243,35 +243,19 @@ def _prompt_text(spec, name: str | None) -> str:
     return model_prompts(spec).get(name, "") if name is not None else ""
 
 
-async def _pair_options(request: Request, items: list, truncate: bool | None, direction: str | None) -> dict:
+def _pair_options(request: Request, items: list, truncate: bool | None, direction: str | None) -> dict:
     """Truncation for inputs that may be (text, text_pair) pairs. The pipeline cuts a pair
-    longest-first from the right, as ST's CrossEncoder does, and cannot refuse one: without
-    truncation every input is measured here first (the render workers' tokenizer, a prefix of
-    each text at most); a pair cut from the left is refused."""
-    if _truncates(request, truncate):
-        if _side(direction) == "left":
-            pair = next((i for i, item in enumerate(items) if isinstance(item, tuple)), None)
-            if pair is not None:
-                raise HTTPError(400, f"request {pair}: truncation_direction={direction!r} is not supported for a "
-                                     "pair: a pair is truncated longest-first from the right, as ST's CrossEncoder does")
-        return {"truncation_side": _side(direction)}
-    server = request.server
-    tokenizer = await served_tokenizer(server)
-    error = await asyncio.to_thread(_first_too_long, tokenizer, items, server.spec)
-    if error is not None:
-        raise error
-    return {}
-
-
-def _first_too_long(tokenizer, items: list, spec) -> HTTPError | None:
-    limit = spec.default_max_tokens
-    prompt = _prompt_text(spec, None)
-    for i, item in enumerate(items):
-        text, pair = (prompt + item[0], item[1]) if isinstance(item, tuple) else (prompt + item, None)
-        length = tokenizer.measure(text, pair, limit)
-        if length.tokens > limit:
-            return _too_long(i, length.tokens, limit, length.exact)
-    return None
+    longest-first from the right, as ST's CrossEncoder does (a pair cut from the left is refused);
+    without truncation the render workers refuse an input over the model's length, measuring it as
+    they render it (an LLM reranker's chat template included), and `_run_texts` answers TEI's 413."""
+    if not _truncates(request, truncate):
+        return {"long_inputs": "error"}
+    if _side(direction) == "left":
+        pair = next((i for i, item in enumerate(items) if isinstance(item, tuple)), None)
+        if pair is not None:
+            raise HTTPError(400, f"request {pair}: truncation_direction={direction!r} is not supported for a "
+                                 "pair: a pair is truncated longest-first from the right, as ST's CrossEncoder does")
+    return {"truncation_side": _side(direction)}
 
 
 def _best_first(scores: list[float]) -> list[int]:
@@ -345,9 +329,11 @@ async def rerank(request: Request) -> Response:
     if not body.query and "" in body.texts:
         raise HTTPError(400, f"request {body.texts.index('')}: `inputs` cannot be empty")
     # (score takes no truncation side: a pair is cut from the right, and _pair_options refuses the left)
-    await _pair_options(request, [(body.query, text) for text in body.texts], body.truncate, body.truncation_direction)
+    options = _pair_options(request, [(body.query, text) for text in body.texts], body.truncate,
+                            body.truncation_direction)
     params = PoolingParams(use_activation=False) if body.raw_scores else None
-    scores = await server.run(len(body.texts), server.pipe.ascore(body.query, body.texts, pooling_params=params))
+    scores = await _run_texts(request, len(body.texts), server.pipe.ascore(
+        body.query, body.texts, pooling_params=params, long_inputs=options.get("long_inputs", "truncate")))
     server.count_tokens(scores)
     ranks = []
     for i in _best_first([out.score for out in scores]):
@@ -388,9 +374,9 @@ async def predict(request: Request) -> Response:
     spec = server.spec
     _require(spec, "predict")
     server.check_batch(len(items))
-    options = await _pair_options(request, items, body.truncate, body.truncation_direction)
+    options = _pair_options(request, items, body.truncate, body.truncation_direction)
     params = PoolingParams(use_activation=False) if body.raw_scores else None
-    outs = await server.run(len(items), server.pipe.aclassify(items, pooling_params=params, **options))
+    outs = await _run_texts(request, len(items), server.pipe.aclassify(items, pooling_params=params, **options))
     server.count_tokens(outs)
     labels = model_labels(spec.base_path, spec.num_labels)
     predictions = []

@@ -1,7 +1,6 @@
-"""The model's tokenizer in the server process, for what a route must answer before (or without)
-the pipeline: TEI's `/tokenize` and `/decode`, and a pair's (or a scored text's) length where the request forbids
-truncation (the pipeline truncates a cross-encoder's pairs longest-first, as ST does, and the texts of an
-embedding model's score, and has no way to refuse them).
+"""The model's tokenizer in the server process, for what a route must answer without the pipeline:
+TEI's `/tokenize` and `/decode`, and what was cut of a scored pair (or text) where the dialect says so
+(Cohere's meta.warnings; an over-long one is refused by the render workers, long_inputs='error').
 
 It is the render workers' own tokenizer (`workers.render.render_backend`: transformers' configured
 backend, ST's do_lower_case, special tokens as ST adds them), so its ids are the ones the model sees.
@@ -24,10 +23,14 @@ class ServedTokenizer:
     `content_tokens` (a text's length without special tokens, counted no further than a budget)."""
 
     def __init__(self, spec) -> None:
-        from pooling_pipeline.workers.render import load_hf_tokenizer, render_backend
+        from pooling_pipeline.workers.render import Renderer, load_hf_tokenizer, render_backend
         from pooling_pipeline.workers.truncation import TruncatingTokenizer
 
-        self.counter = TruncatingTokenizer(render_backend(spec, load_hf_tokenizer(spec)))
+        hf = load_hf_tokenizer(spec)
+        # An LLM reranker's pair is the workers' render of it through the chat template: their Renderer's.
+        self.renderer = Renderer(spec, hf) if spec.chat_pairs is not None else None
+        self.counter = self.renderer.tokenizer if self.renderer is not None else TruncatingTokenizer(
+            render_backend(spec, hf))
         self.backend = self.counter.tokenizer  # (truncation and padding off: TruncatingTokenizer saw to it)
         self.num_special_tokens = self.counter.num_special_tokens
         self.num_special_tokens_pair = self.counter.num_special_tokens_pair
@@ -74,6 +77,12 @@ class ServedTokenizer:
         if pair_cut:
             second, second_exact = max_pair_tokens, True
         return Measured(specials + first + second, exact and second_exact, pair_cut)
+
+
+    def chat_pair_tokens(self, query: str, document: str, prompt: str | None, limit: int) -> tuple[int, bool]:
+        """An LLM reranker's pair as the render workers render it (the chat template's text included), tokenized
+        no further than `limit` needs: (tokens, exact)."""
+        return self.renderer.chat_pair_tokens(query, document, prompt, limit)
 
 
 class Measured(NamedTuple):
