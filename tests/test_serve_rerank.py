@@ -334,6 +334,30 @@ def _litellm():
     return litellm
 
 
+def _no_connection_left_to(srv) -> None:
+    """This process holds no TCP connection to the test's server once its client is closed: a pooled
+    keep-alive connection to a server stopped later stays in CLOSE_WAIT here, and test_reliability
+    (run next in the same xdist worker) checks that the process has no TCP connection."""
+    import psutil
+
+    port = int(srv.url.rsplit(":", 1)[1].split("/")[0])
+    held = [c for c in psutil.Process().net_connections(kind="inet") if c.raddr and c.raddr.port == port]
+    assert held == [], held
+
+
+def _close_litellms_clients(litellm) -> None:
+    """litellm keeps its HTTP clients for the process (a module-level one and a cache by provider),
+    with their keep-alive connections: closed, and a fresh module-level client put back."""
+    from litellm.llms.custom_httpx.http_handler import HTTPHandler
+
+    cached = list(litellm.in_memory_llm_clients_cache.cache_dict.values())
+    for client in [litellm.module_level_client, *cached]:
+        if callable(getattr(client, "close", None)):
+            client.close()
+    litellm.in_memory_llm_clients_cache.flush_cache()
+    litellm.module_level_client = HTTPHandler()
+
+
 @pytest.fixture(scope="module")
 def infinity(models):
     """The cross-encoder with POST /rerank answering Infinity's shape (each document a string)."""
@@ -344,7 +368,12 @@ def infinity(models):
 def test_the_cohere_client_ranks_and_sees_refusals_and_cuts(cross, cross_encoder):
     import cohere
 
-    client = cohere.ClientV2(base_url=cross.url, api_key="unused", timeout=120)
+    with httpx.Client(timeout=120) as http:  # (closed after the test: no pooled connection left in this process)
+        _cohere_ranks(cohere.ClientV2(base_url=cross.url, api_key="unused", httpx_client=http), cohere, cross_encoder)
+    _no_connection_left_to(cross)
+
+
+def _cohere_ranks(client, cohere, cross_encoder) -> None:
     ranked = [r["corpus_id"] for r in cross_encoder.rank(QUERY, DOCS)]
     answer = client.rerank(model="ce", query=QUERY, documents=DOCS, top_n=3)
     assert [r.index for r in answer.results] == ranked[:3]
@@ -363,12 +392,16 @@ def test_litellms_infinity_and_cohere_providers_parse_the_rerank_answers(infinit
     litellm = _litellm()
     ranked = [r["corpus_id"] for r in cross_encoder.rank(QUERY, DOCS)]
     expected = cross_encoder.predict([(QUERY, DOCS[i]) for i in ranked])
-    for model in ("infinity/ce", "cohere/ce"):
-        answer = litellm.rerank(model=model, api_base=infinity.url, api_key="unused", query=QUERY, documents=DOCS,
-                                return_documents=True)
-        assert [r["index"] for r in answer.results] == ranked, model
-        assert [r["document"]["text"] for r in answer.results] == [DOCS[i] for i in ranked], model
-        np.testing.assert_allclose([r["relevance_score"] for r in answer.results], expected, atol=TOL, rtol=0)
+    try:
+        for model in ("infinity/ce", "cohere/ce"):
+            answer = litellm.rerank(model=model, api_base=infinity.url, api_key="unused", query=QUERY, documents=DOCS,
+                                    return_documents=True)
+            assert [r["index"] for r in answer.results] == ranked, model
+            assert [r["document"]["text"] for r in answer.results] == [DOCS[i] for i in ranked], model
+            np.testing.assert_allclose([r["relevance_score"] for r in answer.results], expected, atol=TOL, rtol=0)
+    finally:
+        _close_litellms_clients(litellm)
+    _no_connection_left_to(infinity)
     raw = post(infinity, "/rerank", {"model": "ce", "query": QUERY, "documents": DOCS[:2]}).json()
     assert raw["object"] == "rerank" and {r["document"] for r in raw["results"]} == {None}  # Infinity: no documents
     assert isinstance(raw["created"], int) and raw["usage"]["prompt_tokens"] == raw["usage"]["total_tokens"] > 0
