@@ -53,6 +53,24 @@ def test_long_inputs_error_names_the_request_and_its_size(pipe):
         pipe.embed(["x"], long_inputs="drop")
 
 
+def test_long_inputs_error_refuses_token_ids_over_the_length_as_it_refuses_a_text(pipe):
+    """Token ids were cut to max_tokens whatever the call said: long_inputs='error' is a refusal naming the
+    request and its length, in every form they come in (the packed fast path and a dict prompt); the
+    others of the call keep their results (errors='return') and ids that fit are used as they are."""
+    fits = [101, *[2000 + k for k in range(20)], 102]
+    over = [101, *[2000 + k % 500 for k in range(598)], 102]  # 600 ids
+    for prompt in (over, {"prompt_token_ids": over}):
+        with pytest.raises(ValueError, match=r"request 1: .*prompt has 600 tokens, more than the 256"):
+            pipe.embed([fits, prompt], long_inputs="error", use_tqdm=False)
+    outs = pipe.embed([fits, over, {"prompt_token_ids": fits}], long_inputs="error", errors="return", use_tqdm=False)
+    assert outs[1].error is not None and "600 tokens" in outs[1].error
+    reference = pipe.embed([fits], use_tqdm=False)[0].embedding
+    for out in (outs[0], outs[2]):
+        np.testing.assert_allclose(out.embedding, reference, atol=1e-5, rtol=0)
+    cut, first_256 = pipe.embed([over, over[:256]], use_tqdm=False)  # (the default still cuts, on the right)
+    np.testing.assert_allclose(cut.embedding, first_256.embedding, atol=1e-5, rtol=0)
+
+
 def test_score_long_inputs_error_refuses_a_scored_text_over_the_length(pipe, st_model):
     """An embedding model's score embeds each text: with long_inputs='error' one over the 256 tokens kept is
     refused, naming it (its request: the queries first, then the documents) and its count; the default

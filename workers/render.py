@@ -206,11 +206,14 @@ class Renderer:
             error = (f"ValueError: cannot keep {opts.max_tokens} tokens: the model adds "
                      f"{self.tokenizer.num_special_tokens} special tokens")
             failed = [(index, error) for index in indices]
-        elif batch.token_ids is not None:  # used verbatim, cut to max_tokens
+        elif batch.token_ids is not None:  # used verbatim, cut to max_tokens (refused under long_inputs='error')
             sizes = packed_lengths(batch.token_ids, batch.lengths, len(indices))
             ids = split_packed(batch.token_ids, sizes)
             keep = opts.max_tokens
             if max(sizes, default=0) > keep:
+                if opts.long_inputs == "error":
+                    self._add_each(rows, indices, ids, opts, failed, lambda a: (self._kept_ids(a, keep, opts), {}))
+                    return rows, failed
                 ids = [a[-keep:] if opts.truncate_left else a[:keep] for a in ids]
             rows.extend(indices, ids, opts)
         elif batch.pairs is not None and self.spec.chat_pairs is not None:  # an LLM reranker's chat template
@@ -219,6 +222,17 @@ class Renderer:
         else:
             self._render_texts(rows, batch, indices, failed)
         return rows, failed
+
+    @staticmethod
+    def _kept_ids(ids, max_tokens: int, opts: RenderOptions):
+        """Token ids given as they are: cut to `max_tokens` on the truncation side, or, under
+        long_inputs='error', refused naming their length (as a text is: they were once cut whatever the
+        call said)."""
+        if len(ids) <= max_tokens:
+            return ids
+        if opts.long_inputs == "error":
+            raise ValueError(too_long("prompt", len(ids), True, max_tokens))
+        return ids[-max_tokens:] if opts.truncate_left else ids[:max_tokens]
 
     def _add_each(self, rows: EngineInputPacker, indices: list[int], inputs, opts: RenderOptions,
                   failed: list[tuple[int, str]], render) -> None:
@@ -346,8 +360,7 @@ class Renderer:
                 self._refuse_if_too_long(text, max_tokens)
             ids = list(self.tokenizer.encode(text, max_tokens, left=opts.truncate_left))
         elif token_ids is not None:  # used verbatim (special tokens included), cut to the route's length
-            ids = np.asarray(token_ids).tolist()
-            ids = ids[-max_tokens:] if opts.truncate_left else ids[:max_tokens]
+            ids = list(self._kept_ids(np.asarray(token_ids).tolist(), max_tokens, opts))
         else:
             raise ValueError("request has no input")
         if expansion is None or len(ids) >= expansion.length or not ids:
@@ -422,8 +435,7 @@ class Renderer:
                 return self.tokenizer.encode(rendered, opts.max_tokens), None
             return self._ids(list(rendered)[: opts.max_tokens]), None
         if item.token_ids is not None:
-            ids = np.asarray(item.token_ids)
-            return (ids[-opts.max_tokens:] if opts.truncate_left else ids[: opts.max_tokens]), None
+            return self._kept_ids(np.asarray(item.token_ids), opts.max_tokens, opts), None
         if item.conversation is not None:
             text = self.hf.apply_chat_template(item.conversation, chat_template=chat_template, tokenize=False)
             # Like transformers' apply_chat_template(tokenize=True): the template owns the special tokens.
