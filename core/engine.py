@@ -1,14 +1,18 @@
 """Engine core process: `python -m pooling_pipeline.core.engine <config file>` (an EngineConfig as JSON,
 in a 0600 file of the group's private directory).
 
-Shaped like vLLM's EngineCoreProc: three threads with bounded queues between them, so the step
-loop only schedules, collates and launches while socket work happens beside it.
-  * the input thread reads control messages (Abort, Shutdown) -- always, even when the window is
-    full -- and inputs from the render workers while the window has room for one more message
-    (while it is full the input socket is not read, so back-pressure reaches the workers); it
-    decodes and validates them and hands them to the loop;
-  * the step loop owns the scheduler: it admits what the input thread handed over, applies
-    aborts, forms a batch and launches it. On a device that runs asynchronously (CUDA, the
+One thread does the work, in one loop (a heartbeat and a parent watchdog beside it only tick).
+vLLM's EngineCoreProc has an input and an output thread beside its loop; here they cost more than
+the socket work they would move: each step handed work between three threads that take turns on
+the GIL (~17 futex calls a step, measured), and the engine's CPU per request halved without them
+(docs/benchmarks.md, "Capacity planning"). Socket work does not wait on the device: the next step
+is launched before the loop waits for the previous one, so the device has queued work while the
+loop reads, admits and sends. Each turn of the loop:
+  * reads control messages (Abort, Shutdown) -- always, even when the window is full -- and
+    inputs from the render workers while the window has room for one more message (while it is
+    full the input socket is not read, so back-pressure reaches the workers), without waiting
+    when there is work, waiting on the sockets when there is none; decodes, validates and admits them;
+  * forms a batch and launches it. On a device that runs asynchronously (CUDA, the
     simulated device) it launches the next step before it waits for the previous one, so the
     device is never idle while the host collates; a CPU step is finished as soon as launched.
     A step that raises is retried request by request, so only the culprit fails; it is dropped
@@ -16,7 +20,8 @@ loop only schedules, collates and launches while socket work happens beside it.
     device's context, the engine core exits instead: `_end_if_device_lost`). A failed chunk fails its whole document: the
     document's other chunks are dropped by external id (waiting, in the failed step, or still on
     their way), never computed for nothing;
-  * the output thread packs each finished step's results, encodes and sends them.
+  * packs each finished step's results, encodes and sends them without blocking; what the
+    frontend cannot take yet waits in a backlog (bounded by the window), sent as it can.
 The window counts a request from the moment its message is read until its result is sent.
 
 Every message in and out carries the group's key (`core.serial`); one without it is dropped.
@@ -25,11 +30,9 @@ Every message in and out carries the group's key (`core.serial`); one without it
 from __future__ import annotations
 
 import os
-import queue
 import sys
-import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import msgspec
 import numpy as np
@@ -63,6 +66,8 @@ from pooling_pipeline.core.step_runner import StepRunner
 from pooling_pipeline.core.step_shapes import bucket_shape, scheduled_shapes
 
 IDLE_WAIT_S = 0.5
+# At shutdown, results still held back (a frontend not reading) are sent for at most this long.
+SHUTDOWN_SEND_S = 5.0
 LAUNCH_AHEAD_ENV = "POOLING_PIPELINE_LAUNCH_AHEAD"
 # =1 runs a CPU engine's steps as on an accelerator -- bucketed shapes, the 4-D mask, the CUDA-graph
 # logic on its CPU stand-in -- so the tests drive the whole device path without a GPU; =0 turns
@@ -91,56 +96,22 @@ DEVICE_LOST_EXIT = 71
 
 
 class Window:
-    """How many requests the engine holds, from the input thread's read to the output thread's
-    send; shared by the three threads. The input thread reads a message only when the window
-    has room for a whole one (`room` requests); while it has not, the thread sleeps on `wake_fd`
-    (in its poller, beside the control socket), which a release makes readable once there is
-    room again -- no polling while full."""
+    """How many requests the engine holds, from the read of their message to the send of their
+    results. A message is read only when the window has room for a whole one (`room` requests)."""
 
     def __init__(self, size: int, room: int) -> None:
         self.size = size
         self.room = room
         self.used = 0
-        self._lock = threading.Lock()
-        self._sleeping = False  # the input thread waits for room
-        self.wake_fd, self._wake_w = os.pipe()
-        os.set_blocking(self.wake_fd, False)
-        os.set_blocking(self._wake_w, False)
 
     def has_room(self) -> bool:
         return self.used + self.room <= self.size
 
     def take(self, n: int) -> None:
-        with self._lock:
-            self.used += n
+        self.used += n
 
     def release(self, n: int) -> None:
-        if n:
-            with self._lock:
-                self.used -= n
-                wake = self._sleeping and self.used + self.room <= self.size
-                if wake:
-                    self._sleeping = False
-            if wake:
-                try:
-                    os.write(self._wake_w, b"x")
-                except BlockingIOError:
-                    pass  # a wake-up is pending already
-
-    def sleep_until_room(self) -> bool:
-        """Arms the wake-up (True), or says there is room already (False). Then poll `wake_fd`."""
-        with self._lock:
-            if self.used + self.room <= self.size:
-                return False
-            self._sleeping = True
-            return True
-
-    def woken(self) -> None:
-        try:
-            while os.read(self.wake_fd, 64):
-                pass
-        except BlockingIOError:
-            pass
+        self.used -= n
 
 
 class StageTimes:
@@ -148,20 +119,17 @@ class StageTimes:
     and admitting them, not yet reported: they ride on the next OutputBatch."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self.render_s: dict[int, float] = {}
         self.admit_s = 0.0
 
     def add(self, worker: int, render_s: float, admit_s: float) -> None:
-        with self._lock:
-            if 0.0 < render_s < 1e6:  # a stat only: anything odd is ignored
-                self.render_s[worker] = self.render_s.get(worker, 0.0) + render_s
-            self.admit_s += admit_s
+        if 0.0 < render_s < 1e6:  # a stat only: anything odd is ignored
+            self.render_s[worker] = self.render_s.get(worker, 0.0) + render_s
+        self.admit_s += admit_s
 
     def take(self) -> tuple[dict[int, float], float]:
-        with self._lock:
-            taken = self.render_s, self.admit_s
-            self.render_s, self.admit_s = {}, 0.0
+        taken = self.render_s, self.admit_s
+        self.render_s, self.admit_s = {}, 0.0
         return taken
 
 
@@ -228,11 +196,10 @@ class EngineCore:
         self.steps = 0
         self.window = Window(cfg.window, cfg.max_message_items)
         self.times = StageTimes()
-        # input thread -> loop: ("inputs", Requests) | ("abort", call, indices) | ("shutdown",); bounded by the window.
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        # loop -> output thread: messages to send, or finished steps to pack; bounded by the window.
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.reader: InputReader | None = None  # (the sockets' ends, made in serve)
+        self.sender: ResultSender | None = None
         self.clock = BusyClock()
+        self.sparse = cfg.model.sparse is not None
         self.aborted_requests = 0  # dropped by aborts, waiting or on their way in (a server's disconnects)
         self._graphs_off_told = False
 
@@ -293,23 +260,21 @@ class EngineCore:
                                                                      info=self.ready_info())))
         start_heartbeat(ctx, self.cfg.output_endpoint, "engine", self.cfg.index, self.clock, self.key,
                         info=self.running_info)
-        # Each socket is used by one thread only: these two by the input thread, to_front by the output thread.
-        reader = InputThread(self, inputs, control)
-        writer = OutputThread(self, to_front)
-        threads = [threading.Thread(target=_or_die(reader.run, self.log), name="engine-input", daemon=True),
-                   threading.Thread(target=_or_die(writer.run, self.log), name="engine-output", daemon=True)]
-        for t in threads:
-            t.start()
+        self.sender = ResultSender(self, to_front)
+        self.reader = InputReader(self, inputs, control, self.sender)
         self.loop()
-        self.outbox.put(None)
-        threads[1].join(timeout=5)
+        self.sender.drain(SHUTDOWN_SEND_S)
 
     # ---- the step loop ------------------------------------------------------------------
 
     def loop(self) -> None:
         pending = None  # a launched step not finished yet: (batch, step, in_core)
+        reader, sender = self.reader, self.sender
         while self.running:
-            self._take_inbox(wait=pending is None and not len(self.scheduler))
+            if sender.backlog:
+                sender.flush()
+            # Waits on the sockets only when there is nothing to do; otherwise takes what is there.
+            reader.read(wait=pending is None and not len(self.scheduler))
             launched = self._launch() if len(self.scheduler) and self.running else None
             if pending is not None:
                 self._finish(*pending)
@@ -322,26 +287,6 @@ class EngineCore:
             self.steps += launched is not None
             if launched is not None and self.steps % TRIM_EVERY_STEPS == 0:
                 release_free_memory()
-
-    def _take_inbox(self, wait: bool) -> None:
-        """Admits what the input thread handed over; waits for something when there is nothing to do."""
-        try:
-            event = self.inbox.get(timeout=IDLE_WAIT_S) if wait else self.inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            kind = event[0]
-            if kind == "inputs":
-                self._admit(event[1])
-            elif kind == "abort":
-                self._abort(event[1], event[2])
-            else:  # shutdown
-                self.running = False
-                return
-            try:
-                event = self.inbox.get_nowait()
-            except queue.Empty:
-                return
 
     def _admit(self, requests: Requests) -> None:
         if self.aborts:  # inputs aborted before they arrived are dropped
@@ -437,7 +382,7 @@ class EngineCore:
             self._abort(call, [index])
 
     def _fail(self, batch: Requests, error: str) -> None:
-        self.outbox.put((m.StepFailed(calls=batch.calls.tolist(), indices=batch.indices.tolist(), error=error), len(batch)))
+        self.sender.send(m.StepFailed(calls=batch.calls.tolist(), indices=batch.indices.tolist(), error=error), len(batch))
 
     def _send_results(self, batch: Requests, results, padded: int, device_s: float, in_core: int) -> None:
         if self.aborts and (batch.chunk >= 0).any():  # chunks of a document that failed meanwhile are not sent
@@ -450,7 +395,9 @@ class EngineCore:
                 results = results[keep] if isinstance(results, np.ndarray) else [results[i] for i in keep]
                 if not len(batch):
                     return
-        self.outbox.put(((batch, results, padded, device_s, in_core), len(batch)))
+        render_s, admit_s = self.times.take()
+        self.sender.send(pack_outputs(batch, results, device_s, padded, in_core, render_s, admit_s, self.sparse),
+                         len(batch))
 
 
 class AbortMemory:
@@ -496,39 +443,47 @@ class AbortMemory:
         return None if len(keep) == len(requests) else requests.select(keep)
 
 
-class InputThread:
-    """The input thread: reads control always and inputs while the window has room; decodes and
-    validates; hands the loop what it must act on."""
+class InputReader:
+    """The loop's reading: control always and inputs while the window has room; decodes,
+    validates and admits them."""
 
-    def __init__(self, engine: EngineCore, inputs: zmq.Socket, control: zmq.Socket) -> None:
+    def __init__(self, engine: EngineCore, inputs: zmq.Socket, control: zmq.Socket, sender: ResultSender) -> None:
         self.engine = engine
         self.cfg = engine.cfg
         self.inputs, self.control = inputs, control
+        self.sender = sender
         key = engine.key
         self.input_decoder = Decoder(m.EngineInbound, key=key)
         self.control_decoder = Decoder(m.EngineControl, key=key)
         self.dropped_control = DropLog(engine.log, "a malformed or foreign control message")
         self.dropped_input = DropLog(engine.log, "a malformed or foreign input message")
         self.runs_task = task_lookup(engine.cfg.model.tasks)
+        # The waits, by (room in the window, results held back): control always, inputs with
+        # room, and the frontend's socket taking more when results wait to be sent.
+        self.pollers = {}
+        for room in (False, True):
+            for held in (False, True):
+                poller = zmq.Poller()
+                poller.register(control, zmq.POLLIN)
+                if room:
+                    poller.register(inputs, zmq.POLLIN)
+                if held:
+                    poller.register(sender.to_front, zmq.POLLOUT)
+                self.pollers[room, held] = poller
 
-    def run(self) -> None:
-        inputs, control, window = self.inputs, self.control, self.engine.window
-        full, room = zmq.Poller(), zmq.Poller()
-        full.register(control, zmq.POLLIN)
-        full.register(window.wake_fd, zmq.POLLIN)
-        room.register(control, zmq.POLLIN)
-        room.register(inputs, zmq.POLLIN)
-        while True:
-            has_room = window.has_room() or not window.sleep_until_room()
-            events = dict((room if has_room else full).poll(IDLE_WAIT_S * 1000))
-            if control in events and not self._drain_control():
-                return  # Shutdown
-            if window.wake_fd in events:
-                window.woken()
-            if inputs in events:
-                # Whole messages while there is room (EVENTS: cheaper than a recv that raises zmq.Again).
-                while window.has_room() and inputs.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    self._on_inputs(inputs.recv_multipart(zmq.NOBLOCK, copy=False))
+    def read(self, wait: bool) -> None:
+        """Takes what is waiting on the sockets; with `wait`, first waits (up to IDLE_WAIT_S) for
+        something to take or for the frontend to take held-back results."""
+        engine, inputs, window = self.engine, self.inputs, self.engine.window
+        if wait:
+            self.pollers[window.has_room(), bool(self.sender.backlog)].poll(IDLE_WAIT_S * 1000)
+        # (EVENTS: no system call when nothing came, cheaper than a poll or a recv that raises zmq.Again)
+        if self.control.getsockopt(zmq.EVENTS) & zmq.POLLIN and not self._drain_control():
+            engine.running = False  # Shutdown
+            return
+        # Whole messages while there is room.
+        while window.has_room() and inputs.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._on_inputs(inputs.recv_multipart(zmq.NOBLOCK, copy=False))
 
     def _drain_control(self) -> bool:
         while True:
@@ -542,11 +497,10 @@ class InputThread:
                 self.dropped_control(e)
                 continue
             if isinstance(msg, m.Shutdown):
-                self.engine.inbox.put(("shutdown",))
                 return False
             if isinstance(msg, m.Probe):  # the frontend checking the connection: nothing to do
                 continue
-            self.engine.inbox.put(("abort", msg.call, msg.indices))
+            self.engine._abort(msg.call, msg.indices)
 
     def _on_inputs(self, frames) -> None:
         start = time.perf_counter()
@@ -567,40 +521,57 @@ class InputThread:
         if rejected:  # a well-formed message with bad contents: those requests are refused, the rest kept
             self.engine.log.error("rejected %d malformed engine inputs", len(rejected))
             indices = requests.indices
-            self.engine.outbox.put((m.RenderFailed(call=msg.call, indices=[int(indices[row]) for row, _ in rejected],
-                                                   errors=[why for _, why in rejected]), 0))
+            self.sender.send(m.RenderFailed(call=msg.call, indices=[int(indices[row]) for row, _ in rejected],
+                                            errors=[why for _, why in rejected]), 0)
             refused = {row for row, _ in rejected}
             requests = requests.select([row for row in range(len(requests)) if row not in refused])
         if len(requests):
             self.engine.window.take(len(requests))
-            self.engine.inbox.put(("inputs", requests))
+            self.engine._admit(requests)
         self.engine.times.add(msg.worker, msg.render_s, time.perf_counter() - start)
 
 
-class OutputThread:
-    """The output thread: packs finished steps into OutputBatch, encodes and sends every message,
-    then frees the window the requests held."""
+class ResultSender:
+    """The loop's sending: encodes each message and sends it without waiting; while the frontend
+    cannot take more, messages wait in order in `backlog` (bounded by the window: their requests
+    hold it until sent). A request's window slot is freed once its results are sent."""
 
     def __init__(self, engine: EngineCore, to_front: zmq.Socket) -> None:
-        self.engine = engine
+        self.window = engine.window
         self.to_front = to_front
         self.encoder = Encoder(engine.key)
-        self.sparse = engine.cfg.model.sparse is not None
+        self.backlog: deque[tuple[list, int]] = deque()
 
-    def run(self) -> None:
-        outbox, window = self.engine.outbox, self.engine.window
-        while (item := outbox.get()) is not None:
-            msg, count = item
-            if isinstance(msg, tuple):
-                msg = self._pack(*msg)
-            # Copied into ZeroMQ's own message: a zero-copy send of a frame this size goes through
-            # pyzmq's garbage-collector thread, which takes the GIL (4 context switches a step, measured).
-            self.to_front.send_multipart(self.encoder.encode(msg))
-            window.release(count)
+    def send(self, msg: msgspec.Struct, count: int) -> None:
+        """Sends `msg`, whose sending frees `count` window slots (or holds it back, in order)."""
+        frames = self.encoder.encode(msg)
+        if self.backlog or not self._send_now(frames):
+            self.backlog.append((frames, count))
+            return
+        self.window.release(count)
 
-    def _pack(self, batch: Requests, results, padded: int, device_s: float, in_core: int) -> m.OutputBatch:
-        render_s, admit_s = self.engine.times.take()
-        return pack_outputs(batch, results, device_s, padded, in_core, render_s, admit_s, self.sparse)
+    def flush(self) -> None:
+        """Sends what was held back, while the frontend takes it."""
+        backlog = self.backlog
+        while backlog and self._send_now(backlog[0][0]):
+            self.window.release(backlog.popleft()[1])
+
+    def drain(self, timeout_s: float) -> None:
+        """At shutdown: what is held back, sent within `timeout_s` (what is not is dropped)."""
+        deadline = time.monotonic() + timeout_s
+        while self.backlog and (left := deadline - time.monotonic()) > 0:
+            if self.to_front.poll(left * 1000, zmq.POLLOUT):
+                self.flush()
+
+    def _send_now(self, frames: list) -> bool:
+        # Copied into ZeroMQ's own message: a zero-copy send of a frame this size goes through
+        # pyzmq's garbage-collector thread, which takes the GIL (4 context switches a step, measured).
+        # (A multipart message is queued whole or not at all: ZeroMQ checks its limit on the first part.)
+        try:
+            self.to_front.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
 
 
 def pack_outputs(batch: Requests, results, busy_s: float, padded_tokens: int, in_core: int,
@@ -631,20 +602,6 @@ def pack_outputs(batch: Requests, results, busy_s: float, padded_tokens: int, in
                          num_prompt_tokens=np.ascontiguousarray(batch.lengths), busy_s=busy_s,
                          padded_tokens=padded_tokens, in_core=in_core, call_of=call_of, data=data, arrays=arrays,
                          sparse_ids=sparse_ids, chunks=chunks, render_s=render_s or {}, admit_s=admit_s)
-
-
-def _or_die(fn, log):
-    """A thread's body: an unexpected error there ends the process (the frontend then reports the
-    engine core dead) rather than leaving a loop that waits forever for the thread."""
-
-    def run() -> None:
-        try:
-            fn()
-        except Exception:
-            log.exception("engine thread %s failed", threading.current_thread().name)
-            os._exit(70)
-
-    return run
 
 
 def main(argv: list[str]) -> int:

@@ -2,7 +2,10 @@
 
 The engine admits at most `window` requests (it stops reading its socket while full); they wait
 in a `RequestTable` (columns and one token arena), and a batch is gathered from it as a
-`Requests` (columns) with a few array operations. Each step
+`Requests` (columns) with a few array operations. Their order by (length, arrival) is one sorted
+int64 array, so that adding a message, finding a batch and taking it out are array operations:
+the only Python loop walks the distinct lengths of a batch, not its requests (the engine's CPU
+per request is what caps one engine core's rate). Each step
 takes one batch that always contains the oldest waiting request (the oldest of the lowest
 `priority` value when priorities are given) -- so no request waits forever
 and the frontend's reorder buffer keeps moving -- grown with the requests nearest to it in
@@ -22,6 +25,7 @@ length, so little of the forward pass is spent on padding:
 from __future__ import annotations
 
 import bisect
+from collections import deque
 
 import numpy as np
 
@@ -32,7 +36,11 @@ from pooling_pipeline.core.step_shapes import rows_at_most
 MIN_BATCH_BEFORE_PADDING_LIMIT = 4
 # On a device a step of more requests than this is cut to a row bucket's size (step_shapes.rows_at_most).
 MIN_ROWS_CUT = 8
-LENGTH, PRIORITY = COL["lengths"], COL["priority"]
+PRIORITY = COL["priority"]
+# The waiting requests are kept sorted by one int64 each: length << ARRIVAL_BITS | arrival number.
+# (2**40 arrivals is 42 days at 300,000 requests/s; the numbers are rebased before they run out.)
+ARRIVAL_BITS = 40
+ARRIVAL_MASK = (1 << ARRIVAL_BITS) - 1
 
 
 class Scheduler:
@@ -49,115 +57,123 @@ class Scheduler:
         self.max_padding_fraction = max_padding_fraction
         self.overhead_tokens = overhead_tokens
         self.table = RequestTable(capacity)
-        # Arrival number -> slot in the table; insertion order is arrival order (a re-sent
-        # request replaces its waiting copy and arrives anew, last).
-        self.waiting: dict[int, int] = {}
-        # The same requests in (length, arrival) order, as buckets: one list of arrivals per
-        # length (ascending: arrivals only grow, so adding is an append) and the lengths that
-        # have a bucket, sorted (a few hundred at most). Adding costs no sort and no comparison
-        # with the rest of the window; a batch is a run of that order, walked bucket by bucket.
-        self._buckets: dict[int, list[int]] = {}
-        self._lengths: list[int] = []
-        # Each waiting request's arrival number, by call and then by its key within the call
+        # The waiting requests in (length, arrival) order: their sort keys (length << ARRIVAL_BITS |
+        # arrival) ascending, and their slots in the table in the same order. A re-sent request
+        # replaces its waiting copy and arrives anew, last.
+        self._order = np.zeros(0, np.int64)
+        self._order_slots = np.zeros(0, np.int64)
+        # Each waiting request's slot, by call and then by its key within the call
         # (`Requests.keys`: the index, an int -- cheap to hash -- or (index, chunk)).
-        self._arrival: dict[str, dict] = {}
+        self._slot_of: dict[str, dict] = {}
         self._next_arrival = 0
         self._urgent = 0  # waiting requests with a priority other than 0
 
     def __len__(self) -> int:
-        return len(self.waiting)
+        return len(self._order)
 
     def add(self, requests: Requests) -> int:
         """Adds one call's requests (their keys unique among them: the engine checks) in arrival
         order; returns how many replaced a waiting copy of themselves (re-sent requests)."""
-        if not len(requests):
+        n = len(requests)
+        if not n:
             return 0
         keys = requests.keys()
         call = requests.calls[0]
-        arrival_of = self._arrival.get(call)
-        if arrival_of is None:
-            arrival_of = self._arrival[call] = {}
+        slot_of = self._slot_of.get(call)
+        if slot_of is None:
+            slot_of = self._slot_of[call] = {}
         replaced = 0
-        if not arrival_of.keys().isdisjoint(keys):
-            for key in keys:
-                arrival = arrival_of.pop(key, None)
-                if arrival is not None:
-                    self._forget(arrival)
-                    replaced += 1
+        if not slot_of.keys().isdisjoint(keys):
+            old = [slot_of.pop(key) for key in keys if key in slot_of]
+            self._remove(np.asarray(old, dtype=np.int64))
+            replaced = len(old)
+        if self._next_arrival + n > ARRIVAL_MASK:
+            self._rebase()
         slots = self.table.put(requests, self._live_slots)
-        first = self._next_arrival
-        arrivals = range(first, first + len(keys))
-        self._next_arrival += len(keys)
-        arrival_of.update(zip(keys, arrivals))
-        self.waiting.update(zip(arrivals, slots.tolist()))
-        buckets = self._buckets
-        for arrival, length in zip(arrivals, requests.lengths.tolist()):
-            bucket = buckets.get(length)
-            if bucket is None:
-                buckets[length] = [arrival]
-                bisect.insort(self._lengths, length)
-            else:
-                bucket.append(arrival)
+        sort_keys = (requests.lengths << ARRIVAL_BITS) | np.arange(self._next_arrival, self._next_arrival + n)
+        self._next_arrival += n
+        order = np.argsort(sort_keys)
+        sort_keys, sorted_slots = sort_keys.take(order), slots.take(order)
+        at = np.searchsorted(self._order, sort_keys)
+        self._order = np.insert(self._order, at, sort_keys)
+        self._order_slots = np.insert(self._order_slots, at, sorted_slots)
+        slot_of.update(zip(keys, slots.tolist()))
         self._urgent += int(np.count_nonzero(requests.priority))
         return replaced
 
     def abort(self, call: str, indices: list[int] | None = None) -> int:
         """Removes these requests of a call (every chunk of a chunked one; every request of the
         call when `indices` is None); returns how many were removed."""
-        arrival_of = self._arrival.get(call)
-        if not arrival_of:
+        slot_of = self._slot_of.get(call)
+        if not slot_of:
             return 0
         wanted = None if indices is None else set(indices)
-        keys = [k for k in arrival_of
+        keys = [k for k in slot_of
                 if wanted is None or (k if type(k) is int else k[0]) in wanted]
-        for key in keys:
-            self._forget(arrival_of.pop(key))
-        if not arrival_of:
-            del self._arrival[call]
+        self._remove(np.asarray([slot_of.pop(key) for key in keys], dtype=np.int64))
+        if not slot_of:
+            del self._slot_of[call]
         return len(keys)
 
-    def _live_slots(self) -> list[int]:
-        return list(self.waiting.values())
+    def _live_slots(self) -> np.ndarray:
+        return self._order_slots
 
     def take_all(self) -> Requests:
         """Empties the scheduler, returning what was waiting (in arrival order)."""
-        batch = self.table.take(np.asarray(self._live_slots(), dtype=np.int64))
-        self.waiting.clear()
-        self._buckets.clear()
-        self._lengths.clear()
-        self._arrival.clear()
+        slots = self._order_slots.take(np.argsort(self._order & ARRIVAL_MASK))
+        batch = self.table.take(slots)
+        self._order = np.zeros(0, np.int64)
+        self._order_slots = np.zeros(0, np.int64)
+        self._slot_of.clear()
         self._urgent = 0
         return batch
 
-    def _forget(self, arrival: int) -> None:
-        """Takes this waiting request out of `waiting`, the buckets and the table (not out of `_arrival`)."""
-        slot = self.waiting.pop(arrival)
-        length, priority = int(self.table.cols[slot, LENGTH]), int(self.table.cols[slot, PRIORITY])
-        self._urgent -= priority != 0
-        bucket = self._buckets[length]
-        del bucket[bisect.bisect_left(bucket, arrival)]
-        if not bucket:
-            del self._buckets[length]
-            del self._lengths[bisect.bisect_left(self._lengths, length)]
-        self.table.release(np.asarray([slot], dtype=np.int64))
+    def _remove(self, slots: np.ndarray) -> None:
+        """Takes these waiting requests out of the order and the table (not out of `_slot_of`)."""
+        if not len(slots):
+            return
+        kept = ~np.isin(self._order_slots, slots)
+        if int(np.count_nonzero(~kept)) != len(slots):  # a slot not waiting, or one twice
+            raise RuntimeError(f"scheduler: {len(slots)} requests to remove, {int(np.count_nonzero(~kept))} waiting")
+        self._order, self._order_slots = self._order[kept], self._order_slots[kept]
+        self._urgent -= int(np.count_nonzero(self.table.cols[slots, PRIORITY]))
+        self.table.release(slots)
+
+    def _rebase(self) -> None:
+        """Renumbers the waiting requests' arrivals from 0 (their order kept) before the numbers
+        would reach ARRIVAL_BITS."""
+        arrivals = self._order & ARRIVAL_MASK
+        ranks = np.empty(len(arrivals), np.int64)
+        ranks[np.argsort(arrivals)] = np.arange(len(arrivals))
+        self._order = ((self._order >> ARRIVAL_BITS) << ARRIVAL_BITS) | ranks
+        self._next_arrival = len(arrivals)
+
+    def anchor_position(self) -> int:
+        """Where the next batch's anchor is in the (length, arrival) order: the oldest among the
+        most urgent (lowest priority value) waiting requests."""
+        arrivals = self._order & ARRIVAL_MASK
+        if not self._urgent:
+            return int(np.argmin(arrivals))
+        priority = self.table.cols[self._order_slots, PRIORITY]
+        candidates = np.flatnonzero(priority == priority.min())
+        return int(candidates[np.argmin(arrivals.take(candidates))])
 
     def next_batch(self) -> Requests | None:
-        if not self.waiting:
+        if not len(self._order):
             return None
-        # The anchor: the oldest among the most urgent (lowest priority value) waiting requests.
-        anchor, slot = next(iter(self.waiting.items()))
-        if self._urgent:  # (argmin keeps the first, the oldest, of ties)
-            slots = np.asarray(self._live_slots(), dtype=np.int64)
-            pick = int(np.argmin(self.table.cols[slots, PRIORITY]))
-            anchor, slot = list(self.waiting)[pick], int(slots[pick])
-        lengths, buckets = self._lengths, self._buckets
+        anchor = self.anchor_position()
+        # The order as runs of one length each ("buckets"): their lengths, where each begins, sizes.
+        lengths_in_order = self._order >> ARRIVAL_BITS
+        begins = np.flatnonzero(lengths_in_order[1:] != lengths_in_order[:-1]) + 1
+        lengths = lengths_in_order.take(np.concatenate(([0], begins))).tolist()
+        starts = [0, *begins.tolist()]
+        sizes = np.diff(np.concatenate(([0], begins, [len(lengths_in_order)]))).tolist()
         # The batch is a run of the (length, arrival) order: from offset `lo_off` of bucket
         # `lo_li` (an index into `lengths`) to offset `hi_off` of bucket `hi_li`, both included.
-        longest = real = real_anchor = int(self.table.cols[slot, LENGTH])
-        lo_li = hi_li = bisect.bisect_left(lengths, longest)
-        anchor_bucket = buckets[longest]
-        lo_off = hi_off = anchor_off = bisect.bisect_left(anchor_bucket, anchor)
-        hi_size = len(anchor_bucket)  # of bucket hi_li
+        lo_li = hi_li = bisect.bisect_right(starts, anchor) - 1
+        lo_off = hi_off = anchor_off = anchor - starts[lo_li]
+        longest = real = real_anchor = lengths[lo_li]
+        hi_size = sizes[hi_li]  # of bucket hi_li
         count = 1
         max_seqs, max_tokens, max_padding = self.max_num_seqs, self.max_num_batched_tokens, self.max_padding_fraction
         while count < max_seqs:
@@ -177,6 +193,14 @@ class Scheduler:
             # request pads itself up to `longest`; a longer one pads every request already in.
             go_left = right is None or (left is not None and left <= right)
             new_longest, length = (longest, shorter) if go_left else (longer, longer)
+            # A run of the same move, taken at once when the one-at-a-time walk would take each of
+            # its requests (see `_run_length`).
+            run = self._run_length(go_left, count, longest, real, length, sizes, lo_li, lo_off, hi_off, hi_size)
+            if run > 1:
+                lo_li, lo_off, hi_off = self._moved(run, go_left, sizes, lo_li, lo_off, hi_off)
+                count += run
+                real += run * length
+                continue
             padded, new_real = new_longest * (count + 1), real + length
             if (count >= MIN_BATCH_BEFORE_PADDING_LIMIT and padded - new_real > max_padding * padded
                     and not self._cheaper_per_token(real, longest * count, new_real, padded)
@@ -187,24 +211,32 @@ class Scheduler:
                     lo_off -= 1
                 else:
                     lo_li -= 1
-                    lo_off = len(buckets[lengths[lo_li]]) - 1
+                    lo_off = sizes[lo_li] - 1
             elif hi_off + 1 < hi_size:
                 hi_off += 1
             else:
                 hi_li += 1
                 hi_off = 0
-                hi_size = len(buckets[lengths[hi_li]])
+                hi_size = sizes[hi_li]
             longest, real = new_longest, new_real
             count += 1
         if self.shape is not None and count > MIN_ROWS_CUT:
-            lo_li, lo_off, hi_li, hi_off = self._cut(count - rows_at_most(count), (lo_li, lo_off), (hi_li, hi_off),
-                                                     (bisect.bisect_left(lengths, real_anchor), anchor_off))
-        return self._take(lo_li, lo_off, hi_li, hi_off)
+            lo_li, lo_off, hi_li, hi_off = self._cut(count - rows_at_most(count), sizes, (lo_li, lo_off),
+                                                     (hi_li, hi_off), (bisect.bisect_left(lengths, real_anchor), anchor_off))
+        return self._take(starts[lo_li] + lo_off, starts[hi_li] + hi_off + 1)
 
-    def _cut(self, drop: int, lo: tuple[int, int], hi: tuple[int, int], anchor: tuple[int, int]):
+    @staticmethod
+    def _moved(run: int, go_left: bool, sizes: list[int], lo_li: int, lo_off: int, hi_off: int) -> tuple[int, int, int]:
+        """(lo_li, lo_off, hi_off) after `run` moves to one side within one bucket (`_run_length`)."""
+        if not go_left:
+            return lo_li, lo_off, hi_off + run
+        if lo_off > 0:
+            return lo_li, lo_off - run, hi_off
+        return lo_li - 1, sizes[lo_li - 1] - run, hi_off
+
+    def _cut(self, drop: int, sizes: list[int], lo: tuple[int, int], hi: tuple[int, int], anchor: tuple[int, int]):
         """The run less `drop` requests, from its long end while the anchor stays in, then from its
         short end: a step of a row bucket's size computes no added row, and those left wait."""
-        lengths, buckets = self._lengths, self._buckets
         (lo_li, lo_off), (hi_li, hi_off) = lo, hi
         for _ in range(drop):
             if (hi_li, hi_off) > anchor:
@@ -212,40 +244,29 @@ class Scheduler:
                     hi_off -= 1
                 else:
                     hi_li -= 1
-                    hi_off = len(buckets[lengths[hi_li]]) - 1
-            elif lo_off + 1 < len(buckets[lengths[lo_li]]):
+                    hi_off = sizes[hi_li] - 1
+            elif lo_off + 1 < sizes[lo_li]:
                 lo_off += 1
             else:
                 lo_li, lo_off = lo_li + 1, 0
         return lo_li, lo_off, hi_li, hi_off
 
-    def _take(self, lo_li: int, lo_off: int, hi_li: int, hi_off: int) -> Requests:
-        """Removes the run from (lo_li, lo_off) to (hi_li, hi_off) and returns its requests."""
-        lengths, buckets, waiting = self._lengths, self._buckets, self.waiting
-        slots: list[int] = []
-        emptied = []
-        for li in range(lo_li, hi_li + 1):
-            bucket = buckets[lengths[li]]
-            start = lo_off if li == lo_li else 0
-            end = hi_off + 1 if li == hi_li else len(bucket)
-            slots += [waiting.pop(arrival) for arrival in bucket[start:end]]
-            del bucket[start:end]
-            if not bucket:
-                emptied.append(li)
-        for li in reversed(emptied):
-            del buckets[lengths[li]]
-            del lengths[li]
-        batch = self.table.take(np.asarray(slots, dtype=np.int64))
+    def _take(self, begin: int, end: int) -> Requests:
+        """Removes the run [begin, end) of the (length, arrival) order and returns its requests."""
+        slots = self._order_slots[begin:end]
+        self._order = np.concatenate((self._order[:begin], self._order[end:]))
+        self._order_slots = np.concatenate((self._order_slots[:begin], self._order_slots[end:]))
+        batch = self.table.take(slots)
         self._forget_keys(batch)
         if self._urgent:
             self._urgent -= int(np.count_nonzero(batch.priority))
         return batch
 
     def _forget_keys(self, batch: Requests) -> None:
-        """The batch's requests are no longer waiting: out of `_arrival` (call by call)."""
+        """The batch's requests are no longer waiting: out of `_slot_of` (call by call)."""
         calls = batch.calls
         keys = batch.keys()
-        if (calls == calls[0]).all():  # one call, as usual
+        if len(self._slot_of) == 1 or (calls == calls[0]).all():  # one call, as usual (waiting: then surely)
             groups = [(calls[0], keys)]
         else:
             per_call: dict[str, list] = {}
@@ -253,11 +274,43 @@ class Scheduler:
                 per_call.setdefault(call, []).append(key)
             groups = per_call.items()
         for call, call_keys in groups:
-            arrival_of = self._arrival[call]
-            for key in call_keys:
-                del arrival_of[key]
-            if not arrival_of:
-                del self._arrival[call]
+            slot_of = self._slot_of[call]
+            deque(map(slot_of.__delitem__, call_keys), maxlen=0)  # (the loop in C)
+            if not slot_of:
+                del self._slot_of[call]
+
+    def _run_length(self, go_left: bool, count: int, longest: int, real: int, length: int, sizes: list[int],
+                    lo_li: int, lo_off: int, hi_off: int, hi_size: int) -> int:
+        """How many requests of `length` the walk takes in a row on the side it grows by, the
+        next one included (1: take that one and look again). Only two runs are taken whole:
+
+        * requests of the batch's longest length (to the right in the longest bucket, or to the
+          left while still in it): they add no padding, so the padding limit cannot stop them
+          (it is not broken when the padding is 0, and otherwise the step gets cheaper per real
+          token); the other side's cost stays what it is, and this side's stays 0;
+        * shorter requests of one length to the left when one more is cheaper per real token:
+          each adds the same padding (longest - length) while the right side's cost grows with
+          the count, so the walk keeps going left; and "cheaper per token" holds along the run,
+          since one more request changes both sides of that comparison by the same amount
+          (checked at the run's two ends against rounding).
+
+        Both also stop where the walk would: the bucket's end, `max_num_seqs`, the token budget."""
+        if go_left:
+            available = lo_off if lo_off > 0 else sizes[lo_li - 1]
+        else:
+            if length != longest:
+                return 1  # (a longer bucket: the step's longest changes)
+            available = hi_size - hi_off - 1
+        run = min(available, self.max_num_seqs - count, self.max_num_batched_tokens // longest - count)
+        if run <= 1 or length == longest:
+            return max(run, 1)
+        # Shorter requests to the left: only when the padding limit cannot stop any of them.
+        last = count + run - 1
+        if not (self._cheaper_per_token(real, longest * count, real + length, longest * (count + 1))
+                and self._cheaper_per_token(real + (run - 1) * length, longest * last, real + run * length,
+                                            longest * (last + 1))):
+            return 1
+        return run
 
     def _free(self, count: int, longest: int, new_longest: int) -> bool:
         """Whether one more request (making the longest `new_longest`) fits in the bucketed shape a

@@ -31,8 +31,8 @@ import numpy as np
 # Steps remembered for the fit: bounded memory; a refit over them costs O(WINDOW^2), a few tens of us.
 WINDOW = 32
 # Refit after every step until the window is full (so the seed is replaced quickly), then every
-# REFIT_EVERY steps (amortized O(1) per step).
-REFIT_EVERY = 8
+# REFIT_EVERY steps (amortized O(1) per step: a refit costs ~120 us, ~8 us a step).
+REFIT_EVERY = 16
 # Fewer steps than this in the window: only the time scale is followed (a fit of a line through
 # two or three points would follow their noise).
 MIN_STEPS_FOR_SLOPE = 8

@@ -41,7 +41,7 @@ class Sched(Scheduler):
         return [] if batch is None else batch.indices.tolist()
 
     def oldest(self) -> int:
-        return int(self.table.cols[next(iter(self.waiting.values())), 0])
+        return int(self.table.cols[self._order_slots[self.anchor_position()], 0])
 
 
 def test_batches_hold_the_oldest_and_respect_limits():
@@ -195,3 +195,40 @@ def test_the_token_arena_moves_and_grows_and_keeps_every_requests_ids():
         for row, index in enumerate(batch.indices.tolist()):
             np.testing.assert_array_equal(batch.ids(row), expected.pop(index))
     assert not expected
+
+
+class OneAtATime(Sched):
+    """The walk that grows a batch one request at a time (what `_run_length`'s runs must equal)."""
+
+    def _run_length(self, *args) -> int:
+        return 1
+
+
+def test_runs_taken_whole_form_the_same_batches_as_one_request_at_a_time():
+    from pooling_pipeline.core.step_shapes import bucket_shape
+
+    rng = random.Random(11)
+    shape = lambda rows, longest: bucket_shape(rows, longest, 512)  # noqa: E731
+    for max_seqs, max_tokens, max_padding, overhead, shaped in [(256, 16384, 0.25, 5000.0, True),
+                                                                (256, 16384, 0.25, 0.0, True),
+                                                                (64, 2048, 0.05, 30.0, False),
+                                                                (32, 1024, 0.05, 0.0, False)]:
+        fast = Sched(max_seqs, max_tokens, max_padding, overhead_tokens=overhead, shape=shape if shaped else None)
+        plain = OneAtATime(max_seqs, max_tokens, max_padding, overhead_tokens=overhead,
+                           shape=shape if shaped else None)
+        next_id, taken_whole = 0, 0
+        for _ in range(300):
+            # Messages of short texts (many of a length: the runs) and now and then long ones.
+            message = [_req(next_id + i, rng.choice([rng.randint(8, 40)] * 6 + [rng.randint(1, 300)]),
+                            priority=rng.choice([0] * 20 + [1, -1]))
+                       for i in range(rng.randint(1, 120))]
+            next_id += len(message)
+            fast.add(message)
+            plain.add(message)
+            while len(plain) > rng.randint(0, 600):
+                expected = plain.next_indices()
+                assert fast.next_indices() == expected
+                taken_whole += len(expected)
+        while len(plain):
+            assert fast.next_indices() == plain.next_indices()
+        assert not len(fast) and taken_whole > 10_000
