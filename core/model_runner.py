@@ -9,7 +9,8 @@ import time
 import numpy as np
 import torch
 
-from pooling_pipeline.core.attention_mask import choose_mask, sdpa_backends
+from pooling_pipeline.core import packed_attention
+from pooling_pipeline.core.attention_mask import TOLERANCE, choose_mask, sdpa_backends
 from pooling_pipeline.core.checkpoint_precision import checkpoint_distance, half_checkpoint_dtype
 from pooling_pipeline.core.columns import Requests, option_groups, probe_batch
 from pooling_pipeline.core.config import ENCODER_ONLY_CLASSES, ModelSpec
@@ -130,7 +131,7 @@ class ModelRunner:
 
     def __init__(self, spec: ModelSpec, device: str, dtype: str, shared_model=None, *, backend: str = "torch",
                  threads: int = 1, quantize: str | None = None, device_steps: bool | None = None,
-                 cuda_graphs: bool | None = None) -> None:
+                 cuda_graphs: bool | None = None, attention: str | None = None) -> None:
         """`backend`: "torch", "openvino" (the transformer compiled by OpenVINO; refused clearly
         when it cannot run this model) or "auto" (OpenVINO on a CPU where it runs this model
         within its check, else torch); `quantize`: None, or "int8" (the transformer's Linear layers
@@ -139,12 +140,15 @@ class ModelRunner:
         (core/attention_mask.py), nothing read back from the device before a step's end -- by
         default where the device is not the CPU (the tests turn it on for a CPU). `cuda_graphs`: the
         forward replayed from CUDA graphs, one per step shape (core/cuda_graphs.py), by default on
-        CUDA where the device steps run with the 4-D mask (on a CPU, asked for: the tests' stand-in)."""
+        CUDA where the device steps run with the 4-D mask (on a CPU, asked for: the tests' stand-in).
+        `attention`: "packed" (a step's rows back to back, a varlen attention kernel:
+        core/packed_attention.py; refused where not exact), "padded", or None: POOLING_PIPELINE_ATTENTION
+        where set, else chosen here (packed on CUDA where flash_attn's varlen kernel runs the family)."""
         from transformers import AutoConfig
 
         if spec.route_specs:
             self._init_routes(spec, device, dtype, backend=backend, threads=threads, quantize=quantize,
-                              device_steps=device_steps, cuda_graphs=cuda_graphs)
+                              device_steps=device_steps, cuda_graphs=cuda_graphs, attention=attention)
             return
         self.spec = spec
         self.device = resolve_device(device)
@@ -201,10 +205,91 @@ class ModelRunner:
         if spec.adapter is not None and shared_model is None:  # said at start-up: a PEFT adapter is in the weights
             self.backend_info["adapter"] = (f"{spec.adapter.peft_type} merged into {spec.adapter.base_path}"
                                             + (" (the cached conversion of the merge)" if cached is not None else ""))
+        self._choose_rows(attention, shared=shared_model is not None)
         self._device_steps(device_steps if device_steps is not None else self.device.type != "cpu", cuda_graphs)
         if self._cache_warnings:  # (start-up info is flat: one line each)
             told = [self.backend_info["warnings"]] if self.backend_info.get("warnings") else []
             self.backend_info["warnings"] = "\n".join(self._cache_warnings + told)
+
+    def _choose_rows(self, attention: str | None, shared: bool) -> None:
+        """Packed or padded rows, chosen once (core/packed_attention.choose), then checked on a probe
+        against the padded forward: a model that does not give the same result stays padded (or,
+        forced, is refused). Said in backend_info["batching"] and the log."""
+        self.packed = None
+        forced = packed_attention.forced_choice() if attention is None else attention
+        if forced not in (None, *packed_attention.CHOICES):
+            raise ValueError(f"attention must be one of {packed_attention.CHOICES} or None, got {forced!r}")
+        layout, kernel, why = packed_attention.choose(
+            self.spec, torch_module=isinstance(self.model, torch.nn.Module), quantized="quantize" in self.backend_info,
+            device_type=self.device.type, dtype=self.dtype, forced=forced)
+        if layout == "packed" and shared:  # (the kernel is switched on the module: its other runner would use it)
+            problem = "the transformer module is shared with another runner"
+        elif layout == "packed":
+            problem = self._use_packed(kernel)
+        else:
+            problem = None
+        if problem is not None:
+            if forced == "packed":
+                raise ValueError(f"{packed_attention.ATTENTION_ENV}=packed cannot run model {self.spec.path!r} "
+                                 f"exactly: {problem}")
+            why = f"padded: {problem}"
+        self.backend_info["batching"] = why
+        log.info("rows: %s", why)
+
+    def _use_packed(self, kernel: str) -> str | None:
+        """The model switched to the packed kernel where a probe of rows of different lengths (and a
+        pair's token types) gives the padded forward's hidden states within the dtype's tolerance
+        (core/attention_mask.TOLERANCE); else the model as it was and what differed."""
+        lengths = np.asarray(packed_attention.probe_lengths(self.spec.max_model_len), dtype=np.int64)
+        vocab = max(self.spec.vocab_size - 1, 1)
+        ids = ((np.arange(int(lengths.sum())) * 7 + 11) % vocab + 1).astype(np.int64)
+        pair_start = np.where(np.arange(len(lengths)) % 2 == 1, lengths // 2, -1)  # odd rows: a pair's second text
+        padded = np.full((len(lengths), int(lengths.max())), self.pad_token_id, dtype=np.int64)
+        real = np.arange(padded.shape[1])[None, :] < lengths[:, None]
+        padded[real] = ids
+        types = (np.arange(padded.shape[1])[None, :] >= pair_start[:, None]) & (pair_start[:, None] >= 0) & real
+        padded_inputs = {"input_ids": to_device(padded, self.device),
+                         "attention_mask": to_device(real.astype(np.int64), self.device)}
+        if self.uses_token_types:
+            padded_inputs["token_type_ids"] = to_device(types.astype(np.int64), self.device)
+        with torch.inference_mode():
+            expected = self.model(**padded_inputs).last_hidden_state[to_device(real, self.device)].float()
+            before = packed_attention.use_kernel(self.model, kernel)
+            self.packed = PackedRows(kernel, packed_attention.PACKED_FAMILIES[self.spec.model_type])
+            try:
+                got = self.model(**self._packed_inputs(ids, lengths, pair_start)).last_hidden_state[0].float()
+            except Exception as e:  # (a kernel that cannot run here: the model as it was)
+                got, error = None, f"the packed probe failed ({type(e).__name__}: {e})"
+        if got is not None:
+            scale = float(expected.abs().max()) or 1.0
+            diff = float((got - expected).abs().max()) / scale
+            error = (None if diff <= TOLERANCE.get(self.dtype, 1e-5)
+                     else f"a packed probe differs from the padded forward by {diff:.1e} (relative)")
+        if error is not None:
+            packed_attention.restore(self.model, before)
+            self.packed = None
+        return error
+
+    def _packed_inputs(self, ids: np.ndarray, lengths: np.ndarray, pair_start: np.ndarray) -> dict:
+        """The forward's inputs for rows of `lengths` tokens packed in one sequence (`ids` back to
+        back): positions restarting per row, token types per row (`pair_start`: where a pair's
+        second text starts, -1 for none), the rows' offsets for the varlen kernel -- all built on
+        the host, nothing read from the device."""
+        if len(lengths) == 0 or lengths.min() < 1:
+            raise ValueError(f"a packed step needs rows of at least one token, got lengths {lengths.tolist()}: "
+                             "this is a bug")
+        ids = ids.astype(np.int64, copy=False)
+        in_row = positions_in_row(lengths)
+        positions = packed_attention.positions(ids, in_row, self.packed.numbering, self.pad_token_id)
+        offsets = to_device(packed_attention.offsets(lengths), self.device)
+        longest = int(lengths.max())
+        inputs = {"input_ids": to_device(ids, self.device)[None], "position_ids": to_device(positions, self.device)[None],
+                  "cu_seq_lens_q": offsets, "cu_seq_lens_k": offsets, "max_length_q": longest, "max_length_k": longest}
+        if self.uses_token_types:
+            pair = np.repeat(pair_start, lengths)
+            types = ((in_row >= pair) & (pair >= 0)).astype(np.int64)
+            inputs["token_type_ids"] = to_device(types, self.device)[None]
+        return inputs
 
     def _device_steps(self, on: bool, cuda_graphs: bool | None) -> None:
         """Steps as on an accelerator (see __init__), or as on a CPU (nothing padded, the 2-D mask)."""
@@ -216,6 +301,12 @@ class ModelRunner:
         self.shapes_bucketed = on
         if self.device.type == "cuda":
             self.backend_info["attention"] = sdpa_backends()
+        if on and self.packed is not None:  # (packed steps have no padded shape: eager, counted in graph_stats)
+            self.shapes_bucketed = False
+            wanted = cuda_graphs if cuda_graphs is not None else self.device.type == "cuda"
+            if wanted:
+                self.backend_info["cuda_graphs"] = "off: packed steps run eager (counted as eager steps)"
+            return
         if not on:
             return
         self.backend_info["step_shapes"] = "buckets (core/step_shapes.py)"
@@ -236,7 +327,10 @@ class ModelRunner:
             self.backend_info["cuda_graphs"] = "on" if graphs.name == "cuda" else "on (a CPU stand-in: eager replays)"
 
     def graph_stats(self) -> dict:
-        """The CUDA graphs' counts (captured, replays, eager steps; why they were turned off), or {}."""
+        """The CUDA graphs' counts (captured, replays, eager steps; why they were turned off), or {}.
+        Packed steps run eager: counted as such where graphs would have run."""
+        if getattr(self, "packed", None) is not None and "cuda_graphs" in self.backend_info:
+            return {"captured": 0, "replays": 0, "eager_steps": self.packed.steps}
         return self.graphed.stats() if getattr(self, "graphed", None) is not None else {}
 
     def capture_graphs(self, shapes: list[tuple[int, int]]) -> dict:
@@ -351,6 +445,8 @@ class ModelRunner:
         works, so the engine can collate the next batch meanwhile; on a CPU it returns when done."""
         if self.routes is not None:
             return self._launch_routes(batch)
+        if self.packed is not None:
+            return self._launch_packed(batch)
         if self.spec.unpadded_above is not None:
             return self._launch_unpadded(batch)
         return self._launch_padded(batch)
@@ -426,6 +522,28 @@ class ModelRunner:
         host = [to_host(t) for t in tensors]
         record_end(end, self.device)
         return PendingStep(ids.size, host, finish, started, begin, end)
+
+    def _launch_packed(self, batch: Requests) -> PendingStep:
+        """One forward of the batch's rows packed in one sequence of their real tokens (no padding
+        computed, core/packed_attention.py); the hidden states laid out per row as the padded
+        path's (zeros past each row's end, which every pooling masks), so that the pooling, heads
+        and finish are the padded path's own."""
+        started = time.perf_counter()
+        n = len(batch)
+        lengths_np = np.ascontiguousarray(batch.lengths)
+        begin, end = start_events(self.device)
+        inputs = self._packed_inputs(batch.token_ids, lengths_np, batch.token_type_start)
+        hidden = self.model(**inputs).last_hidden_state[0]  # [tokens, hidden]
+        self.packed.steps += 1
+        longest = int(lengths_np.max())
+        at = np.repeat(np.arange(n) * longest, lengths_np) + positions_in_row(lengths_np)
+        rows = hidden.new_zeros(n * longest, hidden.shape[1]).index_copy_(0, to_device(at, self.device), hidden)
+        lengths = to_device(lengths_np, self.device)
+        mask = (torch.arange(longest, device=self.device)[None, :] < lengths[:, None]).long()
+        tensors, finish = self._from_hidden(rows.view(n, longest, -1), mask, lengths, lengths_np, batch)
+        host = [to_host(t) for t in tensors]
+        record_end(end, self.device)
+        return PendingStep(len(at), host, finish, started, begin, end)
 
     def finish(self, step: PendingStep) -> tuple[list, int, float]:
         """Waits for a launched step: (results, padded tokens, device seconds it took)."""
@@ -518,9 +636,13 @@ class ModelRunner:
                               on_device=self.shapes_bucketed)
 
     def _init_routes(self, spec: ModelSpec, device: str, dtype: str, device_steps: bool | None = None,
-                     cuda_graphs: bool | None = None, **backend) -> None:
+                     cuda_graphs: bool | None = None, attention: str | None = None, **backend) -> None:
         """A Router model: one runner per route; routes on the same transformer directory share
-        its loaded weights (ST's saved Router refers to a shared module once), others each load theirs."""
+        its loaded weights (ST's saved Router refers to a shared module once), others each load theirs.
+        Its rows stay padded (the packed kernel is switched on a module its routes share)."""
+        if (packed_attention.forced_choice() if attention is None else attention) == "packed":
+            raise ValueError(f"{packed_attention.ATTENTION_ENV}=packed cannot run model {spec.path!r} exactly: "
+                             f"{packed_attention.ROUTER_REASON}")
         self.spec = spec
         self.device = resolve_device(device)
         loaded: dict[str, torch.nn.Module] = {}
@@ -533,11 +655,12 @@ class ModelRunner:
                 self.routes.append(StaticEmbeddingRunner(route, self.device))
                 continue
             runner = ModelRunner(route, device, dtype, shared_model=loaded.get(route.path), device_steps=device_steps,
-                                 cuda_graphs=cuda_graphs, **backend)
+                                 cuda_graphs=cuda_graphs, attention="padded", **backend)
             loaded.setdefault(route.path, runner.model)
             self.routes.append(runner)
         self.dtype = next(r.dtype for r in self.routes if isinstance(r, ModelRunner))
         self.backend_info = next(r.backend_info for r in self.routes if isinstance(r, ModelRunner))
+        self.backend_info["batching"] = f"padded: {packed_attention.ROUTER_REASON}"
         self.default_route = spec.routes.index(spec.default_route) if spec.default_route is not None else -1
 
     def _launch_routes(self, batch: Requests) -> PendingStep:
@@ -632,6 +755,20 @@ class ModelRunner:
             return [out[row, : int(lengths[row])] for row in range(len(batch))]
 
         return tensors, finish
+
+
+class PackedRows:
+    """A runner's packed steps: the varlen kernel, how its family numbers positions, steps run."""
+
+    __slots__ = ("kernel", "numbering", "steps")
+
+    def __init__(self, kernel: str, numbering: str) -> None:
+        self.kernel, self.numbering, self.steps = kernel, numbering, 0
+
+
+def positions_in_row(lengths: np.ndarray) -> np.ndarray:
+    """Each packed token's offset in its row (rows of `lengths` tokens back to back)."""
+    return np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
 
 
 def quantized(model: torch.nn.Module, mode: str) -> torch.nn.Module:

@@ -38,6 +38,8 @@ def describe_backend(engine: dict) -> str:
         extra.append(f"quantize {engine['quantize']}")
     if engine.get("openvino_refused"):
         extra.append(f"openvino refused: {engine['openvino_refused']}")
+    if engine.get("batching"):  # packed or padded rows, and why (core/packed_attention.choose)
+        extra.append(f"batching: {engine['batching']}")
     if engine.get("dtype_auto"):  # what dtype="auto" chose on a GPU, and why (core/model_runner.choose_dtype)
         extra.append(f"dtype auto: {engine['dtype_auto']}")
     if engine.get("cuda_graphs_planned") is not None:  # the start-up capture (core/cuda_graphs.capture_plan)

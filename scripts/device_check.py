@@ -35,7 +35,10 @@ hard overall deadline (time a part leaves unused passes to the next one):
               common step, then a BERT-base-shaped model (random weights, built here) at 512 tokens (target:
               kernel time >= 90% of the step's wall time); target: no host sync in a step;
 * graphs   -- CUDA-graph replay against eager on the same batches: min cosine in float16 (>= 0.9999), max
-              |diff| in float32 (<= 1e-5), time per step;
+              |diff| in float32 (<= 1e-5), time per step; then packed rows (POOLING_PIPELINE_ATTENTION=packed's
+              runner: flash_attn's varlen kernel where importable, else torch's nested jagged SDPA) against the
+              bucketed graphs on the same batches: min cosine in float16 (>= 0.9999), max |diff| in float32
+              (<= 1e-4), host and device ms per step for both;
 * dtype    -- float16 and bfloat16 against float32 through the pipeline on CUDA (min cosine >= 0.9999),
               float32 on CUDA against float32 on the CPU (max |diff| <= 1e-4), 300 real texts;
 * images   -- a CLIP ViT-B/32-sized dual encoder (random weights) and 100 web JPEGs: the pipeline against
@@ -97,13 +100,15 @@ QUICK_PARTS = ("env", "loadtest", "st", "replay", "profile")
 #             slow steps; on the GPU two processes, each ~10 s of start and tokenizing 30,000 texts + 3 settings;
 # profile  -- MiniLM's common step 67 s, building BERT-base 18 s, BERT-base 4 x 512 on the CPU 63 s here; the
 #             GPU runs its 32 x 512 steps in milliseconds, so the build and three process starts;
-# graphs   -- 226 s here (the CPU's float32 forwards); under a second of steps on the GPU, both dtypes;
+# graphs   -- 226 s here (the CPU's float32 forwards); under a second of steps on the GPU, both dtypes; the
+#             packed runner adds a model load and its start-up probe per dtype and 2 x 10 timed steps per batch
+#             (~2 s a dtype on the GPU): 8 s more, taken from loadtest (5) and dtype (3);
 # dtype    -- 22 s here for one Pipeline (float32 against itself); four on CUDA (~10 s each);
 # images   -- building CLIP-B/32 and 100 JPEGs 36 s here, the comparison with ST on the CPU 48 s, the load test
 #             28 s (simulated device, 8 workers on 2 cores); on 16 cores the build and the comparison take about
 #             half. The last part: it also gets whatever the parts before it left unused.
-DEFAULT_BUDGETS_S = {"env": 20.0, "loadtest": 95.0, "st": 40.0, "replay": 45.0, "profile": 45.0, "graphs": 20.0,
-                     "dtype": 55.0, "images": 70.0}
+DEFAULT_BUDGETS_S = {"env": 20.0, "loadtest": 90.0, "st": 40.0, "replay": 45.0, "profile": 45.0, "graphs": 28.0,
+                     "dtype": 52.0, "images": 70.0}
 # --quick: one load-test run (8 workers), the replay of the engine's path only, the BERT-base profile only.
 QUICK_BUDGETS_S = {"env": 20.0, "loadtest": 60.0, "st": 50.0, "replay": 40.0, "profile": 50.0}
 DEFAULT_MINUTES = 6.5
@@ -111,8 +116,8 @@ QUICK_MINUTES = 4.0
 MAX_MINUTES = 30.0
 # Render workers: 2, 4, 8 -- 8 short-text workers feed more than one engine (docs/benchmarks.md: ~120,000 texts/s
 # a worker from the word cache), and the first GPU run was 25% slower with 14 than with 1 on 16 cores. Never
-# more than the cores minus the frontend's threads (the caller's loop, the receiver) and the engine's (the step
-# loop, its input and output threads): each would otherwise take a core from them.
+# more than the cores minus the frontend's threads (the caller's loop, the receiver) and the engine's (its loop,
+# ZeroMQ's IO thread, the CUDA driver's): each would otherwise take a core from them.
 DEFAULT_WORKERS = (2, 4, 8)
 FRONTEND_THREADS = 2
 ENGINE_THREADS = 3
@@ -613,7 +618,7 @@ def loadtest_rows(record: dict, label: str, unit: str = "docs") -> list[Row]:
     elif r.get("batches"):
         figure += f", {r['requests'] / r['batches']:.0f} {unit}/step"
         engine_us = r.get("processes", {}).get("engine", {}).get("cpu_us_per_request")
-        if engine_us is not None:  # (the engine process's CPU, its input and output threads included)
+        if engine_us is not None:  # (the engine process's CPU, ZeroMQ's IO thread included)
             figure += f", engine CPU {engine_us * r['requests'] / r['batches'] / 1e3:.2f} ms/step"
     if not r["complete"] and r.get("window") and unit == "docs" and r["requests"] < WINDOW_TEXTS:
         figure += f" ({r['requests']:,} {unit} in the window: fewer than the 200,000 it was sized for)"

@@ -11,7 +11,9 @@ on CUDA (kernel time, launches, syncs) says so in its row instead of a target.
               settings, replayed through the ModelRunner: host ms and device ms per step, first-seen
               against repeated shapes, per runner setting (graphs, eager, the plain CPU-style path);
 * graphs   -- the same batches through a runner with CUDA graphs and one without: vectors (cosine in
-              float16, max |diff| in float32) and time per step;
+              float16, max |diff| in float32) and time per step; then packed rows (a varlen kernel on the
+              steps' real tokens, core/packed_attention.py) against the bucketed graphs: vectors, host
+              and device ms per step;
 * profile  -- torch.profiler over a few warm steps launched as the engine launches them (the next
               before finishing the last): host ms, kernel ms, launches and syncs per step, a trace;
 * st       -- sentence-transformers and the pipeline on the same texts and device, side by side;
@@ -558,8 +560,55 @@ def graphs_check(json_path: Path, model: str | None, device: str) -> None:
         replayed = stats.get("replays", 0) > 0 and "off" not in stats
         log.add(Row(f"graphs: {dtype}, what ran", f"cuda_graphs: {info}; " + ", ".join(f"{k} {v}" for k, v in stats.items()),
                     "replays > 0, never turned off" if cuda else "-", verdict(replayed) if cuda else "info"))
+        log.add(*packed_rows(spec, device, dtype, batches, runners["graphs"], graphed, metric))
         del runners
         release_device()
+
+
+def packed_rows(spec, device: str, dtype: str, batches: list, bucketed, bucketed_vectors, metric: tuple[str, ...]) -> list[Row]:
+    """Packed rows (core/packed_attention.py: one sequence of the step's real tokens, a varlen kernel --
+    flash_attn's where importable, else torch's nested jagged SDPA, forced here) against the bucketed
+    path on the same batches: the vectors (min cosine in half precision, max |diff| in float32) and host
+    and device ms per step, each the median of GRAPH_REPEATS launches. A runner refused (no exact
+    kernel on this device) is an error row; the bucketed rows stand."""
+    import numpy as np
+
+    from pooling_pipeline.core.model_runner import ModelRunner
+
+    try:
+        packed = ModelRunner(spec, device, dtype, backend="torch", device_steps=True, attention="packed")
+        vectors = np.concatenate([np.asarray(packed.run(batch)[0], dtype=np.float32) for batch in batches])
+    except Exception as e:  # (refused at start-up, or a kernel failing on this device)
+        return [Row(f"packed: {dtype}, vs bucketed", f"{type(e).__name__}: {str(e)[:300]}", "-", "error")]
+    name = f"packed: {dtype}, {len(vectors)} texts in {len(batches)} steps, packed vs bucketed (graphs)"
+    rows = compare_rows(name, bucketed_vectors, vectors, metric)  # (float32: other kernels, MAX_ABS_DIFF)
+    per_size = []
+    for batch in batches:
+        (ph, pd), (bh, bd) = (step_ms(runner, batch) for runner in (packed, bucketed))
+        per_size.append(f"{len(batch)} rows ({int(batch.lengths.sum())} of {len(batch) * int(batch.lengths.max())} "
+                        f"tokens): host {ph:.2f} vs {bh:.2f} ms, device {pd:.2f} vs {bd:.2f} ms")
+    rows.append(Row(f"packed: {dtype}, ms per step, packed vs bucketed (graphs)", "; ".join(per_size), "-", "info"))
+    graphs = packed.graph_stats()  # (on CUDA: its steps counted as eager ones)
+    rows.append(Row(f"packed: {dtype}, what ran", f"{packed.backend_info.get('batching')}"
+                    + ("; graphs " + ", ".join(f"{k} {v}" for k, v in graphs.items()) if graphs else ""), "-", "info"))
+    del packed
+    return rows
+
+
+def step_ms(runner, batch) -> tuple[float, float]:
+    """(host ms, device ms) of one step, medians of GRAPH_REPEATS: its launch and its finish once the
+    device is done; the device's time from its events (on a CPU the host's)."""
+    host, device = [], []
+    for _ in range(GRAPH_REPEATS):
+        t0 = time.perf_counter()
+        pending = runner.launch(batch)
+        t1 = time.perf_counter()
+        wait_for_end(pending)
+        t2 = time.perf_counter()
+        _, _, device_s = runner.finish(pending)
+        host.append((t1 - t0 + time.perf_counter() - t2) * 1e3)
+        device.append(device_s * 1e3)
+    return statistics.median(host), statistics.median(device)
 
 
 def timed_run(runner, batch) -> float:
