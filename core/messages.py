@@ -183,16 +183,19 @@ class RenderBatch(msgspec.Struct, kw_only=True, tag=True, array_like=True, omit_
     # the rest if their worker dies): these read it as a set of requests.
 
     @property
-    def sizes(self) -> list[int]:
-        """Roughly the characters (or token ids) each request holds: what the frontend's
-        in-flight budget counts."""
-        if self.texts is not None:
-            if self.pairs is None:
-                return [len(t) or 1 for t in self.texts]
-            return [len(q) + len(d) or 1 for q, d in zip(self.texts, self.pairs)]
+    def sizes(self) -> np.ndarray:
+        """Roughly the characters (or token ids) each request holds, at least 1 (int64, one per
+        request): what the frontend's in-flight budget counts. (An array: the frontend writes it
+        into its ring in one operation; a list cost it ~0.1 us a request.)"""
         if self.token_ids is not None:
-            return [n or 1 for n in self.lengths.tolist()]
-        return [item.size() for item in self.items]
+            return np.maximum(self.lengths, 1)
+        if self.texts is not None:
+            n = len(self.texts)
+            sizes = np.fromiter(map(len, self.texts), np.int64, n)
+            if self.pairs is not None:
+                sizes += np.fromiter(map(len, self.pairs), np.int64, n)
+            return np.maximum(sizes, 1)
+        return np.fromiter((item.size() for item in self.items), np.int64, len(self.items))
 
     def select(self, positions: list[int]) -> RenderBatch:
         """The requests at these positions, as a batch of their own (to re-send them)."""

@@ -17,6 +17,7 @@ _EXPORTS = {
     "Pipeline": "pooling_pipeline.api",
     "PoolingParams": "pooling_pipeline.core.messages",
     "EngineDeadError": "pooling_pipeline.errors",
+    "EngineRestartedError": "pooling_pipeline.errors",
     "PipelineError": "pooling_pipeline.errors",
     "StepError": "pooling_pipeline.errors",
     "WorkerStartError": "pooling_pipeline.errors",
@@ -34,7 +35,7 @@ _EXPORTS = {
 if TYPE_CHECKING:  # what static analysers and IDEs see
     from pooling_pipeline.api import Pipeline
     from pooling_pipeline.core.messages import PoolingParams
-    from pooling_pipeline.errors import EngineDeadError, PipelineError, StepError, WorkerStartError
+    from pooling_pipeline.errors import EngineDeadError, EngineRestartedError, PipelineError, StepError, WorkerStartError
     from pooling_pipeline.integrations.sentence_encoder import SentenceEncoder
     from pooling_pipeline.jobs.results_store import load_results
     from pooling_pipeline.outputs import (
@@ -49,7 +50,7 @@ if TYPE_CHECKING:  # what static analysers and IDEs see
 
 __all__ = ["Pipeline", "PoolingParams", "SentenceEncoder", "EmbeddingOutput", "ClassificationOutput", "ScoringOutput",
            "SparseEmbeddingOutput", "RankedDocument", "PoolingRequestOutput", "PipelineError", "EngineDeadError",
-           "StepError", "WorkerStartError", "load_results", "quantize_embeddings"]
+           "EngineRestartedError", "StepError", "WorkerStartError", "load_results", "quantize_embeddings"]
 __version__ = "0.1.0"
 
 

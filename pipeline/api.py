@@ -33,8 +33,9 @@ from pooling_pipeline.core.model_folder.load import load_model_spec
 from pooling_pipeline.core.options import checked
 from pooling_pipeline.core.sim_device import resolve_sim_device
 from pooling_pipeline.cpu_plan import default_max_num_seqs, engine_devices, plan_cpu
-from pooling_pipeline.errors import EngineDeadError, PipelineError
+from pooling_pipeline.errors import EngineDeadError, EngineRestartedError, PipelineError
 from pooling_pipeline.frontend import Call, Dispatcher, new_call_prefix
+from pooling_pipeline.frontend.call import ResultStream
 from pooling_pipeline.inputs import Tokenization, build_requests
 from pooling_pipeline.options import (
     CALL_OPTIONS,
@@ -227,8 +228,9 @@ class Pipeline:
         return self._live_group().pids
 
     def healthy(self) -> bool:
-        """True while the process group can serve: not closed, its engine cores alive (a server's
-        health check; a dead engine closes the group at the next call or health check)."""
+        """True while the process group can serve: not closed, its engine cores alive or being
+        restarted (a server's health check; an engine core that keeps dying closes the group at the
+        next call or health check)."""
         group = self._group
         return group is not None and not group.closed and self._dispatcher.failure is None
 
@@ -443,17 +445,23 @@ class Pipeline:
         if materialize:
             source = source.drain(self._dispatcher.batch_items)  # a list is checked whole before any work starts
         call = self._start_call(prefix, source, opts, total, materialize=materialize)
-        outputs = self._outputs(call)
+        outputs = ResultStream.of(self._turns(call))
         return self._post_process(outputs) if opts.plugin else outputs
 
-    def _outputs(self, call: Call) -> Iterator:
+    def _turns(self, call: Call) -> Iterator[list]:
         try:
-            yield from call.outputs()
-        except EngineDeadError:
-            self.close()  # the group cannot serve without its engine: stop the rest of it
+            yield from call.turns()
+        except EngineDeadError as e:
+            self._close_if_dead(e)
             raise
         finally:
             self._ended(call)
+
+    def _close_if_dead(self, error: EngineDeadError) -> None:
+        """The group cannot serve without its engine core: the rest of it is stopped. (Not for an
+        engine core that was restarted: only the calls it held failed, the Pipeline serves on.)"""
+        if not isinstance(error, EngineRestartedError):
+            self.close()
 
     def _abortable_astream(self, prompts, opts: CallOptions) -> AsyncIterator:
         """`_astream` whose call is aborted when the async generator is collected unclosed.
@@ -473,8 +481,8 @@ class Pipeline:
         try:
             async for result in call.aoutputs():
                 yield self._post_process_one(result) if opts.plugin else result
-        except EngineDeadError:
-            self.close()
+        except EngineDeadError as e:
+            self._close_if_dead(e)
             raise
         finally:
             self._ended(call)
@@ -486,8 +494,8 @@ class Pipeline:
         call = await self._astart(prompts, opts, materialize=True)
         try:
             outs = await call.acollect()
-        except EngineDeadError:
-            self.close()
+        except EngineDeadError as e:
+            self._close_if_dead(e)
             raise
         finally:
             self._ended(call)

@@ -124,8 +124,9 @@ class Pipeline:
     def pids(self) -> dict: ...
 
     def healthy(self) -> bool:
-        """True while the process group can serve: not closed, its engine cores alive (a server's
-        health check; a dead engine closes the group at the next call or health check).
+        """True while the process group can serve: not closed, its engine cores alive or being
+        restarted (a server's health check; an engine core that keeps dying closes the group at the
+        next call or health check).
         """
 
     def embed(

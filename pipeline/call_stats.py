@@ -69,6 +69,7 @@ class CallStats:
     max_in_core_seen: int = 0
     duplicates_dropped: int = 0
     worker_restarts: int = 0
+    engine_restarts: int = 0  # engine cores lost (and restarted) while the call ran
     errors: int = 0
     engines: int = 1  # engine cores of the group (data_parallel_size)
     requests_per_engine: dict[int, int] = field(default_factory=dict)
@@ -108,6 +109,7 @@ class CallStats:
             "max_in_core_seen": self.max_in_core_seen,
             "duplicates_dropped": self.duplicates_dropped,
             "worker_restarts": self.worker_restarts,
+            "engine_restarts": self.engine_restarts,
             "errors": self.errors,
             "data_parallel_size": engines,
             "per_engine": per_engine,

@@ -9,6 +9,11 @@ class EngineDeadError(PipelineError):
     """The engine core exited or could not start; the group is closed."""
 
 
+class EngineRestartedError(EngineDeadError):
+    """An engine core died while this call had requests in it (or on their way to it): the call
+    fails as a whole; the engine core was restarted and the Pipeline stays usable."""
+
+
 class WorkerStartError(PipelineError):
     """A render worker could not start (e.g. the tokenizer failed to load)."""
 

@@ -15,7 +15,18 @@ Data parallel (`data_parallel_size` N > 1): N engine cores, each with its own in
 ("engine-in-k", which it binds), its own control socket ("control-k": a PUSH socket bound to N
 peers would round-robin, and an Abort or Shutdown must reach a given engine) and its own device;
 every render worker connects to all of them and sends each RenderBatch's inputs to the engine the
-frontend named in it. One engine core that dies or wedges fails the group, naming it.
+frontend named in it.
+
+An engine core that dies (a crash, SIGKILL, DEVICE_LOST_EXIT after a sticky CUDA error) or wedges
+(killed first) is restarted in its slot -- same device, config and endpoints; a new control routing
+id -- with the workers' back-off. Its input socket is bound again and the workers' PUSH sockets
+reconnect by themselves; what they had queued towards the dead process (ZeroMQ keeps a connecting
+socket's queue across a reconnect) reaches the new one and is computed or aborted there, but only
+for calls that failed: the slot's generation (`engine_gen`) tells each call which of its requests
+went towards the dead process, and a call that had any fails as a whole (frontend.receiver.LostEngine),
+its outputs dropped from then on. The aborts of those calls are held until the new process's control
+socket connects. More than MAX_ENGINE_RESTARTS_PER_MINUTE restarts of one engine core within a
+minute, or a restarted one that cannot start, fails the group as before.
 
 The group belongs to the process that created it: in an `os.fork()`ed child, `close()` (the exit
 handler too) leaves the parent's sockets, children and directory alone.
@@ -89,6 +100,12 @@ MAX_WORKER_RESTARTS_PER_MINUTE = 6
 RESTART_BACKOFF_S = 0.5  # doubles with each restart of the same worker within the minute
 MAX_RESTART_BACKOFF_S = 8.0
 RESTART_WINDOW_S = 60.0
+# Engine core restarts, with the same back-off: fewer are tolerated (each loads the model again; a
+# device that keeps failing is not a bad moment).
+MAX_ENGINE_RESTARTS_PER_MINUTE = 3
+# Aborts held for an engine core being restarted (sent once its control socket connects, so that the
+# inputs the workers had queued towards the dead process are dropped, not computed): at most this many.
+MAX_HELD_ABORTS = 4096
 # The frontend's RunClock is ticked every 0.1 s by the receiver thread: a gap longer than this is
 # time the frontend did not run. After such a gap the children (stopped with it) get a moment to
 # send their next heartbeat before any silence counts.
@@ -177,9 +194,11 @@ def _owner_signals_deferred():
 
 
 class Child:
-    def __init__(self, role: str, index: int, proc: subprocess.Popen, log_path: Path, numbered: bool = False) -> None:
+    def __init__(self, role: str, index: int, proc: subprocess.Popen, log_path: Path, numbered: bool = False,
+                 log_start: int = 0) -> None:
         self.role, self.index, self.proc, self.log_path = role, index, proc, log_path
         self.numbered = numbered  # an engine core among several is named with its index
+        self.log_start = log_start  # where this process's output begins in its slot's log (restarts append)
 
     @property
     def name(self) -> str:
@@ -192,7 +211,9 @@ class Child:
 
     def log_tail(self) -> str:
         try:
-            text = self.log_path.read_text(errors="replace")
+            with open(self.log_path, "rb") as f:
+                f.seek(max(self.log_start, f.seek(0, os.SEEK_END) - 4 * LOG_TAIL_CHARS))
+                text = f.read().decode(errors="replace")
         except OSError:
             return ""
         return text[-LOG_TAIL_CHARS:].strip()
@@ -258,6 +279,15 @@ class ProcessGroup:
         self.num_engines = data_parallel_size
         self.engine_infos: list[dict] = [{} for _ in range(data_parallel_size)]  # each engine core's Ready info
         self.engine_info: dict = self.engine_infos[0]
+        # Engine core restarts (module docstring): each slot's generation, bumped when it loses its
+        # process (requests sent towards it before are lost); slots waiting for their back-off
+        # (k -> when, monotonic); aborts held for a restarted slot until its control socket connects
+        # (its presence: not connected since the loss); restart times within the last minute.
+        self.engine_gen = [0] * data_parallel_size
+        self.engines_down: dict[int, float] = {}
+        self.held_aborts: dict[int, deque[m.Abort]] = {}
+        self.engine_restarts: list[deque[float]] = [deque() for _ in range(data_parallel_size)]
+        self.total_engine_restarts = 0
         ep = lambda name: f"ipc://{self.dir}/{name}"  # noqa: E731
         # "engine_in" / "control": the first engine core's (as with one engine); "engine_in_k" /
         # "control_k": engine core k's.
@@ -304,26 +334,31 @@ class ProcessGroup:
                 quantize=opts.quantize, **({"sim": plan.sim} if plan.sim is not None else {}))
                 for k in range(data_parallel_size)]
             self.engine_cfg = self.engine_cfgs[0]
-            for k, cfg in enumerate(self.engine_cfgs):
-                env = {
-                    "OMP_NUM_THREADS": str(plan.engine_threads), "MKL_NUM_THREADS": str(plan.engine_threads),
-                    # oneDNN caches a compiled kernel per batch shape (1024 by default): with shapes that
-                    # change every step that cache grew the engine by 124 MB over a 1M-request soak.
-                    # A small cache keeps memory flat and costs nothing measurable.
-                    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16"),
-                    # what the model's family starts its engine with (the transformer family: OpenMP's
-                    # threads sleep after a loop where OpenVINO runs the forward; it says why)
-                    **family_of(spec).engine_environment(plan.backend, engine_devices[k], spec, os.environ)}
-                profile_dir = os.environ.get("PIPELINE_PROFILE_DIR")
-                if profile_dir and k > 0:  # every engine core writes engine.prof: each in its own folder
-                    env["PIPELINE_PROFILE_DIR"] = os.path.join(profile_dir, f"engine{k}")
-                self.engines.append(self._spawn("engine", k, "pooling_pipeline.core.engine", cfg, env))
+            for k in range(data_parallel_size):
+                self.engines.append(self._start_engine(k))
             self.engine = self.engines[0]
             for i in range(num_workers):
                 self.start_worker(i)
         except BaseException:
             self.close()  # what did start must not outlive a failed start
             raise
+
+    def _start_engine(self, k: int) -> Child:
+        """Starts engine core `k`'s process with its config (at start-up, and again after a restart)."""
+        plan, spec = self.plan, self.spec
+        env = {
+            "OMP_NUM_THREADS": str(plan.engine_threads), "MKL_NUM_THREADS": str(plan.engine_threads),
+            # oneDNN caches a compiled kernel per batch shape (1024 by default): with shapes that
+            # change every step that cache grew the engine by 124 MB over a 1M-request soak.
+            # A small cache keeps memory flat and costs nothing measurable.
+            "ONEDNN_PRIMITIVE_CACHE_CAPACITY": os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16"),
+            # what the model's family starts its engine with (the transformer family: OpenMP's
+            # threads sleep after a loop where OpenVINO runs the forward; it says why)
+            **family_of(spec).engine_environment(plan.backend, plan.engine_devices[k], spec, os.environ)}
+        profile_dir = os.environ.get("PIPELINE_PROFILE_DIR")
+        if profile_dir and k > 0:  # every engine core writes engine.prof: each in its own folder
+            env["PIPELINE_PROFILE_DIR"] = os.path.join(profile_dir, f"engine{k}")
+        return self._spawn("engine", k, "pooling_pipeline.core.engine", self.engine_cfgs[k], env)
 
     def _spawn(self, role: str, index: int, module: str, cfg: msgspec.Struct, extra_env: dict) -> Child:
         env = dict(os.environ)
@@ -348,13 +383,15 @@ class ProcessGroup:
         # And a KeyboardInterrupt waits until the child is one close() knows (_owner_signals_deferred).
         with _owner_signals_deferred():
             with open(log_path, "ab") as log_file, owner_signals_held():
+                log_start = log_file.tell()
                 proc = subprocess.Popen(
                     [sys.executable, "-m", module, str(config_path)],
                     stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                     # The private directory as working directory: nothing in the caller's (a local
                     # `core/` or `pipeline.py`) can shadow a module the children import.
                     env=env, cwd=self.dir, close_fds=True)
-            child = Child(role, index, proc, log_path, numbered=role == "engine" and self.num_engines > 1)
+            child = Child(role, index, proc, log_path, numbered=role == "engine" and self.num_engines > 1,
+                          log_start=log_start)
             # Children of this slot that are gone and reaped are forgotten (a long job restarts many).
             self.children = [c for c in self.children if c.role != role or c.index != index or c.proc.returncode is None]
             self.children.append(child)
@@ -467,6 +504,81 @@ class ProcessGroup:
         log.warning("render worker %d died; restarting it in %.1f s (restart %d within a minute)", index, backoff,
                     len(times))
         return lost_gen, error
+
+    def engine_lost(self, k: int, death: str) -> tuple[int, str]:
+        """Engine core `k`'s process is gone (`death`: what `lost_engines` said): its slot is
+        restarted after a back-off. Returns the slot's generation that was lost (requests sent
+        towards it then are gone) and the error for the calls that had any. Raises EngineDeadError
+        (the group cannot serve) when it died more than MAX_ENGINE_RESTARTS_PER_MINUTE times within
+        a minute, or was a restarted process that never became ready (its start failed)."""
+        if ("engine", k) not in self.ready:
+            raise EngineDeadError(f"{death}\n(it was being restarted and did not start again)")
+        now = time.monotonic()
+        times = self.engine_restarts[k]
+        while times and now - times[0] > RESTART_WINDOW_S:
+            times.popleft()
+        times.append(now)
+        if len(times) > MAX_ENGINE_RESTARTS_PER_MINUTE:
+            raise EngineDeadError(f"{self.engines[k].name} keeps dying: {len(times)} restarts within a minute "
+                                  f"(at most {MAX_ENGINE_RESTARTS_PER_MINUTE}); the last one: {death}")
+        backoff = 0.0 if len(times) == 1 else min(MAX_RESTART_BACKOFF_S, RESTART_BACKOFF_S * 2 ** (len(times) - 2))
+        with self.send_lock:
+            self.engines_down[k] = now + backoff
+            self.held_aborts[k] = deque(maxlen=MAX_HELD_ABORTS)
+            self.ready.discard(("engine", k))
+            lost_gen = self.engine_gen[k]
+            self.engine_gen[k] += 1
+        self.total_engine_restarts += 1
+        log.warning("%s; restarting it in %.1f s (restart %d within a minute)", death, backoff, len(times))
+        return lost_gen, (f"{death}\nThe engine core was restarted; this call's requests that were in it or on "
+                          "their way to it are lost, so the call fails as a whole (calls started from now on are "
+                          "served by the new engine core)")
+
+    def restarting_engines(self) -> frozenset[int]:
+        """The engine cores being restarted (lost, not connected again yet): new work goes to the
+        others while there are any."""
+        if not self.held_aborts:  # (the usual case: no lock taken)
+            return frozenset()
+        with self.send_lock:
+            return frozenset(self.held_aborts)
+
+    def start_due_engines(self) -> list[int]:
+        """Starts the lost engine cores whose back-off is over; returns their slots. Each gets a new
+        control routing id (the dead process's is forgotten); nothing else of its config changes."""
+        now = time.monotonic()
+        due = [k for k, at in self.engines_down.items() if at <= now]
+        for k in due:
+            del self.engines_down[k]
+            with self.send_lock:
+                self.control_ids[k] = secrets.token_bytes(ROUTING_ID_BYTES)
+                self.engine_cfgs[k] = msgspec.structs.replace(self.engine_cfgs[k], control_routing_id=self.control_ids[k])
+            self.engines[k] = self._start_engine(k)
+            self.engine, self.engine_cfg = self.engines[0], self.engine_cfgs[0]
+        return due
+
+    def engine_started(self, msg: m.Ready) -> None:
+        """A restarted engine core's Ready: its facts are kept; one that failed to start fails the group."""
+        if msg.error is not None:
+            raise EngineDeadError(f"{self.engines[msg.index].name} failed to start again after a restart: "
+                                  f"{msg.error_type}: {msg.error}")
+        self.engine_infos[msg.index].update(msg.info)
+
+    def connect_restarted_engines(self) -> bool:
+        """Probes each restarted engine core that is ready and not connected yet; sends the aborts
+        held for it once its control socket takes the probe. True when one connected now."""
+        connected = False
+        for k in [k for k in self.held_aborts if ("engine", k) in self.ready]:
+            if not self._probe_engine(k):
+                continue
+            with self.send_lock:
+                held = self.held_aborts.pop(k)
+                for abort in held:
+                    try:
+                        send_to(self.controls[k], self.control_ids[k], self.encoder.encode(abort))
+                    except zmq.Again:  # (its queue is full, or it died again: only work is lost)
+                        break
+            connected = True
+        return connected
 
     def start_due_workers(self) -> list[int]:
         """Starts the lost workers whose back-off is over; returns their slots."""
@@ -609,12 +721,18 @@ class ProcessGroup:
 
     def abort(self, call: str, indices: list[int] | None = None, engine: int | None = None) -> None:
         """Drops these requests of a call (all of them when `indices` is None) in engine core
-        `engine` (None: in every engine core)."""
+        `engine` (None: in every engine core). For an engine core being restarted the abort is held
+        until it connects: inputs the workers had queued towards the dead process reach it."""
         with self.send_lock:
             if self.closed or indices is not None and not indices:
                 return
-            frames = self.encoder.encode(m.Abort(call=call, indices=indices))
+            abort = m.Abort(call=call, indices=indices)
+            frames = self.encoder.encode(abort)
             for k in range(self.num_engines) if engine is None else (engine,):
+                held = self.held_aborts.get(k)
+                if held is not None:
+                    held.append(abort)
+                    continue
                 try:  # never block on an engine that is gone: its requests went with it
                     send_to(self.controls[k], self.control_ids[k], frames)
                 except zmq.Again:
@@ -623,17 +741,35 @@ class ProcessGroup:
     # ---- health ------------------------------------------------------------------------
 
     def check_alive(self) -> list[int]:
-        """Raises EngineDeadError if an engine core is gone or wedged (naming it); returns the
-        indices of dead workers (a wedged worker is killed first, so it is dead too)."""
+        """Raises EngineDeadError if an engine core is gone or wedged, naming it (at start-up: the
+        receiver restarts them instead, `lost_engines`); returns the indices of dead workers."""
+        for _, death in self.lost_engines():
+            raise EngineDeadError(death)
+        return self.dead_workers()
+
+    def lost_engines(self) -> list[tuple[int, str]]:
+        """The engine cores that are gone or wedged (a wedged one is killed first), each with what
+        happened to it: its name, exit code or silence, and its last output."""
+        lost = []
         for engine in self.engines:
-            if not engine.alive():
-                tail = engine.log_tail()
-                raise EngineDeadError(f"{engine.name} exited with code {engine.proc.returncode}"
-                                      + (f"; its last output:\n{tail}" if tail else ""))
-            wedged = self._wedged("engine", engine.index)
-            if wedged:
+            k = engine.index
+            if k in self.engines_down:  # gone already, waiting for its restart
+                continue
+            if engine.alive():
+                wedged = self._wedged("engine", k)
+                if not wedged:
+                    continue
                 engine.proc.kill()
-                raise EngineDeadError(f"{engine.name} {wedged}; it was killed")
+                engine.proc.wait()
+                what = f"{wedged}; it was killed (exit code {engine.proc.returncode})"
+            else:
+                what = f"exited with code {engine.proc.returncode}"
+            tail = engine.log_tail()
+            lost.append((k, f"{engine.name} {what}" + (f"; its last output:\n{tail}" if tail else "")))
+        return lost
+
+    def dead_workers(self) -> list[int]:
+        """The indices of dead workers (a wedged worker is killed first, so it is dead too)."""
         dead = []
         for i, worker in enumerate(self.workers):
             if worker is None or i in self.down:

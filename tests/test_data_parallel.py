@@ -13,7 +13,7 @@ import psutil
 import pytest
 from helpers import running, stream_until_killed, wait_gone
 
-from pooling_pipeline import EngineDeadError, Pipeline, PipelineError
+from pooling_pipeline import EngineRestartedError, Pipeline
 from pooling_pipeline.core import messages as m
 from pooling_pipeline.core.runtime import send_to
 from pooling_pipeline.cpu_plan import engine_devices, plan_cpu
@@ -118,35 +118,50 @@ def test_simulated_devices_give_exactly_the_vectors_of_one(texts):
 
 
 @pytest.mark.slow
-def test_killing_one_of_two_engine_cores_fails_the_call_naming_it_and_stops_the_group(texts):
+def test_killing_one_of_two_engine_cores_fails_the_call_naming_it_and_restarts_only_it(texts):
     pipe = Pipeline(device="sim", data_parallel_size=2, sim_device=(0.002, 0.0))
     try:
-        victim = pipe.pids["engines"][1]
-        group_pids = _group_pids(pipe)
-        took = stream_until_killed(pipe, victim, texts, EngineDeadError, r"engine core 1 exited with code -9")
+        survivor, victim = pipe.pids["engines"]
+        workers = pipe.pids["workers"]
+        took = stream_until_killed(pipe, victim, texts, EngineRestartedError, r"engine core 1 exited with code -9")
         assert took < 1.0 + 10.0
-        assert wait_gone(group_pids, 10.0) == []  # the other engine core and the workers were stopped
-        left = [p.pid for p in psutil.Process().children(recursive=True) if p.pid in group_pids and running(p.pid)]
-        assert left == []
-        with pytest.raises(PipelineError, match="closed"):
-            pipe.embed(["x"], use_tqdm=False)
+        outs = pipe.embed(texts, use_tqdm=False)  # (the survivor serves what comes while engine core 1 restarts)
+        assert [o.index for o in outs] == list(range(len(texts)))
+        deadline = time.monotonic() + 60
+        while pipe._group.restarting_engines() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not pipe._group.restarting_engines()
+        outs = pipe.embed(texts, use_tqdm=False)  # both engine cores serve it: the other one and the new one
+        assert [o.index for o in outs] == list(range(len(texts)))
+        assert all(e["requests"] > 0 for e in pipe.stats()["per_engine"])
+        engines = pipe.pids["engines"]
+        assert engines[0] == survivor and engines[1] != victim and not running(victim)
+        assert pipe.pids["workers"] == workers and pipe.stats()["group"]["engine_restarts"] == 1
+        group_pids = _group_pids(pipe)
     finally:
         pipe.close()
+    assert wait_gone(group_pids, 10.0) == []
+    left = [p.pid for p in psutil.Process().children(recursive=True) if p.pid in group_pids and running(p.pid)]
+    assert left == []
 
 
 @pytest.mark.slow
-def test_a_stopped_engine_core_among_two_is_named_after_the_heartbeat_timeout(texts):
+def test_a_stopped_engine_core_among_two_is_named_after_the_heartbeat_timeout_and_restarted(texts):
     pipe = Pipeline(device="sim", data_parallel_size=2, heartbeat_timeout_s=2.0)
     try:
-        group_pids = _group_pids(pipe)
-        os.kill(pipe.pids["engines"][1], signal.SIGSTOP)
+        survivor, victim = pipe.pids["engines"]
+        os.kill(victim, signal.SIGSTOP)
         start = time.monotonic()
-        with pytest.raises(EngineDeadError, match=r"engine core 1 sent no heartbeat"):
+        with pytest.raises(EngineRestartedError, match=r"engine core 1 sent no heartbeat"):
             pipe.embed(texts, use_tqdm=False)
         assert time.monotonic() - start < 2.0 + 8.0
-        assert wait_gone(group_pids, 10.0) == []
+        assert wait_gone([victim], 10.0) == []  # killed
+        assert len(pipe.embed(texts, use_tqdm=False)) == len(texts)
+        assert pipe.pids["engines"][0] == survivor
+        group_pids = _group_pids(pipe)
     finally:
         pipe.close()
+    assert wait_gone(group_pids, 10.0) == []
 
 
 @pytest.mark.parametrize("value, error", [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError),
@@ -191,3 +206,13 @@ def test_the_cpu_plan_splits_engine_threads_between_engine_cores():
     assert plan_cpu(None, "cpu", cores=8, engine_threads=3, data_parallel_size=2).engine_threads == 3  # fixed: each
     gpu = plan_cpu(None, "cuda:0", cores=16, data_parallel_size=2)
     assert gpu.engine_threads == plan_cpu(None, "cuda:0", cores=16).engine_threads and gpu.data_parallel_size == 2
+
+
+def test_new_work_goes_to_the_engine_cores_not_being_restarted():
+    from pooling_pipeline.frontend.ledger import Ledger
+
+    ledger = Ledger(max_inflight=1024, num_workers=1, num_engines=3)
+    ledger.engine_load[:] = [500, 0, 100]
+    assert ledger.route(None, [0], 8, frozenset({1})) == (0, 2)  # engine core 1 (idle) is restarting
+    assert ledger.route(None, [0], 8) == (0, 1)
+    assert ledger.route(None, [0], 8, frozenset({0, 1, 2})) == (0, 1)  # all restarting: the least loaded waits for it

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from helpers import stream_until_killed, wait_gone
 
-from pooling_pipeline import EngineDeadError, Pipeline, PipelineError, StepError
+from pooling_pipeline import EngineDeadError, EngineRestartedError, Pipeline, PipelineError, StepError
 
 
 @pytest.mark.slow
@@ -267,19 +267,20 @@ def test_a_model_description_larger_than_a_command_line_argument_starts(tmp_path
 
 
 @pytest.mark.slow
-def test_engine_killed_mid_call_raises_within_seconds():
+def test_engine_killed_mid_call_raises_within_seconds_and_is_restarted():
     pipe = Pipeline()
     try:
         engine_pid = pipe.pids["engine"]
         workers = pipe.pids["workers"]
         texts = corpus.sentences(200, seed=51)
-        took = stream_until_killed(pipe, engine_pid, texts, EngineDeadError, "engine core exited")
+        took = stream_until_killed(pipe, engine_pid, texts, EngineRestartedError, "engine core exited")
         assert took < 1.0 + 5.0
-        assert wait_gone(workers, 5.0) == []  # the rest of the group was stopped
-        with pytest.raises(PipelineError, match="closed"):
-            pipe.embed(["x"], use_tqdm=False)
+        assert len(pipe.embed(["x"], use_tqdm=False)) == 1  # the group restarted it (tests/test_engine_restart.py)
+        assert pipe.pids["workers"] == workers and pipe.pids["engine"] != engine_pid
+        children = [pipe.pids["engine"], *workers]
     finally:
         pipe.close()
+    assert wait_gone(children, 5.0) == []
 
 
 @pytest.mark.slow

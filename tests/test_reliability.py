@@ -21,7 +21,7 @@ from helpers import engine_message, wait_gone
 from tiny_models import build_tiny_model, faulty_model_dir
 
 import pooling_pipeline.process_group as process_group
-from pooling_pipeline import EngineDeadError, Pipeline, PipelineError, StepError
+from pooling_pipeline import EngineRestartedError, Pipeline, PipelineError, StepError
 from pooling_pipeline.core import messages as m
 from pooling_pipeline.core.columns import Requests
 from pooling_pipeline.core.engine import LAUNCH_AHEAD_ENV, pack_outputs
@@ -92,9 +92,10 @@ def test_step_failure_raise_names_only_the_culprit_and_return_isolates_it(tmp_pa
 def test_a_sticky_cuda_error_ends_the_engine_as_a_crash_does(tmp_path, model_path, st_model, launch_ahead, monkeypatch):
     """A step whose forward raises what a dead CUDA context raises (a device-side assert: every
     forward after it raises too, as a real context's calls do) ends the engine core with a clear
-    message, handled as an engine that died: EngineDeadError in the call (errors="return" too: no
-    request of it is retried on the dead device), the group stopped. (Before: the step was retried
-    request by request on the dead context, each request failing in turn, and the engine lived on.)"""
+    message, handled as an engine that died: EngineRestartedError in the call (errors="return" too:
+    no request of it is retried on the dead device), the engine core restarted with a fresh context
+    and the next call served. (Before: the step was retried request by request on the dead context,
+    each request failing in turn, and the engine lived on.)"""
     from pooling_pipeline.core.engine import DEVICE_LOST_EXIT
 
     monkeypatch.setenv(LAUNCH_AHEAD_ENV, "1" if launch_ahead else "0")
@@ -103,19 +104,23 @@ def test_a_sticky_cuda_error_ends_the_engine_as_a_crash_does(tmp_path, model_pat
                     "at some other API call, so the stacktrace below might be incorrect.")
     model = faulty_model_dir(tmp_path, model_path, trigger, message=assert_error, sticky=True)
     good = corpus.sentences(40, seed=72)
+    reference = st_model.encode(good)
     with Pipeline(model=str(model), trust_remote_code=True) as pipe:
         np.testing.assert_allclose(np.stack([o.embedding for o in pipe.embed(good, use_tqdm=False)]),
-                                   st_model.encode(good), atol=TOL, rtol=0)
-        pids = [pipe.pids["engine"], *pipe.pids["workers"]]
-        with pytest.raises(EngineDeadError) as info:
+                                   reference, atol=TOL, rtol=0)
+        engine, workers = pipe.pids["engine"], pipe.pids["workers"]
+        with pytest.raises(EngineRestartedError) as info:
             pipe.embed(good + ["A zebra walks into the engine core."] + good, errors="return", use_tqdm=False)
         message = str(info.value)
-        assert f"exited with code {DEVICE_LOST_EXIT}" in message, message
+        assert f"exited with code {DEVICE_LOST_EXIT}" in message and "restarted" in message, message
         assert "CUDA context is lost" in message and "device-side assert triggered" in message, message
         assert "isolating the culprit" not in message and "step failed for" not in message, message
-        assert wait_gone(pids, 10.0) == []
-        with pytest.raises(PipelineError):
-            pipe.embed(good, use_tqdm=False)
+        assert wait_gone([engine], 10.0) == []
+        # The group restarted the engine core (a fresh context): the next call is served.
+        np.testing.assert_allclose(np.stack([o.embedding for o in pipe.embed(good, use_tqdm=False)]),
+                                   reference, atol=TOL, rtol=0)
+        assert pipe.pids["engine"] != engine and pipe.pids["workers"] == workers
+        assert pipe.stats()["group"]["engine_restarts"] == 1
 
 
 def test_sticky_cuda_errors_are_told_from_others():
@@ -270,19 +275,23 @@ def test_stopped_worker_is_detected_killed_and_replaced(st_model):
 
 
 @pytest.mark.slow
-def test_stopped_engine_is_a_clear_error_within_the_heartbeat_timeout():
+def test_stopped_engine_is_a_clear_error_within_the_heartbeat_timeout_and_is_restarted():
     pipe = Pipeline(heartbeat_timeout_s=2.0)
     try:
         engine, workers = pipe.pids["engine"], pipe.pids["workers"]
         texts = corpus.sentences(200, seed=76)
         os.kill(engine, signal.SIGSTOP)
         start = time.monotonic()
-        with pytest.raises(EngineDeadError, match="no heartbeat"):
+        with pytest.raises(EngineRestartedError, match="no heartbeat.*it was killed"):
             pipe.embed(texts, use_tqdm=False)
         assert time.monotonic() - start < 2.0 + 5.0
-        assert wait_gone([engine, *workers], 5.0) == []
+        assert wait_gone([engine], 5.0) == []  # killed, and a new engine core started in its place
+        assert len(pipe.embed(texts[:20], use_tqdm=False)) == 20
+        assert pipe.pids["workers"] == workers and pipe.stats()["group"]["engine_restarts"] == 1
+        new_engine = pipe.pids["engine"]
     finally:
         pipe.close()
+    assert wait_gone([new_engine, *workers], 5.0) == []
 
 
 @pytest.mark.slow

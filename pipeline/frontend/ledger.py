@@ -104,9 +104,12 @@ class Ledger:
 
     # ---- workers and engine cores ---------------------------------------------------------------
 
-    def route(self, call: Call, up: list[int], count: int) -> tuple[int, int] | None:
+    def route(self, call: Call, up: list[int], count: int, restarting: frozenset[int] = frozenset()
+              ) -> tuple[int, int] | None:
         """Charges `count` requests to the least-loaded worker of `up` and the engine core with
-        the fewest in flight: (worker, engine), or None when no worker is up (the call waits)."""
+        the fewest in flight, among those not `restarting` when there are any (a batch for an engine
+        core being restarted would wait for it): (worker, engine), or None when no worker is up (the
+        call waits)."""
         with self.lock:
             if not up:
                 self.waiters.add(call)
@@ -114,7 +117,8 @@ class Ledger:
             worker = min(up, key=self.worker_load.__getitem__)
             self.worker_load[worker] += count
             loads = self.engine_load
-            engine = 0 if len(loads) == 1 else min(range(len(loads)), key=loads.__getitem__)
+            engines = [k for k in range(len(loads)) if k not in restarting] or range(len(loads))
+            engine = 0 if len(loads) == 1 else min(engines, key=loads.__getitem__)
             loads[engine] += count
             return worker, engine
 

@@ -3,9 +3,10 @@
 `Dispatcher` owns the only reader of the results socket: a thread that decodes each message and
 routes it to its call by the call's id, an explicit field of every message (a request is named by
 its call's id and its index; a step's outputs that served several calls are split by their
-`call_of` column). Between messages it checks the group's health (engine cores, heartbeats, dead
-render workers, restarted with back-off: every call re-sends what the lost worker held) and
-settles the calls that were aborted (queued by `abort`, which takes no lock).
+`call_of` column). Between messages it checks the group's health (engine cores and render workers
+that died or wedged, restarted with back-off: every call re-sends what a lost worker held, and a
+call that had requests towards a lost engine core fails) and settles the calls that were aborted
+(queued by `abort`, which takes no lock).
 """
 
 from __future__ import annotations
@@ -44,6 +45,18 @@ class LostWorker:
 
     def __init__(self, index: int, gen: int) -> None:
         self.index, self.gen = index, gen
+
+
+class LostEngine:
+    """To every call: engine core `index` lost its process and is being restarted; requests sent
+    towards it up to generation `gen` are gone, and a call that had any fails with `error` (the
+    group's account of the death). Delivered before anything the new process sends, so such a
+    call never hands back an output computed from what the workers had queued for the dead one."""
+
+    __slots__ = ("index", "gen", "error")
+
+    def __init__(self, index: int, gen: int, error: str) -> None:
+        self.index, self.gen, self.error = index, gen, error
 
 
 class Dispatcher:
@@ -111,10 +124,14 @@ class Dispatcher:
                 self._fail_all(PipelineError(f"the frontend's receiver thread failed: {type(e).__name__}: {e}"))
 
     def _connect_workers(self) -> None:
-        """Probes the ready workers not connected yet; wakes the calls when one connected."""
-        if self.group.connect_ready_workers():
+        """Probes the ready workers (and restarted engine cores) not connected yet; wakes the calls
+        when a worker connected."""
+        group = self.group
+        if group.held_aborts:
+            group.connect_restarted_engines()
+        if group.connect_ready_workers():
             self._wake_all()
-        self._connecting = bool(self.group.unconnected_workers())
+        self._connecting = bool(group.unconnected_workers() or group.held_aborts)
 
     def _drain_wake_pipe(self) -> None:
         try:
@@ -134,9 +151,12 @@ class Dispatcher:
         if kind is m.Heartbeat:
             return
         if kind is m.Ready:
-            if msg.role == "worker":  # a restarted worker: calls with work held back can send it once it connects
-                self._connecting = True
-                self._connect_workers()
+            if msg.role == "engine":  # a restarted engine core (raises EngineDeadError when it failed to start)
+                self.group.engine_started(msg)
+            # a restarted worker: calls with work held back can send it once it connects; a restarted
+            # engine core: the aborts held for it are sent once its control socket connects
+            self._connecting = True
+            self._connect_workers()
             return
         calls = self.routes
         if kind is m.OutputBatch:
@@ -170,10 +190,16 @@ class Dispatcher:
                                                                                         indices=indices, error=msg.error))
 
     def _check_health(self) -> None:
-        """Raises EngineDeadError for a dead or wedged engine core; tells every call about a lost
-        worker (each settles and re-sends what it had sent there) and restarts it when due."""
+        """Tells every call about a lost engine core (each that had requests towards it fails) or
+        worker (each settles and re-sends what it had sent there), and restarts them when due.
+        Raises EngineDeadError when an engine core keeps dying or cannot start again."""
         group = self.group
-        for index in group.check_alive():  # raises EngineDeadError
+        for k, death in group.lost_engines():
+            lost_gen, error = group.engine_lost(k, death)  # raises EngineDeadError
+            self._tell_calls(LostEngine(k, lost_gen, error))
+        if group.engines_down:
+            group.start_due_engines()  # (its Ready, later, starts connecting it)
+        for index in group.dead_workers():
             lost_gen, error = group.worker_lost(index)
             with self.lock:
                 calls = list(self.calls.values())
@@ -184,6 +210,12 @@ class Dispatcher:
                     call.fail(PipelineError(error))
         if group.down and group.start_due_workers():
             self._wake_all()
+
+    def _tell_calls(self, notice) -> None:
+        with self.lock:
+            calls = list(self.calls.values())
+        for call in calls:
+            call.deliver(notice)
 
     def _settle_aborted(self) -> None:
         while self.aborted:
@@ -248,7 +280,7 @@ class Dispatcher:
                 "retried_sends": ledger["retried_sends"], "batches_per_worker": ledger["batches_per_worker"],
                 "data_parallel_size": self.num_engines, "requests_per_engine": ledger["requests_per_engine"],
                 "inflight_per_engine": ledger["inflight_per_engine"],
-                "worker_restarts": self.group.total_restarts,
+                "worker_restarts": self.group.total_restarts, "engine_restarts": self.group.total_engine_restarts,
                 "stopped_s": round(self.group.clock.skipped_s, 3)}
 
     # ---- tear-down ----------------------------------------------------------------------

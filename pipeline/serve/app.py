@@ -198,6 +198,8 @@ class Server:
                                         float(stats.get("inflight", 0))),
             "pipeline_worker_restarts_total": ("Render workers replaced after a crash.",
                                                float(stats.get("worker_restarts", 0))),
+            "pipeline_engine_restarts_total": ("Engine cores restarted after a crash or a hang.",
+                                               float(stats.get("engine_restarts", 0))),
             "pipeline_engine_busy_seconds_total": ("Seconds the engine cores spent in steps (their rate: engine busy).",
                                                    sum(float(e.get("busy_total_s", 0.0)) for e in engines)),
             "pipeline_engine_aborted_requests_total": ("Requests the engine cores dropped on an abort.",
