@@ -186,6 +186,7 @@ class ModelRunner:
         self.logit_rows = self._logit_score_rows() if spec.logit_score is not None else None
         # Steps as on a CPU until `_device_steps` (below) says otherwise: the start-up probes run steps.
         self.shapes_bucketed, self.mask_4d, self.graphed = False, False, None
+        self.packed = None  # padded rows until `_choose_rows` (below) says otherwise: the start-up probes run steps
         self.output_name = "logits" if spec.sparse is not None or spec.head != "none" else "last_hidden_state"
         # A half-precision checkpoint run in float32 on a CPU: ST computes it in its own dtype there.
         checkpoint = half_checkpoint_dtype(getattr(config, "dtype", None))

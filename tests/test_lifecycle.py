@@ -6,6 +6,7 @@ group), and the stale-directory rule itself. Each test runs in its own short tem
 import gc
 import json
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -172,6 +173,21 @@ for n, _ in enumerate(pipe.embed_stream(itertools.cycle(texts))):
 """
 
 
+def _line_within(proc: subprocess.Popen, timeout_s: float) -> str:
+    """The script's next line of output, or "" when none came within `timeout_s` (the process is then
+    killed, so that a caller stuck in a call fails the test rather than hanging it). Lines are read by a
+    thread: a readline may have buffered more than one line, which a select on the pipe would not see."""
+    lines = getattr(proc, "lines", None)
+    if lines is None:
+        lines = proc.lines = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line) for line in iter(proc.stdout.readline, "")], daemon=True).start()
+    try:
+        return lines.get(timeout=timeout_s)
+    except queue.Empty:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return ""
+
+
 @pytest.mark.slow
 def test_ctrl_c_in_a_terminal_interrupts_the_call_and_leaves_the_group_to_the_caller(tmp_path, tmpdir_base):
     """A terminal's Ctrl-C sends SIGINT to the whole foreground process group: the caller's call stops
@@ -183,13 +199,13 @@ def test_ctrl_c_in_a_terminal_interrupts_the_call_and_leaves_the_group_to_the_ca
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=tmp_path, start_new_session=True)
     try:
-        report = json.loads(proc.stdout.readline() or "{}")
+        report = json.loads(_line_within(proc, 120) or "{}")
         assert report, proc.communicate(timeout=60)[1][-3000:]
         os.killpg(proc.pid, signal.SIGINT)
-        line = proc.stdout.readline()
+        line = _line_within(proc, 120)
         assert line, proc.communicate(timeout=60)[1][-3000:]
         after = json.loads(line)
-        assert proc.stdout.readline() == "streaming again\n"
+        assert _line_within(proc, 120) == "streaming again\n"
         os.killpg(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:
