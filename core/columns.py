@@ -12,6 +12,7 @@ is gathered with a few fancy-indexing operations whatever the number of messages
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from typing import Any, NamedTuple
@@ -38,7 +39,7 @@ class Requests:
     `pixels`, a dual encoder's images: uint8 [n, C, H, W], row i's pixels where row i is an image
     (`modality` 1; other rows' are zeros), None when no row is one."""
 
-    __slots__ = ("calls", "cols", "token_ids", "starts", "pixels")
+    __slots__ = ("calls", "cols", "token_ids", "pixels", "_starts")
 
     def __init__(self, calls: np.ndarray, cols: np.ndarray, token_ids: np.ndarray,
                  pixels: np.ndarray | None = None) -> None:
@@ -46,8 +47,16 @@ class Requests:
         self.cols = cols
         self.token_ids = token_ids
         self.pixels = pixels
-        lengths = cols[:, COL["lengths"]]
-        self.starts = np.cumsum(lengths) - lengths
+        self._starts = None
+
+    @property
+    def starts(self) -> np.ndarray:
+        """Where each request's ids begin in `token_ids` (made when first asked: a step's batch
+        usually never is)."""
+        if self._starts is None:
+            lengths = self.cols[:, COL["lengths"]]
+            self._starts = np.cumsum(lengths) - lengths
+        return self._starts
 
     @classmethod
     def from_message(cls, msg) -> Requests:
@@ -66,7 +75,9 @@ class Requests:
             if name != "param_of":
                 cols[:, COL[name]] = values
         calls = np.empty(n, dtype=object)
-        calls[:] = msg.call
+        # (Interned: every message of a call then holds one string object, and comparing the calls
+        # of a step -- `pack_outputs` -- finds them equal by identity, without comparing characters.)
+        calls[:] = sys.intern(msg.call)
         return cls(calls, cols, msg.token_ids, msg.pixels)
 
     def __len__(self) -> int:
@@ -83,14 +94,6 @@ class Requests:
         return Requests(self.calls.take(rows), cols,
                         self.token_ids.take(ragged_positions(self.starts.take(rows), cols[:, COL["lengths"]])),
                         None if self.pixels is None else self.pixels.take(rows, axis=0))
-
-    def keys(self) -> list:
-        """Each request's identity within its call: its index, or (index, chunk) for a chunk of a
-        long document (with the call's id, the request's identity in the engine)."""
-        chunk = self.chunk
-        if (chunk < 0).all():
-            return self.indices.tolist()
-        return [i if k < 0 else (i, k) for i, k in zip(self.indices.tolist(), chunk.tolist())]
 
     def padded(self, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
         """The [n, longest] int64 matrix of the ids, each row padded with `pad_id`, and the
@@ -302,13 +305,16 @@ def invalid_rows(requests: Requests, model, runs_task: np.ndarray, sent: Abstrac
     if requests.token_ids.dtype != np.int32:  # (the wire carries any allowed dtype)
         return [(row, f"engine input must be int32 token ids, got {requests.token_ids.dtype}")
                 for row in range(n)]
-    lengths, dims, ids = requests.lengths, requests.dimensions, requests.token_ids
+    lengths, ids = requests.lengths, requests.token_ids
     # The usual message carries no column a rule reads and passes the rest as a few whole-message
-    # checks; only one that does not is gone through rule by rule.
+    # checks; only one that does not is gone through rule by rule. (Without `param_of` every row has
+    # the message's one (task, params): its task and dimensions are checked once, on row 0.)
+    params = slice(0, 1) if sent is not None and "param_of" not in sent else slice(None)
+    task, dims = requests.task[params], requests.dimensions[params]
     if (sent is not None and not sent & CHECKED_COLUMNS
             and int(lengths.min()) >= 1 and int(lengths.max()) <= model.max_model_len
             and not (ids.size and int(ids.view(np.uint32).max()) >= model.vocab_size)
-            and runs_task.take(requests.task + 2).all() and int(dims.min()) >= -1 and not (dims == 0).any()):
+            and runs_task.take(task + 2).all() and int(dims.min()) >= -1 and not (dims == 0).any()):
         return []
     masks = [rule.broken(requests, model, runs_task) for rule in ROW_RULES]
     broken = np.logical_or.reduce(masks)

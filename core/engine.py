@@ -51,8 +51,10 @@ from pooling_pipeline.core.runtime import (
     exit_process,
     exit_with_parent,
     leave_owner_signals,
+    recv_frames,
     release_free_memory,
     run_maybe_profiled,
+    send_frames,
     setup_logging,
     socket,
     socket_dir_of,
@@ -93,6 +95,9 @@ MAX_REMEMBERED_ABORTS = 1 << 20
 MAX_REMEMBERED_ABORTED_CALLS = 1 << 16
 # The exit code of an engine core whose CUDA context a sticky error killed (see `_end_if_device_lost`).
 DEVICE_LOST_EXIT = 71
+# pyzmq's flags as plain ints: `getsockopt(...) & zmq.POLLIN` builds an IntFlag each time (enum's
+# __call__: ~0.7 us, and the loop asks every turn).
+EVENTS, POLLIN, NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 
 
 class Window:
@@ -288,7 +293,7 @@ class EngineCore:
             if launched is not None and self.steps % TRIM_EVERY_STEPS == 0:
                 release_free_memory()
 
-    def _admit(self, requests: Requests) -> None:
+    def _admit(self, requests: Requests, resent: bool = False) -> None:
         if self.aborts:  # inputs aborted before they arrived are dropped
             kept = self.aborts.keep(requests)
             if kept is not None:
@@ -298,7 +303,7 @@ class EngineCore:
                 if not len(requests):
                     return
         # A re-sent request takes its old copy's place: one window slot is freed for each.
-        self.window.release(self.scheduler.add(requests))
+        self.window.release(self.scheduler.add(requests, resent))
 
     def _abort(self, call: str, indices: list[int] | None) -> None:
         dropped = self.scheduler.abort(call, indices)
@@ -478,12 +483,12 @@ class InputReader:
         if wait:
             self.pollers[window.has_room(), bool(self.sender.backlog)].poll(IDLE_WAIT_S * 1000)
         # (EVENTS: no system call when nothing came, cheaper than a poll or a recv that raises zmq.Again)
-        if self.control.getsockopt(zmq.EVENTS) & zmq.POLLIN and not self._drain_control():
+        if self.control.getsockopt(EVENTS) & POLLIN and not self._drain_control():
             engine.running = False  # Shutdown
             return
         # Whole messages while there is room.
-        while window.has_room() and inputs.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._on_inputs(inputs.recv_multipart(zmq.NOBLOCK, copy=False))
+        while window.has_room() and inputs.getsockopt(EVENTS) & POLLIN:
+            self._on_inputs(recv_frames(inputs, NOBLOCK))
 
     def _drain_control(self) -> bool:
         while True:
@@ -513,10 +518,9 @@ class InputReader:
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
             self.dropped_input(e)
             return
+        # (A message naming one request twice is not looked for: each copy is computed and answered,
+        # and the frontend takes the first answer of each request.)
         requests = Requests.from_message(msg)
-        if len(set(requests.keys())) != len(requests):  # (a message is one call's)
-            self.dropped_input(ValueError("an input message names one request twice"))
-            return
         rejected = invalid_rows(requests, self.cfg.model, self.runs_task, msg.columns.keys())
         if rejected:  # a well-formed message with bad contents: those requests are refused, the rest kept
             self.engine.log.error("rejected %d malformed engine inputs", len(rejected))
@@ -527,7 +531,7 @@ class InputReader:
             requests = requests.select([row for row in range(len(requests)) if row not in refused])
         if len(requests):
             self.engine.window.take(len(requests))
-            self.engine._admit(requests)
+            self.engine._admit(requests, msg.resent)
         self.engine.times.add(msg.worker, msg.render_s, time.perf_counter() - start)
 
 
@@ -568,7 +572,7 @@ class ResultSender:
         # pyzmq's garbage-collector thread, which takes the GIL (4 context switches a step, measured).
         # (A multipart message is queued whole or not at all: ZeroMQ checks its limit on the first part.)
         try:
-            self.to_front.send_multipart(frames, zmq.NOBLOCK)
+            send_frames(self.to_front, frames, NOBLOCK)
         except zmq.Again:
             return False
         return True

@@ -154,6 +154,9 @@ class RenderBatch(msgspec.Struct, kw_only=True, tag=True, array_like=True, omit_
     items: list[RenderParams] | None = None
     chat_template: str | None = None  # the call's template for conversations (once per batch)
     engine: int = 0  # data parallel: the engine core these requests go to (the frontend picks it)
+    # Requests sent before to a render worker that was lost: some may already wait in the engine,
+    # which then keeps only this copy (it looks up only the requests of a message marked so).
+    resent: bool = False
 
     def check(self) -> int:
         """The number of requests; ValueError when the columns do not fit together."""
@@ -235,6 +238,7 @@ class EngineInputBatch(msgspec.Struct, kw_only=True, tag=True, array_like=True, 
     # resized and cropped by the image processor; every row has `modality` 1, and its token ids are
     # placeholders (zeros) counting its vision sequence, which the step's token budget weighs.
     pixels: np.ndarray | None = None
+    resent: bool = False  # the RenderBatch's `resent`: a waiting copy of a request is replaced
 
     def check(self) -> list[int]:
         """The lengths; ValueError when the columns do not fit together (a malformed message)."""

@@ -31,8 +31,11 @@ import numpy as np
 # Steps remembered for the fit: bounded memory; a refit over them costs O(WINDOW^2), a few tens of us.
 WINDOW = 32
 # Refit after every step until the window is full (so the seed is replaced quickly), then every
-# REFIT_EVERY steps (amortized O(1) per step: a refit costs ~120 us, ~8 us a step).
+# REFIT_EVERY steps that took REFIT_MIN_S of step time together (a refit costs ~120 us: ~8 us a step
+# every 16 steps, 2-3% of a fast device's engine CPU; at most one per 50 ms of steps on a fast device,
+# the same every 16 steps on a CPU, where a step takes milliseconds).
 REFIT_EVERY = 16
+REFIT_MIN_S = 0.05
 # Fewer steps than this in the window: only the time scale is followed (a fit of a line through
 # two or three points would follow their noise).
 MIN_STEPS_FOR_SLOPE = 8
@@ -61,6 +64,7 @@ class StepCostModel:
         # An unconfirmed seed: worth at most `seed_max_tokens` (a probe cannot see past its batches).
         self.overhead_s = min(max(overhead_s, 0.0), self.per_token_s * seed_max_tokens)
         self.steps = 0  # observed, in all
+        self._since_refit_s = 0.0  # step time observed since the last refit
         self._padded = np.zeros(WINDOW)
         self._seconds = np.zeros(WINDOW)
 
@@ -76,8 +80,10 @@ class StepCostModel:
         slot = self.steps % WINDOW
         self._padded[slot], self._seconds[slot] = padded_tokens, seconds
         self.steps += 1
-        if self.steps <= WINDOW or self.steps % REFIT_EVERY == 0:
+        self._since_refit_s += seconds
+        if self.steps <= WINDOW or (self.steps % REFIT_EVERY == 0 and self._since_refit_s >= REFIT_MIN_S):
             self._refit()
+            self._since_refit_s = 0.0
             return True
         return False
 

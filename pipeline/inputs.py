@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import operator
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +65,12 @@ def build_requests(prompts: object, opts: CallOptions, spec: ModelSpec, tokeniza
 
 TEXT, PAIR, IDS, ITEM = range(4)  # a request's input form: text, (query, document) pair, token ids, RenderParams
 _SIZED = frozenset({str, np.ndarray, list, tuple})  # prompts whose len() is about what they hold
+_LEN_SIZED = frozenset({str, list, tuple})  # (their size is len(); an ndarray's is .size)
+_array_size = operator.attrgetter("size")
+# Inputs read a block at a time (`RequestSource._read_block`): a list's or a tuple's iterator, which
+# nothing but the source reads. A generator is read one prompt at a time, never ahead: its code may
+# start other calls, wait for them, or read what the caller did with earlier results.
+_READ_AHEAD = (type(iter([])), type(iter(())))
 # A render message stops growing once its requests hold this many characters (one request at
 # least). The engine waits for a worker's whole message: fifty 400 KB web pages in one message
 # kept it idle while all fifty were shipped and rendered (5% of a 2.6 s run); alone, the first
@@ -92,6 +99,8 @@ class RequestSource:
         self.counts = values.counts
         self.index = 0  # of the next prompt
         self.exhausted = False
+        self.read_ahead = type(prompts) in _READ_AHEAD and not self.takes_images  # (`_read_block`)
+        self.ahead: list = []  # prompts read from a list or tuple past a block's character bound, not drawn yet
         self.shared = self._shared_options()  # None: options per request
         self._last_params, self._last_max_tokens = None, 0
         self._last_route: str | None = None
@@ -155,6 +164,8 @@ class RequestSource:
     def _read(self, limit: int, max_chars: int) -> tuple[list, bool]:
         """The next prompts: at most `limit`, and no more once they hold `max_chars` characters
         (a generator is read one at a time, never ahead); and whether the input is exhausted."""
+        if self.read_ahead:
+            return self._read_block(limit, max_chars)
         prompts: list = []
         chars = 0
         if self.takes_images:
@@ -174,6 +185,23 @@ class RequestSource:
             if chars >= max_chars:
                 return prompts, False
         return prompts, len(prompts) < limit
+
+    def _read_block(self, limit: int, max_chars: int) -> tuple[list, bool]:
+        """`_read` for a list or a tuple: `limit` prompts read at once and their characters counted
+        by C loops (5,000 short texts alone: ~86 -> ~49 ns a text); the prompts past the character
+        bound are held in `ahead` for the next draw, first."""
+        held = self.ahead
+        if len(held) >= limit:
+            prompts, self.ahead = held[:limit], held[limit:]
+        else:
+            prompts, self.ahead = held, []
+            prompts += itertools.islice(self.prompts, limit - len(held))
+        if sum(_sizes(prompts)) < max_chars:
+            return prompts, len(prompts) < limit
+        # The bound is reached: up to the prompt that reaches it, as `_read` stops.
+        cut = next(k for k, chars in enumerate(itertools.accumulate(_sizes(prompts)), 1) if chars >= max_chars)
+        self.ahead = prompts[cut:] + self.ahead
+        return prompts[:cut], False
 
     def _plain_block(self, first: int, prompts: list) -> RenderBatch | None:
         """The prompts as one RenderBatch when they are all texts (valid Unicode), or all 1-D integer
@@ -357,6 +385,23 @@ class RequestSource:
         while not self.exhausted:
             pieces.extend(self.take(block_items, 1 << 62))
         return PreparedSource(pieces)
+
+
+def _sizes(prompts: list) -> Iterator[int]:
+    """What each prompt holds, as `RequestSource._read` counts it (by C loops where the prompts are all
+    texts, lists or tuples, or all arrays)."""
+    kinds = set(map(type, prompts))
+    if kinds <= _LEN_SIZED:
+        return map(len, prompts)
+    if kinds == {np.ndarray}:
+        return map(_array_size, prompts)
+    return map(_prompt_chars, prompts)
+
+
+def _prompt_chars(prompt: object) -> int:
+    kind = type(prompt)
+    # (an ndarray's size: a 0-d array has no len(), and is refused by its own check later)
+    return prompt.size if kind is np.ndarray else len(prompt) if kind in _SIZED else 1
 
 
 class PreparedSource:

@@ -147,3 +147,34 @@ def test_an_array_that_is_not_token_ids_among_token_id_arrays_is_refused_naming_
     with pytest.raises(TypeError, match="request 2: token ids must be"):
         pipe.embed(prompts)
     assert len(pipe.embed(prompts[:2])) == 2  # the group serves on
+
+
+def _blocks(source, draws: list[tuple[int, int]]) -> list[tuple]:
+    """What `source.take` hands out for these (limit, max_chars) draws: each batch's indices and inputs."""
+    out = []
+    for limit, max_chars in draws:
+        for piece in source.take(limit, max_chars):
+            ids = None if piece.token_ids is None else piece.token_ids.tolist()
+            out.append((piece.indices.tolist(), piece.texts, ids))
+    out.append(source.exhausted)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["texts", "ids", "mixed"])
+def test_a_list_is_drawn_in_the_blocks_a_generator_would_be(pipe, kind):
+    """A list or a tuple is read a block at a time, its characters counted by C loops, and what is
+    past a block's character bound is held for the next draw: the blocks drawn are those of the same
+    prompts read one at a time from a generator, whatever the limits and bounds."""
+    rng = np.random.default_rng(7)
+    texts = ["word " * int(rng.integers(1, 12)) for _ in range(120)]
+    arrays = [rng.integers(1, 1000, int(rng.integers(1, 30))).astype(np.int32) for _ in range(120)]
+    prompts = {"texts": texts, "ids": arrays, "mixed": [t if k % 3 else a for k, (t, a) in enumerate(zip(texts, arrays))]}[kind]
+    draws = [(16, 1 << 30), (40, 50), (3, 1), (64, 200), (64, 1 << 30), (64, 1 << 30)]
+    opts = CallOptions(task="embed", use_tqdm=False)
+    got = {}
+    for form, given in (("generator", (p for p in prompts)), ("list", prompts), ("tuple", tuple(prompts))):
+        source, _ = build_requests(iter(given), opts, pipe.model_spec, pipe._tokenization, "c-")
+        assert source.read_ahead == (form != "generator")
+        got[form] = _blocks(source, draws)
+    assert got["list"] == got["generator"] and got["tuple"] == got["generator"]
+    assert got["generator"][-1] is True and sum(len(block[0]) for block in got["generator"][:-1]) == 120

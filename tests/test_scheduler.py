@@ -33,8 +33,8 @@ def _columns(requests: list[Req]) -> Requests:
 class Sched(Scheduler):
     """The scheduler, fed request by request (or a list at a time), its batches as indices."""
 
-    def add(self, request) -> int:
-        return super().add(_columns(request if isinstance(request, list) else [request]))
+    def add(self, request, resent: bool = False) -> int:
+        return super().add(_columns(request if isinstance(request, list) else [request]), resent)
 
     def next_indices(self) -> list[int]:
         batch = self.next_batch()
@@ -82,7 +82,7 @@ def test_abort_removes_waiting_and_counts_them():
     sched = Sched(8, 1024, 0.1)
     for i in range(4):
         assert sched.add(_req(i, 5)) == 0
-    assert sched.add(_req(2, 5)) == 1  # a re-sent request replaces its waiting copy
+    assert sched.add(_req(2, 5), resent=True) == 1  # a re-sent request replaces its waiting copy
     assert len(sched) == 4
     assert sched.abort("call", [1, 3, 99]) == 2
     assert sched.abort("another call") == 0
@@ -170,8 +170,8 @@ def test_adding_a_message_forms_the_same_batches_as_adding_one_by_one():
             seen.add(rid)
             next_id += rid == next_id
             chunk.append(_req(rid, rng.choice([3, 5, 8, 9, 20, 31, 64, 100])))
-        replaced = sum(one.add(r) for r in chunk)
-        assert many.add(chunk) == replaced
+        replaced = sum(one.add(r, resent=True) for r in chunk)
+        assert many.add(chunk, resent=True) == replaced
         for _ in range(rng.randrange(3)):
             assert one.next_indices() == many.next_indices()
     assert len(one) == len(many)
@@ -198,10 +198,9 @@ def test_the_token_arena_moves_and_grows_and_keeps_every_requests_ids():
 
 
 class OneAtATime(Sched):
-    """The walk that grows a batch one request at a time (what `_run_length`'s runs must equal)."""
+    """The walk that grows a batch one request at a time (what the runs taken whole must equal)."""
 
-    def _run_length(self, *args) -> int:
-        return 1
+    TAKE_RUNS = False
 
 
 def test_runs_taken_whole_form_the_same_batches_as_one_request_at_a_time():
@@ -232,3 +231,25 @@ def test_runs_taken_whole_form_the_same_batches_as_one_request_at_a_time():
         while len(plain):
             assert fast.next_indices() == plain.next_indices()
         assert not len(fast) and taken_whole > 10_000
+
+
+def test_only_a_resent_message_replaces_waiting_copies_and_abort_finds_requests_by_scanning():
+    """The usual message is not looked up (no per-request index is kept): a request repeated
+    without `resent` waits twice; a re-sent one replaces its waiting copy, chunk by chunk; aborts
+    find a call's requests among those waiting."""
+    sched = Sched(64, 4096, 0.5)
+    sched.add([_req(i, 5 + i % 3) for i in range(6)])
+    assert sched.add(_req(1, 6)) == 0 and len(sched) == 7  # not re-sent: kept as well
+    assert sched.add([_req(1, 6), _req(4, 6), _req(50, 6)], resent=True) == 3  # both copies of 1, and 4
+    assert len(sched) == 7
+    assert sched.abort("call", [1]) == 1 and sched.abort("call", [50, 77]) == 1
+    assert sorted(sched.next_indices()) == [0, 2, 3, 4, 5]
+    # chunks of one document: (index, chunk) is the identity
+    msg = engine_message("doc", [(7, np.zeros(4, np.int32), PoolingParams(), {"chunk": k, "num_chunks": 3})
+                                 for k in range(3)])
+    msg.check()
+    Scheduler.add(sched, Requests.from_message(msg))
+    again = engine_message("doc", [(7, np.zeros(4, np.int32), PoolingParams(), {"chunk": 1, "num_chunks": 3})])
+    again.check()
+    assert Scheduler.add(sched, Requests.from_message(again), resent=True) == 1 and len(sched) == 3
+    assert sched.abort("doc", [7]) == 3 and len(sched) == 0

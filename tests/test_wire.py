@@ -46,7 +46,7 @@ def test_round_trip_small_and_large_arrays():
     requests = Requests.from_message(msg)  # as the engine reads it: columns
     np.testing.assert_array_equal(requests.ids(0), small)
     assert requests.dimensions.tolist() == [-1, 8] and requests.normalize.tolist() == [-1, 0]
-    assert requests.token_type_start.tolist() == [-1, 3] and requests.keys() == [0, 5]
+    assert requests.token_type_start.tolist() == [-1, 3] and requests.indices.tolist() == [0, 5]
     np.testing.assert_array_equal(requests.ids(1), large)
 
 
@@ -197,6 +197,22 @@ def test_render_batches_carry_one_input_form_and_shared_options():
                                                     params=m.PoolingParams(normalize=False)), prompt="x")]
     general = dec.decode(enc.encode(m.RenderBatch(call="c-", indices=indices[:2], items=items, chat_template="tmpl")))
     assert general.check() == 2 and general.items[1].options.max_tokens == 8 and general.chat_template == "tmpl"
+
+
+def test_a_resent_batch_says_so_through_the_worker_to_the_engine():
+    """A lost worker's requests are re-sent marked `resent`: the mark travels in the RenderBatch and
+    in the EngineInputBatch (the engine looks up waiting copies only for those), absent otherwise."""
+    enc = Encoder()
+    options = m.RenderOptions(task="embed", max_tokens=16, params=m.PoolingParams())
+    batch = m.RenderBatch(call="c-", indices=np.array([3, 4]), options=options, texts=["a", "b"])
+    plain = enc.encode(batch)
+    again = enc.encode(msgspec.structs.replace(batch.select([1]), resent=True))
+    worker_side = Decoder(m.WorkerInbound)
+    assert not worker_side.decode(plain).resent and worker_side.decode(again).resent
+    msg = engine_message("c-", [(4, np.array([5, 6], np.int32))])
+    msg.resent = True
+    engine_side = Decoder(m.EngineInbound).decode(enc.encode(msg))
+    assert engine_side.resent and not Decoder(m.EngineInbound).decode(enc.encode(engine_message("c-", [(4, [5])]))).resent
 
 
 @pytest.mark.parametrize("change", ["two forms", "no form", "lengths", "texts", "no options", "items with options",

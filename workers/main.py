@@ -127,6 +127,7 @@ def serve(cfg: WorkerConfig, renderer, work: zmq.Socket, to_engines: list[zmq.So
             if batches:  # the time rides on the next message to the engine
                 batches[0].render_s, render_s = render_s, 0.0
             for batch in batches:  # chunk mode can make many inputs
+                batch.resent = msg.resent
                 to_engine.send_multipart(encoder.encode(batch))
             failed += part_failed + refused
         if failed:

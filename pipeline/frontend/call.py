@@ -616,7 +616,7 @@ class Call:
             per_engine[ticket.engine] += len(positions)
             for index in indices[out].tolist():
                 ring.chunks.pop(index, None)  # its chunks come again, whole
-            self.backlog.append(ticket.batch.select(positions))
+            self.backlog.append(msgspec.structs.replace(ticket.batch.select(positions), resent=True))
         self.inflight_chars -= chars
         self.ledger.settle(self, chars=chars, workers={notice.index: count}, engines=per_engine)
 
