@@ -5,7 +5,8 @@ in a `RequestTable` (columns and one token arena), and a batch is gathered from 
 `Requests` (columns) with a few array operations. Their order by (length, arrival) is one sorted
 int64 array, so that adding a message, finding a batch and taking it out are array operations:
 the only Python loop walks the distinct lengths of a batch, not its requests (the engine's CPU
-per request is what caps one engine core's rate). Each step
+per request is what caps one engine core's rate). No index by request is kept: the rare lookups
+(an abort, a lost worker's re-sent requests) scan the waiting requests. Each step
 takes one batch that always contains the oldest waiting request (the oldest of the lowest
 `priority` value when priorities are given) -- so no request waits forever
 and the frontend's reorder buffer keeps moving -- grown with the requests nearest to it in
