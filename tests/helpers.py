@@ -110,3 +110,29 @@ class FakePipelineBase:
     def stats(self):
         return {"requests": 0, "prompt_tokens": 0, "engine_busy_fraction": 0, "padding_fraction": 0,
                 "padding_efficiency": 1, "batches": 0, "errors": 0, "cpu_plan": {}, "stages": {}, "queue_depths": {}}
+
+
+def synthetic_batch(lengths, task: str = "embed", vocab: int = 1000, seed: int = 0, pair_start=None, ids=None,
+                    pool_start=None):
+    """A step's Requests of these lengths, as the engine's table gives them: ids from a seeded
+    generator past the special tokens (or `ids`); `pair_start`: per row, where a pair's second text
+    starts (-1: none); `pool_start`: per row, the first token pooled (a prompt left out)."""
+    import numpy as np
+
+    from pooling_pipeline.core.columns import COL, TASK_CODE, Requests
+    from pooling_pipeline.core.schema import blank_table
+
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    cols = blank_table(len(lengths))
+    cols[:, COL["indices"]] = np.arange(len(lengths))
+    cols[:, COL["lengths"]] = lengths
+    cols[:, COL["task"]] = TASK_CODE[task]
+    if pair_start is not None:
+        cols[:, COL["token_type_start"]] = pair_start
+    if pool_start is not None:
+        cols[:, COL["pool_start"]] = pool_start
+    calls = np.empty(len(lengths), dtype=object)
+    calls[:] = "c"
+    token_ids = rng.integers(5, vocab, int(lengths.sum())) if ids is None else np.asarray(ids)
+    return Requests(calls, cols, token_ids.astype(np.int32))

@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers import synthetic_batch as batch
 from model_zoo import (
     build_colbert,
     build_cross_encoder,
@@ -20,27 +21,11 @@ from model_zoo import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pooling_pipeline.core.columns import COL, TASK_CODE, Requests
-from pooling_pipeline.core.schema import blank_table
-
 TOL = 1e-5
 # What reads a device value back to the host (a sync): none may run between a step's launch and
 # its finish. (`nonzero` and boolean-mask indexing have a data-dependent size, read back too.)
 SYNC_OPS = {"aten._local_scalar_dense.default", "aten.is_nonzero.default", "aten.item.default",
             "aten.nonzero.default", "aten.equal.default", "aten.masked_select.default"}
-
-
-def batch(lengths, task: str = "embed", vocab: int = 1000, seed: int = 0) -> Requests:
-    """Requests of these lengths (ids from a seeded generator, past the special tokens)."""
-    rng = np.random.default_rng(seed)
-    lengths = np.asarray(lengths, dtype=np.int64)
-    cols = blank_table(len(lengths))
-    cols[:, COL["indices"]] = np.arange(len(lengths))
-    cols[:, COL["lengths"]] = lengths
-    cols[:, COL["task"]] = TASK_CODE[task]
-    calls = np.empty(len(lengths), dtype=object)
-    calls[:] = "c"
-    return Requests(calls, cols, rng.integers(5, vocab, int(lengths.sum())).astype(np.int32))
 
 
 class OpLog(TorchDispatchMode):

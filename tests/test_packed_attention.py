@@ -16,39 +16,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import synthetic_batch as batch
 from model_zoo import build_cross_encoder, build_st
 
 from pooling_pipeline.core import packed_attention
-from pooling_pipeline.core.columns import COL, TASK_CODE, Requests
 from pooling_pipeline.core.model_folder.load import load_model_spec
 from pooling_pipeline.core.model_runner import ModelRunner
-from pooling_pipeline.core.schema import blank_table
 
 TOL = 1e-5
 # (family, pooling): every family packed runs, each pooling kind once or more.
 CASES = [("bert", "mean"), ("bert", "cls"), ("distilbert", "mean"), ("modernbert", "mean"), ("roberta", "cls"),
          ("xlmr", "mean")]
-
-
-def batch(lengths, task: str = "embed", vocab: int = 1000, seed: int = 0, pair_start=None, ids=None,
-          pool_start=None) -> Requests:
-    """Requests of these lengths (ids from a seeded generator past the special tokens, or `ids`);
-    `pair_start`: per row, where a pair's second text starts (-1: none); `pool_start`: per row, the
-    first token pooled (a prompt left out)."""
-    rng = np.random.default_rng(seed)
-    lengths = np.asarray(lengths, dtype=np.int64)
-    cols = blank_table(len(lengths))
-    cols[:, COL["indices"]] = np.arange(len(lengths))
-    cols[:, COL["lengths"]] = lengths
-    cols[:, COL["task"]] = TASK_CODE[task]
-    if pair_start is not None:
-        cols[:, COL["token_type_start"]] = pair_start
-    if pool_start is not None:
-        cols[:, COL["pool_start"]] = pool_start
-    calls = np.empty(len(lengths), dtype=object)
-    calls[:] = "c"
-    token_ids = rng.integers(5, vocab, int(lengths.sum())) if ids is None else np.asarray(ids)
-    return Requests(calls, cols, token_ids.astype(np.int32))
 
 
 def runners(path: str) -> tuple:
