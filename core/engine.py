@@ -45,6 +45,7 @@ from pooling_pipeline.core.content_hash import cache_root
 from pooling_pipeline.core.device_copies import sticky_device_error
 from pooling_pipeline.core.families import family_of
 from pooling_pipeline.core.runtime import (
+    NOBLOCK,
     BusyClock,
     DropLog,
     addressed_socket,
@@ -96,8 +97,8 @@ MAX_REMEMBERED_ABORTED_CALLS = 1 << 16
 # The exit code of an engine core whose CUDA context a sticky error killed (see `_end_if_device_lost`).
 DEVICE_LOST_EXIT = 71
 # pyzmq's flags as plain ints: `getsockopt(...) & zmq.POLLIN` builds an IntFlag each time (enum's
-# __call__: ~0.7 us, and the loop asks every turn).
-EVENTS, POLLIN, NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+# __call__: ~0.7 us, and the loop asks every turn). (NOBLOCK: core.runtime's.)
+EVENTS, POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 
 class Window:

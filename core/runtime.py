@@ -163,10 +163,6 @@ def socket(ctx: zmq.Context, kind: int, endpoint: str, bind: bool) -> zmq.Socket
     return sock
 
 
-# The frontend's sending sockets are ROUTERs and each child connects a DEALER under a random
-# routing id that only the frontend and that child know (it travels in the child's 0600 config
-# file). A message goes to the one peer it is addressed to: a process that connects to the socket
-# by mistake receives nothing (with a PUSH socket it would take every other message, round-robin).
 # pyzmq's multipart helpers, without their Python-level cost: `send_multipart` ORs IntFlags per
 # frame (enum machinery, ~1 us each) and `recv_multipart` asks RCVMORE with a getsockopt per frame;
 # the backend's own send and recv with int flags, and a frame's `more`, do the same work (~3 us less a
@@ -193,6 +189,10 @@ def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
     return frames
 
 
+# The frontend's sending sockets are ROUTERs and each child connects a DEALER under a random
+# routing id that only the frontend and that child know (it travels in the child's 0600 config
+# file). A message goes to the one peer it is addressed to: a process that connects to the socket
+# by mistake receives nothing (with a PUSH socket it would take every other message, round-robin).
 def router_socket(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     """The frontend's bound sending socket: sends only to known peers (ROUTER_MANDATORY: an unknown
     or gone peer is an error, never a silent drop) and reads nothing, so a peer that writes to it

@@ -67,6 +67,9 @@ def _table(dim: int) -> np.ndarray:
     return rows / np.linalg.norm(rows, axis=1, keepdims=True)
 
 
+_ID_WEIGHTS = np.array([7919, 104_729, 1], dtype=np.int64)  # (sim_keys': the first, middle and last id's)
+
+
 def sim_keys(token_ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """The table row of each request: a hash of its length, first, middle and last token ids
     (packed ids, as a batch holds them; computed for the whole batch at once)."""
@@ -76,8 +79,6 @@ def sim_keys(token_ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> 
     keys = lengths * 1_000_003 + _ID_WEIGHTS.dot(picked.reshape(3, -1).astype(np.int64))
     return keys % TABLE_ROWS
 
-
-_ID_WEIGHTS = np.array([7919, 104_729, 1], dtype=np.int64)
 
 
 def sim_vectors(token_ids: list[np.ndarray], dim: int) -> np.ndarray:
