@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 # the caller's API (the frontend, input adapters, model layout: ~10 MB of RSS in each worker).
 _EXPORTS = {
     "Pipeline": "pooling_pipeline.api",
-    "PoolingParams": "pooling_pipeline.core.messages",
+    "PoolingParams": "pooling_pipeline.core.shared.messages",
     "EngineDeadError": "pooling_pipeline.errors",
     "EngineRestartedError": "pooling_pipeline.errors",
     "PipelineError": "pooling_pipeline.errors",
@@ -34,7 +34,7 @@ _EXPORTS = {
 
 if TYPE_CHECKING:  # what static analysers and IDEs see
     from pooling_pipeline.api import Pipeline
-    from pooling_pipeline.core.messages import PoolingParams
+    from pooling_pipeline.core.shared.messages import PoolingParams
     from pooling_pipeline.errors import EngineDeadError, EngineRestartedError, PipelineError, StepError, WorkerStartError
     from pooling_pipeline.integrations.sentence_encoder import SentenceEncoder
     from pooling_pipeline.jobs.results_store import load_results

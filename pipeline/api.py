@@ -27,11 +27,11 @@ import numpy as np
 
 from pooling_pipeline.backends import describe_backend, describe_checkpoint_precision, describe_faster_precision
 from pooling_pipeline.call_stats import CallStats
-from pooling_pipeline.core.config import ModelSpec
 from pooling_pipeline.core.families import family_of
-from pooling_pipeline.core.model_folder.load import load_model_spec
-from pooling_pipeline.core.options import checked
-from pooling_pipeline.core.sim_device import resolve_sim_device
+from pooling_pipeline.core.shared.config import ModelSpec
+from pooling_pipeline.core.shared.model_folder.load import load_model_spec
+from pooling_pipeline.core.shared.options import checked
+from pooling_pipeline.core.shared.sim_device import resolve_sim_device
 from pooling_pipeline.cpu_plan import default_max_num_seqs, engine_devices, plan_cpu
 from pooling_pipeline.errors import EngineDeadError, EngineRestartedError, PipelineError
 from pooling_pipeline.frontend import Call, Dispatcher, new_call_prefix
@@ -146,9 +146,10 @@ class Pipeline:
         devices = engine_devices(device, engines)  # engine core k: cuda:k, or the CPU, or its own sim device
         self.model_spec = spec = _model_spec(model, opts)
         self.max_num_seqs = max_num_seqs
-        if opts.max_num_batched_tokens is not None and opts.max_num_batched_tokens < spec.longest_transformer_input:
+        longest = family_of(spec).longest_input(spec)  # (the most tokens one request puts through a transformer)
+        if opts.max_num_batched_tokens is not None and opts.max_num_batched_tokens < longest:
             raise ValueError(f"max_num_batched_tokens={opts.max_num_batched_tokens} is below the model's "
-                             f"max length {spec.longest_transformer_input}: a long request could never be scheduled")
+                             f"max length {longest}: a long request could never be scheduled")
         # The engine's window is what it sorts by length to form batches: a wider one gives
         # tighter batches (on the 2-core CPU, 8 x max_num_seqs brings padding from 12% to 5% on
         # short sentences). The frontend keeps twice that in flight so the workers stay ahead

@@ -5,9 +5,9 @@ import os
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, Literal
 
-from pooling_pipeline.core.config import ModelSpec
-from pooling_pipeline.core.messages import PoolingParams
-from pooling_pipeline.core.sim_device import SimDevice
+from pooling_pipeline.core.shared.config import ModelSpec
+from pooling_pipeline.core.shared.messages import PoolingParams
+from pooling_pipeline.core.shared.sim_device import SimDevice
 from pooling_pipeline.outputs import ClassificationOutput, EmbeddingOutput, RankedDocument, ScoringOutput
 
 class Pipeline:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-from pooling_pipeline.core.config import CPU_MAX_NUM_SEQS, GPU_MAX_NUM_SEQS
-from pooling_pipeline.core.devices import cuda_expected
+from pooling_pipeline.core.shared.config import CPU_MAX_NUM_SEQS, GPU_MAX_NUM_SEQS
+from pooling_pipeline.core.shared.devices import cuda_expected
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ def available_cores() -> int:
 def default_max_num_seqs(device: str) -> int:
     """The step's sequence cap where the caller leaves it: a GPU's, where CUDA is expected (not the
     simulated device, whose figures are modeled on the CPU's default), else the CPU's (see
-    core.config.CPU_MAX_NUM_SEQS for why they differ)."""
+    core.shared.config.CPU_MAX_NUM_SEQS for why they differ)."""
     return GPU_MAX_NUM_SEQS if cuda_expected(device) and device != "sim" else CPU_MAX_NUM_SEQS
 
 

@@ -28,7 +28,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from pooling_pipeline.core.messages import ImageData
+from pooling_pipeline.core.shared.messages import ImageData
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".gif", ".bmp", ".tiff", ".webp")
 MODALITY_KEYS = frozenset({"text", "image", "audio", "video"})  # ST's multimodal dict keys

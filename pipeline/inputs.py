@@ -16,10 +16,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from pooling_pipeline.core.config import ModelSpec
 from pooling_pipeline.core.families import family_of
-from pooling_pipeline.core.messages import PoolingParams, RenderBatch, RenderOptions, RenderParams
-from pooling_pipeline.core.schema import ids_out_of_range
+from pooling_pipeline.core.shared.config import ModelSpec
+from pooling_pipeline.core.shared.messages import PoolingParams, RenderBatch, RenderOptions, RenderParams
+from pooling_pipeline.core.shared.schema import ids_out_of_range
 from pooling_pipeline.image_inputs import image_input, is_image_string, is_numeric_array, is_pil_image, prompt_size
 from pooling_pipeline.options import CallOptions  # (declared there, with every option's default)
 from pooling_pipeline.request_options import (

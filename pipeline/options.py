@@ -1,14 +1,14 @@
 """What a user can set, declared once: `PipelineOptions` (the process group's shape, given to
 `Pipeline(...)`) and `CallOptions` (one call's, given to `embed`, `score`, ...).
 
-Each option is one field: its type (checked by msgspec through `core.options.checked`, which
+Each option is one field: its type (checked by msgspec through `core.shared.options.checked`, which
 names the option in its error), its default and a one-line description (`Meta(description=...)`).
 What takes options reads them from here rather than restating them: the API methods' and the
 constructor's signatures, docstrings and argument binding (`OptionsSignature`, `takes_options`),
 the async twins, `pipeline-run`'s flags and the Ray callable. Which call takes which options is
 declared here too (`CALL_OPTIONS`), so a new option is one field and, where it applies, nothing
 else. A per-request option (one value, or a list with one per prompt) is declared in
-`core.options.REQUEST_OPTIONS` with its description; its field here (`per_request(name)`) only
+`core.shared.options.REQUEST_OPTIONS` with its description; its field here (`per_request(name)`) only
 places it among the parameters. This module imports nothing heavy: the launcher reads it to build
 its flags.
 """
@@ -24,8 +24,8 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 
-from pooling_pipeline.core.config import DEFAULT_MAX_IMAGE_PIXELS
-from pooling_pipeline.core.options import (
+from pooling_pipeline.core.shared.config import DEFAULT_MAX_IMAGE_PIXELS
+from pooling_pipeline.core.shared.options import (
     MAX_TOKENS,
     REQUEST_OPTIONS,
     Backend,
@@ -47,7 +47,7 @@ def described(text: str, shown: str | None = None) -> msgspec.Meta:
 
 
 def per_request(name: str) -> Any:
-    """The call option of a per-request option (`core.options.REQUEST_OPTIONS`, where it is declared
+    """The call option of a per-request option (`core.shared.options.REQUEST_OPTIONS`, where it is declared
     with its description): any value here, checked request by request (`pipeline.request_options`)."""
     option = _REQUEST_OPTIONS[name]
     return Annotated[Any, described(option.doc, shown=option.shown)]
@@ -59,14 +59,14 @@ DTYPE_ALIASES = {"auto": "auto", "float32": "float32", "float": "float32", "fp32
                  "float16": "float16", "half": "float16", "fp16": "float16",
                  "bfloat16": "bfloat16", "bf16": "bfloat16"}
 Dtype = Literal["auto", "float32", "float", "fp32", "float16", "half", "fp16", "bfloat16", "bf16"]
-# "sim": the simulated accelerator (core/sim_device.py), a measurement instrument.
+# "sim": the simulated accelerator (core/shared/sim_device.py), a measurement instrument.
 Device = Annotated[str, Meta(pattern=r"^(auto|cpu|sim|cuda(:\d{1,3})?)$")]
 LogLevel = Annotated[str, Meta(pattern=r"^(?i:debug|info|warning|warn|error|critical)$")]
 
 
 # ---- ranges -------------------------------------------------------------------------------------
 # Every option has a range, declared with its type and checked in the caller before any process
-# starts (`core.options.checked`: a ValueError naming the option and its range). The bounds are
+# starts (`core.shared.options.checked`: a ValueError naming the option and its range). The bounds are
 # what the processes can hold, far above what a machine needs:
 #
 # A render worker is a process of ~100 MB and 5 file descriptors: 256 of them take ~25 GB (the
@@ -83,7 +83,7 @@ MAX_BATCHED_TOKENS = 1 << 20
 # frontend/call.py's MAX_INFLIGHT_CHARS).
 MAX_INFLIGHT = 1 << 20
 # An engine core allocates its request table for its whole window at start: 36 MB at this bound
-# (measured: core.columns.RequestTable(1 << 18)), and a full window holds a dict entry a request.
+# (measured: core.engine.columns.RequestTable(1 << 18)), and a full window holds a dict entry a request.
 MAX_ENGINE_WINDOW = 1 << 18
 # Each engine core is a process holding the whole model: one per GPU (a node has 8-16), or a
 # share of the CPU's threads.
@@ -93,7 +93,7 @@ MAX_DATA_PARALLEL = 64
 MAX_ENGINE_THREADS = 1024
 # An image's decoded pixels cost 3 bytes each in a render worker: 3 GB at this bound.
 MAX_IMAGE_PIXELS = 1 << 30
-# Heartbeats come every second (core.runtime.HEARTBEAT_INTERVAL_S): a child silent for less than
+# Heartbeats come every second (core.shared.runtime.HEARTBEAT_INTERVAL_S): a child silent for less than
 # two of them is on time. A step's time is seen in those heartbeats: a shorter limit is not measured.
 MIN_HEARTBEAT_TIMEOUT_S, MIN_STEP_TIMEOUT_S = 2.0, 1.0
 # A child's start (an interpreter, its imports, a model) takes more than a second.
@@ -145,7 +145,7 @@ class PipelineOptions(msgspec.Struct, frozen=True, kw_only=True):
     engine_threads: Annotated[up_to(MAX_ENGINE_THREADS) | None, described(
         "torch threads of each CPU engine core (default: planned from the cores)")] = None
     # (io_processor and sim_device are checked by what reads them: workers.render.load_plugin,
-    # core.sim_device.resolve_sim_device, in the caller too)
+    # core.shared.sim_device.resolve_sim_device, in the caller too)
     io_processor: Annotated[str | None, described(
         "a plugin 'package.module:ClassName' for task 'plugin' (its render runs in the workers, its "
         "post_process in the caller)")] = None
@@ -219,7 +219,7 @@ class CallOptions(msgspec.Struct, frozen=True, kw_only=True):
 
 
 if {o.name for o in REQUEST_OPTIONS} - set(CallOptions.__struct_fields__):
-    raise RuntimeError("a per-request option declared in core.options is not placed in CallOptions: this is a bug")
+    raise RuntimeError("a per-request option declared in core.shared.options is not placed in CallOptions: this is a bug")
 
 # The caller's options (`task`, `plugin` and `pairs` are the API's), and which call takes which,
 # in the order the methods list them. classify: chunks are pooled into embeddings only; score: a

@@ -3,7 +3,7 @@
 Transport: ipc:// endpoints in a fresh private directory (mode 0700) per group, removed on close
 (and by the children when the frontend's process dies without closing: SIGTERM, SIGKILL). The
 frontend binds its sockets; the children connect (and the engine binds its input socket).
-Every message carries the group's random key (`core.serial`); frames without it are dropped.
+Every message carries the group's random key (`core.shared.serial`); frames without it are dropped.
 What the frontend sends (work, control) is addressed to one child's random routing id
 (`runtime.router_socket`), so a process that connects to a socket receives nothing, and each
 worker's heartbeat counts the messages it took: a batch that never reached its worker is
@@ -31,7 +31,7 @@ minute, or a restarted one that cannot start, fails the group as before.
 The group belongs to the process that created it: in an `os.fork()`ed child, `close()` (the exit
 handler too) leaves the parent's sockets, children and directory alone.
 
-Liveness is measured on a RunClock (`core.runtime`): a heartbeat gap during which the frontend
+Liveness is measured on a RunClock (`core.shared.runtime`): a heartbeat gap during which the frontend
 itself did not run (the whole job stopped with Ctrl-Z) is not taken for a dead child. A render
 worker that dies is restarted with back-off; more than MAX_WORKER_RESTARTS_PER_MINUTE restarts of
 one worker within a minute is an error for the calls running (the restarts go on).
@@ -58,10 +58,10 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from pooling_pipeline.core import messages as m
-from pooling_pipeline.core.config import EngineConfig, ModelSpec, WorkerConfig
 from pooling_pipeline.core.families import family_of
-from pooling_pipeline.core.runtime import (
+from pooling_pipeline.core.shared import messages as m
+from pooling_pipeline.core.shared.config import EngineConfig, ModelSpec, WorkerConfig
+from pooling_pipeline.core.shared.runtime import (
     GROUP_KEY_ENV,
     HEARTBEAT_INTERVAL_S,
     OWNER_SIGNALS,
@@ -72,8 +72,8 @@ from pooling_pipeline.core.runtime import (
     send_to,
     socket,
 )
-from pooling_pipeline.core.serial import KEY_BYTES, Decoder, Encoder
-from pooling_pipeline.core.sim_device import SimDevice
+from pooling_pipeline.core.shared.serial import KEY_BYTES, Decoder, Encoder
+from pooling_pipeline.core.shared.sim_device import SimDevice
 from pooling_pipeline.errors import EngineDeadError, PipelineError, WorkerStartError
 from pooling_pipeline.group_dir import DIR_PREFIX, make_group_dir
 from pooling_pipeline.options import PipelineOptions
@@ -358,7 +358,7 @@ class ProcessGroup:
         profile_dir = os.environ.get("PIPELINE_PROFILE_DIR")
         if profile_dir and k > 0:  # every engine core writes engine.prof: each in its own folder
             env["PIPELINE_PROFILE_DIR"] = os.path.join(profile_dir, f"engine{k}")
-        return self._spawn("engine", k, "pooling_pipeline.core.engine", self.engine_cfgs[k], env)
+        return self._spawn("engine", k, "pooling_pipeline.core.engine.main", self.engine_cfgs[k], env)
 
     def _spawn(self, role: str, index: int, module: str, cfg: msgspec.Struct, extra_env: dict) -> Child:
         env = dict(os.environ)
@@ -827,7 +827,7 @@ class ProcessGroup:
         loads), a worker restarting. They hold no work and cannot be asked yet, and they leave a signal
         sent to the process group to this process (runtime.OWNER_SIGNALS): waiting out SHUTDOWN_GRACE_S
         for them made a Ctrl-C during start-up take 6 s. (A conversion an engine leaves unfinished is
-        swept by the cache's next writer: core/staging.py.)"""
+        swept by the cache's next writer: core/shared/staging.py.)"""
         for child in self.children:
             if (child.role, child.index) not in self.ready and child.alive():
                 child.proc.send_signal(signal.SIGKILL)

@@ -1,4 +1,4 @@
-"""Each request's per-request options (`core.options.REQUEST_OPTIONS`), checked and resolved.
+"""Each request's per-request options (`core.shared.options.REQUEST_OPTIONS`), checked and resolved.
 
 A per-request option is given once for every prompt or as a list with one per prompt.
 `RequestValues` reads every such option of a call the same way: a list is checked entry by entry
@@ -15,9 +15,9 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from pooling_pipeline.core.config import ModelSpec
-from pooling_pipeline.core.messages import PoolingParams
-from pooling_pipeline.core.options import COLUMN_OPTIONS, REQUEST_OPTIONS, checked
+from pooling_pipeline.core.shared.config import ModelSpec
+from pooling_pipeline.core.shared.messages import PoolingParams
+from pooling_pipeline.core.shared.options import COLUMN_OPTIONS, REQUEST_OPTIONS, checked
 from pooling_pipeline.options import CallOptions
 
 # The engine keeps every per-request column in int64 (and msgpack carries ints up to it).

@@ -50,7 +50,7 @@ import numpy as np
 
 from pooling_pipeline import Pipeline  # noqa: E402
 from pooling_pipeline.call_stats import format_stats  # noqa: E402
-from pooling_pipeline.core.model_folder.model_path import default_model_path  # noqa: E402
+from pooling_pipeline.core.shared.model_folder.model_path import default_model_path  # noqa: E402
 
 CHARS_PER_TOKEN = 4.0  # measured on the docstring corpus with the bundled tokenizer (printed below)
 LABELS = {"a": "(a) short sentences", "b": "(b) medium texts", "c": "(c) long docs -> 256", "d": "(d) mixed"}
@@ -191,7 +191,7 @@ def limit_model(pipe: Pipeline, torch_model, tokenizer):
     engine = pipe.stats()["engine"]
     if engine.get("backend") != "openvino":
         return torch_model
-    from pooling_pipeline.core.openvino_model import to_openvino
+    from pooling_pipeline.core.engine.openvino_model import to_openvino
 
     compiled, _ = to_openvino(torch_model, pipe.model_spec, output="last_hidden_state", base=False,
                               token_types="token_type_ids" in tokenizer.model_input_names,

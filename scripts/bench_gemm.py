@@ -56,8 +56,8 @@ def add_openvino_rows(kernels: dict, forwards: dict, torch, model, spec, a, w, f
     in float32 and, on a CPU with bfloat16 units, bfloat16."""
     import openvino as ov
 
-    from pooling_pipeline.core.devices import openvino_cpu_has_bfloat16
-    from pooling_pipeline.core.openvino_model import BackendUnavailable, compile_for_cpu, to_openvino
+    from pooling_pipeline.core.engine.openvino_model import BackendUnavailable, compile_for_cpu, to_openvino
+    from pooling_pipeline.core.shared.devices import openvino_cpu_has_bfloat16
 
     class Linear(torch.nn.Module):  # the one GEMM, its weight a constant of the graph
         def __init__(self, weight):
@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModel
 
-    from pooling_pipeline.core.model_folder.load import load_model_spec
-    from pooling_pipeline.core.model_folder.model_path import default_model_path
+    from pooling_pipeline.core.shared.model_folder.load import load_model_spec
+    from pooling_pipeline.core.shared.model_folder.model_path import default_model_path
     from pooling_pipeline.cpu_plan import plan_cpu
 
     path = args.model or default_model_path()

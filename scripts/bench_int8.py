@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--docs, --queries, --repeats and --k must be positive, --k at most --docs")
 
     from pooling_pipeline import Pipeline
-    from pooling_pipeline.core.model_folder.model_path import default_model_path
+    from pooling_pipeline.core.shared.model_folder.model_path import default_model_path
 
     model = args.model or str(default_model_path())
     docs = corpus.medium_texts(args.docs, seed=7, min_chars=200, max_chars=2000)

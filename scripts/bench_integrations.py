@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from sentence_transformers import SentenceTransformer
 
     from pooling_pipeline import SentenceEncoder
-    from pooling_pipeline.core.model_folder.model_path import default_model_path
+    from pooling_pipeline.core.shared.model_folder.model_path import default_model_path
     from pooling_pipeline.integrations.llama_index import llama_index_embedding
 
     model_path = args.model or str(default_model_path())

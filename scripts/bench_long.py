@@ -25,8 +25,8 @@ import corpus
 from bench_embed import median_time  # noqa: E402  (this folder is on sys.path when run as a script)
 
 from pooling_pipeline import Pipeline  # noqa: E402
-from pooling_pipeline.core.model_folder.load import load_model_spec  # noqa: E402
-from pooling_pipeline.core.model_folder.model_path import default_model_path  # noqa: E402
+from pooling_pipeline.core.shared.model_folder.load import load_model_spec  # noqa: E402
+from pooling_pipeline.core.shared.model_folder.model_path import default_model_path  # noqa: E402
 from pooling_pipeline.workers.render import load_tokenizer  # noqa: E402
 from pooling_pipeline.workers.truncation import TruncatingTokenizer  # noqa: E402
 

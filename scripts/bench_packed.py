@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Packed against padded rows on this machine's CPU (core/packed_attention.py): the decision behind
+"""Packed against padded rows on this machine's CPU (core/engine/packed_attention.py): the decision behind
 `CPU_PACKED_DEFAULT` (a CPU stays padded unless packed is faster there).
 
     python scripts/bench_packed.py                # all-MiniLM-L6-v2, mixed short texts, 3 repeats
@@ -56,10 +56,10 @@ def step_seconds(model, texts: list[str], rows: int, by_length: bool) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from pooling_pipeline.core.columns import COL, TASK_CODE, Requests
-    from pooling_pipeline.core.model_folder.load import load_model_spec
-    from pooling_pipeline.core.model_runner import ModelRunner
-    from pooling_pipeline.core.schema import blank_table
+    from pooling_pipeline.core.engine.columns import COL, TASK_CODE, Requests
+    from pooling_pipeline.core.engine.model_runner import ModelRunner
+    from pooling_pipeline.core.shared.model_folder.load import load_model_spec
+    from pooling_pipeline.core.shared.schema import blank_table
 
     spec = load_model_spec(model)
     tokenizer = AutoTokenizer.from_pretrained(spec.path)

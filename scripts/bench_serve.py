@@ -565,7 +565,7 @@ class StubPipe:
         self.delay_s = delay_s
         import numpy as np
 
-        from pooling_pipeline.core.model_folder.load import load_model_spec
+        from pooling_pipeline.core.shared.model_folder.load import load_model_spec
         self.model_spec = load_model_spec(None)
         rows = np.random.default_rng(0).standard_normal((64, 384)).astype(np.float32)
         self.rows = rows / np.linalg.norm(rows, axis=1, keepdims=True)

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     if args.model is None:
-        from pooling_pipeline.core.model_folder.model_path import default_model_path
+        from pooling_pipeline.core.shared.model_folder.model_path import default_model_path
 
         args.model = str(default_model_path())
     rows = [(python, backend) for python in args.pythons for backend in args.backends

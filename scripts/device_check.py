@@ -403,8 +403,8 @@ def env_part(args, out, scratch):
                       out / "env.json")], {}
 
 
-# A rehearsal's load test: the simulated device in the GPU's step shape (core.config.GPU_MAX_NUM_SEQS sequences,
-# core.engine.GPU_BATCH_TOKENS tokens; importing the engine here would cost torch's import).
+# A rehearsal's load test: the simulated device in the GPU's step shape (core.shared.config.GPU_MAX_NUM_SEQS sequences,
+# core.engine.main.GPU_BATCH_TOKENS tokens; importing the engine here would cost torch's import).
 REHEARSAL_BATCH_TOKENS = 16384
 
 
@@ -413,8 +413,8 @@ def loadtest_device(args) -> list:
     real model's tokenizer in the GPU's step shape."""
     if not args.rehearse:
         return ["--regime", "real", "--device", "cuda", "--dtype", "float16", *(["--model", args.model] if args.model else [])]
-    from pooling_pipeline.core.config import GPU_MAX_NUM_SEQS
-    from pooling_pipeline.core.model_folder.model_path import default_model_path
+    from pooling_pipeline.core.shared.config import GPU_MAX_NUM_SEQS
+    from pooling_pipeline.core.shared.model_folder.model_path import default_model_path
 
     return ["--regime", "sim", "--model", args.model or default_model_path(), "--max-num-batched-tokens",
             REHEARSAL_BATCH_TOKENS, "--max-num-seqs", GPU_MAX_NUM_SEQS]

@@ -12,7 +12,7 @@ on CUDA (kernel time, launches, syncs) says so in its row instead of a target.
               against repeated shapes, per runner setting (graphs, eager, the plain CPU-style path);
 * graphs   -- the same batches through a runner with CUDA graphs and one without: vectors (cosine in
               float16, max |diff| in float32) and time per step; then packed rows (a varlen kernel on the
-              steps' real tokens, core/packed_attention.py) against the bucketed graphs: vectors, host
+              steps' real tokens, core/engine/packed_attention.py) against the bucketed graphs: vectors, host
               and device ms per step;
 * profile  -- torch.profiler over a few warm steps launched as the engine launches them (the next
               before finishing the last): host ms, kernel ms, launches and syncs per step, a trace;
@@ -50,7 +50,7 @@ ST_WINDOW_S = 5.0
 # The replay: short real texts (~24 tokens) streamed through the Scheduler in messages of this many
 # requests (the frontend's message size at a GPU's cap). What one step's fixed cost is worth in padded
 # tokens is learned by the engine as steps run; on a GPU, where a MiniLM step is mostly its fixed cost,
-# it sits at the engine's cap (core.engine.MAX_OVERHEAD_TOKENS), which the recording takes.
+# it sits at the engine's cap (core.engine.main.MAX_OVERHEAD_TOKENS), which the recording takes.
 REPLAY_MESSAGE = 256
 FALLBACK_GPU_MAX_NUM_SEQS = 1024
 # A setting's replay stops after this long (its rows then say how many steps it ran): the path of the
@@ -155,15 +155,15 @@ def package_version(name: str) -> str:
 
 def model_spec(model: str | None):
     """The text model's spec (None: the bundled all-MiniLM-L6-v2)."""
-    from pooling_pipeline.core.model_folder.load import load_model_spec
+    from pooling_pipeline.core.shared.model_folder.load import load_model_spec
 
     return load_model_spec(model)
 
 
 def gpu_max_num_seqs() -> int:
-    """The engine's sequence cap on a GPU (core.config.GPU_MAX_NUM_SEQS where this engine has one)."""
+    """The engine's sequence cap on a GPU (core.shared.config.GPU_MAX_NUM_SEQS where this engine has one)."""
     try:
-        from pooling_pipeline.core.config import GPU_MAX_NUM_SEQS
+        from pooling_pipeline.core.shared.config import GPU_MAX_NUM_SEQS
     except ImportError:
         return FALLBACK_GPU_MAX_NUM_SEQS
     return int(GPU_MAX_NUM_SEQS)
@@ -181,11 +181,11 @@ def token_ids(spec, texts: list[str]):
 
 
 def requests_of(ids: list, task: str, first: int = 0):
-    """Engine requests (core.columns.Requests) of these token id arrays, indices from `first`."""
+    """Engine requests (core.engine.columns.Requests) of these token id arrays, indices from `first`."""
     import numpy as np
 
-    from pooling_pipeline.core.columns import COL, TASK_CODE, Requests
-    from pooling_pipeline.core.schema import blank_table
+    from pooling_pipeline.core.engine.columns import COL, TASK_CODE, Requests
+    from pooling_pipeline.core.shared.schema import blank_table
 
     lengths = np.asarray([len(t) for t in ids], dtype=np.int64)
     cols = blank_table(len(ids))
@@ -203,9 +203,9 @@ def record_steps(spec, ids: list, max_num_seqs: int) -> list:
     steps counted in bucketed shapes where this Scheduler takes them): a list of Requests, in order."""
     import inspect
 
-    from pooling_pipeline.core.engine import GPU_BATCH_TOKENS, GPU_MAX_PADDING, MAX_OVERHEAD_TOKENS
-    from pooling_pipeline.core.scheduler import Scheduler
-    from pooling_pipeline.core.step_shapes import bucket_shape
+    from pooling_pipeline.core.engine.main import GPU_BATCH_TOKENS, GPU_MAX_PADDING, MAX_OVERHEAD_TOKENS
+    from pooling_pipeline.core.engine.scheduler import Scheduler
+    from pooling_pipeline.core.engine.step_shapes import bucket_shape
 
     window = 8 * max_num_seqs
     cap = spec.max_model_len
@@ -226,7 +226,7 @@ def record_steps(spec, ids: list, max_num_seqs: int) -> list:
 
 def bucketed(spec, rows: int, longest: int) -> tuple[int, int]:
     """The bucket a step of `rows` requests up to `longest` tokens is padded to on a device (as the runner does)."""
-    from pooling_pipeline.core.step_shapes import bucket_shape
+    from pooling_pipeline.core.engine.step_shapes import bucket_shape
 
     return bucket_shape(rows, longest, max(spec.max_model_len, longest))
 
@@ -453,8 +453,8 @@ def replay_check(json_path: Path, model: str | None, device: str, settings: list
 
 
 def replay_setting(spec, steps: list, device: str, setting: str) -> tuple[list[Row], dict]:
-    from pooling_pipeline.core.columns import probe_batch
-    from pooling_pipeline.core.model_runner import ModelRunner
+    from pooling_pipeline.core.engine.columns import probe_batch
+    from pooling_pipeline.core.engine.model_runner import ModelRunner
 
     runner = ModelRunner(spec, device, step_dtype(device), backend="torch", **RUNNER_SETTINGS[setting])
     info = {k: str(v) for k, v in getattr(runner, "backend_info", {}).items()}
@@ -527,7 +527,7 @@ def graphs_check(json_path: Path, model: str | None, device: str) -> None:
     import corpus
     import numpy as np
 
-    from pooling_pipeline.core.model_runner import ModelRunner
+    from pooling_pipeline.core.engine.model_runner import ModelRunner
 
     spec = model_spec(model)
     log = RowLog(json_path)
@@ -566,14 +566,14 @@ def graphs_check(json_path: Path, model: str | None, device: str) -> None:
 
 
 def packed_rows(spec, device: str, dtype: str, batches: list, bucketed, bucketed_vectors, metric: tuple[str, ...]) -> list[Row]:
-    """Packed rows (core/packed_attention.py: one sequence of the step's real tokens, a varlen kernel --
+    """Packed rows (core/engine/packed_attention.py: one sequence of the step's real tokens, a varlen kernel --
     flash_attn's where importable, else torch's nested jagged SDPA, forced here) against the bucketed
     path on the same batches: the vectors (min cosine in half precision, max |diff| in float32) and host
     and device ms per step, each the median of GRAPH_REPEATS launches. A runner refused (no exact
     kernel on this device) is an error row; the bucketed rows stand."""
     import numpy as np
 
-    from pooling_pipeline.core.model_runner import ModelRunner
+    from pooling_pipeline.core.engine.model_runner import ModelRunner
 
     try:
         packed = ModelRunner(spec, device, dtype, backend="torch", device_steps=True, attention="packed")
@@ -626,7 +626,7 @@ def profile_check(json_path: Path, model: str | None, device: str, length: int |
     kernels, launches and syncs per step. `length` None: the shape most steps of a replay of short
     real texts take (MiniLM's common step); else steps of that many tokens filling the token budget
     (BERT-base at 512: the kernel-share target)."""
-    from pooling_pipeline.core.model_runner import ModelRunner
+    from pooling_pipeline.core.engine.model_runner import ModelRunner
 
     spec = model_spec(model)
     log = RowLog(json_path)
@@ -658,7 +658,7 @@ def profile_batch(spec, length: int | None, cuda: bool = True):
     import corpus
     import numpy as np
 
-    from pooling_pipeline.core.engine import CPU_BATCH_TOKENS, GPU_BATCH_TOKENS
+    from pooling_pipeline.core.engine.main import CPU_BATCH_TOKENS, GPU_BATCH_TOKENS
 
     if length is not None:
         rng = np.random.default_rng(51)

@@ -3,7 +3,7 @@
 
 Why a stub: the call methods (`embed`, `score`, `rank`, `classify`, `encode`, their streams and async
 twins) and `Pipeline.__init__` are built at run time from the options declared once in
-pipeline/options.py and core/options.py (`_call_method`, `OptionsSignature`), so their source reads
+pipeline/options.py and core/shared/options.py (`_call_method`, `OptionsSignature`), so their source reads
 `embed(self, prompts, **options)`: an editor completes no keyword and a type checker checks none.
 The stub spells out the signature the running method has -- its `inspect.signature`, the one `help()`
 shows -- with the docstring `help()` shows, so the two cannot say different things. It installs next
@@ -41,7 +41,7 @@ LINE_LENGTH = 130  # ruff's, in pyproject.toml (ruff checks the stubs too)
 # Dunder methods a stub keeps (the others are object's own, or private).
 PUBLIC_DUNDERS = ("__init__", "__enter__", "__exit__", "__call__")
 # A name an annotation uses that neither the stubbed module nor pooling_pipeline's exports import.
-EXTRA_NAMES = {"SimDevice": "pooling_pipeline.core.sim_device"}
+EXTRA_NAMES = {"SimDevice": "pooling_pipeline.core.shared.sim_device"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,7 +55,7 @@ from tiny_models import TINY_BATCH_SHAPE, build_clip, build_tiny_model  # noqa: 
 
 from pooling_pipeline import Pipeline  # noqa: E402
 from pooling_pipeline.call_stats import format_stats  # noqa: E402
-from pooling_pipeline.core.model_folder.model_path import default_model_path  # noqa: E402
+from pooling_pipeline.core.shared.model_folder.model_path import default_model_path  # noqa: E402
 from pooling_pipeline.cpu_plan import available_cores  # noqa: E402
 
 IMAGE_REGIMES = ("images", "sim-images")
@@ -123,7 +123,7 @@ def graph_counts(engine: dict) -> dict[str, float | None]:
 def fresh_graph_counts(pipe) -> dict[str, float | None]:
     """graph_counts after one more heartbeat (they travel with it, once a second), so that captures made
     just before are in; no wait where the engine counts no graphs (a CPU, the simulated device)."""
-    from pooling_pipeline.core.runtime import HEARTBEAT_INTERVAL_S
+    from pooling_pipeline.core.shared.runtime import HEARTBEAT_INTERVAL_S
 
     counts = graph_counts(pipe.stats()["engine"])
     if all(v is None for v in counts.values()):
@@ -392,7 +392,7 @@ def pipeline_settings(args: argparse.Namespace) -> tuple[dict, object]:
     pipeline_kwargs = {}
     sim = None
     if args.regime in SIM_REGIMES:
-        from pooling_pipeline.core.sim_device import resolve_sim_device
+        from pooling_pipeline.core.shared.sim_device import resolve_sim_device
 
         preset = args.sim_device or SIM_REGIMES[args.regime]
         sim = resolve_sim_device(tuple(float(x) for x in preset.split(",")) if "," in preset else preset)

@@ -214,7 +214,7 @@ def install(bundle: Path, target: str | None) -> None:
     weights = rebuild_weights(Path(list(spec.submodule_search_locations)[0]))
     timings["weights rebuilt"] = time.perf_counter() - start
     start = time.perf_counter()
-    check = ("from pooling_pipeline.core.model_folder.load import load_model_spec; import pooling_pipeline, sys; "
+    check = ("from pooling_pipeline.core.shared.model_folder.load import load_model_spec; import pooling_pipeline, sys; "
              "spec = load_model_spec(None); print(pooling_pipeline.__file__, spec.path, spec.hidden_size)")
     env = {**os.environ, **({"PYTHONPATH": os.pathsep.join(filter(None, [target, os.environ.get("PYTHONPATH")]))}
                             if target else {}), "HF_HUB_OFFLINE": "1"}

@@ -25,7 +25,7 @@ def build_bert(target: str | Path, model_cls=None, *, hidden_size: int = 32, num
     import torch
     from transformers import BertConfig, BertModel
 
-    from pooling_pipeline.core.model_folder.model_path import default_model_path
+    from pooling_pipeline.core.shared.model_folder.model_path import default_model_path
 
     torch.manual_seed(0)
     config = BertConfig(vocab_size=30522, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
@@ -134,7 +134,7 @@ def build_static_embedding(target: str | Path | None = None, dim: int = 256) -> 
     from sentence_transformers.sentence_transformer.modules import StaticEmbedding
     from tokenizers import Tokenizer
 
-    from pooling_pipeline.core.model_folder.model_path import default_model_path
+    from pooling_pipeline.core.shared.model_folder.model_path import default_model_path
 
     target = Path(target or tempfile.mkdtemp(prefix="tiny-static-"))
     tokenizer = Tokenizer.from_file(str(Path(default_model_path()) / "tokenizer.json"))

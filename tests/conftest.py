@@ -52,7 +52,7 @@ def one_torch_thread():
 
 @pytest.fixture(scope="session")
 def model_path() -> str:
-    from pooling_pipeline.core.model_folder.model_path import default_model_path
+    from pooling_pipeline.core.shared.model_folder.model_path import default_model_path
 
     return default_model_path()
 

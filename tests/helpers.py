@@ -65,8 +65,8 @@ def stream_until_killed(pipe, pid: int, texts: list[str], error: type[BaseExcept
 def engine_message(call: str, rows, worker: int = 0, task: str = "embed"):
     """One EngineInputBatch as a render worker packs it (`workers.packer`, the production packer).
     Each row is (index, ids), (index, ids, params) or (index, ids, params, {column: value}) with
-    columns of `core.schema`. Ids are not range-checked here (tests send bad ones on purpose)."""
-    from pooling_pipeline.core.messages import PoolingParams
+    columns of `core.shared.schema`. Ids are not range-checked here (tests send bad ones on purpose)."""
+    from pooling_pipeline.core.shared.messages import PoolingParams
     from pooling_pipeline.workers.packer import EngineInputPacker
 
     packer = EngineInputPacker()
@@ -119,8 +119,8 @@ def synthetic_batch(lengths, task: str = "embed", vocab: int = 1000, seed: int =
     starts (-1: none); `pool_start`: per row, the first token pooled (a prompt left out)."""
     import numpy as np
 
-    from pooling_pipeline.core.columns import COL, TASK_CODE, Requests
-    from pooling_pipeline.core.schema import blank_table
+    from pooling_pipeline.core.engine.columns import COL, TASK_CODE, Requests
+    from pooling_pipeline.core.shared.schema import blank_table
 
     rng = np.random.default_rng(seed)
     lengths = np.asarray(lengths, dtype=np.int64)

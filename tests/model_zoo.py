@@ -282,7 +282,7 @@ TOKENIZERS: dict[str, Callable] = {
 
 
 def _bundled_dir() -> Path:
-    from pooling_pipeline.core.model_folder.model_path import default_model_path
+    from pooling_pipeline.core.shared.model_folder.model_path import default_model_path
 
     return Path(default_model_path())
 

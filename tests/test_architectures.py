@@ -25,8 +25,8 @@ import pytest
 from test_fidelity import assert_close, assert_differs, assert_varies, embed, st_model
 
 from pooling_pipeline import Pipeline
-from pooling_pipeline.core.model_folder.load import load_model_spec
-from pooling_pipeline.core.model_folder.transformer_config import (
+from pooling_pipeline.core.shared.model_folder.load import load_model_spec
+from pooling_pipeline.core.shared.model_folder.transformer_config import (
     BIG_BIRD_DEFAULTS,
     WHOLE_TEXT_MAX_TOKENS,
     model_lengths,
@@ -71,7 +71,7 @@ def test_big_bird_block_sparse_gives_each_text_its_one_text_result(tmp_path, mon
     """device_path: the engine's accelerator path on its CPU stand-in (bucketed shapes, launching
     ahead), which pads rows to bucket shapes: off for these rows."""
     if device_path:
-        from pooling_pipeline.core.engine import DEVICE_STEPS_ENV, LAUNCH_AHEAD_ENV
+        from pooling_pipeline.core.engine.main import DEVICE_STEPS_ENV, LAUNCH_AHEAD_ENV
 
         monkeypatch.setenv(DEVICE_STEPS_ENV, "1")
         monkeypatch.setenv(LAUNCH_AHEAD_ENV, "1")

@@ -17,7 +17,7 @@ from transformers import BertForTokenClassification
 
 from pooling_pipeline import Pipeline
 from pooling_pipeline.backends import describe_backend
-from pooling_pipeline.core.devices import openvino_cpu_has_bfloat16
+from pooling_pipeline.core.shared.devices import openvino_cpu_has_bfloat16
 
 HAVE_OPENVINO = importlib.util.find_spec("openvino") is not None
 TOL = 1e-5
@@ -193,7 +193,7 @@ def test_conversion_is_cached_and_a_wrong_cache_entry_is_refused(tmp_path, monke
 
 
 def test_cache_keeps_the_most_recently_used_entries(tmp_path):
-    from pooling_pipeline.core.openvino_model import prune_cache
+    from pooling_pipeline.core.engine.openvino_model import prune_cache
 
     for i in range(5):
         (tmp_path / f"m{i}").mkdir()

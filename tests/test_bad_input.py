@@ -179,7 +179,7 @@ def test_sentencepiece_check_spares_other_tokenizer_folders(tmp_path, model_path
     (text: Llama 3's) are not refused by the check."""
     import importlib.util
 
-    from pooling_pipeline.core.model_folder.transformer_config import check_tokenizer_files
+    from pooling_pipeline.core.shared.model_folder.transformer_config import check_tokenizer_files
 
     folder = _sentencepiece_only_copy(model_path, tmp_path / "spm-only")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())

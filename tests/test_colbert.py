@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from pooling_pipeline import Pipeline
-from pooling_pipeline.core.model_folder.load import load_model_spec
+from pooling_pipeline.core.shared.model_folder.load import load_model_spec
 
 TOL = 1e-5
 MATTERS = 1e-3

@@ -165,7 +165,7 @@ def test_an_unwritable_cache_never_stops_the_run(cache, model, caplog, how):
 
 def test_a_failing_write_is_a_warning_not_a_failure(tmp_path, caplog):
     """What a full disk or a file-size limit gives OpenVINO's writer (a RuntimeError, not an OSError)."""
-    from pooling_pipeline.core import openvino_model
+    from pooling_pipeline.core.engine import openvino_model
 
     class FailingWriter:
         @staticmethod
@@ -181,8 +181,8 @@ def test_a_failing_write_is_a_warning_not_a_failure(tmp_path, caplog):
 def test_auto_runs_torch_when_openvino_itself_fails(model, monkeypatch):
     """Not only a refused conversion: any failure of OpenVINO under auto leaves the torch module
     running, with the reason; backend='openvino' refuses, naming it."""
-    from pooling_pipeline.core import model_runner, openvino_model
-    from pooling_pipeline.core.model_folder.load import load_model_spec
+    from pooling_pipeline.core.engine import model_runner, openvino_model
+    from pooling_pipeline.core.shared.model_folder.load import load_model_spec
 
     def broken(*args, **kwargs):
         raise RuntimeError("Exception from src/inference/src/cpp/core.cpp: out of memory")
@@ -239,8 +239,8 @@ def test_the_check_of_a_cached_entry_is_remembered_for_its_files_and_versions(ca
 CONVERT_AND_STOP_IN_STAGING = """
 import sys, time
 import openvino
-from pooling_pipeline.core.model_folder.load import load_model_spec
-from pooling_pipeline.core.model_runner import ModelRunner
+from pooling_pipeline.core.shared.model_folder.load import load_model_spec
+from pooling_pipeline.core.engine.model_runner import ModelRunner
 
 write = openvino.save_model
 
@@ -258,8 +258,8 @@ ModelRunner(load_model_spec(sys.argv[1]), "cpu", "auto", backend="openvino")
 # conversion into the cache folder argv[2]. Started by CALLER.
 SAVE_UNDER_WATCHDOG = """
 import os, sys, time
-from pooling_pipeline.core.runtime import exit_with_parent
-from pooling_pipeline.core.openvino_model import save_entry
+from pooling_pipeline.core.shared.runtime import exit_with_parent
+from pooling_pipeline.core.engine.openvino_model import save_entry
 
 class StopsWhileWriting:
     @staticmethod
@@ -314,8 +314,8 @@ def test_a_conversion_interrupted_while_saving_leaves_nothing_behind(cache, mode
     folder): while one lives, its folder is kept by every sweep (two processes may convert at once);
     once it is dead, the next conversion in the cache removes what it left -- the next writer's, and
     the last start's, which then holds its entry only."""
-    from pooling_pipeline.core import staging
-    from pooling_pipeline.core.openvino_model import MAX_CACHE_ENTRIES, prune_cache
+    from pooling_pipeline.core.engine.openvino_model import MAX_CACHE_ENTRIES, prune_cache
+    from pooling_pipeline.core.shared import staging
 
     if not HAVE_OPENVINO:
         with pytest.raises(ValueError, match="openvino"):
@@ -373,8 +373,8 @@ def test_a_staging_folder_of_a_live_writer_is_kept_and_of_a_dead_one_removed(tmp
     """Ownership by pid and start time: the folders of this process and of a live child stay; those
     of a child that exited, of one killed and not yet reaped (a zombie), and of a dead writer whose
     pid a live process holds now (it started at another time) go."""
-    from pooling_pipeline.core import staging
-    from pooling_pipeline.core.openvino_model import prune_cache
+    from pooling_pipeline.core.engine.openvino_model import prune_cache
+    from pooling_pipeline.core.shared import staging
 
     me = staging.current_owner()
     assert me is not None  # (Linux: /proc)
@@ -411,7 +411,7 @@ def test_a_staging_folder_whose_writer_cannot_be_proven_dead_goes_only_when_old(
     """A folder of a writer in another boot or pid namespace (a cache shared by containers or
     machines), or of an older name form, is removed only once nothing in it has changed for a day;
     on a system without /proc (no writer proven) even a dead pid's folder waits for that age."""
-    from pooling_pipeline.core import staging
+    from pooling_pipeline.core.shared import staging
 
     me = staging.current_owner()
     dead = sleeper()

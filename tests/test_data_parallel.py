@@ -14,8 +14,8 @@ import pytest
 from helpers import running, stream_until_killed, wait_gone
 
 from pooling_pipeline import EngineRestartedError, Pipeline
-from pooling_pipeline.core import messages as m
-from pooling_pipeline.core.runtime import send_to
+from pooling_pipeline.core.shared import messages as m
+from pooling_pipeline.core.shared.runtime import send_to
 from pooling_pipeline.cpu_plan import engine_devices, plan_cpu
 
 TOL = 1e-5

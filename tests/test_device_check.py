@@ -655,7 +655,7 @@ def test_part_dtype_on_the_cpu_compares_float32_with_float32_and_prints_the_tabl
 
 
 def test_the_bench_model_is_a_sentence_transformers_folder_kept_to_512_tokens(tmp_path):
-    from pooling_pipeline.core.model_folder.load import load_model_spec
+    from pooling_pipeline.core.shared.model_folder.load import load_model_spec
 
     path = dcs.build_base_model(tmp_path / "model", hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                                 intermediate_size=64)
@@ -714,7 +714,7 @@ def test_loadtest_refuses_a_device_for_the_simulated_regime():
 def test_loadtest_image_capacity_is_a_gpus_images_per_s_over_what_one_worker_core_feeds():
     import loadtest
 
-    from pooling_pipeline.core.sim_device import SIM_PRESETS
+    from pooling_pipeline.core.shared.sim_device import SIM_PRESETS
 
     def run(workers, worker_us, engine_busy):
         procs = {"frontend": {"cpu_us_per_request": 20.0}, "engine": {"cpu_us_per_request": 10.0},

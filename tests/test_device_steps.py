@@ -1,7 +1,7 @@
 """A step as it runs on an accelerator, held on the CPU (the suite runs without a GPU): shapes from
 buckets, the 4-D mask where a model takes it, nothing read back from the device between a step's
 launch and its finish, and the same number of operations whatever the number of requests; results
-equal to the CPU's own steps. (core/step_shapes.py, core/attention_mask.py, core/sparse_outputs.py)"""
+equal to the CPU's own steps. (core/engine/step_shapes.py, core/engine/attention_mask.py, core/engine/sparse_outputs.py)"""
 
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ class OpLog(TorchDispatchMode):
 
 
 def runners(path: str):
-    from pooling_pipeline.core.model_folder.load import load_model_spec
-    from pooling_pipeline.core.model_runner import ModelRunner
+    from pooling_pipeline.core.engine.model_runner import ModelRunner
+    from pooling_pipeline.core.shared.model_folder.load import load_model_spec
 
     spec = load_model_spec(path)
     plain = ModelRunner(spec, "cpu", "float32", backend="torch")
@@ -118,7 +118,7 @@ def test_a_device_step_reads_nothing_back_and_its_ops_do_not_grow_with_requests(
 def test_the_4d_mask_is_refused_where_it_changes_the_result():
     """A model whose attention is causal (or takes only 2-D masks) keeps the 2-D mask: the probe
     compares both on padded rows."""
-    from pooling_pipeline.core.attention_mask import choose_mask
+    from pooling_pipeline.core.engine.attention_mask import choose_mask
 
     class Causal(torch.nn.Module):
         def forward(self, input_ids, attention_mask):
@@ -150,7 +150,7 @@ def test_the_4d_mask_is_refused_where_it_changes_the_result():
 def test_sparse_outputs_on_a_device_equal_nonzero_and_read_a_long_row_whole():
     """The device's fixed top-k with counts gives every row's non-zeros, ids ascending, as the CPU's
     nonzero does; a row with more non-zeros than come back is read whole after the step."""
-    from pooling_pipeline.core import sparse_outputs as so
+    from pooling_pipeline.core.engine import sparse_outputs as so
 
     rng = np.random.default_rng(3)
     weights = torch.from_numpy(np.where(rng.random((6, 3000)) < 0.02, rng.random((6, 3000)), 0).astype(np.float32))
@@ -172,8 +172,8 @@ def test_the_forward_replayed_from_graphs_gives_the_eager_steps_results(tmp_path
     """The graph path's logic on the CPU stand-in (a "graph" replays the forward on its static
     buffers): one graph per bucketed shape, replayed for a repeated shape with the new step's
     inputs copied in; the vectors equal the plain CPU step's."""
-    from pooling_pipeline.core.model_folder.load import load_model_spec
-    from pooling_pipeline.core.model_runner import ModelRunner
+    from pooling_pipeline.core.engine.model_runner import ModelRunner
+    from pooling_pipeline.core.shared.model_folder.load import load_model_spec
 
     spec, plain, _ = runners(MODELS["bert (mean)"](tmp_path))
     graphed = ModelRunner(load_model_spec(spec.path), "cpu", "float32", backend="torch", device_steps=True,
@@ -191,7 +191,7 @@ def test_the_forward_replayed_from_graphs_gives_the_eager_steps_results(tmp_path
 
 
 def test_graphs_that_fail_or_differ_are_turned_off_and_shapes_past_the_bound_run_eager():
-    from pooling_pipeline.core.cuda_graphs import EagerStandIn, GraphedForward
+    from pooling_pipeline.core.engine.cuda_graphs import EagerStandIn, GraphedForward
 
     weight = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
 
@@ -233,8 +233,8 @@ def test_a_pipeline_on_device_steps_equals_st(monkeypatch):
     from sentence_transformers import SentenceTransformer
 
     from pooling_pipeline import Pipeline
-    from pooling_pipeline.core.engine import DEVICE_STEPS_ENV, GRAPH_PLAN_ENV, LAUNCH_AHEAD_ENV
-    from pooling_pipeline.core.model_folder.load import load_model_spec
+    from pooling_pipeline.core.engine.main import DEVICE_STEPS_ENV, GRAPH_PLAN_ENV, LAUNCH_AHEAD_ENV
+    from pooling_pipeline.core.shared.model_folder.load import load_model_spec
 
     monkeypatch.setenv(DEVICE_STEPS_ENV, "1")
     monkeypatch.setenv(LAUNCH_AHEAD_ENV, "1")
@@ -264,10 +264,10 @@ def test_every_scheduled_shape_is_captured_before_the_first_request_and_none_whi
 
     from pooling_pipeline import Pipeline
     from pooling_pipeline.backends import describe_backend
-    from pooling_pipeline.core.engine import DEVICE_STEPS_ENV, LAUNCH_AHEAD_ENV
-    from pooling_pipeline.core.model_folder.load import load_model_spec
-    from pooling_pipeline.core.scheduler import MIN_ROWS_CUT
-    from pooling_pipeline.core.step_shapes import scheduled_shapes
+    from pooling_pipeline.core.engine.main import DEVICE_STEPS_ENV, LAUNCH_AHEAD_ENV
+    from pooling_pipeline.core.engine.scheduler import MIN_ROWS_CUT
+    from pooling_pipeline.core.engine.step_shapes import scheduled_shapes
+    from pooling_pipeline.core.shared.model_folder.load import load_model_spec
 
     model = build_st(tmp_path, "bert")
     monkeypatch.setenv(DEVICE_STEPS_ENV, "1")
@@ -297,7 +297,7 @@ def test_the_start_up_plan_keeps_the_smallest_shapes_within_its_bounds_and_the_r
     """capture_plan on the stand-in: past the graph count or the memory budget the plan keeps the
     shapes of the fewest padded tokens (a large step keeps the device busy anyway) and says what
     was left; once sealed, a shape without a graph runs eager and is counted, none is captured."""
-    from pooling_pipeline.core.cuda_graphs import EagerStandIn, GraphedForward, capture_plan
+    from pooling_pipeline.core.engine.cuda_graphs import EagerStandIn, GraphedForward, capture_plan
 
     weight = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
 

@@ -22,10 +22,10 @@ import torch
 from model_zoo import build_clip, build_sentence_t5, build_st, build_static
 from torch.overrides import TorchFunctionMode
 
-from pooling_pipeline.core.columns import COL, probe_batch
-from pooling_pipeline.core.config import EngineConfig
+from pooling_pipeline.core.engine.columns import COL, probe_batch
 from pooling_pipeline.core.families import family_of
-from pooling_pipeline.core.model_folder.load import load_model_spec
+from pooling_pipeline.core.shared.config import EngineConfig
+from pooling_pipeline.core.shared.model_folder.load import load_model_spec
 
 TOL = 1e-5
 GPUS = 2
@@ -309,9 +309,9 @@ def test_events_and_graph_captures_name_the_engines_device_whatever_the_threads_
     a step's events record on cuda:1's stream; a graph's warm-up, synchronize and capture run under
     cuda:1 on a capture stream of cuda:1 (torch.cuda.graph's default one is made on the current
     device). Plain "cuda" resolves to the current device, with its index (the engine reports "cuda:0")."""
-    from pooling_pipeline.core.cuda_graphs import CudaGraphs, GraphedForward
-    from pooling_pipeline.core.device_copies import start_events
-    from pooling_pipeline.core.model_runner import resolve_device
+    from pooling_pipeline.core.engine.cuda_graphs import CudaGraphs, GraphedForward
+    from pooling_pipeline.core.engine.device_copies import start_events
+    from pooling_pipeline.core.engine.model_runner import resolve_device
 
     cuda = StandInCuda(monkeypatch)
     one = torch.device("cuda:1")
@@ -350,7 +350,7 @@ def test_auto_dtype_on_cuda_is_bfloat16_where_the_gpu_has_it_and_never_float16_f
     float16 only on a GPU without bfloat16 units (before: a bfloat16 checkpoint ran in emulated
     bfloat16 there), a float16 checkpoint kept; a T5 / mT5 / UMT5 encoder or Gemma never in float16
     (float32 on sm75, said). The choice names itself; dtype="float16" for such a family is refused."""
-    from pooling_pipeline.core.model_runner import choose_dtype
+    from pooling_pipeline.core.engine.model_runner import choose_dtype
 
     StandInCuda(monkeypatch, capability)
     cuda = torch.device("cuda:0")

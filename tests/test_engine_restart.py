@@ -159,7 +159,7 @@ def test_a_restarted_engine_core_that_cannot_start_fails_the_group_not_a_restart
 
 def _engine_of(server) -> int:
     engines = [p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)
-               if "pooling_pipeline.core.engine" in " ".join(p.cmdline())]
+               if "pooling_pipeline.core.engine.main" in " ".join(p.cmdline())]
     assert len(engines) == 1, engines
     return engines[0]
 

@@ -49,7 +49,7 @@ PAIRS = [(TEXTS[i], TEXTS[i + 1]) for i in range(0, 6, 2)] + [(TEXTS[6], TEXTS[0
 
 def wire(message, expected):
     """`message` encoded and decoded as on the group's sockets (no pickle: msgspec, arrays as frames)."""
-    from pooling_pipeline.core.serial import Decoder, Encoder
+    from pooling_pipeline.core.shared.serial import Decoder, Encoder
 
     return Decoder(expected).decode(Encoder().encode(message))
 
@@ -73,7 +73,7 @@ class InProcess:
     reads, a render worker's renderer and the engine core's runner."""
 
     def __init__(self, path: str) -> None:
-        from pooling_pipeline.core.model_folder.load import load_model_spec
+        from pooling_pipeline.core.shared.model_folder.load import load_model_spec
         from pooling_pipeline.inputs import Tokenization
         from pooling_pipeline.workers.render import build_renderer
 
@@ -87,8 +87,8 @@ class InProcess:
     def run(self, prompts: list, task: str, *, pairs: bool = False, **options) -> list:
         """Each prompt's engine result, in input order: a vector, class probabilities, a score's
         [1] array, (token ids, weights) of a sparse vector, or one vector per token."""
-        from pooling_pipeline.core import messages as m
-        from pooling_pipeline.core.columns import Requests
+        from pooling_pipeline.core.engine.columns import Requests
+        from pooling_pipeline.core.shared import messages as m
         from pooling_pipeline.inputs import FailedRequest, build_requests
         from pooling_pipeline.options import CallOptions
 

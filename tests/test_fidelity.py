@@ -357,7 +357,7 @@ def test_copied_config_aliases_are_transformers_own():
     alias is the one the family's config class declares in its attribute_map."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from pooling_pipeline.core.model_folder.transformer_config import CONFIG_ALIASES
+    from pooling_pipeline.core.shared.model_folder.transformer_config import CONFIG_ALIASES
 
     for model_type, aliases in CONFIG_ALIASES.items():
         declared = CONFIG_MAPPING[model_type].attribute_map

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pooling_pipeline.call_stats import CallStats
-from pooling_pipeline.core import messages as m
+from pooling_pipeline.core.shared import messages as m
 from pooling_pipeline.frontend.reorder import Ring
 from pooling_pipeline.inputs import build_requests
 from pooling_pipeline.options import CallOptions

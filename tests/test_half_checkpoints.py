@@ -66,7 +66,7 @@ def test_auto_runs_float32_and_says_how_far_st_is(model, texts, st_refs, caplog)
 
 
 def _bfloat16_backends() -> list[str]:
-    from pooling_pipeline.core.devices import openvino_cpu_has_bfloat16
+    from pooling_pipeline.core.shared.devices import openvino_cpu_has_bfloat16
 
     try:
         return ["torch", "auto"] if openvino_cpu_has_bfloat16() else ["torch"]

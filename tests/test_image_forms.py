@@ -137,8 +137,8 @@ def legacy_2021(tmp_path: Path) -> str:
 def test_the_2021_processor_format_reads_as_transformers_reads_it(tmp_path):
     from transformers import AutoImageProcessor
 
-    from pooling_pipeline.core.model_folder.dual_encoder import _standard_sizes, processor_class_name
-    from pooling_pipeline.core.model_folder.load import load_model_spec
+    from pooling_pipeline.core.shared.model_folder.dual_encoder import _standard_sizes, processor_class_name
+    from pooling_pipeline.core.shared.model_folder.load import load_model_spec
 
     folder = legacy_2021(tmp_path)
     image = load_model_spec(folder).image
@@ -207,7 +207,7 @@ def test_the_renderer_computes_a_sliver_as_the_processor_does(clip_dir):
     processor's own, and the shortcut is the one taken."""
     from PIL import Image
 
-    from pooling_pipeline.core.model_folder.load import load_model_spec
+    from pooling_pipeline.core.shared.model_folder.load import load_model_spec
     from pooling_pipeline.image_inputs import image_input
     from pooling_pipeline.workers.images import ImageRenderer
 
@@ -272,8 +272,8 @@ def test_torchvision_installed_is_served_with_the_processor_transformers_picks(c
 
     from transformers import AutoImageProcessor
 
-    from pooling_pipeline.core.messages import ImageData
-    from pooling_pipeline.core.model_folder.load import load_model_spec
+    from pooling_pipeline.core.shared.messages import ImageData
+    from pooling_pipeline.core.shared.model_folder.load import load_model_spec
     from pooling_pipeline.workers import images
     from pooling_pipeline.workers.crop_window import MAX_RESIZED_PIXELS
 
@@ -323,7 +323,7 @@ def test_a_processor_that_differs_from_the_model_files_is_refused(clip_dir, tmp_
 
     from transformers import AutoImageProcessor
 
-    from pooling_pipeline.core.model_folder.load import load_model_spec
+    from pooling_pipeline.core.shared.model_folder.load import load_model_spec
     from pooling_pipeline.workers.images import check_processor
 
     spec = load_model_spec(clip_dir)
@@ -344,7 +344,7 @@ def test_an_image_worker_keeps_torch_importable_where_torchvision_is_installed(c
     the caller's process, runs the torchvision one (4e-4 apart on a test CLIP)."""
     import importlib.util
 
-    from pooling_pipeline.core.model_folder.load import load_model_spec
+    from pooling_pipeline.core.shared.model_folder.load import load_model_spec
     from pooling_pipeline.workers.render import image_processor_imports
 
     spec = load_model_spec(clip_dir)

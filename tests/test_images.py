@@ -68,7 +68,7 @@ def test_files_open_as_load_image_opens_them(clip_dir, images):
     from PIL import Image
     from transformers.image_utils import load_image
 
-    from pooling_pipeline.core.model_folder.load import load_model_spec
+    from pooling_pipeline.core.shared.model_folder.load import load_model_spec
     from pooling_pipeline.workers.images import ImageRenderer
 
     renderer = ImageRenderer(load_model_spec(clip_dir))
@@ -211,7 +211,7 @@ def test_unsupported_image_models_are_refused_at_start_up(clip_dir, tmp_path):
     import shutil
 
     from pooling_pipeline import Pipeline
-    from pooling_pipeline.core.model_folder.load import load_model_spec
+    from pooling_pipeline.core.shared.model_folder.load import load_model_spec
 
     vlm = tmp_path / "vlm"
     shutil.copytree(clip_dir, vlm)
@@ -231,7 +231,7 @@ def test_unsupported_image_models_are_refused_at_start_up(clip_dir, tmp_path):
 
 
 def test_engine_input_with_pixels_is_checked():
-    from pooling_pipeline.core.messages import EngineInputBatch, PoolingParams
+    from pooling_pipeline.core.shared.messages import EngineInputBatch, PoolingParams
 
     def message(pixels, modality):
         return EngineInputBatch(worker=0, call="c", indices=np.arange(2), lengths=np.array([3, 3]),
@@ -250,7 +250,7 @@ def test_engine_input_with_pixels_is_checked():
 def test_a_worker_sends_images_to_the_engine_a_few_at_a_time():
     """A batch of images is rendered and sent in parts (the engine starts on the first part, not
     after the whole batch); a batch of texts, or of a few images, goes whole."""
-    from pooling_pipeline.core import messages as m
+    from pooling_pipeline.core.shared import messages as m
     from pooling_pipeline.workers.main import IMAGE_ROWS_PER_PART, parts_to_send_as_rendered
 
     options = m.RenderOptions(task="embed", max_tokens=77, params=m.PoolingParams())
@@ -327,7 +327,7 @@ def test_openvino_image_tower_equals_st(clip_dir, clip_pipe, clip_st, images, tm
     pictures = [str(images["photo.jpg"]), str(images["alpha.png"]), str(images["wide.png"])]
     default = clip_pipe.stats()["engine"]
     assert default["backend"] == "openvino" and default["image_tower"] == "openvino", default
-    assert default["image_graph"] == "class position"  # (core/image_features.py)
+    assert default["image_graph"] == "class position"  # (core/engine/image_features.py)
     # A step's images split between two streams (in order: the 3 pictures below are one step)
     assert default["image_streams"] == (2 if int(default["torch_threads"]) >= 2 else 1)
     assert default["verified_max_diff"] <= TOL
@@ -353,7 +353,7 @@ def test_the_class_position_tower_is_clips_whole_tower_and_only_clips(clip_dir, 
     import torch
     from transformers import AutoModel, CLIPModel
 
-    from pooling_pipeline.core.image_features import ClassPositionCLIP, ImageFeatures, image_features_module
+    from pooling_pipeline.core.engine.image_features import ClassPositionCLIP, ImageFeatures, image_features_module
 
     model = AutoModel.from_pretrained(clip_dir).eval()
     module, graph = image_features_module(model)
@@ -399,10 +399,10 @@ def test_auto_keeps_torch_when_openvino_cannot_serve_the_image_tower(clip_dir, m
     start-up facts; backend="openvino" is refused naming it."""
     import torch
 
-    from pooling_pipeline.core import openvino_image_tower
-    from pooling_pipeline.core.dual_encoder_runner import DualEncoderRunner
-    from pooling_pipeline.core.model_folder.load import load_model_spec
-    from pooling_pipeline.core.openvino_model import BackendUnavailable
+    from pooling_pipeline.core.engine import openvino_image_tower
+    from pooling_pipeline.core.engine.dual_encoder_runner import DualEncoderRunner
+    from pooling_pipeline.core.engine.openvino_model import BackendUnavailable
+    from pooling_pipeline.core.shared.model_folder.load import load_model_spec
 
     def refuse(*args, **kwargs):
         raise BackendUnavailable("differs from torch by 3.0e-02 on a probe batch")
@@ -425,9 +425,9 @@ def test_an_image_tower_read_from_the_cache_counts_as_used(clip_dir, tmp_path, m
 
     import torch
 
-    from pooling_pipeline.core.dual_encoder_runner import DualEncoderRunner
-    from pooling_pipeline.core.model_folder.load import load_model_spec
-    from pooling_pipeline.core.openvino_model import MAX_CACHE_ENTRIES
+    from pooling_pipeline.core.engine.dual_encoder_runner import DualEncoderRunner
+    from pooling_pipeline.core.engine.openvino_model import MAX_CACHE_ENTRIES
+    from pooling_pipeline.core.shared.model_folder.load import load_model_spec
 
     monkeypatch.setenv("POOLING_PIPELINE_CACHE", str(tmp_path))
     spec = load_model_spec(clip_dir)

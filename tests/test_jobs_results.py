@@ -360,7 +360,7 @@ def test_a_manifest_of_the_older_model_fingerprint_is_refused_clearly(tmp_path, 
 
 def test_the_model_fingerprint_follows_symlinks_and_names_files_by_their_place(tmp_path, dense_model):
     """A Hugging Face cache snapshot is links into blobs/: the content counts, under the link's name."""
-    from pooling_pipeline.core.content_hash import model_files
+    from pooling_pipeline.core.shared.content_hash import model_files
 
     blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshot"
     blobs.mkdir()

@@ -399,7 +399,7 @@ def test_the_model_folder_is_read_once_per_job(tmp_path, jsonl, monkeypatch):
     """The job's description and its Pipeline share one reading of the model folder: the Pipeline
     gets the ModelSpec the launcher read (a hub id is not resolved twice)."""
     import pooling_pipeline
-    from pooling_pipeline.core.config import ModelSpec
+    from pooling_pipeline.core.shared.config import ModelSpec
     from pooling_pipeline.jobs import job_spec
     from pooling_pipeline.jobs.launcher import main
 
@@ -422,7 +422,7 @@ def test_a_pipeline_takes_a_model_spec_as_it_was_read():
     """Pipeline(model=spec): the options that shaped the reading cannot say otherwise (refused
     before any process starts)."""
     from pooling_pipeline import Pipeline
-    from pooling_pipeline.core.model_folder.load import load_model_spec
+    from pooling_pipeline.core.shared.model_folder.load import load_model_spec
 
     spec = load_model_spec(None)
     with pytest.raises(ValueError, match="revision applies to a hub model id"):

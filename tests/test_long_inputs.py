@@ -156,7 +156,7 @@ def test_a_failed_step_listing_two_chunks_of_one_document(faulty_pipe, errors):
 
     import zmq
 
-    from pooling_pipeline.core import messages as m
+    from pooling_pipeline.core.shared import messages as m
 
     pipe, _ = faulty_pipe  # the session's (test_process_group's step failure uses it too)
     doc = corpus.long_document(400_000, seed=25)  # hundreds of chunks: still in flight after a second
@@ -216,7 +216,7 @@ class _CountingTokenizer:
 
 def _characters_tokenized(model_path: str, text: str, keep: int, left: bool) -> int:
     """How many characters the render worker's truncating tokenizer tokenizes to keep `keep` tokens."""
-    from pooling_pipeline.core.model_folder.load import load_model_spec
+    from pooling_pipeline.core.shared.model_folder.load import load_model_spec
     from pooling_pipeline.workers.render import load_tokenizer
     from pooling_pipeline.workers.truncation import TruncatingTokenizer
 

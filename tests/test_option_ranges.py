@@ -89,7 +89,7 @@ def test_an_extreme_pipeline_option_is_a_value_error_naming_it_and_its_range(no_
 @pytest.mark.parametrize("name, value", [("truncate_prompt_tokens", 2**40), ("chunk_overlap", 2**40),
                                          ("max_tokens_per_query", 2**40), ("max_tokens_per_doc", 2**40)])
 def test_an_extreme_call_option_is_a_value_error_naming_it_and_its_range(name, value):
-    from pooling_pipeline.core.options import checked
+    from pooling_pipeline.core.shared.options import checked
 
     with pytest.raises(ValueError, match=rf"^{name} must be an int in \[-?\d+, \d+\]"):
         checked(CallOptions, {"task": "score", name: value})

@@ -47,12 +47,12 @@ def test_pipeline_run_flags_take_the_declared_defaults():
 
 
 def test_a_per_request_option_is_declared_once():
-    """Each per-request option of `core.options.REQUEST_OPTIONS` is a call option with its declared
+    """Each per-request option of `core.shared.options.REQUEST_OPTIONS` is a call option with its declared
     description; one with a column is also a RenderOptions field and an engine column, with one
     default (issue 36, item 1)."""
-    from pooling_pipeline.core.messages import RenderOptions
-    from pooling_pipeline.core.options import REQUEST_OPTIONS
-    from pooling_pipeline.core.schema import DEFAULTS, OPTION_COLUMNS
+    from pooling_pipeline.core.shared.messages import RenderOptions
+    from pooling_pipeline.core.shared.options import REQUEST_OPTIONS
+    from pooling_pipeline.core.shared.schema import DEFAULTS, OPTION_COLUMNS
 
     call_options = declared(CallOptions)
     render_defaults = dict(zip(RenderOptions.__struct_fields__[-len(RenderOptions.__struct_defaults__):],
@@ -69,7 +69,7 @@ def test_a_per_request_option_is_declared_once():
 def test_encode_names_every_task_it_runs(name):
     """`encode(task=...)` takes every task of the vocabulary but a cross-encoder's pairs (score() /
     rank()): its docstring (and the stub's, generated from it) names each one (issue 50, item 8)."""
-    from pooling_pipeline.core.options import TASKS
+    from pooling_pipeline.core.shared.options import TASKS
 
     doc = getattr(Pipeline, name).__doc__
     for task in [t for t in TASKS if t != "score"] + ["plugin"]:

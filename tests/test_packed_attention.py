@@ -1,4 +1,4 @@
-"""Packed (unpadded) steps for the encoder families (core/packed_attention.py): a step's rows back to
+"""Packed (unpadded) steps for the encoder families (core/engine/packed_attention.py): a step's rows back to
 back in one sequence, positions restarting per row, attention kept inside each row by a varlen
 kernel. On a CPU the kernel is the per-row reference (forced: the CPU stays padded by default);
 on CUDA flash_attn's varlen kernel, which this suite cannot run (scripts/device_check.py compares
@@ -19,9 +19,10 @@ import torch
 from helpers import synthetic_batch as batch
 from model_zoo import build_cross_encoder, build_st
 
-from pooling_pipeline.core import packed_attention
-from pooling_pipeline.core.model_folder.load import load_model_spec
-from pooling_pipeline.core.model_runner import ModelRunner
+from pooling_pipeline.core.engine import packed_attention
+from pooling_pipeline.core.engine.heads import head_for_st_chain
+from pooling_pipeline.core.engine.model_runner import ModelRunner
+from pooling_pipeline.core.shared.model_folder.load import load_model_spec
 
 TOL = 1e-5
 # (family, pooling): every family packed runs, each pooling kind once or more.
@@ -119,7 +120,7 @@ def test_packed_vectors_equal_sentence_transformers(tmp_path):
 
 def choice(spec, device_type: str, dtype=torch.float16, flash: bool = True, forced: str | None = None):
     return packed_attention.choose(spec, torch_module=True, quantized=False, device_type=device_type, dtype=dtype,
-                                   forced=forced, flash=flash)
+                                   forced=forced, head_refusal=head_for_st_chain(spec).packed_refusal, flash=flash)
 
 
 @pytest.mark.slow
@@ -190,7 +191,7 @@ def test_the_start_up_probe_refuses_a_family_whose_packed_forward_differs(tmp_pa
 def test_positions_restart_per_row_and_count_roberta_non_pad_tokens():
     """Positions as the padded forward numbers them: 0, 1, ... per row (BERT); pad_id + 1, + 2, ...
     counting the row's non-pad tokens, pad_id at a pad token (RoBERTa's create_position_ids)."""
-    from pooling_pipeline.core.model_runner import positions_in_row
+    from pooling_pipeline.core.engine.model_runner import positions_in_row
 
     lengths = np.array([3, 1, 4])
     in_row = positions_in_row(lengths)

@@ -24,7 +24,7 @@ import model_zoo
 import numpy as np
 import pytest
 
-from pooling_pipeline.core.model_folder.load import load_model_spec
+from pooling_pipeline.core.shared.model_folder.load import load_model_spec
 
 TOL = 1e-5
 TEXTS = corpus.sentences(12, seed=481) + corpus.medium_texts(2, seed=482)
@@ -216,7 +216,7 @@ def test_every_supported_kind_merges_to_the_unmerged_adapter(tmp_path, kind):
     from tiny_models import build_bert
     from transformers import AutoConfig, BertModel
 
-    from pooling_pipeline.core.model_runner import load_transformer
+    from pooling_pipeline.core.engine.model_runner import load_transformer
 
     base = build_bert(tmp_path / "base")
     config = {
@@ -358,7 +358,7 @@ def test_conversion_cache_and_job_fingerprint_cover_the_adapter_and_its_base(tmp
     """The OpenVINO conversion's key and a job's model fingerprint change with the adapter's weights
     and with the base model's weights in their own folder (and with an adapter saved beside a full
     model: its folder's files)."""
-    from pooling_pipeline.core.openvino_model import cache_key
+    from pooling_pipeline.core.engine.openvino_model import cache_key
     from pooling_pipeline.jobs.job_spec import JobModel
     from pooling_pipeline.jobs.launcher import model_fingerprint_files
 

@@ -59,7 +59,7 @@ def group_processes() -> set[int]:
     found = set()
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = p.info["cmdline"] or []
-        if (cmd[:1] == [sys.executable] and ("pooling_pipeline.core.engine" in cmd or "pooling_pipeline.workers.main" in cmd)
+        if (cmd[:1] == [sys.executable] and ("pooling_pipeline.core.engine.main" in cmd or "pooling_pipeline.workers.main" in cmd)
                 and p.info["pid"] not in mine and of_this_test_worker(p)):
             found.add(p.info["pid"])
     return found
@@ -269,7 +269,7 @@ def _wait_for_a_computing_engine(proc, deadline_s: float) -> psutil.Process:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         for p in psutil.Process(proc.pid).children(recursive=True):  # the job's Ray instance is its own
             try:
-                if "pooling_pipeline.core.engine" in p.cmdline() and sum(p.cpu_times()[:2]) > 1.0:
+                if "pooling_pipeline.core.engine.main" in p.cmdline() and sum(p.cpu_times()[:2]) > 1.0:
                     return p
             except psutil.NoSuchProcess:
                 continue

@@ -22,11 +22,11 @@ from tiny_models import build_tiny_model, faulty_model_dir
 
 import pooling_pipeline.process_group as process_group
 from pooling_pipeline import EngineRestartedError, Pipeline, PipelineError, StepError
-from pooling_pipeline.core import messages as m
-from pooling_pipeline.core.columns import Requests
-from pooling_pipeline.core.engine import LAUNCH_AHEAD_ENV, pack_outputs
-from pooling_pipeline.core.runtime import send_to
-from pooling_pipeline.core.serial import Encoder
+from pooling_pipeline.core.engine.columns import Requests
+from pooling_pipeline.core.engine.main import LAUNCH_AHEAD_ENV, pack_outputs
+from pooling_pipeline.core.shared import messages as m
+from pooling_pipeline.core.shared.runtime import send_to
+from pooling_pipeline.core.shared.serial import Encoder
 
 TOL = 1e-5
 
@@ -96,7 +96,7 @@ def test_a_sticky_cuda_error_ends_the_engine_as_a_crash_does(tmp_path, model_pat
     no request of it is retried on the dead device), the engine core restarted with a fresh context
     and the next call served. (Before: the step was retried request by request on the dead context,
     each request failing in turn, and the engine lived on.)"""
-    from pooling_pipeline.core.engine import DEVICE_LOST_EXIT
+    from pooling_pipeline.core.engine.main import DEVICE_LOST_EXIT
 
     monkeypatch.setenv(LAUNCH_AHEAD_ENV, "1" if launch_ahead else "0")
     trigger = st_model.tokenizer.convert_tokens_to_ids("zebra")
@@ -128,7 +128,7 @@ def test_sticky_cuda_errors_are_told_from_others():
     error or a step that failed for one request's sake are retried request by request as before."""
     import torch
 
-    from pooling_pipeline.core.device_copies import sticky_device_error
+    from pooling_pipeline.core.engine.device_copies import sticky_device_error
 
     sticky = [RuntimeError("CUDA error: device-side assert triggered\nCompile with `TORCH_USE_CUDA_DSA`"),
               torch.AcceleratorError("CUDA error: an illegal memory access was encountered"),

@@ -21,7 +21,7 @@ import pytest
 from test_fidelity import assert_close, assert_differs, assert_varies
 
 from pooling_pipeline import Pipeline, SentenceEncoder
-from pooling_pipeline.core.model_folder.load import load_model_spec
+from pooling_pipeline.core.shared.model_folder.load import load_model_spec
 
 TOL = 1e-5
 

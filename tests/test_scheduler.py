@@ -6,9 +6,9 @@ from typing import NamedTuple
 import numpy as np
 from helpers import engine_message
 
-from pooling_pipeline.core.columns import Requests
-from pooling_pipeline.core.messages import PoolingParams
-from pooling_pipeline.core.scheduler import Scheduler
+from pooling_pipeline.core.engine.columns import Requests
+from pooling_pipeline.core.engine.scheduler import Scheduler
+from pooling_pipeline.core.shared.messages import PoolingParams
 
 
 class Req(NamedTuple):
@@ -204,7 +204,7 @@ class OneAtATime(Sched):
 
 
 def test_runs_taken_whole_form_the_same_batches_as_one_request_at_a_time():
-    from pooling_pipeline.core.step_shapes import bucket_shape
+    from pooling_pipeline.core.engine.step_shapes import bucket_shape
 
     rng = random.Random(11)
     shape = lambda rows, longest: bucket_shape(rows, longest, 512)  # noqa: E731

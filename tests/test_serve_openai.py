@@ -480,7 +480,7 @@ def test_an_engine_that_keeps_dying_makes_health_and_requests_503_not_a_hang():
         deadline = time.monotonic() + 240
         while httpx.get(srv.url + "/health").status_code == 200:  # (noticed by the next call or heartbeat check)
             for engine in [p for p in psutil.Process(srv.proc.pid).children(recursive=True)
-                           if "pooling_pipeline.core.engine" in " ".join(p.cmdline()) and p.pid not in killed]:
+                           if "pooling_pipeline.core.engine.main" in " ".join(p.cmdline()) and p.pid not in killed]:
                 engine.kill()
                 killed.add(engine.pid)
             httpx.post(srv.url + "/v1/embeddings", json={"input": "x"}, timeout=120)

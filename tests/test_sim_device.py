@@ -7,7 +7,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from pooling_pipeline import Pipeline
-from pooling_pipeline.core.sim_device import SIM_PRESETS, SimDevice, resolve_sim_device, sim_vectors
+from pooling_pipeline.core.engine.sim_runner import sim_vectors
+from pooling_pipeline.core.shared.sim_device import SIM_PRESETS, SimDevice, resolve_sim_device
 
 
 def _expected(ids: list[list[int]], dim: int) -> np.ndarray:

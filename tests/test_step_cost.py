@@ -8,9 +8,9 @@ import pytest
 from test_scheduler import Sched, _req
 
 from pooling_pipeline import Pipeline
-from pooling_pipeline.core import step_cost
-from pooling_pipeline.core.sim_device import SimDevice
-from pooling_pipeline.core.step_cost import REFIT_EVERY, WINDOW, StepCostModel, probe_step_cost
+from pooling_pipeline.core.engine import step_cost
+from pooling_pipeline.core.engine.step_cost import REFIT_EVERY, WINDOW, StepCostModel, probe_step_cost
+from pooling_pipeline.core.shared.sim_device import SimDevice
 
 A, B = 6e-3, 20e-6  # a quiet machine: 6 ms a step, 20 us per padded token (overhead worth 300 tokens)
 
@@ -127,7 +127,7 @@ def test_stats_show_the_cost_learned_from_steps(model_path):
 
 
 def test_the_probe_is_remembered_per_identity_and_only_seeds(tmp_path):
-    from pooling_pipeline.core.step_cost import remembered_probe
+    from pooling_pipeline.core.engine.step_cost import remembered_probe
 
     calls = []
 
@@ -158,7 +158,7 @@ def test_each_step_is_counted_once_in_the_busy_fraction_when_launching_ahead(kin
     import corpus
     from model_zoo import build_clip, build_static
 
-    from pooling_pipeline.core.engine import LAUNCH_AHEAD_ENV
+    from pooling_pipeline.core.engine.main import LAUNCH_AHEAD_ENV
 
     rng = np.random.default_rng(3)
     if kind == "dual encoder":

@@ -11,12 +11,10 @@ from helpers import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pooling_pipeline.core.columns import COL, TASK_CODE, Requests
-from pooling_pipeline.core.config import GPU_MAX_NUM_SEQS
-from pooling_pipeline.core.engine import GPU_BATCH_TOKENS, GPU_MAX_PADDING, MAX_OVERHEAD_TOKENS
-from pooling_pipeline.core.scheduler import MIN_ROWS_CUT, Scheduler
-from pooling_pipeline.core.schema import blank_table
-from pooling_pipeline.core.step_shapes import (
+from pooling_pipeline.core.engine.columns import COL, TASK_CODE, Requests
+from pooling_pipeline.core.engine.main import GPU_BATCH_TOKENS, GPU_MAX_PADDING, MAX_OVERHEAD_TOKENS
+from pooling_pipeline.core.engine.scheduler import MIN_ROWS_CUT, Scheduler
+from pooling_pipeline.core.engine.step_shapes import (
     ROW_LADDER,
     bucket_length,
     bucket_rows,
@@ -25,6 +23,8 @@ from pooling_pipeline.core.step_shapes import (
     rows_at_most,
     scheduled_shapes,
 )
+from pooling_pipeline.core.shared.config import GPU_MAX_NUM_SEQS
+from pooling_pipeline.core.shared.schema import blank_table
 
 # What the replay below holds the distinct step shapes to, per 1,000 steps (the buckets give 23
 # there, against 181 distinct raw shapes; a replay of 30,000 texts gave ~80 in ~470 steps before).
@@ -51,7 +51,7 @@ def token_lengths(n: int, seed: int) -> np.ndarray:
     """The token counts of n real short texts (the bundled model's tokenizer), as a sample to draw from."""
     from transformers import AutoTokenizer
 
-    from pooling_pipeline.core.model_folder.load import load_model_spec
+    from pooling_pipeline.core.shared.model_folder.load import load_model_spec
 
     tokenizer = AutoTokenizer.from_pretrained(load_model_spec(None).path)
     texts = corpus.sentences(n, seed=seed) + corpus.medium_texts(n // 10, seed=seed)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 import pooling_pipeline.workers.truncation as truncation
-from pooling_pipeline.core.model_folder.load import load_model_spec
+from pooling_pipeline.core.shared.model_folder.load import load_model_spec
 from pooling_pipeline.workers.render import load_tokenizer
 from pooling_pipeline.workers.truncation import TruncatingTokenizer, analyse_tokenizer, find_cut
 

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from helpers import engine_message
 
-from pooling_pipeline.core import messages as m
-from pooling_pipeline.core.columns import Requests
-from pooling_pipeline.core.engine import pack_outputs
-from pooling_pipeline.core.schema import split_packed
-from pooling_pipeline.core.serial import INLINE_MAX_BYTES, Decoder, Encoder, ForeignMessage
+from pooling_pipeline.core.engine.columns import Requests
+from pooling_pipeline.core.engine.main import pack_outputs
+from pooling_pipeline.core.shared import messages as m
+from pooling_pipeline.core.shared.schema import split_packed
+from pooling_pipeline.core.shared.serial import INLINE_MAX_BYTES, Decoder, Encoder, ForeignMessage
 
 
 def _inputs(lengths: list[int], chunked: bool = False, **columns) -> list[tuple]:
@@ -290,7 +290,7 @@ def test_the_engine_refuses_each_bad_row_naming_it_and_keeps_the_rest():
     names its row (the first rule it breaks), whatever columns the message carried."""
     from types import SimpleNamespace
 
-    from pooling_pipeline.core.columns import invalid_rows, task_lookup
+    from pooling_pipeline.core.engine.columns import invalid_rows, task_lookup
 
     model = SimpleNamespace(max_model_len=8, vocab_size=100, tasks=["embed"], routes=["query", "document"], image=None)
     runs = task_lookup(model.tasks)
@@ -330,14 +330,14 @@ BAD_COLUMN_VALUES = {
 
 def test_the_columns_the_engine_checks_are_those_its_rules_read():
     """The usual message (no checked column carried) skips the rules; which columns are checked is
-    read from the rules themselves (`ROW_RULES`), every one a column `core.schema` declares, so a
+    read from the rules themselves (`ROW_RULES`), every one a column `core.shared.schema` declares, so a
     new column needs no edit in `invalid_rows` (issue 50, item 8). A message carrying one checked
     column alone, with a value its rule refuses, is refused naming it; one carrying only columns
     any value of which is valid (priority) passes."""
     from types import SimpleNamespace
 
-    from pooling_pipeline.core.columns import CHECKED_COLUMNS, ROW_RULES, invalid_rows, task_lookup
-    from pooling_pipeline.core.schema import DEFAULTS
+    from pooling_pipeline.core.engine.columns import CHECKED_COLUMNS, ROW_RULES, invalid_rows, task_lookup
+    from pooling_pipeline.core.shared.schema import DEFAULTS
 
     assert CHECKED_COLUMNS == {name for rule in ROW_RULES for name in rule.reads} <= DEFAULTS.keys()
     assert set(BAD_COLUMN_VALUES) == CHECKED_COLUMNS  # (a new checked column gets its case here)

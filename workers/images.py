@@ -1,7 +1,7 @@
 """A render worker's images: open, decode, convert and resize each as sentence-transformers 6 would,
 with the model's own image processor, and hand on the smallest exact form -- the processor's uint8
 pixels after its resize and crop, before its rescale and normalize, which the engine does on the
-device (core/dual_encoder_runner.py; equal to the processor's float output within 1e-6).
+device (core/engine/dual_encoder_runner.py; equal to the processor's float output within 1e-6).
 
 How each input is opened follows what ST hands the processor: a path, a data URI or an image file's
 bytes go through transformers' `load_image` (EXIF orientation applied, then `convert("RGB")`); an
@@ -17,8 +17,8 @@ import warnings
 
 import numpy as np
 
-from pooling_pipeline.core.config import DEFAULT_MAX_IMAGE_PIXELS, ModelSpec
-from pooling_pipeline.core.messages import ImageData
+from pooling_pipeline.core.shared.config import DEFAULT_MAX_IMAGE_PIXELS, ModelSpec
+from pooling_pipeline.core.shared.messages import ImageData
 from pooling_pipeline.workers.crop_window import MAX_RESIZED_PIXELS, CropWindow, gives_processors_bytes
 
 # glibc's malloc hands a freed block over 128 kB back to the kernel, and trims the heap's free top

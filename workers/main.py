@@ -22,9 +22,9 @@ import sys
 import msgspec
 import zmq
 
-from pooling_pipeline.core import messages as m
-from pooling_pipeline.core.config import WorkerConfig
-from pooling_pipeline.core.runtime import (
+from pooling_pipeline.core.shared import messages as m
+from pooling_pipeline.core.shared.config import WorkerConfig
+from pooling_pipeline.core.shared.runtime import (
     BusyClock,
     DropLog,
     WorkCount,
@@ -40,7 +40,7 @@ from pooling_pipeline.core.runtime import (
     start_heartbeat,
     take_group_key,
 )
-from pooling_pipeline.core.serial import Decoder, Encoder
+from pooling_pipeline.core.shared.serial import Decoder, Encoder
 
 POLL_MS = 500
 IMAGE_ROWS_PER_PART = 8  # (see parts_to_send_as_rendered)

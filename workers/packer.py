@@ -1,7 +1,7 @@
 """The one producer of EngineInputBatch: rows appended as they are rendered, packed into messages.
 
 Each row is a request's index, its token ids and the values of the per-request columns that
-`core.schema` declares: those of its per-request options (priority, route, ...) and its pooling
+`core.shared.schema` declares: those of its per-request options (priority, route, ...) and its pooling
 params' entry, copied from the RenderOptions it was rendered with, and those rendering computes
 (pool_start, chunks, ...: the keywords of `add` / `extend`). A column is kept as a list only from the
 first row that differs from its default, and a message carries it only when one of its rows does,
@@ -16,8 +16,8 @@ import itertools
 import msgspec
 import numpy as np
 
-from pooling_pipeline.core.messages import EngineInputBatch, PoolingParams, RenderOptions
-from pooling_pipeline.core.schema import DEFAULTS, OPTION_COLUMNS, ids_out_of_range
+from pooling_pipeline.core.shared.messages import EngineInputBatch, PoolingParams, RenderOptions
+from pooling_pipeline.core.shared.schema import DEFAULTS, OPTION_COLUMNS, ids_out_of_range
 
 
 class EngineInputPacker:

@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from pooling_pipeline.core.config import DEFAULT_MAX_IMAGE_PIXELS, ModelSpec
 from pooling_pipeline.core.families import family_of
-from pooling_pipeline.core.messages import PoolingParams, RenderBatch, RenderOptions, RenderParams
-from pooling_pipeline.core.options import too_long
-from pooling_pipeline.core.schema import ids_out_of_range, packed_lengths, split_packed
+from pooling_pipeline.core.shared.config import DEFAULT_MAX_IMAGE_PIXELS, ModelSpec
+from pooling_pipeline.core.shared.messages import PoolingParams, RenderBatch, RenderOptions, RenderParams
+from pooling_pipeline.core.shared.options import too_long
+from pooling_pipeline.core.shared.schema import ids_out_of_range, packed_lengths, split_packed
 from pooling_pipeline.workers.packer import EngineInputPacker
 from pooling_pipeline.workers.truncation import TruncatingTokenizer
 

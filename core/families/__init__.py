@@ -13,7 +13,7 @@ of model is a new module here, its runner and renderer, and its tests:
 - `dual_encoder.py`: CLIP, SigLIP; `dual_encoder_runner.DualEncoderRunner`; texts, and images
   (`workers/images.py`).
 
-The model folder reader (core/model_folder/) names the family in `ModelSpec.input_module`.
+The model folder reader (core/shared/model_folder/) names the family in `ModelSpec.input_module`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pooling_pipeline.core.families.static_embedding import StaticEmbeddingFamil
 from pooling_pipeline.core.families.transformer import TransformerFamily
 
 if TYPE_CHECKING:
-    from pooling_pipeline.core.config import ModelSpec
+    from pooling_pipeline.core.shared.config import ModelSpec
 
 FAMILIES: dict[str, ModelFamily] = {family.name: family for family in
                                     (TransformerFamily(), StaticEmbeddingFamily(), DualEncoderFamily())}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pooling_pipeline.core.config import EngineConfig, ModelSpec
+    from pooling_pipeline.core.shared.config import EngineConfig, ModelSpec
 
 
 class ModelFamily:
@@ -39,6 +39,6 @@ class ModelFamily:
                              f"model {spec.path!r} takes none")
 
     def runner(self, cfg: EngineConfig, **device_steps: Any):
-        """What the engine core runs steps through (a core.step_runner.StepRunner). `device_steps`:
-        the tests' switches of the accelerator path (core/engine.py's DEVICE_STEPS_ENV)."""
+        """What the engine core runs steps through (a core.engine.step_runner.StepRunner). `device_steps`:
+        the tests' switches of the accelerator path (core/engine/main.py's DEVICE_STEPS_ENV)."""
         raise NotImplementedError

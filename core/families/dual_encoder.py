@@ -1,19 +1,19 @@
 """Dual encoders (CLIP, SigLIP): texts through a text tower, images through an image tower, both
 ending in one embedding space, as sentence-transformers 6 runs them.
 
-Its pieces, each in its own module: the model folder read into a spec (core/model_folder/
+Its pieces, each in its own module: the model folder read into a spec (core/shared/model_folder/
 dual_encoder.py: the towers, the image processor's facts); the engine's runner
-(core/dual_encoder_runner.py) and the image tower on OpenVINO (core/openvino_image_tower.py,
-core/image_features.py); the render worker's images (workers/images.py, workers/crop_window.py);
+(core/engine/dual_encoder_runner.py) and the image tower on OpenVINO (core/engine/openvino_image_tower.py,
+core/engine/image_features.py); the render worker's images (workers/images.py, workers/crop_window.py);
 which caller inputs are images (pipeline/image_inputs.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pooling_pipeline.core.devices import cuda_expected, openvino_installed
 from pooling_pipeline.core.families.base import ModelFamily
 from pooling_pipeline.core.families.transformer import INSTALL_HINT
+from pooling_pipeline.core.shared.devices import cuda_expected, openvino_installed
 
 
 class DualEncoderFamily(ModelFamily):
@@ -42,8 +42,8 @@ class DualEncoderFamily(ModelFamily):
         return "openvino"
 
     def runner(self, cfg, **device_steps: Any):
-        from pooling_pipeline.core.dual_encoder_runner import DualEncoderRunner
-        from pooling_pipeline.core.model_runner import resolve_device, resolve_dtype
+        from pooling_pipeline.core.engine.dual_encoder_runner import DualEncoderRunner
+        from pooling_pipeline.core.engine.model_runner import resolve_device, resolve_dtype
 
         device = resolve_device(cfg.device)
         return DualEncoderRunner(cfg.model, device, resolve_dtype(cfg.dtype, device, "float32"), backend=cfg.backend,

@@ -1,5 +1,5 @@
 """ST's StaticEmbedding (model2vec and the like): no transformer, the mean of the text's token
-vectors from a table (core/static_runner.py); its tokenizer is the folder's tokenizer.json as
+vectors from a table (core/engine/static_runner.py); its tokenizer is the folder's tokenizer.json as
 `tokenizers` loads it."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class StaticEmbeddingFamily(ModelFamily):
         return "torch"
 
     def runner(self, cfg, **device_steps: Any):
-        from pooling_pipeline.core.model_runner import resolve_device
-        from pooling_pipeline.core.static_runner import StaticEmbeddingRunner
+        from pooling_pipeline.core.engine.model_runner import resolve_device
+        from pooling_pipeline.core.engine.static_runner import StaticEmbeddingRunner
 
         return StaticEmbeddingRunner(cfg.model, resolve_device(cfg.device))

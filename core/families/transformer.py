@@ -1,13 +1,13 @@
 """Text transformers: encoders, decoder embedders, cross-encoders and LLM rerankers, SPLADE,
 ColBERT, and ST's Routers over them (a Router's static routes too). The engine runs them through
-core/model_runner.py, on torch or (on a CPU) compiled by OpenVINO (core/openvino_model.py)."""
+core/engine/model_runner.py, on torch or (on a CPU) compiled by OpenVINO (core/engine/openvino_model.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pooling_pipeline.core.devices import cuda_expected, openvino_cpu_has_bfloat16, openvino_installed
 from pooling_pipeline.core.families.base import ModelFamily
+from pooling_pipeline.core.shared.devices import cuda_expected, openvino_cpu_has_bfloat16, openvino_installed
 
 INSTALL_HINT = "pip install 'pooling-pipeline[openvino]'"
 
@@ -68,7 +68,10 @@ class TransformerFamily(ModelFamily):
         return {"OMP_WAIT_POLICY": environ.get("OMP_WAIT_POLICY", "PASSIVE")}
 
     def runner(self, cfg, **device_steps: Any):
-        from pooling_pipeline.core.model_runner import ModelRunner
+        """The model runner, with the output head sentence-transformers' module chain ends in (each
+        route's own for a Router): pooling, multi-vector, SPLADE, a classifier or LLM scores."""
+        from pooling_pipeline.core.engine.heads import head_for_st_chain
+        from pooling_pipeline.core.engine.model_runner import ModelRunner
 
         return ModelRunner(cfg.model, cfg.device, cfg.dtype, backend=cfg.backend, threads=cfg.torch_threads,
-                           quantize=cfg.quantize, **device_steps)
+                           quantize=cfg.quantize, output_head=head_for_st_chain, **device_steps)

@@ -43,8 +43,8 @@ import numpy as np
 import zmq
 
 from pooling_pipeline.call_stats import CallStats
-from pooling_pipeline.core import messages as m
-from pooling_pipeline.core.messages import RenderBatch
+from pooling_pipeline.core.shared import messages as m
+from pooling_pipeline.core.shared.messages import RenderBatch
 from pooling_pipeline.errors import EngineRestartedError, PipelineError, StepError
 from pooling_pipeline.frontend.receiver import LostEngine, LostWorker
 from pooling_pipeline.frontend.reorder import Ring

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import zmq
 
-from pooling_pipeline.core import messages as m
+from pooling_pipeline.core.shared import messages as m
 from pooling_pipeline.errors import EngineDeadError, PipelineError
 from pooling_pipeline.frontend.ledger import Ledger
 from pooling_pipeline.process_group import ProcessGroup

@@ -10,7 +10,7 @@ answer, one vector per request, is one fancy assignment (of each vector's own co
 object column `vectors`), and the results handed back are made from a run of slots by C loops
 (`map`): no Python bytecode runs per request here (a Python loop per request cost the frontend
 ~0.3 us a request). Answers that are not one vector each -- errors, per-token arrays, sparse
-vectors, a long document pooled from its chunks (`core.vectors.ChunkSum`) -- are result objects in
+vectors, a long document pooled from its chunks (`core.shared.vectors.ChunkSum`) -- are result objects in
 `special`. An answer whose slot holds another index (re-sent, aborted, forged) is a duplicate,
 dropped.
 """
@@ -23,8 +23,8 @@ from collections.abc import Callable
 import numpy as np
 
 from pooling_pipeline.call_stats import CallStats
-from pooling_pipeline.core import messages as m
-from pooling_pipeline.core.vectors import ChunkSum
+from pooling_pipeline.core.shared import messages as m
+from pooling_pipeline.core.shared.vectors import ChunkSum
 from pooling_pipeline.outputs import PoolingRequestOutput
 
 # A new call's ring: enough for a few prompts (16 slots: ~800 bytes of columns).

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from pooling_pipeline.core.options import checked
+from pooling_pipeline.core.shared.options import checked
 from pooling_pipeline.options import CALL_OPTIONS, CallOptions, PipelineOptions, defaults
 
 # The column a task's output goes to, unless the caller names another.

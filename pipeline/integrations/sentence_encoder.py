@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from pooling_pipeline.api import Pipeline
-from pooling_pipeline.core.messages import PoolingParams
+from pooling_pipeline.core.shared.messages import PoolingParams
 from pooling_pipeline.image_inputs import is_pil_image
 from pooling_pipeline.integrations.langchain_embeddings import register_as_embeddings
 from pooling_pipeline.quantization import PRECISIONS, quantize_embeddings

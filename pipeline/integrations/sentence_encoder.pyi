@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pooling_pipeline.api import Pipeline
-from pooling_pipeline.core.sim_device import SimDevice
+from pooling_pipeline.core.shared.sim_device import SimDevice
 
 class SentenceEncoder:
     pipeline: Pipeline

@@ -1,5 +1,5 @@
 """Fingerprints pipeline-run records in its manifest and checks on --resume: the model directory's
-(its files' content hashes: core/content_hash.py, shared with the conversion cache) and each
+(its files' content hashes: core/shared/content_hash.py, shared with the conversion cache) and each
 input's (a resume only continues the same job on the same inputs)."""
 
 from __future__ import annotations

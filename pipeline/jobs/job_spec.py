@@ -14,9 +14,9 @@ import argparse
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from pooling_pipeline.core.config import ModelSpec
-from pooling_pipeline.core.model_folder.load import load_model_spec
-from pooling_pipeline.core.model_folder.model_path import resolve_model_path
+from pooling_pipeline.core.shared.config import ModelSpec
+from pooling_pipeline.core.shared.model_folder.load import load_model_spec
+from pooling_pipeline.core.shared.model_folder.model_path import resolve_model_path
 
 # The flags that set a Pipeline or a call option (argparse dest -> option): each one's default,
 # type (choices, a positive int, a switch) and help come from the option's declaration

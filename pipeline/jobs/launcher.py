@@ -38,8 +38,8 @@ import numpy as np
 from pooling_pipeline.backends import describe_backend
 from pooling_pipeline.call_stats import format_stats
 from pooling_pipeline.cli_flags import declared_flag, positive_int
-from pooling_pipeline.core.config import ModelSpec
 from pooling_pipeline.core.families import family_of
+from pooling_pipeline.core.shared.config import ModelSpec
 from pooling_pipeline.jobs.image_records import (
     ImageRecordReader,
     check_image_field,
@@ -330,7 +330,7 @@ def model_fingerprint_files(model: JobModel) -> dict[str, str]:
     the transformer's folder (spec.path) -- ST's modules after it (1_Pooling/, 2_Dense/, a Router's
     routes) shape the output too --, and a PEFT adapter's base model where it is a folder of its
     own (its weights are merged with the adapter's)."""
-    from pooling_pipeline.core.content_hash import model_files
+    from pooling_pipeline.core.shared.content_hash import model_files
 
     files = model_files(str(model.root))
     bases = dict.fromkeys(part.adapter.base_path for part in (model.spec, *model.spec.route_specs)
@@ -343,7 +343,7 @@ def model_fingerprint_files(model: JobModel) -> dict[str, str]:
 def describe_job(job: JobSpec, model: JobModel, sources: list, id_field: str | None) -> dict:
     """What identifies a job: a resume must match it, and load_results reads shards of one job only."""
     from pooling_pipeline import __version__
-    from pooling_pipeline.core.content_hash import model_hash
+    from pooling_pipeline.core.shared.content_hash import model_hash
     from pooling_pipeline.request_options import model_prompts
 
     spec = model.spec

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pooling_pipeline.core.options import TOKEN_TASKS
+from pooling_pipeline.core.shared.options import TOKEN_TASKS
 from pooling_pipeline.jobs.fingerprint import changed_files, changed_input, changed_model_files, sampled_fingerprints
 from pooling_pipeline.jobs.job_errors import InputError, UsageError
 from pooling_pipeline.jobs.kept_fields import KeptColumns

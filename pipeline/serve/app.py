@@ -23,7 +23,7 @@ from typing import Any, Literal, NamedTuple
 
 import msgspec
 
-from pooling_pipeline.core.options import TOO_LONG_MARK
+from pooling_pipeline.core.shared.options import TOO_LONG_MARK
 from pooling_pipeline.errors import EngineDeadError, PipelineError, StepError
 from pooling_pipeline.serve.admission import Admission, BodyBudget
 from pooling_pipeline.serve.http import (

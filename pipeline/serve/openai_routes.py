@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from pooling_pipeline.core.messages import PoolingParams
+from pooling_pipeline.core.shared.messages import PoolingParams
 from pooling_pipeline.serve.app import Request, Response, Route, list_response
 from pooling_pipeline.serve.http import HTTPError, embedding_items, encode_json
 from pooling_pipeline.serve.media import NUMBERS, image_prompt, takes_images, text_prompt, token_ids_refusal

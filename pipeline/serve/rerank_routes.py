@@ -27,9 +27,9 @@ from typing import Annotated, Any, Literal
 import msgspec
 import numpy as np
 
-from pooling_pipeline.core.messages import PoolingParams
-from pooling_pipeline.core.model_folder.st_files import read_optional_json
-from pooling_pipeline.core.options import EMBEDDING_TASKS, TooLong, read_too_long
+from pooling_pipeline.core.shared.messages import PoolingParams
+from pooling_pipeline.core.shared.model_folder.st_files import read_optional_json
+from pooling_pipeline.core.shared.options import EMBEDDING_TASKS, TooLong, read_too_long
 from pooling_pipeline.request_options import model_prompts
 from pooling_pipeline.serve.app import Request, Response, Route, list_response, response_id
 from pooling_pipeline.serve.http import HTTPError, base64_string, encode_json, float_rows

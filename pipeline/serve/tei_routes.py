@@ -33,9 +33,9 @@ from typing import Annotated, Any, Literal
 import msgspec
 import numpy as np
 
-from pooling_pipeline.core.messages import PoolingParams
-from pooling_pipeline.core.model_folder.model_path import default_model_path
-from pooling_pipeline.core.options import TOO_LONG_MARK
+from pooling_pipeline.core.shared.messages import PoolingParams
+from pooling_pipeline.core.shared.model_folder.model_path import default_model_path
+from pooling_pipeline.core.shared.options import TOO_LONG_MARK
 from pooling_pipeline.request_options import model_prompts
 from pooling_pipeline.serve.app import Request, Response, Route
 from pooling_pipeline.serve.http import HTTPError, encode_json, float_rows
