@@ -25,6 +25,7 @@ from torch.overrides import TorchFunctionMode
 from pooling_pipeline.core.engine.columns import COL, probe_batch
 from pooling_pipeline.core.families import family_of
 from pooling_pipeline.core.shared.config import EngineConfig
+from pooling_pipeline.core.shared.messages import Payload
 from pooling_pipeline.core.shared.model_folder.load import load_model_spec
 
 TOL = 1e-5
@@ -284,7 +285,8 @@ def test_a_dual_encoder_engine_on_the_second_gpu_makes_every_cuda_call_there(mon
     cuda = StandInCuda(monkeypatch)
     mixed = text_batch(3, 6, seed=2)
     mixed.cols[1, COL["modality"]] = 1
-    mixed.pixels = np.random.default_rng(3).integers(0, 256, (3, 3, 224, 224), dtype=np.uint8)
+    mixed.payloads["pixels"] = Payload(counts=np.array([0, 1, 0], np.int64),
+                                       data=np.random.default_rng(3).integers(0, 256, (1, 3, 224, 224), dtype=np.uint8))
     runner, got, _ = run_engine_side(cuda, cfg, [mixed])
     assert str(runner.device) == "cuda:1"
     assert_all_on(cuda, 1, STEP_CALLS)

@@ -231,20 +231,51 @@ def test_unsupported_image_models_are_refused_at_start_up(clip_dir, tmp_path):
 
 
 def test_engine_input_with_pixels_is_checked():
-    from pooling_pipeline.core.shared.messages import EngineInputBatch, PoolingParams
+    """A CLIP's engine admits an image row with its one uint8 [C, H, W] item and its vision tokens,
+    and refuses, naming the row, pixels of another shape or dtype, an image row without pixels, a
+    text row with them, another payload's name; a text model refuses image rows (its family takes none)."""
+    from types import SimpleNamespace
 
-    def message(pixels, modality):
-        return EngineInputBatch(worker=0, call="c", indices=np.arange(2), lengths=np.array([3, 3]),
-                                token_ids=np.zeros(6, np.int32), tasks=["embed"], params=[PoolingParams()],
-                                columns={"modality": np.array(modality)}, pixels=pixels)
+    from pooling_pipeline.core.engine.columns import Requests, invalid_rows, row_checks, task_lookup
+    from pooling_pipeline.core.families import FAMILIES
+    from pooling_pipeline.core.shared.config import ImageSpec
+    from pooling_pipeline.core.shared.messages import EngineInputBatch, Payload, PoolingParams
 
-    assert message(np.zeros((2, 3, 4, 4), np.uint8), [1, 1]).check() == [3, 3]
-    with pytest.raises(ValueError, match="pixels must be uint8"):
-        message(np.zeros((2, 3, 4, 4), np.float32), [1, 1]).check()
-    with pytest.raises(ValueError, match="images only"):
-        message(np.zeros((2, 3, 4, 4), np.uint8), [1, 0]).check()
-    with pytest.raises(ValueError, match="need their pixels"):
-        message(None, [1, 1]).check()
+    image = ImageSpec(processor_class="CLIPImageProcessor", channels=3, height=4, width=4, do_rescale=True,
+                      rescale_factor=1 / 255, do_normalize=True, mean=[0.5] * 3, std=[0.5] * 3, tokens=3)
+    model = SimpleNamespace(max_model_len=8, vocab_size=100, tasks=["embed"], routes=[], image=image)
+    family = FAMILIES["dual_encoder"]
+    checks = row_checks(family.modalities, family.payloads(model), family.row_rules(model))
+
+    def refused(pixels, modality, counts=None, name="pixels", lengths=(3, 3)):
+        counts = np.asarray([int(m == 1) for m in modality] if counts is None else counts, np.int64)
+        msg = EngineInputBatch(worker=0, call="c", indices=np.arange(2), lengths=np.array(lengths),
+                               token_ids=np.zeros(sum(lengths), np.int32), tasks=["embed"], params=[PoolingParams()],
+                               columns={"modality": np.array(modality)},
+                               payloads={} if pixels is None else {name: Payload(counts=counts, data=pixels)})
+        msg.check()
+        return dict(invalid_rows(Requests.from_message(msg), model, task_lookup(model.tasks), msg.columns.keys(),
+                                 checks))
+
+    assert refused(np.zeros((2, 3, 4, 4), np.uint8), [1, 1]) == {}
+    assert refused(np.zeros((1, 3, 4, 4), np.uint8), [0, 1]) == {}  # a text and an image in one message
+    assert "must be |u1 items of shape (3, 4, 4)" in refused(np.zeros((2, 3, 4, 4), np.float32), [1, 1])[0]
+    assert "must be |u1 items of shape (3, 4, 4)" in refused(np.zeros((2, 3, 5, 4), np.uint8), [1, 1])[1]
+    assert refused(None, [1, 0]) == {0: "an image row must carry its pixels, one image"}
+    assert refused(np.zeros((2, 3, 4, 4), np.uint8), [0, 1], counts=[1, 1]) == {0: "a text row carries no pixels"}
+    assert "at most 1 items a row" in refused(np.zeros((2, 3, 4, 4), np.uint8), [1, 0], counts=[2, 0])[0]
+    assert "payload 'audio' is not one this model takes" in refused(np.zeros((1, 3, 4, 4), np.uint8), [1, 0],
+                                                                      counts=[1, 0], name="audio")[0]
+    assert "vision tokens" in refused(np.zeros((2, 3, 4, 4), np.uint8), [1, 1], lengths=(3, 4))[1]
+    text_model = SimpleNamespace(**{**vars(model), "image": None})
+    msg = EngineInputBatch(worker=0, call="c", indices=np.arange(1), lengths=np.array([3]), token_ids=np.zeros(3, np.int32),
+                           tasks=["embed"], params=[PoolingParams()], columns={"modality": np.array([1])})
+    assert invalid_rows(Requests.from_message(msg), text_model, task_lookup(model.tasks), msg.columns.keys()) == [
+        (0, "an image input, but the model takes no images")]
+    with pytest.raises(ValueError, match="counts do not add up"):
+        EngineInputBatch(worker=0, call="c", indices=np.arange(1), lengths=np.array([3]), token_ids=np.zeros(3, np.int32),
+                         tasks=["embed"], params=[PoolingParams()],
+                         payloads={"pixels": Payload(counts=np.array([2]), data=np.zeros((1, 3, 4, 4), np.uint8))}).check()
 
 
 def test_a_worker_sends_images_to_the_engine_a_few_at_a_time():

@@ -8,7 +8,7 @@ from helpers import engine_message
 
 from pooling_pipeline.core.engine.columns import Requests
 from pooling_pipeline.core.engine.scheduler import Scheduler
-from pooling_pipeline.core.shared.messages import PoolingParams
+from pooling_pipeline.core.shared.messages import Payload, PoolingParams
 
 
 class Req(NamedTuple):
@@ -180,7 +180,7 @@ def test_adding_a_message_forms_the_same_batches_as_adding_one_by_one():
 def test_the_token_arena_moves_and_grows_and_keeps_every_requests_ids():
     rng = random.Random(5)
     sched = Sched(8, 1 << 20, 1.0, capacity=16)
-    sched.table.arena = np.zeros(64, np.int32)  # tiny: it is compacted and grown over and over
+    sched.table.tokens.data = np.zeros(64, np.int32)  # tiny: it is compacted and grown over and over
     expected = {}
     for i in range(600):
         ids = np.asarray([rng.randrange(30000) for _ in range(rng.randrange(1, 40))], np.int32)
@@ -195,6 +195,50 @@ def test_the_token_arena_moves_and_grows_and_keeps_every_requests_ids():
         for row, index in enumerate(batch.indices.tolist()):
             np.testing.assert_array_equal(batch.ids(row), expected.pop(index))
     assert not expected
+
+
+def test_payloads_of_any_shape_come_out_with_their_requests_whatever_the_messages():
+    """Rows carry named arrays of their own lengths (here "patches", [k, 2, 3] float32, 0-4 items
+    a row; "grid", [k, 3] int64 on some messages only): each batch's payload holds exactly its
+    rows' items in its rows' order, across messages with and without the name, slots reused and
+    arenas compacted and grown."""
+    rng = np.random.default_rng(7)
+    sched = Scheduler(max_num_seqs=8, max_num_batched_tokens=1 << 20, max_padding_fraction=1.0, capacity=16)
+    expected: dict[int, dict[str, np.ndarray]] = {}
+    live = 0
+    for index in range(0, 900, 3):
+        rows = [(index + k, rng.integers(1, 500, int(rng.integers(1, 30))).astype(np.int32)) for k in range(3)]
+        msg = engine_message("call", rows)
+        counts = rng.integers(0, 5, 3)
+        patches = rng.standard_normal((int(counts.sum()), 2, 3)).astype(np.float32)
+        msg.payloads = {"patches": Payload(counts=counts, data=patches)}
+        if index % 2:
+            grid = rng.integers(1, 9, (3, 3))
+            msg.payloads["grid"] = Payload(counts=np.ones(3, np.int64), data=grid)
+        msg.check()
+        starts = np.cumsum(counts) - counts
+        for k in range(3):
+            expected[index + k] = {"patches": patches[starts[k]:starts[k] + counts[k]],
+                                   "grid": grid[k:k + 1] if index % 2 else np.zeros((0, 3), np.int64)}
+        sched.add(Requests.from_message(msg))
+        live += 3
+        while live > 40 or (index >= 897 and len(sched)):
+            batch = sched.next_batch()
+            live -= len(batch)
+            for name, empty in (("patches", np.zeros((0, 2, 3), np.float32)), ("grid", np.zeros((0, 3), np.int64))):
+                want = [expected[i][name] for i in batch.indices.tolist()]
+                if not sum(len(w) for w in want):
+                    assert name not in batch.payloads  # (a name only where some row has items)
+                    continue
+                got = batch.payloads[name]
+                np.testing.assert_array_equal(got.counts, [len(w) for w in want])
+                np.testing.assert_array_equal(got.data, np.concatenate(want or [empty]))
+                picked = batch.select([len(batch) - 1, 0])  # a step's rows regrouped (a runner's groups)
+                np.testing.assert_array_equal(picked.payloads.get(name, Payload(counts=np.zeros(2, np.int64),
+                                                                                data=empty)).data,
+                                              np.concatenate([want[-1], want[0]]))
+    assert not len(sched) and live == 0
+    assert len(sched.table.payloads["patches"].data) < 2000  # (bounded by what waits, not by what passed)
 
 
 class OneAtATime(Sched):

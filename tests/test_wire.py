@@ -330,18 +330,19 @@ BAD_COLUMN_VALUES = {
 
 def test_the_columns_the_engine_checks_are_those_its_rules_read():
     """The usual message (no checked column carried) skips the rules; which columns are checked is
-    read from the rules themselves (`ROW_RULES`), every one a column `core.shared.schema` declares, so a
-    new column needs no edit in `invalid_rows` (issue 50, item 8). A message carrying one checked
-    column alone, with a value its rule refuses, is refused naming it; one carrying only columns
+    read from the rules themselves (`ROW_RULES`, a text model's `TEXT_ONLY`), every one a column
+    `core.shared.schema` declares, so a new column needs no edit in `invalid_rows` (issue 50, item 8).
+    A message carrying one checked column alone, with a value its rule refuses, is refused naming it; one carrying only columns
     any value of which is valid (priority) passes."""
     from types import SimpleNamespace
 
-    from pooling_pipeline.core.engine.columns import CHECKED_COLUMNS, ROW_RULES, invalid_rows, task_lookup
+    from pooling_pipeline.core.engine.columns import TEXT_ONLY, invalid_rows, task_lookup
     from pooling_pipeline.core.shared.schema import DEFAULTS
 
-    assert CHECKED_COLUMNS == {name for rule in ROW_RULES for name in rule.reads} <= DEFAULTS.keys()
-    assert set(BAD_COLUMN_VALUES) == CHECKED_COLUMNS  # (a new checked column gets its case here)
-    assert "priority" not in CHECKED_COLUMNS and "param_of" not in CHECKED_COLUMNS
+    checked = TEXT_ONLY.checked
+    assert checked == {name for rule in TEXT_ONLY.rules for name in rule.reads} <= DEFAULTS.keys()
+    assert set(BAD_COLUMN_VALUES) == checked  # (a new checked column gets its case here)
+    assert "priority" not in checked and "param_of" not in checked
     model = SimpleNamespace(max_model_len=8, vocab_size=100, tasks=["embed"], routes=["query", "document"], image=None)
     runs = task_lookup(model.tasks)
     for name, (columns, why) in BAD_COLUMN_VALUES.items():

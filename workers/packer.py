@@ -16,7 +16,7 @@ import itertools
 import msgspec
 import numpy as np
 
-from pooling_pipeline.core.shared.messages import EngineInputBatch, PoolingParams, RenderOptions
+from pooling_pipeline.core.shared.messages import EngineInputBatch, Payload, PoolingParams, RenderOptions
 from pooling_pipeline.core.shared.schema import DEFAULTS, OPTION_COLUMNS, ids_out_of_range
 
 
@@ -30,7 +30,7 @@ class EngineInputPacker:
         self.tasks: list[str] = []
         self.params: list[PoolingParams] = []
         self.columns: dict[str, list[int]] = {}  # only the columns some row set to a non-default value
-        self.pixels: dict[int, np.ndarray] = {}  # image rows (a dual encoder's): row -> uint8 [C, H, W]
+        self.payloads: dict[str, dict[int, np.ndarray]] = {}  # name -> {row: its items [k, *item shape]}
         self._options_seen: tuple = (None, None)  # the RenderOptions (and params) `_from_options` saw last ...
         self._options_values: dict[str, int] = {}  # ... and their columns' values
 
@@ -48,10 +48,16 @@ class EngineInputPacker:
         return entry
 
     def add(self, index: int, ids, options: RenderOptions | None = None, *, params: PoolingParams | None = None,
-            **values: int) -> None:
+            payloads: dict[str, np.ndarray] | None = None, **values: int) -> None:
         """One row, rendered with `options` (its per-request options' columns and its params' entry;
-        `params`: other params than the options', as a long document's chunks have); `values` are
-        the columns rendering computed, by name (the others take their default)."""
+        `params`: other params than the options', as a long document's chunks have); `payloads`: its
+        arrays beyond the ids, by name, each [items, *item shape] as the model's family declares them
+        (an image's pixels: one item); `values` are the columns rendering computed, by name (the
+        others take their default)."""
+        if payloads:
+            row = len(self.indices)
+            for name, items in payloads.items():
+                self.payloads.setdefault(name, {})[row] = items
         self.extend([index], [ids], options, params=params, **values)
 
     def extend(self, indices: list[int], ids: list, options: RenderOptions | None = None, *,
@@ -73,12 +79,6 @@ class EngineInputPacker:
                 column.extend([DEFAULTS[name]] * n)
         self.indices.extend(indices)
         self.ids.extend(ids)
-
-    def add_image(self, index: int, pixels: np.ndarray, tokens: int, options: RenderOptions) -> None:
-        """An image row: its pixels, and `tokens` placeholder ids (its vision sequence's length, what
-        the engine's step budget weighs). Images travel in messages of their own (`messages`)."""
-        self.pixels[len(self.indices)] = pixels
-        self.add(index, np.zeros(tokens, np.int64), options, modality=1)
 
     def _from_options(self, options: RenderOptions, params: PoolingParams | None) -> dict[str, int]:
         """The columns a row takes from its RenderOptions: its (task, params) entry and every
@@ -111,18 +111,24 @@ class EngineInputPacker:
                 token_ids=flat.astype(np.int32), tasks=self.tasks, params=self.params,
                 columns={name: _pick(column, rows) for name, column in self.columns.items()
                          if _differs(column, rows, DEFAULTS[name])},
-                render_s=render_s, pixels=np.stack([self.pixels[i] for i in rows]) if rows[0] in self.pixels else None))
+                render_s=render_s, payloads=self._payloads(rows)))
             render_s = 0.0
         return out, failed
 
-    def _groups(self, max_items: int) -> list[range | list[int]]:
-        """The rows of each message, at most `max_items`: consecutive rows; images apart from texts."""
+    def _groups(self, max_items: int) -> list[range]:
+        """The rows of each message, at most `max_items`: consecutive rows."""
         n = len(self.indices)
-        if not self.pixels:
-            return [range(start, min(start + max_items, n)) for start in range(0, n, max_items)]
-        texts = [row for row in range(n) if row not in self.pixels]
-        images = sorted(self.pixels)
-        return [part[start:start + max_items] for part in (texts, images) for start in range(0, len(part), max_items)]
+        return [range(start, min(start + max_items, n)) for start in range(0, n, max_items)]
+
+    def _payloads(self, rows: range | list[int]) -> dict[str, Payload]:
+        """The message's payloads: each name some of its rows carry, their items back to back."""
+        out = {}
+        for name, per_row in self.payloads.items():
+            items = [per_row[row] for row in rows if row in per_row]
+            if items:
+                counts = np.asarray([len(per_row[row]) if row in per_row else 0 for row in rows], np.int64)
+                out[name] = Payload(counts=counts, data=np.concatenate(items))
+        return out
 
     def _refused(self, row: int, vocab_size: int, failed: list[tuple[int, str]]) -> bool:
         ids = np.asarray(self.ids[row])

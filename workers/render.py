@@ -17,7 +17,7 @@ from pooling_pipeline.core.families import family_of
 from pooling_pipeline.core.shared.config import DEFAULT_MAX_IMAGE_PIXELS, ModelSpec
 from pooling_pipeline.core.shared.messages import PoolingParams, RenderBatch, RenderOptions, RenderParams
 from pooling_pipeline.core.shared.options import too_long
-from pooling_pipeline.core.shared.schema import ids_out_of_range, packed_lengths, split_packed
+from pooling_pipeline.core.shared.schema import MODALITIES, ids_out_of_range, packed_lengths, split_packed
 from pooling_pipeline.workers.packer import EngineInputPacker
 from pooling_pipeline.workers.truncation import TruncatingTokenizer
 
@@ -423,7 +423,9 @@ class Renderer:
         except Exception as e:  # a bad image is this request's error, never a crash
             failed.append((index, f"ValueError: {e}" if type(e).__name__ == "ImageError" else f"{type(e).__name__}: {e}"))
             return
-        rows.add_image(index, pixels, self.spec.image.tokens, item.options)
+        # (its vision sequence's length in placeholder ids: what the engine's step budget weighs)
+        rows.add(index, np.zeros(self.spec.image.tokens, np.int64), item.options, payloads={"pixels": pixels[None]},
+                 modality=MODALITIES.index("image"))
 
     def _render_one(self, item: RenderParams, prompt: str | None, chat_template: str | None):
         opts = item.options

@@ -19,8 +19,17 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from pooling_pipeline.core.shared.config import PayloadSpec
+from pooling_pipeline.core.shared.messages import Payload
 from pooling_pipeline.core.shared.options import TASKS
-from pooling_pipeline.core.shared.schema import DEFAULTS, PARAM_CODES, TABLE_COLUMNS, blank_table, ragged_positions
+from pooling_pipeline.core.shared.schema import (
+    DEFAULTS,
+    MODALITIES,
+    PARAM_CODES,
+    TABLE_COLUMNS,
+    blank_table,
+    ragged_positions,
+)
 
 # Each request is one row of an int64 matrix whose columns are `schema.TABLE_COLUMNS`, so that
 # selecting, storing and gathering requests is one array operation, not one per column.
@@ -36,17 +45,17 @@ class Requests:
     """Requests in columns: `calls`, an object array of call ids (one per request); `cols`, the
     [n, len(TABLE_COLUMNS)] int64 matrix (each column also as an attribute: `lengths`, `indices`, ...);
     `token_ids`, the requests' ids back to back (int32); `starts`, where each request's begin;
-    `pixels`, a dual encoder's images: uint8 [n, C, H, W], row i's pixels where row i is an image
-    (`modality` 1; other rows' are zeros), None when no row is one."""
+    `payloads`, the rows' other arrays by name (`messages.Payload`: each row's items back to back,
+    their counts; a name only where some row has items), as the model's family declares them."""
 
-    __slots__ = ("calls", "cols", "token_ids", "pixels", "_starts")
+    __slots__ = ("calls", "cols", "token_ids", "payloads", "_starts")
 
     def __init__(self, calls: np.ndarray, cols: np.ndarray, token_ids: np.ndarray,
-                 pixels: np.ndarray | None = None) -> None:
+                 payloads: dict[str, Payload] | None = None) -> None:
         self.calls = calls
         self.cols = cols
         self.token_ids = token_ids
-        self.pixels = pixels
+        self.payloads = {} if payloads is None else payloads
         self._starts = None
 
     @property
@@ -78,7 +87,7 @@ class Requests:
         # (Interned: every message of a call then holds one string object, and comparing the calls
         # of a step -- `pack_outputs` -- finds them equal by identity, without comparing characters.)
         calls[:] = sys.intern(msg.call)
-        return cls(calls, cols, msg.token_ids, msg.pixels)
+        return cls(calls, cols, msg.token_ids, msg.payloads)
 
     def __len__(self) -> int:
         return len(self.cols)
@@ -91,9 +100,10 @@ class Requests:
         """These rows (positions, in any order), as a Requests of their own."""
         rows = np.asarray(rows, dtype=np.int64)
         cols = self.cols.take(rows, axis=0)
+        payloads = {name: payload.rows(rows) for name, payload in self.payloads.items()}
         return Requests(self.calls.take(rows), cols,
                         self.token_ids.take(ragged_positions(self.starts.take(rows), cols[:, COL["lengths"]])),
-                        None if self.pixels is None else self.pixels.take(rows, axis=0))
+                        {name: payload for name, payload in payloads.items() if payload.counts.any()})
 
     def padded(self, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
         """The [n, longest] int64 matrix of the ids, each row padded with `pad_id`, and the
@@ -113,34 +123,80 @@ for _k, _name in enumerate(TABLE_COLUMNS):
 del _k, _name
 
 
-class RequestTable:
-    """Waiting requests: a slot each (their columns there) and their ids in one token arena.
+class Arena:
+    """Items of one dtype and item shape for a table's slots, bump-allocated: slot s's items are
+    `data[offsets[s]:offsets[s] + counts[s]]`. When it is full, the live slots' items are moved to
+    its start with one gather (the owner says which slots are live), and it grows when more than
+    half of it is live. A step's items are gathered with one `take`, whatever the messages they
+    came in: never a copy per row."""
 
-    `put` stores a message's requests (a slice copy of its ids, one fancy assignment of its
-    columns); `take` gathers a batch's slots into a Requests and frees them. The arena is a bump
-    allocator: when it is full, the live requests' ids (the owner says which slots are live) are
-    moved to its start with one gather, and it grows when more than half of it is live. Slots
-    come from a stack of free ones."""
+    def __init__(self, slots: int, size: int, item_shape: tuple[int, ...] = (), dtype=np.int32) -> None:
+        self.data = np.zeros((size, *item_shape), dtype)
+        self.head = 0
+        self.offsets = np.zeros(slots, np.int64)
+        self.counts = np.zeros(slots, np.int64)
+
+    def grow(self, slots: int) -> None:
+        extra = slots - len(self.offsets)
+        self.offsets = np.concatenate([self.offsets, np.zeros(extra, np.int64)])
+        self.counts = np.concatenate([self.counts, np.zeros(extra, np.int64)])
+
+    def put(self, slots: np.ndarray, starts: np.ndarray, counts: np.ndarray, values: np.ndarray, live) -> None:
+        """Stores `values` (the slots' items back to back; slot i's from `starts[i]`, `counts[i]` of them)."""
+        total = len(values)
+        if self.head + total > len(self.data):
+            self._compact(np.asarray(live(), dtype=np.int64), total)
+        self.data[self.head:self.head + total] = values
+        self.offsets[slots] = self.head + starts
+        self.counts[slots] = counts
+        self.head += total
+
+    def clear(self, slots: np.ndarray) -> None:
+        """These slots have no items."""
+        self.counts[slots] = 0
+
+    def gather(self, slots: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """The items of these slots (`counts`: theirs), back to back."""
+        # (ndarray.take: a gather 2-4x faster than fancy indexing)
+        return self.data.take(ragged_positions(self.offsets.take(slots), counts), axis=0)
+
+    def _compact(self, live: np.ndarray, needed: int) -> None:
+        counts = self.counts[live]
+        kept = self.data[ragged_positions(self.offsets[live], counts)]
+        size = max(len(self.data), 1)
+        while len(kept) + needed > size // 2:
+            size *= 2
+        data = self.data if size == len(self.data) else np.zeros((size, *self.data.shape[1:]), self.data.dtype)
+        data[:len(kept)] = kept
+        self.data = data
+        self.offsets[live] = np.cumsum(counts) - counts
+        self.head = len(kept)
+
+
+class RequestTable:
+    """Waiting requests: a slot each (their columns there), their ids in one token arena and each
+    payload's items in an arena of its own (`Arena`).
+
+    `put` stores a message's requests (a slice copy of its ids and of each payload's items, one
+    fancy assignment of its columns); `take` gathers a batch's slots into a Requests and frees
+    them. Slots come from a stack of free ones."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = 0
         self.calls = np.empty(0, dtype=object)
         self.cols = np.zeros((0, len(TABLE_COLUMNS)), np.int64)
-        self.offsets = np.zeros(0, np.int64)  # where each slot's ids begin in the arena
         self.free = np.zeros(0, np.int64)  # a stack: free[:top] are free slots
         self.top = 0
-        self.arena = np.zeros(max(1 << 16, 64 * capacity), np.int32)
-        self.head = 0
-        self.pixels: np.ndarray | None = None  # a slot's image, once a message of images came (zeros: untouched pages)
+        self.tokens = Arena(0, max(1 << 16, 64 * capacity))
+        self.payloads: dict[str, Arena] = {}  # made when a message first carries the name
         self._grow(max(1, capacity))
 
     def _grow(self, capacity: int) -> None:
         old, extra = self.capacity, capacity - self.capacity
         self.calls = np.concatenate([self.calls, np.empty(extra, dtype=object)])
         self.cols = np.concatenate([self.cols, np.zeros((extra, len(TABLE_COLUMNS)), np.int64)])
-        self.offsets = np.concatenate([self.offsets, np.zeros(extra, np.int64)])
-        if self.pixels is not None:
-            self.pixels = np.concatenate([self.pixels, np.zeros((extra, *self.pixels.shape[1:]), np.uint8)])
+        for arena in (self.tokens, *self.payloads.values()):
+            arena.grow(capacity)
         stack = np.concatenate([np.arange(capacity - 1, old - 1, -1), self.free[:self.top]])
         self.free = np.zeros(capacity, np.int64)
         self.free[:len(stack)] = stack
@@ -149,35 +205,40 @@ class RequestTable:
 
     def put(self, requests: Requests, live) -> np.ndarray:
         """Stores the requests; returns their slots. `live()` gives the slots in use (asked only
-        when the arena must be compacted)."""
+        when an arena must be compacted)."""
         n = len(requests)
         if n > self.top:  # (the engine's window keeps this from happening; never fail for it)
             self._grow(max(2 * self.capacity, self.capacity + n))
         slots = self.free[self.top - n:self.top].copy()
         self.top -= n
-        total = requests.token_ids.size
-        if self.head + total > self.arena.size:
-            self._compact(np.asarray(live(), dtype=np.int64), total)
-        self.arena[self.head:self.head + total] = requests.token_ids
-        self.offsets[slots] = self.head + requests.starts
-        self.head += total
+        self.tokens.put(slots, requests.starts, requests.lengths, requests.token_ids, live)
         self.calls[slots] = requests.calls
         self.cols[slots] = requests.cols
-        if requests.pixels is not None:
-            if self.pixels is None or self.pixels.shape[1:] != requests.pixels.shape[1:]:
-                # (the engine refused images of any other shape than the model's before they got here)
-                self.pixels = np.zeros((self.capacity, *requests.pixels.shape[1:]), np.uint8)
-            self.pixels[slots] = requests.pixels
+        if requests.payloads or self.payloads:
+            self._put_payloads(slots, requests, live)
         return slots
+
+    def _put_payloads(self, slots: np.ndarray, requests: Requests, live) -> None:
+        for name, payload in requests.payloads.items():
+            arena = self.payloads.get(name)
+            if arena is None or arena.data.shape[1:] != payload.data.shape[1:] or arena.data.dtype != payload.data.dtype:
+                # (the engine refused items of another dtype or shape than the family declares before
+                # they got here: a first message of a name makes its arena)
+                arena = self.payloads[name] = Arena(self.capacity, 2 * len(payload.data), payload.data.shape[1:],
+                                                    payload.data.dtype)
+            arena.put(slots, np.cumsum(payload.counts) - payload.counts, payload.counts, payload.data, live)
+        for name, arena in self.payloads.items():
+            if name not in requests.payloads:
+                arena.clear(slots)
 
     def take(self, slots: np.ndarray) -> Requests:
         """The requests at these slots (an int64 array), in that order, as a Requests; their slots are freed."""
-        # (ndarray.take: a gather 2-4x faster than fancy indexing)
         cols = self.cols.take(slots, axis=0)
-        images = self.pixels is not None and bool(cols[:, COL["modality"]].any())
-        requests = Requests(self.calls.take(slots), cols,
-                            self.arena.take(ragged_positions(self.offsets.take(slots), cols[:, COL["lengths"]])),
-                            self.pixels.take(slots, axis=0) if images else None)
+        requests = Requests(self.calls.take(slots), cols, self.tokens.gather(slots, cols[:, COL["lengths"]]))
+        for name, arena in self.payloads.items():
+            counts = arena.counts.take(slots)
+            if counts.any():
+                requests.payloads[name] = Payload(counts=counts, data=arena.gather(slots, counts))
         self.release(slots)
         return requests
 
@@ -185,18 +246,6 @@ class RequestTable:
         self.calls[slots] = None  # (no reference kept to a finished call's id)
         self.free[self.top:self.top + len(slots)] = slots
         self.top += len(slots)
-
-    def _compact(self, live: np.ndarray, needed: int) -> None:
-        lengths = self.cols[live, COL["lengths"]]
-        kept = self.arena[ragged_positions(self.offsets[live], lengths)]
-        size = self.arena.size
-        while kept.size + needed > size // 2:
-            size *= 2
-        arena = self.arena if size == self.arena.size else np.zeros(size, np.int32)
-        arena[:kept.size] = kept
-        self.arena = arena
-        self.offsets[live] = np.cumsum(lengths) - lengths
-        self.head = kept.size
 
 
 def task_lookup(tasks) -> np.ndarray:
@@ -217,30 +266,6 @@ class RowRule(NamedTuple):
     reads: tuple[str, ...]
     broken: Callable[[Requests, Any, np.ndarray], np.ndarray]
     why: Callable[[Requests, Any, int], str]
-
-
-def _no_image_tower(r: Requests, model, runs_task: np.ndarray) -> np.ndarray:
-    return (r.modality != 0) & (model.image is None)
-
-
-def _not_a_modality(r: Requests, model, runs_task: np.ndarray) -> np.ndarray:
-    return ((r.modality < 0) | (r.modality > 1)) & (model.image is not None)
-
-
-def _image_shape(model) -> tuple[int, int, int]:
-    return (model.image.channels, model.image.height, model.image.width)
-
-
-def _wrong_pixels(r: Requests, model, runs_task: np.ndarray) -> np.ndarray:
-    if model.image is None:
-        return np.zeros(len(r), bool)
-    return (r.modality == 1) & (r.pixels is None or r.pixels.shape[1:] != _image_shape(model))
-
-
-def _wrong_vision_tokens(r: Requests, model, runs_task: np.ndarray) -> np.ndarray:
-    if model.image is None:
-        return np.zeros(len(r), bool)
-    return (r.modality == 1) & (r.lengths != model.image.tokens)
 
 
 def _ids_outside_vocabulary(r: Requests, model, runs_task: np.ndarray) -> np.ndarray:
@@ -272,33 +297,72 @@ ROW_RULES: tuple[RowRule, ...] = (
     RowRule(("expansion_start",),
             lambda r, model, runs: (r.expansion_start != -1) & ((r.expansion_start < 1) | (r.expansion_start > r.lengths)),
             lambda r, model, row: f"expansion_start {r.expansion_start[row]} is not a token of the row's {r.lengths[row]}"),
+    # (a text row's length is its tokens'; another modality's rows count what their family says)
     RowRule((), lambda r, model, runs: (r.lengths < 1) | (r.lengths > model.max_model_len) & (r.modality == 0),
             lambda r, model, row: f"engine input has {r.lengths[row]} tokens; the model takes 1 to {model.max_model_len}"),
-    # Image rows (`modality` 1): a model with an image tower, pixels of its shape, and as many
-    # placeholder ids as its vision sequence.
-    RowRule(("modality",), _no_image_tower, lambda r, model, row: "an image input, but the model takes no images"),
-    RowRule(("modality",), _not_a_modality,
-            lambda r, model, row: f"modality {r.modality[row]} is not 0 (text) or 1 (image)"),
-    RowRule(("modality",), _wrong_pixels,
-            lambda r, model, row: f"an image's pixels must have the shape {_image_shape(model)}"),
-    RowRule(("modality",), _wrong_vision_tokens,
-            lambda r, model, row: f"an image row must count the model's {model.image.tokens} vision tokens"),
     RowRule((), _ids_outside_vocabulary,
             lambda r, model, row: f"engine input has token ids outside [0, {model.vocab_size})"),
 )
-# The request columns some rule reads: a message that carries one of them is gone through the rules.
-CHECKED_COLUMNS = frozenset(name for rule in ROW_RULES for name in rule.reads)
-if CHECKED_COLUMNS - DEFAULTS.keys():
-    raise RuntimeError(f"a row rule reads {sorted(CHECKED_COLUMNS - DEFAULTS.keys())}, which core.shared.schema does not "
-                       "declare: this is a bug")
 
 
-def invalid_rows(requests: Requests, model, runs_task: np.ndarray, sent: AbstractSet[str] | None = None
-                 ) -> list[tuple[int, str]]:
-    """The rows an engine must refuse, each with the first rule of `ROW_RULES` it breaks; [] for a
-    valid message, the usual case, found with a few array operations over the whole message.
-    `model` is the ModelSpec; `runs_task`, its `task_lookup`; `sent`, the request columns the
-    message carried (None: any): a column it did not carry holds its default, which is valid."""
+class RowChecks(NamedTuple):
+    """What one engine checks its rows against: everyone's `ROW_RULES`, the modalities its model's
+    family takes, then the family's own rules (`ModelFamily.row_rules`); `checked`, the request
+    columns some rule reads (a message that carries one of them is gone through the rules);
+    `payloads`, the arrays the family declares (`ModelFamily.payloads`)."""
+
+    rules: tuple[RowRule, ...]
+    checked: frozenset[str]
+    payloads: dict[str, PayloadSpec]
+
+
+def row_checks(modalities: AbstractSet[str] = frozenset({"text"}), payloads: dict[str, PayloadSpec] | None = None,
+               family_rules: tuple[RowRule, ...] = ()) -> RowChecks:
+    takes = np.asarray([name in modalities for name in MODALITIES] + [False])  # (the last: a code none has)
+
+    def why(r: Requests, model, row: int) -> str:
+        code = int(r.modality[row])
+        if 0 <= code < len(MODALITIES):
+            return f"an {MODALITIES[code]} input, but the model takes no {MODALITIES[code]}s"
+        return f"modality {code} is not one of {MODALITIES}"
+
+    rules = (*ROW_RULES,
+             RowRule(("modality",), lambda r, model, runs: ~takes.take(np.clip(r.modality, -1, len(MODALITIES))), why),
+             *family_rules)
+    checked = frozenset(name for rule in rules for name in rule.reads)
+    if checked - DEFAULTS.keys():
+        raise RuntimeError(f"a row rule reads {sorted(checked - DEFAULTS.keys())}, which core.shared.schema does "
+                           "not declare: this is a bug")
+    return RowChecks(rules, checked, dict(payloads or {}))
+
+
+TEXT_ONLY = row_checks()  # a text model's (the family of a model that takes more says so: EngineCore)
+
+
+def _payload_problems(requests: Requests, specs: dict[str, PayloadSpec]) -> list[tuple[np.ndarray, str]]:
+    """Per payload a message carries that the family does not declare as it came: the rows that
+    have items, and why (a name it does not take, another dtype or item shape, too many items)."""
+    problems = []
+    for name, payload in requests.payloads.items():
+        has = payload.counts > 0
+        spec = specs.get(name)
+        if spec is None:
+            problems.append((has, f"payload {name!r} is not one this model takes ({sorted(specs) or 'none'})"))
+        elif payload.data.dtype.str != spec.dtype or payload.data.shape[1:] != spec.item_shape:
+            problems.append((has, f"payload {name!r} must be {spec.dtype} items of shape {spec.item_shape}, got "
+                                  f"{payload.data.dtype.str} {payload.data.shape[1:]}"))
+        else:
+            problems.append((payload.counts > spec.max_items, f"payload {name!r}: at most {spec.max_items} items a row"))
+    return problems
+
+
+def invalid_rows(requests: Requests, model, runs_task: np.ndarray, sent: AbstractSet[str] | None = None,
+                 checks: RowChecks = TEXT_ONLY) -> list[tuple[int, str]]:
+    """The rows an engine must refuse, each with its first problem: a payload the model's family
+    does not declare as it came, then the first rule of `checks` it breaks; [] for a valid message,
+    the usual case, found with a few array operations over the whole message. `model` is the
+    ModelSpec; `runs_task`, its `task_lookup`; `sent`, the request columns the message carried
+    (None: any): a column it did not carry holds its default, which is valid."""
     n = len(requests)
     if not n:
         return []
@@ -311,17 +375,19 @@ def invalid_rows(requests: Requests, model, runs_task: np.ndarray, sent: Abstrac
     # the message's one (task, params): its task and dimensions are checked once, on row 0.)
     params = slice(0, 1) if sent is not None and "param_of" not in sent else slice(None)
     task, dims = requests.task[params], requests.dimensions[params]
-    if (sent is not None and not sent & CHECKED_COLUMNS
+    if (sent is not None and not sent & checks.checked and not requests.payloads
             and int(lengths.min()) >= 1 and int(lengths.max()) <= model.max_model_len
             and not (ids.size and int(ids.view(np.uint32).max()) >= model.vocab_size)
             and runs_task.take(task + 2).all() and int(dims.min()) >= -1 and not (dims == 0).any()):
         return []
-    masks = [rule.broken(requests, model, runs_task) for rule in ROW_RULES]
+    problems = _payload_problems(requests, checks.payloads)
+    masks = [mask for mask, _ in problems] + [rule.broken(requests, model, runs_task) for rule in checks.rules]
     broken = np.logical_or.reduce(masks)
     out = []
     for row in np.flatnonzero(broken).tolist():
         first = next(k for k, mask in enumerate(masks) if mask[row])
-        out.append((row, ROW_RULES[first].why(requests, model, row)))
+        out.append((row, problems[first][1] if first < len(problems)
+                    else checks.rules[first - len(problems)].why(requests, model, row)))
     return out
 
 

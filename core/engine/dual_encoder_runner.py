@@ -85,7 +85,8 @@ class DualEncoderRunner:
         tasks = {TASKS[int(code)] for code in np.unique(batch.task)}
         if tasks - {"embed", "score"}:
             raise ValueError(f"a dual encoder gives embeddings only, not {sorted(tasks - {'embed', 'score'})}")
-        images = batch.modality == 1
+        pixels = batch.payloads.get("pixels")  # (an image row's one item; the family's rules hold it)
+        images = np.zeros(len(batch), bool) if pixels is None else pixels.counts > 0
         begin, end = start_events(self.device)  # (on CUDA: the step runs on while the engine goes on)
         vectors = torch.empty((len(batch), self.spec.hidden_size), dtype=torch.float32, device=self.device)
         padded = 0
@@ -102,11 +103,10 @@ class DualEncoderRunner:
                 padded += ids.size
         if images.any():
             rows = np.flatnonzero(images)
-            pixels = batch.pixels[rows] if len(rows) < len(batch) else batch.pixels
             if self.image_tower is not None:  # (it rescales and normalizes the pixels itself)
-                embedded = torch.from_numpy(self.image_tower(pixels)[0])
+                embedded = torch.from_numpy(self.image_tower(pixels.data)[0])
             else:
-                values = self._normalized(pixels)
+                values = self._normalized(pixels.data)
                 embedded = _pooled(self.model.get_image_features(pixel_values=values.to(self.dtype))).float()
             vectors[to_device(rows, self.device)] = embedded
             padded += len(rows) * self.spec.image.tokens

@@ -38,7 +38,7 @@ import msgspec
 import numpy as np
 import zmq
 
-from pooling_pipeline.core.engine.columns import Requests, invalid_rows, task_lookup
+from pooling_pipeline.core.engine.columns import Requests, invalid_rows, row_checks, task_lookup
 from pooling_pipeline.core.engine.device_copies import sticky_device_error
 from pooling_pipeline.core.engine.scheduler import MIN_ROWS_CUT, Scheduler
 from pooling_pipeline.core.engine.step_cost import StepCostModel, remembered_probe
@@ -464,6 +464,8 @@ class InputReader:
         self.dropped_control = DropLog(engine.log, "a malformed or foreign control message")
         self.dropped_input = DropLog(engine.log, "a malformed or foreign input message")
         self.runs_task = task_lookup(engine.cfg.model.tasks)
+        family = family_of(engine.cfg.model)  # (its modalities, the arrays its rows carry and their rules)
+        self.checks = row_checks(family.modalities, family.payloads(engine.cfg.model), family.row_rules(engine.cfg.model))
         # The waits, by (room in the window, results held back): control always, inputs with
         # room, and the frontend's socket taking more when results wait to be sent.
         self.pollers = {}
@@ -522,7 +524,7 @@ class InputReader:
         # (A message naming one request twice is not looked for: each copy is computed and answered,
         # and the frontend takes the first answer of each request.)
         requests = Requests.from_message(msg)
-        rejected = invalid_rows(requests, self.cfg.model, self.runs_task, msg.columns.keys())
+        rejected = invalid_rows(requests, self.cfg.model, self.runs_task, msg.columns.keys(), self.checks)
         if rejected:  # a well-formed message with bad contents: those requests are refused, the rest kept
             self.engine.log.error("rejected %d malformed engine inputs", len(rejected))
             indices = requests.indices

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pooling_pipeline.core.shared.config import EngineConfig, ModelSpec
+    from pooling_pipeline.core.engine.columns import RowRule
+    from pooling_pipeline.core.shared.config import EngineConfig, ModelSpec, PayloadSpec
 
 
 class ModelFamily:
@@ -37,6 +38,17 @@ class ModelFamily:
         if image_decode != "exact" and not self.takes("image"):
             raise ValueError(f"image_decode={image_decode!r} applies to a model that takes images (CLIP, SigLIP), and "
                              f"model {spec.path!r} takes none")
+
+    def payloads(self, spec: ModelSpec) -> dict[str, PayloadSpec]:
+        """The arrays its rows carry beyond their token ids (`messages.Payload`), by name: what the
+        render workers make and the engine admits (a payload of another name, dtype, item shape or
+        more items a row is refused, naming the request). None for a text model."""
+        return {}
+
+    def row_rules(self, spec: ModelSpec) -> tuple[RowRule, ...]:
+        """The engine's rules for its rows beyond everyone's (core/engine/columns.py, `ROW_RULES`):
+        how its modalities' rows and payloads fit together. Asked in the engine core only."""
+        return ()
 
     def runner(self, cfg: EngineConfig, **device_steps: Any):
         """What the engine core runs steps through (a core.engine.step_runner.StepRunner). `device_steps`:

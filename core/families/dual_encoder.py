@@ -11,9 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from pooling_pipeline.core.families.base import ModelFamily
 from pooling_pipeline.core.families.transformer import INSTALL_HINT
+from pooling_pipeline.core.shared.config import PayloadSpec
 from pooling_pipeline.core.shared.devices import cuda_expected, openvino_installed
+from pooling_pipeline.core.shared.schema import MODALITIES
 
 
 class DualEncoderFamily(ModelFamily):
@@ -22,6 +26,29 @@ class DualEncoderFamily(ModelFamily):
 
     def longest_input(self, spec) -> int:
         return max(spec.max_model_len, spec.image.tokens)  # a text's, or an image's vision sequence
+
+    def payloads(self, spec) -> dict[str, PayloadSpec]:
+        """An image row's pixels: one uint8 [C, H, W] item, the image processor's resize and crop."""
+        image = spec.image
+        return {"pixels": PayloadSpec(dtype="|u1", item_shape=(image.channels, image.height, image.width), max_items=1)}
+
+    def row_rules(self, spec) -> tuple:
+        """An image row carries its pixels and as many placeholder ids as its vision sequence; a
+        text row carries no pixels."""
+        from pooling_pipeline.core.engine.columns import RowRule
+
+        image_code, tokens = MODALITIES.index("image"), spec.image.tokens
+
+        def pixels_of(r):
+            payload = r.payloads.get("pixels")
+            return np.zeros(len(r), np.int64) if payload is None else payload.counts
+
+        return (RowRule(("modality",), lambda r, model, runs: (r.modality == image_code) & (pixels_of(r) != 1),
+                        lambda r, model, row: "an image row must carry its pixels, one image"),
+                RowRule(("modality",), lambda r, model, runs: (r.modality != image_code) & (pixels_of(r) != 0),
+                        lambda r, model, row: "a text row carries no pixels"),
+                RowRule(("modality",), lambda r, model, runs: (r.modality == image_code) & (r.lengths != tokens),
+                        lambda r, model, row: f"an image row must count the model's {tokens} vision tokens"))
 
     def backend(self, backend: str, quantize: str | None, device: str, dtype: str) -> str:
         """The text tower runs on torch; the image tower on OpenVINO under backend="openvino" (a

@@ -13,6 +13,7 @@ import typing
 from typing import Literal
 
 import msgspec
+import numpy as np
 
 from pooling_pipeline.core.shared.options import Backend, EngineDtype, Quantize, Task
 from pooling_pipeline.core.shared.sim_device import SimDevice
@@ -127,6 +128,23 @@ class ImageSpec(msgspec.Struct, kw_only=True):
     # The vision transformer's sequence per image (patches, plus a class token where it has one):
     # an image request counts this many tokens in the engine's step budget.
     tokens: int
+
+
+class PayloadSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What a row's named array (`messages.Payload`) must be for a model, as its family declares it
+    (`ModelFamily.payloads`): its items' dtype (numpy's `dtype.str`, "|u1" for uint8) and shape, and
+    how many items one row may carry -- what bounds the engine's memory by bytes per request."""
+
+    dtype: str
+    item_shape: tuple[int, ...]
+    max_items: int = 1
+
+    @property
+    def item_bytes(self) -> int:
+        size = int(np.dtype(self.dtype).itemsize)
+        for d in self.item_shape:
+            size *= d
+        return size
 
 
 class AdapterSpec(msgspec.Struct, kw_only=True):

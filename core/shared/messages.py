@@ -26,7 +26,14 @@ import msgspec
 import numpy as np
 
 from pooling_pipeline.core.shared.options import COLUMN_OPTIONS, EMBEDDING_TASKS, LongInputs, PositiveInt, Task
-from pooling_pipeline.core.shared.schema import DEFAULTS, int_column, packed_lengths, select_packed
+from pooling_pipeline.core.shared.schema import (
+    DEFAULTS,
+    int_column,
+    packed_lengths,
+    payload_counts,
+    ragged_positions,
+    select_packed,
+)
 
 
 class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
@@ -218,6 +225,23 @@ class RenderBatch(msgspec.Struct, kw_only=True, tag=True, array_like=True, omit_
         return self.options if self.items is None else self.items[position].options
 
 
+class Payload(msgspec.Struct, kw_only=True, array_like=True):
+    """One named array per row of an engine input, each of its own length along the first axis
+    (an image's pixels, its patches and their grid, audio features): `counts`, each row's items
+    (int64 [n]; 0: the row has none), `data`, every row's items back to back ([sum(counts), *item
+    shape], one dtype). What a name holds, its dtype and item shape, is the model family's
+    (`ModelFamily.payloads`); the wire and the engine carry any."""
+
+    counts: np.ndarray
+    data: np.ndarray
+
+    def rows(self, rows: np.ndarray) -> Payload:
+        """The items of these rows (positions, in any order), as a payload of their own."""
+        counts = self.counts.take(rows)
+        starts = np.cumsum(self.counts) - self.counts
+        return Payload(counts=counts, data=self.data.take(ragged_positions(starts.take(rows), counts), axis=0))
+
+
 class EngineInputBatch(msgspec.Struct, kw_only=True, tag=True, array_like=True, omit_defaults=True):
     """Engine inputs of one call in columns -- each row is one request's PoolingEngineInput: its
     token ids and params, ready for the engine: one packed ids array with a lengths column, the
@@ -234,10 +258,10 @@ class EngineInputBatch(msgspec.Struct, kw_only=True, tag=True, array_like=True, 
     params: list[PoolingParams]
     columns: dict[str, np.ndarray] = {}  # schema.REQUEST_COLUMNS name -> int64 [n], when not all default
     render_s: float = 0.0  # the worker's rendering time since its previous message (for stats)
-    # A message of images (a dual encoder's): uint8 [n, channels, height, width], row i's pixels,
-    # resized and cropped by the image processor; every row has `modality` 1, and its token ids are
-    # placeholders (zeros) counting its vision sequence, which the step's token budget weighs.
-    pixels: np.ndarray | None = None
+    # The rows' arrays beyond their ids, by name (a dual encoder's image rows: "pixels", uint8
+    # [C, H, W] each, with `modality` 1 and placeholder ids counting their vision sequence, which
+    # the step's token budget weighs).
+    payloads: dict[str, Payload] = {}
     resent: bool = False  # the RenderBatch's `resent`: a waiting copy of a request is replaced
 
     def check(self) -> list[int]:
@@ -247,15 +271,8 @@ class EngineInputBatch(msgspec.Struct, kw_only=True, tag=True, array_like=True, 
         n = len(self.indices)
         int_column(self.indices, n, "indices", optional=False)
         sizes = packed_lengths(self.token_ids, self.lengths, n)
-        modality = self.columns.get("modality")
-        if self.pixels is not None:
-            if self.pixels.dtype != np.uint8 or self.pixels.ndim != 4 or self.pixels.shape[0] != n:
-                raise ValueError(f"pixels must be uint8 of shape ({n}, channels, height, width), got "
-                                 f"{self.pixels.dtype} {self.pixels.shape}")
-            if n and (modality is None or int(modality.min()) != 1 or int(modality.max()) != 1):
-                raise ValueError("a message with pixels must be images only (modality 1)")
-        elif modality is not None and n and int(modality.max()) != 0:
-            raise ValueError("image rows (modality 1) need their pixels")
+        for name, payload in self.payloads.items():
+            payload_counts(payload.counts, payload.data, n, name)
         if not self.tasks or len(self.tasks) != len(self.params):
             raise ValueError("tasks and params must be pairs, at least one")
         for name, values in self.columns.items():

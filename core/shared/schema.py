@@ -34,13 +34,17 @@ REQUEST_COLUMNS: tuple[Column, ...] = (
     Column("pool_start", 0, "tokens at the start that pooling leaves out: the prompt's (ST's prompt_length)"),
     Column("chunk", -1, "chunk mode: the chunk's number in its document; -1: a whole request"),
     Column("num_chunks", 0, "chunk mode: how many chunks its document has"),
-    Column("modality", 0, "0: text (token ids); 1: an image (a dual encoder's: its pixels travel in the message, "
-           "its token ids are placeholders that count its vision sequence for the step's budget)"),
+    Column("modality", 0, "what the row is, a position in MODALITIES (0: text); its arrays travel as the message's "
+           "payloads (a dual encoder's image: its pixels, and placeholder ids that count its vision sequence "
+           "for the step's budget)"),
     Column("expansion_start", -1, "query expansion (ColBERT): the first of the row's appended expansion tokens, "
            "which the encoder does not attend to (ST's attend=False); -1: none"),
     *(Column(o.name, o.column, o.doc) for o in COLUMN_OPTIONS),
 )
 OPTION_COLUMNS: tuple[str, ...] = tuple(o.name for o in COLUMN_OPTIONS)
+# The `modality` column's codes: a row's position here. A family says which it takes
+# (core/families/base.py, `modalities`); the engine refuses a row of any other.
+MODALITIES: tuple[str, ...] = ("text", "image", "audio")
 DEFAULTS: dict[str, int] = {c.name: c.default for c in REQUEST_COLUMNS}
 
 # What the engine reads of a row's PoolingParams, as integer codes resolved once per message from
@@ -106,6 +110,16 @@ def select_packed(token_ids: np.ndarray, lengths: np.ndarray, rows) -> tuple[np.
 
 
 # ---- checks -------------------------------------------------------------------------------
+
+
+def payload_counts(counts: np.ndarray, data: np.ndarray, n: int, name: str) -> None:
+    """ValueError unless `counts` (each row's items, along the first axis of `data`) are n
+    non-negative integers adding up to data's first axis."""
+    int_column(counts, n, f"payload {name!r} counts", optional=False)
+    if data.ndim < 1:
+        raise ValueError(f"payload {name!r} must be an array of items (at least one axis)")
+    if n and int(counts.min()) < 0 or int(counts.sum()) != data.shape[0]:
+        raise ValueError(f"payload {name!r}: its counts do not add up to its {data.shape[0]} items")
 
 
 def int_column(values: np.ndarray | None, n: int, name: str, optional: bool = True, shape: tuple = ()) -> None:
