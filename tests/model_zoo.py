@@ -1278,6 +1278,27 @@ def build_siglip(target: str | Path, name: str = "siglip") -> str:
     return _save_dual_encoder(Path(target), name, model, processor, "st", False)
 
 
+def build_siglip2(target: str | Path, name: str = "siglip2", max_num_patches: int = 64) -> str:
+    """A tiny SigLIP2 with its NaFlex processor (images keep their aspect ratio in up to 256 patches
+    of 16 px as Siglip2Processor calls it, whatever `max_num_patches` its image processor saves) and
+    a T5-style Unigram tokenizer, saved by ST 6."""
+    import torch
+    from transformers import Siglip2Config, Siglip2ImageProcessorPil, Siglip2Model, Siglip2Processor
+
+    _seed()
+    tok = t5_tokenizer()
+    tok.model_max_length = 64
+    towers = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    config = Siglip2Config(text_config=dict(vocab_size=len(tok), max_position_embeddings=64, pad_token_id=tok.pad_token_id,
+                                            eos_token_id=tok.eos_token_id, bos_token_id=None, **towers),
+                           vision_config=dict(patch_size=16, num_patches=64, **towers))
+    with torch.no_grad():
+        model = Siglip2Model(config).eval()
+    processor = Siglip2Processor(image_processor=Siglip2ImageProcessorPil(max_num_patches=max_num_patches, patch_size=16),
+                                 tokenizer=tok)
+    return _save_dual_encoder(Path(target), name, model, processor, "st", False)
+
+
 def _save_dual_encoder(target: Path, name: str, model, processor, layout: str, normalize: bool) -> str:
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.base.modules import Normalize, Transformer

@@ -73,6 +73,8 @@ class InProcess:
     reads, a render worker's renderer and the engine core's runner."""
 
     def __init__(self, path: str) -> None:
+        from pooling_pipeline.core.engine.columns import row_checks, task_lookup
+        from pooling_pipeline.core.families import family_of
         from pooling_pipeline.core.shared.model_folder.load import load_model_spec
         from pooling_pipeline.inputs import Tokenization
         from pooling_pipeline.workers.render import build_renderer
@@ -80,6 +82,9 @@ class InProcess:
         self.spec = load_model_spec(path)
         self.renderer = build_renderer(self.spec)
         self.runner = engine_runner(self.spec)
+        family = family_of(self.spec)  # (the engine core's checks of each row, as EngineCore makes them)
+        self.checks = row_checks(family.modalities, family.payloads(self.spec), family.row_rules(self.spec))
+        self.runs_task = task_lookup(self.spec.tasks)
         # What a render worker reports at start-up (workers/main.py) and the frontend keeps.
         self.tokenization = Tokenization(num_special_tokens=self.renderer.tokenizer.num_special_tokens,
                                          truncation_side=str(getattr(self.renderer.hf, "truncation_side", "right")))
@@ -87,7 +92,7 @@ class InProcess:
     def run(self, prompts: list, task: str, *, pairs: bool = False, **options) -> list:
         """Each prompt's engine result, in input order: a vector, class probabilities, a score's
         [1] array, (token ids, weights) of a sparse vector, or one vector per token."""
-        from pooling_pipeline.core.engine.columns import Requests
+        from pooling_pipeline.core.engine.columns import Requests, invalid_rows
         from pooling_pipeline.core.shared import messages as m
         from pooling_pipeline.inputs import FailedRequest, build_requests
         from pooling_pipeline.options import CallOptions
@@ -106,6 +111,8 @@ class InProcess:
                     message = wire(message, m.EngineInbound)
                     message.check()
                     requests = Requests.from_message(message)
+                    refused = invalid_rows(requests, self.spec, self.runs_task, message.columns.keys(), self.checks)
+                    assert not refused, refused
                     values, _ = self.runner.run(requests)
                     results.update(zip(requests.indices.tolist(), values))
         assert sorted(results) == list(range(len(prompts)))
@@ -410,7 +417,8 @@ def tiny_images() -> list:
             Image.fromarray(np.linspace(0, 255, 300 * 90 * 3).astype(np.uint8).reshape(90, 300, 3))]
 
 
-DUAL_ENCODERS = {"clip": lambda tmp: zoo.build_clip(tmp, layout="st"), "siglip": lambda tmp: zoo.build_siglip(tmp)}
+DUAL_ENCODERS = {"clip": lambda tmp: zoo.build_clip(tmp, layout="st"), "siglip": lambda tmp: zoo.build_siglip(tmp),
+                 "siglip2 NaFlex": lambda tmp: zoo.build_siglip2(tmp)}
 
 
 @pytest.mark.parametrize("family", list(DUAL_ENCODERS))

@@ -37,64 +37,19 @@ class ImageError(ValueError):
     """An image that cannot be turned into pixels: the request's error."""
 
 
-class ImageRenderer:
-    """The model's image processor, loaded as ST loads it -- the class the frontend read from the
-    model's files, on the backend transformers picks in this environment (PIL, or torchvision
-    where it is installed, as in ST's own process) -- and the opening rules above."""
+class ImageOpener:
+    """The opening rules above, for any model family's images: `open` gives what ST hands the
+    processor. `processor` is the model's image processor (its backend decides who decodes a
+    file); `draft_side`: JPEGs decoded at a reduced DCT scale that still covers it (None: exact);
+    `max_pixels`: the most pixels an image may have before it is decoded."""
 
-    def __init__(self, spec: ModelSpec, draft: bool = False, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
-        """`draft`: JPEGs decoded at a reduced DCT scale that still covers the model's input (opt-in);
-        `max_pixels`: the most pixels an image may have before it is decoded (the caller's options)."""
+    def __init__(self, processor, max_pixels: int, draft_side: int | None = None) -> None:
         from PIL import Image, ImageOps  # (a worker of a text model never imports PIL)
-        from transformers import AutoImageProcessor
 
-        self.spec, self.draft, self.max_pixels = spec.image, draft, max_pixels
         self._image, self._exif_transpose = Image, ImageOps.exif_transpose
         self.malloc_tuned = keep_freed_memory()
-        self.processor = AutoImageProcessor.from_pretrained(spec.path)
-        self.backend = processor_backend(self.processor)
-        check_processor(self.processor, spec)
-        # Draft decoding (opt-in) may shrink a JPEG while it decodes, never below what the resize needs.
-        size = self.processor.size
-        self.draft_side = max(getattr(size, k) or 0 for k in ("shortest_edge", "height", "width"))
-        # The shortcuts reproduce Pillow's resize, each checked against the processor here: a
-        # torchvision processor runs every image itself.
-        self.direct = DirectResize(self.processor) if self.backend == "pil" else None
-        self.window = CropWindow(self.processor)
-        probe = self.pixels(ImageData(pixels=np.zeros(48 * 64 * 3, np.uint8), dtype="|u1", shape=[48, 64, 3]))
-        if probe.shape != (self.spec.channels, self.spec.height, self.spec.width):
-            raise ValueError(f"{spec.path}: the image processor makes {probe.shape} pixels, the frontend expected "
-                             f"{(self.spec.channels, self.spec.height, self.spec.width)}: this is a bug")
-
-    def pixels(self, image: ImageData) -> np.ndarray:
-        """The image as uint8 [channels, height, width], resized and cropped by the processor."""
-        opened = self.open(image)
-        try:
-            sizes = self.window.resized_size(opened)
-            if sizes is not None and self.window.takes(sizes):
-                return self.window(opened)  # an extreme aspect ratio: the crop alone, in bounded memory
-            self._check_resized_size(sizes)
-            if self.direct is not None and self.direct.takes(opened):
-                return self.direct(opened)
-            out = self.processor([opened], do_rescale=False, do_normalize=False, return_tensors="np")["pixel_values"]
-        except ImageError:
-            raise
-        except Exception as e:
-            raise ImageError(f"the image processor cannot take this image: {type(e).__name__}: {e}") from None
-        if out.dtype != np.uint8:  # (an array input of floats: rescaled by its caller, say)
-            raise ImageError(f"an image array of dtype {image.dtype} gives {out.dtype} pixels; pass uint8 values "
-                             "(or a PIL image)")
-        return out[0]
-
-    @staticmethod
-    def _check_resized_size(sizes) -> None:
-        """An image whose resize the crop window does not compute is refused where that resize
-        would take more memory than MAX_RESIZED_PIXELS allows."""
-        if sizes is not None and sizes[1][0] * sizes[1][1] > MAX_RESIZED_PIXELS:
-            (height, width), (new_height, new_width) = sizes
-            raise ImageError(f"an image of {width}x{height} pixels would be resized to {new_width}x{new_height} "
-                             f"before its crop, more than the {MAX_RESIZED_PIXELS} pixels a worker resizes at once "
-                             "(an extreme aspect ratio); crop or pad it first")
+        self.processor, self.backend = processor, processor_backend(processor)
+        self.max_pixels, self.draft, self.draft_side = max_pixels, draft_side is not None, draft_side or 0
 
     def open(self, image: ImageData):
         """The image as ST hands it to the processor: a PIL image (loaded) or a numpy array."""
@@ -163,6 +118,66 @@ class ImageRenderer:
         except Exception as e:
             raise ImageError(f"the in-memory image cannot be rebuilt: {type(e).__name__}: {e}") from None
 
+
+class ImageRenderer(ImageOpener):
+    """A CLIP / SigLIP image: the model's image processor, loaded as ST loads it -- the class the
+    frontend read from the model's files, on the backend transformers picks in this environment
+    (PIL, or torchvision where it is installed, as in ST's own process) -- and its resize and crop
+    to uint8 pixels of the model's one size."""
+
+    def __init__(self, spec: ModelSpec, draft: bool = False, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
+        """`draft`: JPEGs decoded at a reduced DCT scale that still covers the model's input (opt-in);
+        `max_pixels`: the most pixels an image may have before it is decoded (the caller's options)."""
+        from transformers import AutoImageProcessor
+
+        processor = AutoImageProcessor.from_pretrained(spec.path)
+        size = processor.size  # (draft decoding never shrinks an image below what the resize needs)
+        super().__init__(processor, max_pixels,
+                         max(getattr(size, k) or 0 for k in ("shortest_edge", "height", "width")) if draft else None)
+        self.spec = spec.image
+        check_processor(self.processor, spec)
+        # The shortcuts reproduce Pillow's resize, each checked against the processor here: a
+        # torchvision processor runs every image itself.
+        self.direct = DirectResize(self.processor) if self.backend == "pil" else None
+        self.window = CropWindow(self.processor)
+        probe = self.pixels(ImageData(pixels=np.zeros(48 * 64 * 3, np.uint8), dtype="|u1", shape=[48, 64, 3]))
+        if probe.shape != (self.spec.channels, self.spec.height, self.spec.width):
+            raise ValueError(f"{spec.path}: the image processor makes {probe.shape} pixels, the frontend expected "
+                             f"{(self.spec.channels, self.spec.height, self.spec.width)}: this is a bug")
+
+    def render(self, image: ImageData) -> tuple[int, dict[str, np.ndarray]]:
+        """(the tokens its vision sequence counts, its payloads): one "pixels" item."""
+        return self.spec.tokens, {"pixels": self.pixels(image)[None]}
+
+    def pixels(self, image: ImageData) -> np.ndarray:
+        """The image as uint8 [channels, height, width], resized and cropped by the processor."""
+        opened = self.open(image)
+        try:
+            sizes = self.window.resized_size(opened)
+            if sizes is not None and self.window.takes(sizes):
+                return self.window(opened)  # an extreme aspect ratio: the crop alone, in bounded memory
+            self._check_resized_size(sizes)
+            if self.direct is not None and self.direct.takes(opened):
+                return self.direct(opened)
+            out = self.processor([opened], do_rescale=False, do_normalize=False, return_tensors="np")["pixel_values"]
+        except ImageError:
+            raise
+        except Exception as e:
+            raise ImageError(f"the image processor cannot take this image: {type(e).__name__}: {e}") from None
+        if out.dtype != np.uint8:  # (an array input of floats: rescaled by its caller, say)
+            raise ImageError(f"an image array of dtype {image.dtype} gives {out.dtype} pixels; pass uint8 values "
+                             "(or a PIL image)")
+        return out[0]
+
+    @staticmethod
+    def _check_resized_size(sizes) -> None:
+        """An image whose resize the crop window does not compute is refused where that resize
+        would take more memory than MAX_RESIZED_PIXELS allows."""
+        if sizes is not None and sizes[1][0] * sizes[1][1] > MAX_RESIZED_PIXELS:
+            (height, width), (new_height, new_width) = sizes
+            raise ImageError(f"an image of {width}x{height} pixels would be resized to {new_width}x{new_height} "
+                             f"before its crop, more than the {MAX_RESIZED_PIXELS} pixels a worker resizes at once "
+                             "(an extreme aspect ratio); crop or pad it first")
 
 def _as_load_image_source(image: ImageData) -> str:
     """The string transformers' loaders take for an image file: its path, its data URI or raw base64

@@ -180,10 +180,11 @@ class Renderer:
         # document's vector as the call asked, a saved truncate_dim included).
         self.chunk_params = PoolingParams(normalize=False, dimensions=spec.embedding_size if spec.truncate_dim else None)
         self.images = None
-        if family_of(spec).takes("image"):  # (a dual encoder: its images are opened and resized here too)
-            from pooling_pipeline.workers.images import ImageRenderer
-
-            self.images = ImageRenderer(spec, draft=image_draft, max_pixels=max_image_pixels)
+        renderer = family_of(spec).image_renderer  # (its images are opened and processed here too)
+        if renderer is not None:
+            module, _, name = renderer.partition(":")
+            self.images = getattr(importlib.import_module(module), name)(spec, draft=image_draft,
+                                                                         max_pixels=max_image_pixels)
 
     def render(self, batch: RenderBatch) -> tuple[EngineInputPacker, list[tuple[int, str]]]:
         """The batch's engine inputs in columns, and the requests that failed with why."""
@@ -419,13 +420,12 @@ class Renderer:
             failed.append((index, f"ValueError: model {self.spec.path!r} takes no images"))
             return
         try:
-            pixels = self.images.pixels(item.image)
+            tokens, payloads = self.images.render(item.image)
         except Exception as e:  # a bad image is this request's error, never a crash
             failed.append((index, f"ValueError: {e}" if type(e).__name__ == "ImageError" else f"{type(e).__name__}: {e}"))
             return
         # (its vision sequence's length in placeholder ids: what the engine's step budget weighs)
-        rows.add(index, np.zeros(self.spec.image.tokens, np.int64), item.options, payloads={"pixels": pixels[None]},
-                 modality=MODALITIES.index("image"))
+        rows.add(index, np.zeros(tokens, np.int64), item.options, payloads=payloads, modality=MODALITIES.index("image"))
 
     def _render_one(self, item: RenderParams, prompt: str | None, chat_template: str | None):
         opts = item.options

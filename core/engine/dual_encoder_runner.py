@@ -27,7 +27,10 @@ from pooling_pipeline.core.engine.step_cost import probe_step_cost
 from pooling_pipeline.core.engine.step_runner import PendingStep
 from pooling_pipeline.core.shared.config import ModelSpec
 from pooling_pipeline.core.shared.options import TASKS
+from pooling_pipeline.core.shared.schema import MODALITIES
 from pooling_pipeline.core.shared.vectors import finish_grouped_sentence_embeddings
+
+IMAGE = MODALITIES.index("image")
 
 
 class DualEncoderRunner:
@@ -42,7 +45,7 @@ class DualEncoderRunner:
         self.model = AutoModel.from_pretrained(spec.path, dtype=dtype).to(device).eval()
         self.image_tower = None  # backend "openvino": the image tower compiled by OpenVINO
         self.sentence_head = SentenceHead(spec.head_modules).to(device).eval() if spec.head_modules else None
-        self.last_position_pooling = spec.model_type == "siglip"  # (see the module's docstring)
+        self.last_position_pooling = spec.model_type in ("siglip", "siglip2")  # (see the module's docstring)
         image = spec.image
         scale = image.rescale_factor if image.do_rescale else 1.0
         mean = image.mean if image.do_normalize else [0.0] * image.channels
@@ -85,8 +88,7 @@ class DualEncoderRunner:
         tasks = {TASKS[int(code)] for code in np.unique(batch.task)}
         if tasks - {"embed", "score"}:
             raise ValueError(f"a dual encoder gives embeddings only, not {sorted(tasks - {'embed', 'score'})}")
-        pixels = batch.payloads.get("pixels")  # (an image row's one item; the family's rules hold it)
-        images = np.zeros(len(batch), bool) if pixels is None else pixels.counts > 0
+        images = batch.modality == IMAGE
         begin, end = start_events(self.device)  # (on CUDA: the step runs on while the engine goes on)
         vectors = torch.empty((len(batch), self.spec.hidden_size), dtype=torch.float32, device=self.device)
         padded = 0
@@ -103,13 +105,9 @@ class DualEncoderRunner:
                 padded += ids.size
         if images.any():
             rows = np.flatnonzero(images)
-            if self.image_tower is not None:  # (it rescales and normalizes the pixels itself)
-                embedded = torch.from_numpy(self.image_tower(pixels.data)[0])
-            else:
-                values = self._normalized(pixels.data)
-                embedded = _pooled(self.model.get_image_features(pixel_values=values.to(self.dtype))).float()
+            embedded, computed = self._image_vectors(batch)
             vectors[to_device(rows, self.device)] = embedded
-            padded += len(rows) * self.spec.image.tokens
+            padded += computed
         if self.sentence_head is not None:
             vectors = self.sentence_head(vectors)
         groups = option_groups(batch, batch.normalize)
@@ -121,6 +119,16 @@ class DualEncoderRunner:
         host = [to_host(vectors)]
         record_end(end, self.device)
         return PendingStep(padded, host, finish, started, begin, end)
+
+    def _image_vectors(self, batch: Requests) -> tuple[torch.Tensor, int]:
+        """The image rows' embeddings (float32, in the rows' order) and the tokens their tower computed."""
+        pixels = batch.payloads["pixels"].data  # (an image row's one item; its family's rules hold it)
+        if self.image_tower is not None:  # (it rescales and normalizes the pixels itself)
+            embedded = torch.from_numpy(self.image_tower(pixels)[0])
+        else:
+            values = self._normalized(pixels)
+            embedded = _pooled(self.model.get_image_features(pixel_values=values.to(self.dtype))).float()
+        return embedded, len(pixels) * self.spec.image.tokens
 
     def _normalized(self, pixels: np.ndarray) -> torch.Tensor:
         """(x * rescale_factor - mean) / std in float32, on the device: uint8 pixels travel there (a

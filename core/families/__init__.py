@@ -12,6 +12,8 @@ of model is a new module here, its runner and renderer, and its tests:
   texts, with the model's tokenizer.json as it is.
 - `dual_encoder.py`: CLIP, SigLIP; `dual_encoder_runner.DualEncoderRunner`; texts, and images
   (`workers/images.py`).
+- `naflex_dual_encoder.py`: SigLIP2 with its NaFlex processor; `naflex_runner.NaFlexRunner`; texts,
+  and images of any aspect ratio (`workers/naflex_images.py`).
 
 The model folder reader (core/shared/model_folder/) names the family in `ModelSpec.input_module`.
 """
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from pooling_pipeline.core.families.base import ModelFamily
 from pooling_pipeline.core.families.dual_encoder import DualEncoderFamily
+from pooling_pipeline.core.families.naflex_dual_encoder import NaFlexDualEncoderFamily
 from pooling_pipeline.core.families.static_embedding import StaticEmbeddingFamily
 from pooling_pipeline.core.families.transformer import TransformerFamily
 
@@ -29,7 +32,8 @@ if TYPE_CHECKING:
     from pooling_pipeline.core.shared.config import ModelSpec
 
 FAMILIES: dict[str, ModelFamily] = {family.name: family for family in
-                                    (TransformerFamily(), StaticEmbeddingFamily(), DualEncoderFamily())}
+                                    (TransformerFamily(), StaticEmbeddingFamily(), DualEncoderFamily(),
+                                     NaFlexDualEncoderFamily())}
 
 
 def family_of(spec: ModelSpec) -> ModelFamily:

@@ -16,6 +16,10 @@ class ModelFamily:
     # A render worker loads the model's tokenizer.json as it is (ST's StaticEmbedding), not the
     # tokenizer transformers configures from the folder.
     tokenizer_from_json: bool = False
+    # A model that takes images: what opens and processes them in a render worker, "module:Class"
+    # under pooling_pipeline.workers (named, not imported: the workers sit above the families). The
+    # class is built with (spec, draft=, max_pixels=) and `render(image)` gives (tokens, payloads).
+    image_renderer: str | None = None
 
     def takes(self, modality: str) -> bool:
         return modality in self.modalities

@@ -23,6 +23,7 @@ from pooling_pipeline.core.shared.schema import MODALITIES
 class DualEncoderFamily(ModelFamily):
     name = "dual_encoder"
     modalities = frozenset({"text", "image"})
+    image_renderer = "pooling_pipeline.workers.images:ImageRenderer"
 
     def longest_input(self, spec) -> int:
         return max(spec.max_model_len, spec.image.tokens)  # a text's, or an image's vision sequence

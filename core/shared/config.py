@@ -126,8 +126,13 @@ class ImageSpec(msgspec.Struct, kw_only=True):
     mean: list[float]
     std: list[float]
     # The vision transformer's sequence per image (patches, plus a class token where it has one):
-    # an image request counts this many tokens in the engine's step budget.
+    # an image request counts this many tokens in the engine's step budget (NaFlex: at most).
     tokens: int
+    # NaFlex (SigLIP2): an image keeps its aspect ratio, resized to at most `max_patches` patches of
+    # `patch_size` pixels, which travel as the processor's float values (height and width are 0:
+    # no one size). 0 for a processor of one fixed size.
+    max_patches: int = 0
+    patch_size: int = 0
 
 
 class PayloadSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -205,8 +210,10 @@ class ModelSpec(msgspec.Struct, kw_only=True):
     # id of the text, tokenized without special tokens; `path` holds its tokenizer and weights).
     # ST's StaticEmbedding (model2vec): the mean of the text's token vectors, no transformer.
     # A dual encoder (CLIP, SigLIP): texts through its text tower, images through its image tower
-    # (`image`), each ending in the shared embedding space, as ST 6's Transformer runs them.
-    input_module: Literal["transformer", "sparse_static_embedding", "static_embedding", "dual_encoder"] = "transformer"
+    # (`image`), each ending in the shared embedding space, as ST 6's Transformer runs them; SigLIP2
+    # with NaFlex images ("naflex_dual_encoder"). The name of the model's family (core/families/:
+    # `family_of` refuses a name no family has), so a new family needs no change here.
+    input_module: str = "transformer"
     image: ImageSpec | None = None
     add_special_tokens: bool = True
     static_truncate_left: bool = False  # a StaticEmbedding's tokenizer.json truncates from the left

@@ -1,4 +1,5 @@
-"""Dual encoders (CLIP; SigLIP with a fixed image size): a text tower and an image tower that end in
+"""Dual encoders (CLIP; SigLIP with a fixed image size; SigLIP2 with its NaFlex processor, whose images
+keep their aspect ratio in a variable number of patches): a text tower and an image tower that end in
 one embedding space, as sentence-transformers 6 runs them -- its `Transformer` module with the
 modality configuration it derives for these classes (text: `get_text_features`, image:
 `get_image_features`, each's `pooler_output`), or the legacy `CLIPModel` module of older
@@ -32,7 +33,15 @@ FAMILIES = {
     "siglip": {"text": {"vocab_size": 32000, "max_position_embeddings": 64, "hidden_size": 768},
                "vision": {"image_size": 224, "patch_size": 16, "hidden_size": 768},
                "projection_dim": None, "class_token": False, "processors": ("SiglipImageProcessor",)},
+    "siglip2": {"text": {"vocab_size": 256000, "max_position_embeddings": 64, "hidden_size": 768},
+                "vision": {"patch_size": 16, "hidden_size": 768, "num_patches": 256},
+                "projection_dim": None, "class_token": False, "processors": ("Siglip2ImageProcessor",),
+                "naflex": True},
 }
+# What a processor passes its image processor on every call, whatever the image processor's saved
+# settings say (its class's `images_kwargs`: a call's kwargs override the saved ones, transformers'
+# ProcessorMixin._merge_kwargs; ST calls the processor). Siglip2Processor's, in transformers 5.
+PROCESSOR_CALL = {"Siglip2ImageProcessor": {"max_num_patches": 256, "patch_size": 16}}
 # What each processor class does when its saved config says nothing (transformers' class defaults).
 PROCESSOR_DEFAULTS = {
     "CLIPImageProcessor": {"size": {"shortest_edge": 224}, "crop_size": {"height": 224, "width": 224},
@@ -40,9 +49,11 @@ PROCESSOR_DEFAULTS = {
                            "image_std": [0.26862954, 0.26130258, 0.27577711]},
     "SiglipImageProcessor": {"size": {"height": 224, "width": 224}, "do_center_crop": False,
                              "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]},
+    "Siglip2ImageProcessor": {"max_num_patches": 256, "patch_size": 16, "image_mean": [0.5, 0.5, 0.5],
+                              "image_std": [0.5, 0.5, 0.5]},
 }
 REFUSED = ("VLM embedders, ColPali-style page retrievers, fused image+text inputs, audio and video are not "
-           "supported; image models supported: CLIP and fixed-size SigLIP dual encoders")
+           "supported; image models supported: CLIP, SigLIP and SigLIP2 dual encoders")
 
 
 def check_dual_encoder_modalities(cfg: dict, where: Path) -> None:
@@ -84,7 +95,8 @@ def dual_encoder_spec(st: STLayout) -> ModelSpec:
         pooling=PoolingSpec(modes=["cls"]), head_modules=st.head_modules, normalize=st.normalize,
         do_lower_case=st.do_lower_case, similarity=st.similarity, truncate_dim=st.truncate_dim,
         prompts=st.prompts, default_prompt_name=st.default_prompt_name, tasks=["embed", "score"],
-        input_module="dual_encoder", image=_image_spec(path, family, vision))
+        input_module="naflex_dual_encoder" if family.get("naflex") else "dual_encoder",
+        image=_image_spec(path, family, vision))
 
 
 def _image_spec(path: Path, family: dict, vision: dict) -> ImageSpec:
@@ -99,6 +111,21 @@ def _image_spec(path: Path, family: dict, vision: dict) -> ImageSpec:
         raise ValueError(f"{str(path)!r}: image processor {name!r} is not supported for this model (supported: "
                          f"{', '.join(family['processors'])})")
     facts = {**PROCESSOR_DEFAULTS[name], **_standard_sizes(saved)}
+    mean, std = facts["image_mean"], facts["image_std"]
+    mean = [float(mean)] * 3 if isinstance(mean, (int, float)) else [float(v) for v in mean]
+    std = [float(std)] * 3 if isinstance(std, (int, float)) else [float(v) for v in std]
+    rescale = {"do_rescale": bool(facts.get("do_rescale", True)), "rescale_factor": float(facts.get("rescale_factor", 1 / 255)),
+               "do_normalize": bool(facts.get("do_normalize", True)), "mean": mean, "std": std}
+    if family.get("naflex"):
+        facts.update(PROCESSOR_CALL[name])
+        patch, most = int(facts["patch_size"]), int(facts["max_num_patches"])
+        if patch != int(vision["patch_size"]):
+            raise ValueError(f"{str(path)!r}: the processor cuts {patch} px patches but the vision tower takes "
+                             f"{vision['patch_size']} px ones")
+        if facts.get("do_resize") is False:
+            raise ValueError(f"{str(path)!r}: image processor settings (do_resize=False) are not supported")
+        return ImageSpec(processor_class=name, channels=3, height=0, width=0, tokens=most, max_patches=most,
+                         patch_size=patch, **rescale)
     if facts.get("do_center_crop"):
         shape = facts["crop_size"]
     elif facts.get("do_resize", True) and "height" in facts["size"] and "width" in facts["size"]:
@@ -112,13 +139,8 @@ def _image_spec(path: Path, family: dict, vision: dict) -> ImageSpec:
     if height != int(vision["image_size"]) or width != int(vision["image_size"]):
         raise ValueError(f"{str(path)!r}: the image processor makes {height}x{width} images but the vision tower "
                          f"takes {vision['image_size']}x{vision['image_size']}")
-    mean, std = facts["image_mean"], facts["image_std"]
-    mean = [float(mean)] * 3 if isinstance(mean, (int, float)) else [float(v) for v in mean]
-    std = [float(std)] * 3 if isinstance(std, (int, float)) else [float(v) for v in std]
     return ImageSpec(processor_class=name, channels=3, height=height, width=width,
-                     do_rescale=bool(facts.get("do_rescale", True)), rescale_factor=float(facts.get("rescale_factor", 1 / 255)),
-                     do_normalize=bool(facts.get("do_normalize", True)), mean=mean, std=std,
-                     tokens=(height // patch) * (width // patch) + (1 if family["class_token"] else 0))
+                     tokens=(height // patch) * (width // patch) + (1 if family["class_token"] else 0), **rescale)
 
 
 def processor_class_name(saved: dict, family: dict) -> str:
