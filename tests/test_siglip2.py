@@ -81,3 +81,36 @@ def test_openvino_and_int8_are_refused_for_naflex_in_the_caller(siglip2_dir):
         Pipeline(model=siglip2_dir, backend="openvino")
     with pytest.raises(ValueError, match="quantize='int8' is not supported for a dual encoder"):
         Pipeline(model=siglip2_dir, quantize="int8")
+
+
+@pytest.mark.slow
+def test_pipeline_serve_and_pipeline_run_take_siglip2_images(siglip2_dir, st, images, tmp_path):
+    """The server's /v1/embeddings with images as base64 and data URIs, and a pipeline-run job over a
+    folder of images: ST's vectors, as the API gives them (nothing in either path knows NaFlex)."""
+    import base64
+
+    import httpx
+    from serve_helpers import started_server
+
+    from pooling_pipeline import load_results
+    from pooling_pipeline.jobs.launcher import main as pipeline_run
+
+    names = ["photo.jpg", "wide.png", "palette.png"]
+    reference = st.encode([str(images[n]) for n in names])
+    raw = [base64.b64encode(images[n].read_bytes()).decode() for n in names]
+    uris = [f"data:image/{'jpeg' if n.endswith('jpg') else 'png'};base64,{b}" for n, b in zip(names, raw)]
+    with started_server("--model", siglip2_dir, "--num-render-workers", "1") as server:
+        for inputs in (raw, uris):
+            response = httpx.post(server.url + "/v1/embeddings", json={"input": inputs, "modality": "image"}, timeout=120)
+            assert response.status_code == 200, response.text
+            got = np.array([d["embedding"] for d in response.json()["data"]], dtype=np.float32)
+            assert np.abs(got - reference).max() <= TOL
+    folder = tmp_path / "pictures"
+    folder.mkdir()
+    for name in names:
+        (folder / name).write_bytes(images[name].read_bytes())
+    out = tmp_path / "out"
+    assert pipeline_run(["--quiet", "--model", siglip2_dir, "--input", str(folder), "--output", str(out)]) == 0
+    ids, data = load_results(out)
+    assert sorted(ids) == sorted(names)
+    assert np.abs(data - reference[[names.index(i) for i in ids]]).max() <= TOL
