@@ -667,6 +667,14 @@ def test_composite_folders_are_refused_naming_what_is_missing(tmp_path):
     zoo.copy_wordpiece(blip)
     with pytest.raises(ValueError, match=r"BlipModel \(model_type 'blip'\), a composite model"):
         Pipeline(model=str(blip), num_render_workers=1)
+    colpali = tmp_path / "colpali"  # (a page retriever's config nests its VLM's: named, not "lacks hidden_size")
+    colpali.mkdir()
+    (colpali / "config.json").write_text(json.dumps({"model_type": "colpali", "architectures": ["ColPaliForRetrieval"],
+                                                     "vlm_config": {"model_type": "paligemma"}, "embedding_dim": 128}))
+    zoo.copy_wordpiece(colpali)
+    with pytest.raises(ValueError, match=r"ColPaliForRetrieval .* a composite model with vlm_config: .*ColPali-style "
+                                         r"page retrievers.*not yet"):
+        Pipeline(model=str(colpali), num_render_workers=1)
 
 
 def test_unknown_module_type_refused_at_start(tmp_path):

@@ -69,7 +69,7 @@ CONFIG_ALIASES: dict[str, dict[str, str]] = {
     "gptj": {"hidden_size": "n_embd", "max_position_embeddings": "n_positions"},
 }
 # Sub-configs of multi-modal or composite models: their text model is not the folder's model.
-COMPOSITE_CONFIG_KEYS = ("text_config", "vision_config", "audio_config", "encoder", "decoder")
+COMPOSITE_CONFIG_KEYS = ("text_config", "vision_config", "audio_config", "vlm_config", "encoder", "decoder")
 
 
 def config_value(config: dict, model_type: str, name: str) -> object:
@@ -123,8 +123,9 @@ def check_text_model(config: dict, model_type: str, path: Path) -> None:
     if parts and "hidden_size" not in config:
         architectures = ", ".join(map(str, config.get("architectures") or [])) or "unknown architecture"
         raise ValueError(f"{str(path)!r} holds {architectures} (model_type {model_type!r}), a composite model "
-                         f"with {', '.join(parts)}: only text encoders and decoders are supported (ST's CLIPModel "
-                         "and other multi-modal modules are not)")
+                         f"with {', '.join(parts)}: only text models and the dual encoders CLIP, SigLIP and SigLIP 2 "
+                         "are supported (VLM embedders, ColPali-style page retrievers, audio and video models are "
+                         "not yet)")
 
 
 def widths(config: dict, model_type: str, path: Path) -> tuple[int, int]:

@@ -62,7 +62,8 @@ def _transformer_task(cfg: dict, where: Path) -> str | None:
     task = cfg.get("transformer_task")
     if task is not None and task not in ("feature-extraction", "sequence-classification", "fill-mask",
                                          "text-generation"):
-        raise ValueError(f"{where}/sentence_bert_config.json: transformer_task {task!r} is not supported")
+        also = " (a ColPali-style page retriever, a *ForRetrieval model: not supported yet)" if task == "retrieval" else ""
+        raise ValueError(f"{where}/sentence_bert_config.json: transformer_task {task!r} is not supported{also}")
     return task
 
 
