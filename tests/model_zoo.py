@@ -1259,19 +1259,26 @@ def build_clip(target: str | Path, layout: str = "st", normalize: bool = False, 
     return _save_dual_encoder(Path(target), name or f"clip-{layout}", model, processor, layout, normalize)
 
 
+def _siglip_text() -> tuple:
+    """SigLIP's and SigLIP2's text side (seeded): a T5-style Unigram tokenizer cut at 64 tokens, its
+    text tower's config, and both towers' tiny sizes."""
+    _seed()
+    tok = t5_tokenizer()
+    tok.model_max_length = 64
+    towers = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    text = dict(vocab_size=len(tok), max_position_embeddings=64, pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id, bos_token_id=None, **towers)
+    return tok, text, towers
+
+
 def build_siglip(target: str | Path, name: str = "siglip") -> str:
     """A tiny SigLIP (fixed 224 px, 16 px patches, no class token; mean/std 0.5) with a T5-style
     Unigram tokenizer, saved by ST 6."""
     import torch
     from transformers import SiglipConfig, SiglipImageProcessorPil, SiglipModel, SiglipProcessor
 
-    _seed()
-    tok = t5_tokenizer()
-    tok.model_max_length = 64
-    towers = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
-    config = SiglipConfig(text_config=dict(vocab_size=len(tok), max_position_embeddings=64, pad_token_id=tok.pad_token_id,
-                                           eos_token_id=tok.eos_token_id, bos_token_id=None, **towers),
-                          vision_config=dict(image_size=224, patch_size=16, **towers))
+    tok, text, towers = _siglip_text()
+    config = SiglipConfig(text_config=text, vision_config=dict(image_size=224, patch_size=16, **towers))
     with torch.no_grad():
         model = SiglipModel(config).eval()
     processor = SiglipProcessor(image_processor=SiglipImageProcessorPil(), tokenizer=tok)
@@ -1285,13 +1292,8 @@ def build_siglip2(target: str | Path, name: str = "siglip2", max_num_patches: in
     import torch
     from transformers import Siglip2Config, Siglip2ImageProcessorPil, Siglip2Model, Siglip2Processor
 
-    _seed()
-    tok = t5_tokenizer()
-    tok.model_max_length = 64
-    towers = dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
-    config = Siglip2Config(text_config=dict(vocab_size=len(tok), max_position_embeddings=64, pad_token_id=tok.pad_token_id,
-                                            eos_token_id=tok.eos_token_id, bos_token_id=None, **towers),
-                           vision_config=dict(patch_size=16, num_patches=64, **towers))
+    tok, text, towers = _siglip_text()
+    config = Siglip2Config(text_config=text, vision_config=dict(patch_size=16, num_patches=64, **towers))
     with torch.no_grad():
         model = Siglip2Model(config).eval()
     processor = Siglip2Processor(image_processor=Siglip2ImageProcessorPil(max_num_patches=max_num_patches, patch_size=16),

@@ -74,13 +74,15 @@ def test_siglip2_images_of_any_shape_and_texts_equal_st(siglip2_dir, st, images,
     assert engine["backend"] == "torch" and "NaFlex" in engine["model"], engine
 
 
-def test_openvino_and_int8_are_refused_for_naflex_in_the_caller(siglip2_dir):
+def test_openvino_int8_and_draft_decoding_are_refused_for_naflex_in_the_caller(siglip2_dir):
     from pooling_pipeline import Pipeline
 
     with pytest.raises(ValueError, match="backend='openvino' cannot run a SigLIP2 NaFlex model"):
         Pipeline(model=siglip2_dir, backend="openvino")
     with pytest.raises(ValueError, match="quantize='int8' is not supported for a dual encoder"):
         Pipeline(model=siglip2_dir, quantize="int8")
+    with pytest.raises(ValueError, match="image_decode='draft' applies to CLIP and SigLIP's fixed image size"):
+        Pipeline(model=siglip2_dir, image_decode="draft")
 
 
 @pytest.mark.slow

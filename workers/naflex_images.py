@@ -16,8 +16,8 @@ from pooling_pipeline.workers.images import ImageError, ImageOpener, check_proce
 
 class NaFlexImages(ImageOpener):
     def __init__(self, spec: ModelSpec, draft: bool = False, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
-        """`draft` (JPEGs decoded at a reduced scale) has nothing to cover here: an image keeps its
-        size up to the patches it may have, so it is decoded exactly."""
+        """`draft` is refused in the caller (NaFlexDualEncoderFamily.check_options): an image keeps
+        its size up to the patches it may have, so it is decoded exactly."""
         from transformers import AutoProcessor
 
         self.call = AutoProcessor.from_pretrained(spec.path)

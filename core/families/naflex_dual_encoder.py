@@ -60,6 +60,13 @@ class NaFlexDualEncoderFamily(DualEncoderFamily):
                         "placeholder ids and one grid of that many patches"),
                 RowRule(("modality",), text_broken, lambda r, model, row: "a text row carries no patches"))
 
+    def check_options(self, spec, image_decode: str) -> None:
+        """Draft decoding shrinks a JPEG to what a fixed input size needs; a NaFlex image keeps its
+        own size up to its patches, so there is nothing to shrink to: refused, not ignored."""
+        if image_decode != "exact":
+            raise ValueError(f"image_decode={image_decode!r} applies to CLIP and SigLIP's fixed image size; a SigLIP2 "
+                             f"NaFlex model ({spec.path!r}) decodes its images exactly")
+
     def backend(self, backend: str, quantize: str | None, device: str, dtype: str) -> str:
         """Both towers on torch: NaFlex's variable patch counts are not converted to OpenVINO."""
         if quantize is not None:
