@@ -1,5 +1,5 @@
 """A dual encoder's inputs: which prompts are images, decided as sentence-transformers 6 decides a
-sample's modality, and each image as the `ImageData` a render worker opens.
+sample's modality, and each image as the `MediaData` a render worker opens.
 
 ST's rule (`sentence_transformers.base.modality.infer_modality`, for a model that takes images): a
 PIL image is an image; a numpy array or torch tensor of numbers is one input (never a batch), an
@@ -28,7 +28,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from pooling_pipeline.core.shared.messages import ImageData
+from pooling_pipeline.core.shared.messages import MediaData
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".gif", ".bmp", ".tiff", ".webp")
 MODALITY_KEYS = frozenset({"text", "image", "audio", "video"})  # ST's multimodal dict keys
@@ -68,9 +68,10 @@ def _is_tensor(value: object) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
-def image_input(prompt: object, index: int) -> ImageData | None:
+def image_input(prompt: object, index: int, spec=None) -> MediaData | None:
     """The prompt as an image, None when it is not one (a text, token ids, a pair); ValueError or
-    TypeError naming the request when it is an image input the pipeline cannot take."""
+    TypeError naming the request when it is an image input the pipeline cannot take. (`spec`: the
+    model's, as every family's input reader takes it: core/families/base.py.)"""
     if isinstance(prompt, str):
         return _image_string(prompt, index) if is_image_string(prompt) else None
     if isinstance(prompt, dict):
@@ -88,11 +89,11 @@ def is_numeric_array(value: object) -> bool:
     return _is_tensor(value) or (isinstance(value, np.ndarray) and value.dtype.kind not in "OUSV")
 
 
-def _image_string(text: str, index: int) -> ImageData:
+def _image_string(text: str, index: int) -> MediaData:
     if text.startswith("data:image/"):
         if "," not in text:
             raise ValueError(f"request {index}: a data:image/ URI without ',' before its base64 data")
-        return ImageData(uri=text, nbytes=max(len(text), MIN_IMAGE_BYTES))
+        return MediaData(uri=text, nbytes=max(len(text), MIN_IMAGE_BYTES))
     if _looks_like_url(text):
         raise ValueError(f"request {index}: image URL {text[:200]!r} is not fetched (the pipeline reads local files "
                          "only): download it and pass its path")
@@ -100,10 +101,10 @@ def _image_string(text: str, index: int) -> ImageData:
         size = os.path.getsize(text)
     except OSError as e:
         raise ValueError(f"request {index}: image file {text!r} cannot be read: {e}") from None
-    return ImageData(path=os.path.abspath(text), nbytes=max(size, MIN_IMAGE_BYTES))
+    return MediaData(path=os.path.abspath(text), nbytes=max(size, MIN_IMAGE_BYTES))
 
 
-def _image_dict(prompt: dict, index: int) -> ImageData | None:
+def _image_dict(prompt: dict, index: int) -> MediaData | None:
     keys = set(prompt)
     if "role" in keys and "content" in keys:
         raise ValueError(f"request {index}: chat-style message inputs (dicts with 'role' and 'content') are not "
@@ -120,7 +121,7 @@ def _image_dict(prompt: dict, index: int) -> ImageData | None:
         data = bytes(value)
         if not data:
             raise ValueError(f"request {index}: the image's bytes are empty")
-        return ImageData(encoded=data, nbytes=max(len(data), MIN_IMAGE_BYTES))
+        return MediaData(encoded=data, nbytes=max(len(data), MIN_IMAGE_BYTES))
     if isinstance(value, str):
         if is_image_string(value) or os.path.isfile(value) or _looks_like_url(value):
             return _image_string(value, index)
@@ -132,16 +133,16 @@ def _image_dict(prompt: dict, index: int) -> ImageData | None:
     return image
 
 
-def _base64_image(text: str, index: int) -> ImageData:
+def _base64_image(text: str, index: int) -> MediaData:
     """`{"image": "<base64>"}`: an image file's bytes in base64, without a `data:` prefix, as
     transformers' load_image takes a string that is neither a URL nor a file. The worker decodes it."""
     if not text or BASE64_TEXT.fullmatch(text) is None:
         raise ValueError(f"request {index}: image {text[:200]!r} is neither an existing file, a data:image/ URI nor "
                          "base64 data")
-    return ImageData(uri=text, nbytes=max(len(text) * 3 // 4, MIN_IMAGE_BYTES))
+    return MediaData(uri=text, nbytes=max(len(text) * 3 // 4, MIN_IMAGE_BYTES))
 
 
-def _pil_image(image, index: int) -> ImageData:
+def _pil_image(image, index: int) -> MediaData:
     """An in-memory PIL image as its raw pixels (and palette, transparency): the worker rebuilds
     the same image and the processor converts it as ST's call would."""
     try:
@@ -157,11 +158,11 @@ def _pil_image(image, index: int) -> ImageData:
         transparency = list(transparency)
     if transparency is not None and not isinstance(transparency, (int, bytes, list)):
         raise ValueError(f"request {index}: the PIL image's transparency {transparency!r} is not supported")
-    return ImageData(pixels=np.frombuffer(data, dtype=np.uint8), mode=image.mode, shape=list(image.size),
+    return MediaData(values=np.frombuffer(data, dtype=np.uint8), mode=image.mode, shape=list(image.size),
                      palette=palette, palette_mode=palette_mode, transparency=transparency, nbytes=len(data))
 
 
-def _array_image(array, index: int) -> ImageData:
+def _array_image(array, index: int) -> MediaData:
     """A numpy array or torch tensor: an image when it is 3-D, as ST decides (its other shapes are
     audio or video); its values as ST's processor reads them (see the module's docstring)."""
     if array.ndim != 3:
@@ -173,7 +174,7 @@ def _array_image(array, index: int) -> ImageData:
     if array.size == 0:
         raise ValueError(f"request {index}: the image array is empty (shape {array.shape})")
     data = np.ascontiguousarray(array)  # (a copy where needed: the caller may change its array later)
-    return ImageData(pixels=data.view(np.uint8).reshape(-1).copy(), dtype=data.dtype.str, shape=list(data.shape),
+    return MediaData(values=data.view(np.uint8).reshape(-1).copy(), dtype=data.dtype.str, shape=list(data.shape),
                      nbytes=data.nbytes)
 
 

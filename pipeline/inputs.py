@@ -7,6 +7,8 @@ index and what is wrong; nothing malformed reaches a worker.
 from __future__ import annotations
 
 import collections
+import functools
+import importlib
 import itertools
 import operator
 from collections.abc import Iterable, Iterator, Sequence
@@ -20,7 +22,8 @@ from pooling_pipeline.core.families import family_of
 from pooling_pipeline.core.shared.config import ModelSpec
 from pooling_pipeline.core.shared.messages import PoolingParams, RenderBatch, RenderOptions, RenderParams
 from pooling_pipeline.core.shared.schema import ids_out_of_range
-from pooling_pipeline.image_inputs import image_input, is_image_string, is_numeric_array, is_pil_image, prompt_size
+from pooling_pipeline.audio_inputs import is_audio_string
+from pooling_pipeline.image_inputs import is_image_string, is_numeric_array, is_pil_image, prompt_size
 from pooling_pipeline.options import CallOptions  # (declared there, with every option's default)
 from pooling_pipeline.request_options import (
     RequestValues,
@@ -55,7 +58,7 @@ def build_requests(prompts: object, opts: CallOptions, spec: ModelSpec, tokeniza
     elif opts.plugin:
         items = _plugin_items(prompts)
     else:
-        items = as_prompt_iterable(prompts, images=family_of(spec).takes("image"))
+        items = as_prompt_iterable(prompts, images=takes_media(spec))
     count = len(items) if isinstance(items, (list, tuple)) else None
     values = RequestValues(opts, spec, count)
     side = opts.truncation_side or tokenization.truncation_side
@@ -92,7 +95,7 @@ class RequestSource:
                  truncate_left: bool, values: RequestValues, refused: dict[int, str]) -> None:
         self.prompts = prompts
         self.opts, self.spec, self.call = opts, spec, call
-        self.takes_images = family_of(spec).takes("image")  # (the model's family says: core/families/)
+        self.takes_images = takes_media(spec)  # images or audio (the model's family says: core/families/)
         self.num_special_tokens, self.truncate_left = num_special_tokens, truncate_left
         self.values = values  # each request's per-request options
         self.refused = refused
@@ -210,8 +213,8 @@ class RequestSource:
         kinds = set(map(type, prompts))
         indices = np.arange(first, first + len(prompts), dtype=np.int64)
         if kinds == {str}:
-            if self.takes_images and any(map(is_image_string, prompts)):
-                return None  # images among the texts (each is checked alone)
+            if self.takes_images and any(is_image_string(p) or is_audio_string(p) for p in prompts):
+                return None  # images or audio among the texts (each is checked alone)
             joined = "".join(prompts)
             if not joined.isascii() and not _valid_unicode(joined):
                 return None
@@ -291,7 +294,7 @@ class RequestSource:
         if text_prefix is not None and opts.long_inputs == "chunk" and "prompt" in fields:
             raise ValueError(f"request {index}: a prompt with long_inputs='chunk' is not supported "
                              "(a long document's chunks would not all carry it)")
-        if self.shared is not None and fields.keys().isdisjoint(("raw", "conversation", "image")):
+        if self.shared is not None and fields.keys().isdisjoint(("raw", "conversation", "media")):
             if "pair" in fields:
                 return PAIR, (fields["prompt"], fields["pair"])
             return (TEXT, fields["prompt"]) if "prompt" in fields else (IDS, fields["token_ids"])
@@ -518,15 +521,36 @@ def resolve_max_tokens(spec: ModelSpec, opts: CallOptions, num_special_tokens: i
     return limit
 
 
+@functools.cache
+def _media_reader(target: str):
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def media_reader(spec: ModelSpec):
+    """What reads the caller's image or audio inputs for the model's family (`ModelFamily.media_input`):
+    fn(prompt, index, spec) -> MediaData, or None for a text."""
+    target = family_of(spec).media_input
+    return None if target is None else _media_reader(target)
+
+
+def takes_media(spec: ModelSpec) -> bool:
+    """The model takes images or audio: a numeric array is one input to it, and some strings are files."""
+    return bool(family_of(spec).media_renderers)
+
+
 def parse_prompt(prompt: object, index: int, spec: ModelSpec) -> dict[str, Any]:
-    if family_of(spec).takes("image"):  # (a dual encoder) images first, as ST decides a modality
-        image = image_input(prompt, index)
-        if image is not None:
-            return {"image": image}
-        if isinstance(prompt, dict) and set(prompt) == {"text"}:
-            prompt = {"prompt": prompt["text"]}  # ST's {"text": ...}
-    elif isinstance(prompt, dict) and set(prompt) == {"image"}:
-        raise ValueError(f"request {index}: an image input, but model {spec.path!r} takes text only")
+    reader = media_reader(spec)
+    if reader is not None:  # (images or audio first, as ST decides a modality)
+        media = reader(prompt, index, spec)
+    else:
+        media = None
+        if isinstance(prompt, dict) and set(prompt) in ({"image"}, {"audio"}):
+            raise ValueError(f"request {index}: an {next(iter(prompt))} input, but model {spec.path!r} takes text only")
+    if media is not None:
+        return {"media": media}
+    if family.media_renderers and isinstance(prompt, dict) and set(prompt) == {"text"}:
+        prompt = {"prompt": prompt["text"]}  # ST's {"text": ...}
     if isinstance(prompt, str):
         return {"prompt": check_text(prompt, index)}
     if isinstance(prompt, dict):

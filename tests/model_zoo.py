@@ -1301,6 +1301,27 @@ def build_siglip2(target: str | Path, name: str = "siglip2", max_num_patches: in
     return _save_dual_encoder(Path(target), name, model, processor, "st", False)
 
 
+def build_clap(target: str | Path, name: str = "clap", layout: str = "st", normalize: bool = False) -> str:
+    """A tiny CLAP (a RoBERTa-style text tower and an HTS-AT audio tower, hidden 32, over the real
+    48 kHz, 10 s, 64-mel feature extractor without fusion, as laion/clap-htsat-unfused) saved as
+    `layout`: "st" (ST 6's Transformer module with the modality config it derives) or "plain"."""
+    import torch
+    from transformers import ClapConfig, ClapFeatureExtractor, ClapModel, ClapProcessor
+
+    _seed()
+    tok = roberta_tokenizer()
+    text = dict(vocab_size=len(tok), hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=80, pad_token_id=tok.pad_token_id)
+    audio = dict(hidden_size=32, patch_embeds_hidden_size=16, depths=[1, 1], num_attention_heads=[2, 2], window_size=8,
+                 spec_size=256, num_mel_bins=64, enable_fusion=False)
+    with torch.no_grad():
+        model = ClapModel(ClapConfig(text_config=text, audio_config=audio, projection_dim=16)).eval()
+    extractor = ClapFeatureExtractor(feature_size=64, sampling_rate=48000, hop_length=480, max_length_s=10,
+                                     truncation="rand_trunc", padding="repeatpad")
+    processor = ClapProcessor(feature_extractor=extractor, tokenizer=tok)
+    return _save_dual_encoder(Path(target), name, model, processor, layout, normalize)
+
+
 def _save_dual_encoder(target: Path, name: str, model, processor, layout: str, normalize: bool) -> str:
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.base.modules import Normalize, Transformer

@@ -272,7 +272,7 @@ def test_torchvision_installed_is_served_with_the_processor_transformers_picks(c
 
     from transformers import AutoImageProcessor
 
-    from pooling_pipeline.core.shared.messages import ImageData
+    from pooling_pipeline.core.shared.messages import MediaData
     from pooling_pipeline.core.shared.model_folder.load import load_model_spec
     from pooling_pipeline.workers import images
     from pooling_pipeline.workers.crop_window import MAX_RESIZED_PIXELS
@@ -306,14 +306,14 @@ def test_torchvision_installed_is_served_with_the_processor_transformers_picks(c
     assert renderer.backend == "torchvision" and renderer.direct is None and not renderer.window.usable
     image = photo(300, 200, seed=6)
     before = TorchvisionStandIn.calls
-    got = renderer.pixels(ImageData(pixels=np.frombuffer(image.tobytes(), np.uint8), mode="RGB", shape=[300, 200]))
+    got = renderer.pixels(MediaData(values=np.frombuffer(image.tobytes(), np.uint8), mode="RGB", shape=[300, 200]))
     assert TorchvisionStandIn.calls == before + 1  # the processor itself ran it
-    assert np.array_equal(got, pil.pixels(ImageData(pixels=np.frombuffer(image.tobytes(), np.uint8), mode="RGB",
+    assert np.array_equal(got, pil.pixels(MediaData(values=np.frombuffer(image.tobytes(), np.uint8), mode="RGB",
                                                     shape=[300, 200])))
     sliver = np.zeros((3000, 12, 3), np.uint8)  # resized to 224 x 56,000
     assert 224 * 56_000 > MAX_RESIZED_PIXELS
     with pytest.raises(images.ImageError, match=r"would be resized to 224x56000 .*\(an extreme aspect ratio\)"):
-        renderer.pixels(ImageData(pixels=sliver.reshape(-1), dtype="|u1", shape=list(sliver.shape)))
+        renderer.pixels(MediaData(values=sliver.reshape(-1), dtype="|u1", shape=list(sliver.shape)))
 
 
 def test_a_processor_that_differs_from_the_model_files_is_refused(clip_dir, tmp_path):
@@ -345,15 +345,15 @@ def test_an_image_worker_keeps_torch_importable_where_torchvision_is_installed(c
     import importlib.util
 
     from pooling_pipeline.core.shared.model_folder.load import load_model_spec
-    from pooling_pipeline.workers.render import image_processor_imports
+    from pooling_pipeline.workers.render import media_processor_imports
 
     spec = load_model_spec(clip_dir)
     real_find_spec = importlib.util.find_spec
     installed = importlib.util.find_spec("torchvision") is not None
-    assert image_processor_imports(spec) == (("PIL", "torch") if installed else ("PIL",))
+    assert media_processor_imports(spec) == (("PIL", "torch") if installed else ("PIL",))
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: object() if name == "torchvision" else real_find_spec(name, *a))
-    assert image_processor_imports(spec) == ("PIL", "torch")
+    assert media_processor_imports(spec) == ("PIL", "torch")
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "torchvision" else real_find_spec(name, *a))
-    assert image_processor_imports(spec) == ("PIL",)
+    assert media_processor_imports(spec) == ("PIL",)

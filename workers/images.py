@@ -18,7 +18,7 @@ import warnings
 import numpy as np
 
 from pooling_pipeline.core.shared.config import DEFAULT_MAX_IMAGE_PIXELS, ModelSpec
-from pooling_pipeline.core.shared.messages import ImageData
+from pooling_pipeline.core.shared.messages import MediaData
 from pooling_pipeline.workers.crop_window import MAX_RESIZED_PIXELS, CropWindow, gives_processors_bytes
 
 # glibc's malloc hands a freed block over 128 kB back to the kernel, and trims the heap's free top
@@ -51,9 +51,9 @@ class ImageOpener:
         self.processor, self.backend = processor, processor_backend(processor)
         self.max_pixels, self.draft, self.draft_side = max_pixels, draft_side is not None, draft_side or 0
 
-    def open(self, image: ImageData):
+    def open(self, image: MediaData):
         """The image as ST hands it to the processor: a PIL image (loaded) or a numpy array."""
-        if image.pixels is not None:
+        if image.values is not None:
             return self._in_memory(image)
         if image.path is not None:
             source, what = image.path, f"image file {image.path!r}"
@@ -103,12 +103,12 @@ class ImageOpener:
         self._exif_transpose(opened, in_place=True)
         return opened if opened.mode == "RGB" else opened.convert("RGB")
 
-    def _in_memory(self, image: ImageData):
+    def _in_memory(self, image: MediaData):
         """A caller's PIL image (rebuilt from its raw pixels) or numpy array."""
         try:
             if image.mode is None:
-                return np.frombuffer(image.pixels, dtype=np.dtype(image.dtype)).reshape(image.shape)
-            rebuilt = self._image.frombytes(image.mode, tuple(image.shape), image.pixels.tobytes())
+                return np.frombuffer(image.values, dtype=np.dtype(image.dtype)).reshape(image.shape)
+            rebuilt = self._image.frombytes(image.mode, tuple(image.shape), image.values.tobytes())
             if image.palette is not None:
                 rebuilt.putpalette(image.palette, rawmode=image.palette_mode or "RGB")
             if image.transparency is not None:
@@ -140,16 +140,16 @@ class ImageRenderer(ImageOpener):
         # torchvision processor runs every image itself.
         self.direct = DirectResize(self.processor) if self.backend == "pil" else None
         self.window = CropWindow(self.processor)
-        probe = self.pixels(ImageData(pixels=np.zeros(48 * 64 * 3, np.uint8), dtype="|u1", shape=[48, 64, 3]))
+        probe = self.pixels(MediaData(values=np.zeros(48 * 64 * 3, np.uint8), dtype="|u1", shape=[48, 64, 3]))
         if probe.shape != (self.spec.channels, self.spec.height, self.spec.width):
             raise ValueError(f"{spec.path}: the image processor makes {probe.shape} pixels, the frontend expected "
                              f"{(self.spec.channels, self.spec.height, self.spec.width)}: this is a bug")
 
-    def render(self, image: ImageData) -> tuple[int, dict[str, np.ndarray]]:
+    def render(self, image: MediaData) -> tuple[int, dict[str, np.ndarray]]:
         """(the tokens its vision sequence counts, its payloads): one "pixels" item."""
         return self.spec.tokens, {"pixels": self.pixels(image)[None]}
 
-    def pixels(self, image: ImageData) -> np.ndarray:
+    def pixels(self, image: MediaData) -> np.ndarray:
         """The image as uint8 [channels, height, width], resized and cropped by the processor."""
         opened = self.open(image)
         try:
@@ -179,7 +179,7 @@ class ImageRenderer(ImageOpener):
                              f"before its crop, more than the {MAX_RESIZED_PIXELS} pixels a worker resizes at once "
                              "(an extreme aspect ratio); crop or pad it first")
 
-def _as_load_image_source(image: ImageData) -> str:
+def _as_load_image_source(image: MediaData) -> str:
     """The string transformers' loaders take for an image file: its path, its data URI or raw base64
     (an image's bytes as base64, which they decode to the very bytes)."""
     if image.path is not None:

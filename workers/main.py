@@ -148,12 +148,12 @@ def serve(cfg: WorkerConfig, renderer, work: zmq.Socket, to_engines: list[zmq.So
 
 
 def parts_to_send_as_rendered(batch: m.RenderBatch) -> list[m.RenderBatch]:
-    """The batch, or for images its parts of IMAGE_ROWS_PER_PART: an image costs 2-100 ms to
-    decode and resize, so a batch of 64 would hold the engine idle for up to seconds at a call's
+    """The batch, or for images and audio its parts of IMAGE_ROWS_PER_PART: an image costs 2-100 ms
+    to decode and resize, so a batch of 64 would hold the engine idle for up to seconds at a call's
     start; each part goes to the engine as soon as it is rendered (the engine still batches what
     has arrived under its token budget)."""
     items = batch.items
-    if items is None or len(items) <= IMAGE_ROWS_PER_PART or all(item.image is None for item in items):
+    if items is None or len(items) <= IMAGE_ROWS_PER_PART or all(item.media is None for item in items):
         return [batch]
     return [msgspec.structs.replace(batch, indices=batch.indices[start:start + IMAGE_ROWS_PER_PART],
                                     items=items[start:start + IMAGE_ROWS_PER_PART])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from pooling_pipeline.core.shared.config import DEFAULT_MAX_IMAGE_PIXELS, ModelSpec
-from pooling_pipeline.core.shared.messages import ImageData
+from pooling_pipeline.core.shared.messages import MediaData
 from pooling_pipeline.workers.images import ImageError, ImageOpener, check_processor
 
 
@@ -24,13 +24,13 @@ class NaFlexImages(ImageOpener):
         super().__init__(self.call.image_processor, max_pixels)
         self.spec = spec.image
         check_processor(self.processor, spec)
-        tokens, payloads = self.render(ImageData(pixels=np.zeros(48 * 64 * 3, np.uint8), dtype="|u1", shape=[48, 64, 3]))
+        tokens, payloads = self.render(MediaData(values=np.zeros(48 * 64 * 3, np.uint8), dtype="|u1", shape=[48, 64, 3]))
         width = 3 * self.spec.patch_size ** 2
         if payloads["patches"].shape[1] != width or not 0 < tokens <= self.spec.max_patches:
             raise ValueError(f"{spec.path}: the processor makes {tokens} patches of {payloads['patches'].shape[1]} values, "
                              f"the frontend expected at most {self.spec.max_patches} of {width}: this is a bug")
 
-    def render(self, image: ImageData) -> tuple[int, dict[str, np.ndarray]]:
+    def render(self, image: MediaData) -> tuple[int, dict[str, np.ndarray]]:
         """(its patches, {"patches": [n, 3 x patch x patch] float32, "spatial_shape": [1, 2] int64})."""
         opened = self.open(image)
         mode = getattr(opened, "mode", "RGB")

@@ -36,7 +36,7 @@ def load_hf_tokenizer(spec: ModelSpec):
     if family_of(spec).tokenizer_from_json:
         return static_tokenizer(spec)
     # (remote tokenizer code may import anything; a dual encoder's image processor needs PIL)
-    with unused_imports_hidden(unless=spec.trust_remote_code, keep=image_processor_imports(spec)):
+    with unused_imports_hidden(unless=spec.trust_remote_code, keep=media_processor_imports(spec)):
         from transformers import AutoTokenizer
 
         hf = AutoTokenizer.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
@@ -67,13 +67,10 @@ def static_tokenizer(spec: ModelSpec):
 HIDDEN_WHILE_LOADING = ("torch", "trio", "PIL")
 
 
-def image_processor_imports(spec: ModelSpec) -> tuple[str, ...]:
-    """What a dual encoder's image processor imports, kept importable in its worker: PIL, and torch
-    where torchvision is installed -- transformers picks its torchvision processors only where it
-    finds torch too (as in ST's process), and they run on torch tensors."""
-    if not family_of(spec).takes("image"):
-        return ()
-    return ("PIL", "torch") if importlib.util.find_spec("torchvision") is not None else ("PIL",)
+def media_processor_imports(spec: ModelSpec) -> tuple[str, ...]:
+    """What the model's image or audio processors import, kept importable in its worker (its
+    family says: PIL for images, and torch where their processors need it)."""
+    return family_of(spec).worker_imports()
 
 
 @contextlib.contextmanager
@@ -159,6 +156,12 @@ def load_plugin(target: str):
     return cls()
 
 
+def _build(target: str, spec: ModelSpec, **options):
+    """A family's media renderer from its "module:Class" name (core/families/base.py)."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)(spec, **options)
+
+
 class Renderer:
     def __init__(self, spec: ModelSpec, hf_tokenizer, plugin=None, image_draft: bool = False,
                  max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
@@ -179,12 +182,9 @@ class Renderer:
         # Chunk mode: raw chunk vectors of the full width (the frontend pools them, then finishes the
         # document's vector as the call asked, a saved truncate_dim included).
         self.chunk_params = PoolingParams(normalize=False, dimensions=spec.embedding_size if spec.truncate_dim else None)
-        self.images = None
-        renderer = family_of(spec).image_renderer  # (its images are opened and processed here too)
-        if renderer is not None:
-            module, _, name = renderer.partition(":")
-            self.images = getattr(importlib.import_module(module), name)(spec, draft=image_draft,
-                                                                         max_pixels=max_image_pixels)
+        # What opens and processes each modality the family takes beyond text (images, audio).
+        self.media = {modality: _build(target, spec, draft=image_draft, max_pixels=max_image_pixels)
+                      for modality, target in family_of(spec).media_renderers.items()}
 
     def render(self, batch: RenderBatch) -> tuple[EngineInputPacker, list[tuple[int, str]]]:
         """The batch's engine inputs in columns, and the requests that failed with why."""
@@ -394,8 +394,8 @@ class Renderer:
                      failed: list[tuple[int, str]]) -> None:
         """The general path: one request with its own options and input form."""
         opts = item.options
-        if item.image is not None:
-            self._render_image(rows, index, item, failed)
+        if item.media is not None:
+            self._render_media(rows, index, item, failed)
             return
         try:
             if opts.max_tokens < self.tokenizer.num_special_tokens:
@@ -414,18 +414,24 @@ class Renderer:
             return
         rows.add(index, ids, opts, token_type_start=-1 if type_start is None else type_start, pool_start=pool_start)
 
-    def _render_image(self, rows: EngineInputPacker, index: int, item: RenderParams,
+    def _render_media(self, rows: EngineInputPacker, index: int, item: RenderParams,
                       failed: list[tuple[int, str]]) -> None:
-        if self.images is None:
-            failed.append((index, f"ValueError: model {self.spec.path!r} takes no images"))
+        media = item.media
+        renderer = self.media.get(media.modality)
+        if renderer is None or media.modality not in MODALITIES:
+            failed.append((index, f"ValueError: model {self.spec.path!r} takes no {media.modality} inputs"))
             return
         try:
-            tokens, payloads = self.images.render(item.image)
-        except Exception as e:  # a bad image is this request's error, never a crash
-            failed.append((index, f"ValueError: {e}" if type(e).__name__ == "ImageError" else f"{type(e).__name__}: {e}"))
+            tokens, payloads = renderer.render(media)
+        except ValueError as e:  # a bad image or clip (ImageError, AudioError) is this request's error
+            failed.append((index, f"ValueError: {e}"))
             return
-        # (its vision sequence's length in placeholder ids: what the engine's step budget weighs)
-        rows.add(index, np.zeros(tokens, np.int64), item.options, payloads=payloads, modality=MODALITIES.index("image"))
+        except Exception as e:  # never a crash
+            failed.append((index, f"{type(e).__name__}: {e}"))
+            return
+        # (its sequence's length in placeholder ids: what the engine's step budget weighs)
+        rows.add(index, np.zeros(tokens, np.int64), item.options, payloads=payloads,
+                 modality=MODALITIES.index(media.modality))
 
     def _render_one(self, item: RenderParams, prompt: str | None, chat_template: str | None):
         opts = item.options

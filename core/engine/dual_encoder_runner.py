@@ -30,7 +30,7 @@ from pooling_pipeline.core.shared.options import TASKS
 from pooling_pipeline.core.shared.schema import MODALITIES
 from pooling_pipeline.core.shared.vectors import finish_grouped_sentence_embeddings
 
-IMAGE = MODALITIES.index("image")
+TEXT = MODALITIES.index("text")
 
 
 class DualEncoderRunner:
@@ -46,7 +46,12 @@ class DualEncoderRunner:
         self.image_tower = None  # backend "openvino": the image tower compiled by OpenVINO
         self.sentence_head = SentenceHead(spec.head_modules).to(device).eval() if spec.head_modules else None
         self.last_position_pooling = spec.model_type in ("siglip", "siglip2")  # (see the module's docstring)
-        image = spec.image
+        self.backend_info: dict = {"backend": "torch", "model": f"dual encoder ({spec.model_type}: text and image towers)"}
+        self._prepare_second_tower(backend, threads)
+
+    def _prepare_second_tower(self, backend: str, threads: int) -> None:
+        """The image tower's rescale and normalize on the device, and its OpenVINO compilation."""
+        image, device, dtype = self.spec.image, self.device, self.dtype
         scale = image.rescale_factor if image.do_rescale else 1.0
         mean = image.mean if image.do_normalize else [0.0] * image.channels
         std = image.std if image.do_normalize else [1.0] * image.channels
@@ -54,7 +59,6 @@ class DualEncoderRunner:
         self.scale = torch.tensor(scale, dtype=torch.float32, device=device)
         self.mean = torch.tensor(mean, dtype=torch.float32, device=device).view(1, -1, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32, device=device).view(1, -1, 1, 1)
-        self.backend_info: dict = {"backend": "torch", "model": f"dual encoder ({spec.model_type}: text and image towers)"}
         if backend == "openvino" or (backend == "auto" and device.type == "cpu" and dtype == torch.float32):
             self._use_openvino_image_tower(backend, threads)
 
@@ -88,12 +92,12 @@ class DualEncoderRunner:
         tasks = {TASKS[int(code)] for code in np.unique(batch.task)}
         if tasks - {"embed", "score"}:
             raise ValueError(f"a dual encoder gives embeddings only, not {sorted(tasks - {'embed', 'score'})}")
-        images = batch.modality == IMAGE
+        media = batch.modality != TEXT  # (the second tower's rows: images, or a CLAP model's audio)
         begin, end = start_events(self.device)  # (on CUDA: the step runs on while the engine goes on)
         vectors = torch.empty((len(batch), self.spec.hidden_size), dtype=torch.float32, device=self.device)
         padded = 0
-        if not images.all():
-            text_rows = np.flatnonzero(~images)
+        if not media.all():
+            text_rows = np.flatnonzero(~media)
             groups = [text_rows] if not self.last_position_pooling else \
                 [text_rows[batch.lengths[text_rows] == n] for n in np.unique(batch.lengths[text_rows]).tolist()]
             for rows in groups:
@@ -103,9 +107,9 @@ class DualEncoderRunner:
                                                    attention_mask=to_device(mask, self.device).long())
                 vectors[to_device(rows, self.device)] = _pooled(out).float()
                 padded += ids.size
-        if images.any():
-            rows = np.flatnonzero(images)
-            embedded, computed = self._image_vectors(batch)
+        if media.any():
+            rows = np.flatnonzero(media)
+            embedded, computed = self._media_vectors(batch)
             vectors[to_device(rows, self.device)] = embedded
             padded += computed
         if self.sentence_head is not None:
@@ -120,7 +124,7 @@ class DualEncoderRunner:
         record_end(end, self.device)
         return PendingStep(padded, host, finish, started, begin, end)
 
-    def _image_vectors(self, batch: Requests) -> tuple[torch.Tensor, int]:
+    def _media_vectors(self, batch: Requests) -> tuple[torch.Tensor, int]:
         """The image rows' embeddings (float32, in the rows' order) and the tokens their tower computed."""
         pixels = batch.payloads["pixels"].data  # (an image row's one item; its family's rules hold it)
         if self.image_tower is not None:  # (it rescales and normalizes the pixels itself)

@@ -24,7 +24,7 @@ class NaFlexRunner(DualEncoderRunner):
         super().__init__(spec, device, dtype, backend="torch", threads=threads)
         self.backend_info["model"] = f"dual encoder ({spec.model_type}, NaFlex images: text and image towers)"
 
-    def _image_vectors(self, batch: Requests) -> tuple[torch.Tensor, int]:
+    def _media_vectors(self, batch: Requests) -> tuple[torch.Tensor, int]:
         patches, grids = batch.payloads["patches"], batch.payloads["spatial_shape"]
         counts = patches.counts[patches.counts > 0]  # (one entry per image row, in the rows' order)
         longest = int(counts.max())

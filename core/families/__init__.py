@@ -12,6 +12,7 @@ of model is a new module here, its runner and renderer, and its tests:
   texts, with the model's tokenizer.json as it is.
 - `dual_encoder.py`: CLIP, SigLIP; `dual_encoder_runner.DualEncoderRunner`; texts, and images
   (`workers/images.py`).
+- `clap.py`: CLAP; `clap_runner.ClapRunner`; texts, and audio clips (`workers/audio.py`).
 - `naflex_dual_encoder.py`: SigLIP2 with its NaFlex processor; `naflex_runner.NaFlexRunner`; texts,
   and images of any aspect ratio (`workers/naflex_images.py`).
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pooling_pipeline.core.families.base import ModelFamily
+from pooling_pipeline.core.families.clap import ClapFamily
 from pooling_pipeline.core.families.dual_encoder import DualEncoderFamily
 from pooling_pipeline.core.families.naflex_dual_encoder import NaFlexDualEncoderFamily
 from pooling_pipeline.core.families.static_embedding import StaticEmbeddingFamily
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
 
 FAMILIES: dict[str, ModelFamily] = {family.name: family for family in
                                     (TransformerFamily(), StaticEmbeddingFamily(), DualEncoderFamily(),
-                                     NaFlexDualEncoderFamily())}
+                                     NaFlexDualEncoderFamily(), ClapFamily())}
 
 
 def family_of(spec: ModelSpec) -> ModelFamily:

@@ -11,15 +11,26 @@ if TYPE_CHECKING:
 
 class ModelFamily:
     name: str = ""
-    # What its requests may be: "text" (texts, pairs, conversations, token ids), "image".
+    # What its requests may be: "text" (texts, pairs, conversations, token ids), "image", "audio".
     modalities: frozenset[str] = frozenset({"text"})
     # A render worker loads the model's tokenizer.json as it is (ST's StaticEmbedding), not the
     # tokenizer transformers configures from the folder.
     tokenizer_from_json: bool = False
-    # A model that takes images: what opens and processes them in a render worker, "module:Class"
-    # under pooling_pipeline.workers (named, not imported: the workers sit above the families). The
-    # class is built with (spec, draft=, max_pixels=) and `render(image)` gives (tokens, payloads).
-    image_renderer: str | None = None
+    # A model that takes images or audio: what opens and processes each such modality's inputs in a
+    # render worker, "module:Class" under pooling_pipeline.workers (named, not imported: the workers
+    # sit above the families). The class is built with (spec, draft=, max_pixels=) -- the caller's
+    # image options, which a renderer of another modality ignores -- and `render(media)` gives
+    # (tokens, payloads) for a messages.MediaData.
+    media_renderers: dict[str, str] = {}
+    # ... and what reads the caller's inputs of those modalities in the frontend, "module:function"
+    # under pooling_pipeline (above the families too): fn(prompt, index, spec) gives a
+    # messages.MediaData, or None for a prompt that is not one (a text).
+    media_input: str | None = None
+
+    def worker_imports(self) -> tuple[str, ...]:
+        """What its media renderers import, kept importable in a render worker (which hides torch,
+        PIL and others while it loads transformers: workers/render.py)."""
+        return ()
 
     def takes(self, modality: str) -> bool:
         return modality in self.modalities

@@ -9,6 +9,7 @@ which caller inputs are images (pipeline/image_inputs.py)."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,13 @@ from pooling_pipeline.core.shared.schema import MODALITIES
 class DualEncoderFamily(ModelFamily):
     name = "dual_encoder"
     modalities = frozenset({"text", "image"})
-    image_renderer = "pooling_pipeline.workers.images:ImageRenderer"
+    media_renderers = {"image": "pooling_pipeline.workers.images:ImageRenderer"}
+    media_input = "pooling_pipeline.image_inputs:image_input"
+
+    def worker_imports(self) -> tuple[str, ...]:
+        """PIL, and torch where torchvision is installed: transformers picks its torchvision image
+        processors only where it finds torch too (as in ST's process), and they run on torch tensors."""
+        return ("PIL", "torch") if importlib.util.find_spec("torchvision") is not None else ("PIL",)
 
     def longest_input(self, spec) -> int:
         return max(spec.max_model_len, spec.image.tokens)  # a text's, or an image's vision sequence

@@ -19,7 +19,7 @@ from pooling_pipeline.core.shared.schema import MODALITIES
 
 class NaFlexDualEncoderFamily(DualEncoderFamily):
     name = "naflex_dual_encoder"
-    image_renderer = "pooling_pipeline.workers.naflex_images:NaFlexImages"
+    media_renderers = {"image": "pooling_pipeline.workers.naflex_images:NaFlexImages"}
 
     def payloads(self, spec) -> dict[str, PayloadSpec]:
         """An image row's patches (float32, 3 x patch x patch values each, at most max_patches) and

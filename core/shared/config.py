@@ -135,6 +135,27 @@ class ImageSpec(msgspec.Struct, kw_only=True):
     patch_size: int = 0
 
 
+class AudioSpec(msgspec.Struct, kw_only=True):
+    """The audio tower of a CLAP model: what its feature extractor makes of a clip (the render worker
+    runs the extractor itself: log-mel features of one fixed shape, `channels` x `frames` x
+    `mel_bins`, float32) and what it takes. ST never resamples an array: a clip at another rate
+    than `sampling_rate` is refused, as the extractor refuses it; a file is decoded and resampled to
+    it (transformers' `load_audio`). A clip longer than `max_samples` is refused: the extractor
+    would crop a random window of it ("rand_trunc", "fusion"), so its vector would not be
+    reproducible."""
+
+    feature_extractor_class: str
+    sampling_rate: int
+    max_samples: int
+    channels: int
+    frames: int
+    mel_bins: int
+    truncation: str
+    # The audio transformer's sequence per clip (its patches): what an audio request counts in the
+    # engine's step budget.
+    tokens: int
+
+
 class PayloadSpec(msgspec.Struct, frozen=True, kw_only=True):
     """What a row's named array (`messages.Payload`) must be for a model, as its family declares it
     (`ModelFamily.payloads`): its items' dtype (numpy's `dtype.str`, "|u1" for uint8) and shape, and
@@ -215,6 +236,7 @@ class ModelSpec(msgspec.Struct, kw_only=True):
     # `family_of` refuses a name no family has), so a new family needs no change here.
     input_module: str = "transformer"
     image: ImageSpec | None = None
+    audio: AudioSpec | None = None
     add_special_tokens: bool = True
     static_truncate_left: bool = False  # a StaticEmbedding's tokenizer.json truncates from the left
     multi_vector: MultiVectorSpec | None = None  # ST's MultiVectorEncoder (ColBERT, PyLate layouts)

@@ -94,25 +94,28 @@ RenderOptions = msgspec.defstruct(
     all its requests), or one request's own (`RenderParams`)."""})
 
 
-class ImageData(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True, gc=False):
-    """An image as the frontend hands it to a render worker, which opens, decodes and resizes it.
-    Exactly one source is set: a file `path`, a `data:image/...;base64,` `uri`, an image file's
-    `encoded` bytes -- these three opened as transformers' `load_image` opens them (EXIF orientation
-    applied, converted to RGB) -- or an in-memory image's `pixels` (a flat uint8 array in their own
-    frame): a PIL image's raw bytes in its `mode` and `size` (with its palette and transparency), or
-    a numpy array's values (`mode` None, `shape` and the array's dtype), which the image processor
-    takes as ST hands them to it."""
+class MediaData(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True, gc=False):
+    """An image or audio clip (`modality`) as the frontend hands it to a render worker, which opens,
+    decodes and processes it with the renderer its model's family names for that modality. Exactly
+    one source is set: a file `path`, a `data:` URI or raw base64 `uri`, a file's `encoded` bytes --
+    opened as transformers' `load_image` / `load_audio` open them -- or an in-memory input's
+    `values` (a flat uint8 array of its bytes): a PIL image's raw bytes in its `mode` and `size`
+    (with its palette and transparency), or a numpy array's values (`mode` None, `shape` and the
+    array's `dtype`), which the processor takes as ST hands them to it. Audio values come with the
+    `sampling_rate` the caller gave (None: the processor's own, as ST assumes)."""
 
+    modality: str = "image"  # a name of schema.MODALITIES other than "text"
     path: str | None = None
     uri: str | None = None
     encoded: bytes | None = None
-    pixels: np.ndarray | None = None
+    values: np.ndarray | None = None
     mode: str | None = None  # a PIL image's mode
     dtype: str | None = None  # a numpy array's dtype (numpy's `dtype.str`)
     shape: list[int] = []  # a PIL image's (width, height), or a numpy array's shape
     palette: bytes | None = None  # a "P" / "PA" image's palette, in `palette_mode`
     palette_mode: str | None = None
     transparency: int | bytes | list[int] | None = None  # a PIL image's info["transparency"]
+    sampling_rate: int | None = None  # audio values' rate, as the caller gave it
     nbytes: int = 0  # the size of what it holds (a file's size), for the frontend's in-flight budget
 
 
@@ -121,7 +124,7 @@ class RenderParams(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=
     RenderBatch: per-request options, conversations, plugin data, images). Exactly one input form
     is set: `prompt` (with `pair` for a cross-encoder's document), `token_ids` (used verbatim),
     `conversation` (rendered with the chat template), `raw` (the io_processor plugin's `render`)
-    or `image` (a dual encoder's image)."""
+    or `media` (an image or audio clip of a model whose family takes it)."""
 
     options: RenderOptions
     prompt: str | None = None
@@ -129,12 +132,12 @@ class RenderParams(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=
     token_ids: np.ndarray | None = None  # int32
     conversation: list[dict[str, str]] | None = None
     raw: Any = None
-    image: ImageData | None = None
+    media: MediaData | None = None
 
     def size(self) -> int:
         """Roughly the characters (or token ids, or an image's bytes) it holds."""
-        if self.image is not None:
-            return max(self.image.nbytes, 1)
+        if self.media is not None:
+            return max(self.media.nbytes, 1)
         size = len(self.prompt or "") + len(self.pair or "")
         if self.token_ids is not None:
             size += self.token_ids.size

@@ -1,9 +1,10 @@
 """Dual encoders (CLIP; SigLIP with a fixed image size; SigLIP2 with its NaFlex processor, whose images
-keep their aspect ratio in a variable number of patches): a text tower and an image tower that end in
-one embedding space, as sentence-transformers 6 runs them -- its `Transformer` module with the
-modality configuration it derives for these classes (text: `get_text_features`, image:
-`get_image_features`, each's `pooler_output`), or the legacy `CLIPModel` module of older
-`clip-ViT-*` saves -- followed by whatever modules the model saves (Dense, LayerNorm, Normalize).
+keep their aspect ratio in a variable number of patches; CLAP, whose second tower takes audio): a
+text tower and an image or audio tower that end in one embedding space, as sentence-transformers 6
+runs them -- its `Transformer` module with the modality configuration it derives for these classes
+(text: `get_text_features`, image: `get_image_features`, audio: `get_audio_features`, each's
+`pooler_output`), or the legacy `CLIPModel` module of older `clip-ViT-*` saves -- followed by
+whatever modules the model saves (Dense, LayerNorm, Normalize).
 
 Read as plain JSON, like the rest of the folder: the families' defaults below stand in for a key a
 config leaves out (transformers writes only what differs). The image processor's facts decide the
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pooling_pipeline.core.shared.config import ImageSpec, ModelSpec, PoolingSpec
+from pooling_pipeline.core.shared.config import AudioSpec, ImageSpec, ModelSpec, PoolingSpec
 from pooling_pipeline.core.shared.model_folder.st_files import dense_chain_width, read_json, read_optional_json
 from pooling_pipeline.core.shared.model_folder.st_layout import STLayout
 from pooling_pipeline.core.shared.model_folder.transformer_config import model_lengths
@@ -23,6 +24,7 @@ from pooling_pipeline.core.shared.model_folder.transformer_config import model_l
 # The configuration ST 6 derives for these classes (and the legacy CLIPModel module's): each
 # modality's method, and its output's `pooler_output` (None where transformers returned a tensor).
 EXPECTED_MODALITIES = {"text": "get_text_features", "image": "get_image_features"}
+AUDIO_MODALITIES = {"text": "get_text_features", "audio": "get_audio_features"}
 
 # Per family: the text and vision configs' defaults for what is read (transformers' own defaults),
 # whether the vision sequence has a class token, and the image processors that reproduce ST here.
@@ -37,7 +39,17 @@ FAMILIES = {
                 "vision": {"patch_size": 16, "hidden_size": 768, "num_patches": 256},
                 "projection_dim": None, "class_token": False, "processors": ("Siglip2ImageProcessor",),
                 "naflex": True},
+    # CLAP: a RoBERTa text tower (its position table reserves pad_token_id + 1 slots) and an HTS-AT
+    # audio tower over the feature extractor's log-mel features.
+    "clap": {"text": {"vocab_size": 50265, "max_position_embeddings": 514, "hidden_size": 768, "pad_token_id": 1},
+             "audio": {"spec_size": 256, "num_mel_bins": 64, "patch_stride": [4, 4], "enable_fusion": False},
+             "projection_dim": 512, "text_model_type": "roberta", "feature_extractors": ("ClapFeatureExtractor",),
+             "modalities": AUDIO_MODALITIES},
 }
+# ClapFeatureExtractor's class defaults (transformers 5), for a key its saved config leaves out.
+FEATURE_EXTRACTOR_DEFAULTS = {"ClapFeatureExtractor": {"sampling_rate": 48000, "hop_length": 480, "max_length_s": 10,
+                                                       "feature_size": 64, "truncation": "fusion",
+                                                       "padding": "repeatpad"}}
 # What a processor passes its image processor on every call, whatever the image processor's saved
 # settings say (its class's `images_kwargs`: a call's kwargs override the saved ones, transformers'
 # ProcessorMixin._merge_kwargs; ST calls the processor). Siglip2Processor's, in transformers 5.
@@ -52,18 +64,20 @@ PROCESSOR_DEFAULTS = {
     "Siglip2ImageProcessor": {"max_num_patches": 256, "patch_size": 16, "image_mean": [0.5, 0.5, 0.5],
                               "image_std": [0.5, 0.5, 0.5]},
 }
-REFUSED = ("VLM embedders, ColPali-style page retrievers, fused image+text inputs, audio and video are not "
-           "supported; image models supported: CLIP, SigLIP and SigLIP2 dual encoders")
+REFUSED = ("VLM embedders, ColPali-style page retrievers, fused image+text inputs and video are not supported; "
+           "image and audio models supported: CLIP, SigLIP and SigLIP2 dual encoders, CLAP")
 
 
 def check_dual_encoder_modalities(cfg: dict, where: Path) -> None:
     """A Transformer module whose saved modality configuration has more than text: accepted only as
-    ST derives it for a dual encoder (text and image, each through its get_*_features)."""
+    ST derives it for a dual encoder (text and image, or text and audio for CLAP, each through its
+    get_*_features)."""
     modalities = cfg.get("modality_config") or {}
     name = f"{where}/sentence_bert_config.json"
-    if set(modalities) != set(EXPECTED_MODALITIES):
+    expected = AUDIO_MODALITIES if "audio" in modalities else EXPECTED_MODALITIES
+    if set(modalities) != set(expected):
         raise ValueError(f"{name}: modalities {sorted(map(str, modalities))}: {REFUSED}")
-    for modality, method in EXPECTED_MODALITIES.items():
+    for modality, method in expected.items():
         params = modalities[modality]
         if not isinstance(params, dict) or params.get("method") != method \
                 or params.get("method_output_name") not in ("pooler_output", None):
@@ -84,10 +98,17 @@ def dual_encoder_spec(st: STLayout) -> ModelSpec:
         raise ValueError(f"{str(path)!r} holds {architectures} (model_type {model_type!r}) with an image modality: "
                          f"{REFUSED}")
     text = {**family["text"], **(config.get("text_config") or {})}
-    vision = {**family["vision"], **(config.get("vision_config") or {})}
     width = config.get("projection_dim", family["projection_dim"]) if family["projection_dim"] else \
         text.get("projection_size") or text["hidden_size"]
-    max_model_len, default_max_tokens, _ = model_lengths(st.max_seq_length, text, f"{model_type}_text_model", path)
+    text_type = family.get("text_model_type", f"{model_type}_text_model")
+    max_model_len, default_max_tokens, _ = model_lengths(st.max_seq_length, text, text_type, path)
+    if "audio" in family:
+        audio = _audio_spec(path, family, {**family["audio"], **(config.get("audio_config") or {})})
+        input_module, image = "clap", None
+    else:
+        vision = {**family["vision"], **(config.get("vision_config") or {})}
+        input_module = "naflex_dual_encoder" if family.get("naflex") else "dual_encoder"
+        audio, image = None, _image_spec(path, family, vision)
     return ModelSpec(
         path=str(path.resolve()), model_type=model_type, architectures=[str(a) for a in config.get("architectures") or []],
         hidden_size=int(width), embedding_size=dense_chain_width(int(width), st.head_modules),
@@ -95,8 +116,37 @@ def dual_encoder_spec(st: STLayout) -> ModelSpec:
         pooling=PoolingSpec(modes=["cls"]), head_modules=st.head_modules, normalize=st.normalize,
         do_lower_case=st.do_lower_case, similarity=st.similarity, truncate_dim=st.truncate_dim,
         prompts=st.prompts, default_prompt_name=st.default_prompt_name, tasks=["embed", "score"],
-        input_module="naflex_dual_encoder" if family.get("naflex") else "dual_encoder",
-        image=_image_spec(path, family, vision))
+        input_module=input_module, image=image, audio=audio)
+
+
+def _audio_spec(path: Path, family: dict, audio: dict) -> AudioSpec:
+    """What the model's feature extractor makes of a clip, from its saved config."""
+    saved = read_optional_json(path / "processor_config.json").get("feature_extractor") \
+        or read_optional_json(path / "preprocessor_config.json")
+    if not saved:
+        raise ValueError(f"{str(path)!r}: an audio model without a feature extractor config "
+                         "(processor_config.json or preprocessor_config.json)")
+    name = str(saved.get("feature_extractor_type", family["feature_extractors"][0]))
+    if name not in family["feature_extractors"]:
+        raise ValueError(f"{str(path)!r}: feature extractor {name!r} is not supported for this model (supported: "
+                         f"{', '.join(family['feature_extractors'])})")
+    facts = {**FEATURE_EXTRACTOR_DEFAULTS[name], **saved}
+    if audio.get("enable_fusion"):
+        raise ValueError(f"{str(path)!r}: a CLAP model with enable_fusion=True is not supported: its feature extractor "
+                         "marks a random clip of every batch as a long one (truncation 'fusion'), so "
+                         "sentence-transformers' vectors for a clip change from call to call")
+    rate, hop = int(facts["sampling_rate"]), int(facts["hop_length"])
+    most = int(facts.get("nb_max_samples") or facts["max_length_s"] * rate)
+    mel_bins = int(facts["feature_size"])
+    if mel_bins != int(audio["num_mel_bins"]):
+        raise ValueError(f"{str(path)!r}: the feature extractor makes {mel_bins} mel bins but the audio tower takes "
+                         f"{audio['num_mel_bins']}")
+    stride = audio["patch_stride"]
+    stride = (stride, stride) if isinstance(stride, int) else tuple(stride)
+    spec_size = int(audio["spec_size"])
+    return AudioSpec(feature_extractor_class=name, sampling_rate=rate, max_samples=most, channels=1,
+                     frames=most // hop + 1, mel_bins=mel_bins, truncation=str(facts["truncation"]),
+                     tokens=(spec_size // int(stride[0])) * (spec_size // int(stride[1])))
 
 
 def _image_spec(path: Path, family: dict, vision: dict) -> ImageSpec:
