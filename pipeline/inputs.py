@@ -18,11 +18,11 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from pooling_pipeline.audio_inputs import is_audio_string
 from pooling_pipeline.core.families import family_of
 from pooling_pipeline.core.shared.config import ModelSpec
 from pooling_pipeline.core.shared.messages import PoolingParams, RenderBatch, RenderOptions, RenderParams
 from pooling_pipeline.core.shared.schema import ids_out_of_range
-from pooling_pipeline.audio_inputs import is_audio_string
 from pooling_pipeline.image_inputs import is_image_string, is_numeric_array, is_pil_image, prompt_size
 from pooling_pipeline.options import CallOptions  # (declared there, with every option's default)
 from pooling_pipeline.request_options import (
@@ -549,7 +549,7 @@ def parse_prompt(prompt: object, index: int, spec: ModelSpec) -> dict[str, Any]:
             raise ValueError(f"request {index}: an {next(iter(prompt))} input, but model {spec.path!r} takes text only")
     if media is not None:
         return {"media": media}
-    if family.media_renderers and isinstance(prompt, dict) and set(prompt) == {"text"}:
+    if reader is not None and isinstance(prompt, dict) and set(prompt) == {"text"}:
         prompt = {"prompt": prompt["text"]}  # ST's {"text": ...}
     if isinstance(prompt, str):
         return {"prompt": check_text(prompt, index)}
