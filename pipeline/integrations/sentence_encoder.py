@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from pooling_pipeline.api import Pipeline
+from pooling_pipeline.core.families import family_of
 from pooling_pipeline.core.shared.messages import PoolingParams
 from pooling_pipeline.image_inputs import is_pil_image
 from pooling_pipeline.integrations.langchain_embeddings import register_as_embeddings
@@ -64,6 +65,7 @@ class SentenceEncoder:
             raise ValueError(f"SentenceEncoder needs an embedding model; this one can do {spec.tasks}")
         self.prompts = model_prompts(spec)  # ST's own dict: its placeholders filled by the saved prompts
         self.default_prompt_name = spec.default_prompt_name
+        self._takes_audio = family_of(spec).takes("audio")  # (a clip array is one input: `is_single_input`)
         self.similarity_fn_name = spec.similarity
         # The tokens kept of a text: settable as in ST (`model.max_seq_length = 256`), sent with every call.
         self.max_seq_length = spec.default_max_tokens
@@ -201,7 +203,7 @@ class SentenceEncoder:
             raise ValueError(f"truncate_dim must be a positive int or None, got {truncate_dim!r}")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        single = is_single_input(sentences)
+        single = is_single_input(sentences, takes_audio=self._takes_audio)
         texts = [sentences] if single else sentences
         if not single and isinstance(texts, Sequence) and len(texts) == 0:
             return _empty(output_value, convert_to_tensor, convert_to_numpy)
@@ -342,12 +344,15 @@ def _empty(output_value: str, convert_to_tensor: bool, convert_to_numpy: bool):
     return np.array([])
 
 
-def is_single_input(inputs: object) -> bool:
+def is_single_input(inputs: object, takes_audio: bool = False) -> bool:
     """ST 6's rule (`is_singular_input`) for what is one input, not a batch: a str, a dict (an
     `{"image": ...}` input, a message), one conversation (a list of role/content dicts), a PIL image,
-    an image array or tensor (3-D). Lists, tuples, arrays of strings and data-frame columns are
-    batches."""
+    an image array or tensor (3-D), and for a model that takes audio any numeric array or tensor (a
+    clip). Lists, tuples, arrays of strings and data-frame columns are batches."""
     if isinstance(inputs, (str, dict)) or is_pil_image(inputs):
+        return True
+    if takes_audio and getattr(inputs, "ndim", 0) >= 1 and getattr(getattr(inputs, "dtype", None), "kind", "f") \
+            not in "UO":
         return True
     if isinstance(inputs, list) and inputs and isinstance(inputs[0], dict) and {"role", "content"} <= set(inputs[0]):
         return True

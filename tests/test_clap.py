@@ -1,0 +1,164 @@
+"""CLAP through the whole pipeline: texts and audio clips in every form sentence-transformers 6 takes
+for it -- 1-D arrays (any numeric dtype, as its feature extractor reads them), `{"array",
+"sampling_rate"}`, `{"audio": ...}`, files (decoded and resampled to the extractor's rate as
+transformers' load_audio does), bytes, data URIs -- equal ST within 1e-5; what ST refuses or cannot
+reproduce (another rate for an array, a multi-channel array, a clip longer than the extractor's
+window, which it crops at random; a CLAP with fusion) is a clear error naming the request."""
+
+from __future__ import annotations
+
+import base64
+import wave
+
+import numpy as np
+import pytest
+from model_zoo import build_clap
+
+TOL = 1e-5
+RATE = 48000
+TEXTS = ["a dog barking", "rain on a tin roof at night", "x"]
+
+
+@pytest.fixture(scope="module")
+def clap_dir(tmp_path_factory):
+    return build_clap(tmp_path_factory.mktemp("clap"))
+
+
+@pytest.fixture(scope="module")
+def st(clap_dir):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(clap_dir, device="cpu")
+
+
+def clip(seconds: float, seed: int, rate: int = RATE) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * rate)) / rate
+    return (0.3 * np.sin(2 * np.pi * (200 + 50 * seed) * t) + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
+
+
+def write_wav(path, samples: np.ndarray, rate: int = RATE, frames: int | None = None) -> str:
+    """A 16-bit PCM WAV file; with `frames`, that many (silent past `samples`), written as a sparse
+    file: a long clip that takes no disk."""
+    pcm = (np.clip(samples, -1, 1) * 32767).astype("<i2")
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(rate)
+        w.setnframes(frames or len(pcm))
+        w.writeframes(pcm.tobytes())
+    if frames is not None:
+        data = bytearray(open(path, "rb").read(44))
+        data[40:44] = (frames * 2).to_bytes(4, "little")
+        data[4:8] = (36 + frames * 2).to_bytes(4, "little")
+        with open(path, "r+b") as f:
+            f.write(bytes(data))
+            f.truncate(44 + frames * 2)
+    return str(path)
+
+
+def vectors(pipe, inputs, **kwargs) -> np.ndarray:
+    return np.stack([o.embedding for o in pipe.embed(inputs, use_tqdm=False, **kwargs)])
+
+
+def test_clap_arrays_files_and_texts_equal_st(clap_dir, st, tmp_path):
+    """One Pipeline: arrays of several lengths (and dtypes), a dict with its rate, a WAV file, a FLAC
+    at 16 kHz (resampled on decoding, as load_audio does), bytes and a data URI, and texts -- mixed
+    in one call, each equal to ST's."""
+    import soundfile
+
+    from pooling_pipeline import Pipeline
+
+    clips = [clip(1, 0), clip(2.5, 1), clip(10, 2)]
+    wav = write_wav(tmp_path / "a.wav", clip(3, 3))
+    flac = str(tmp_path / "b.flac")
+    soundfile.write(flac, clip(2, 4, rate=16000), 16000)
+    wav_bytes = open(wav, "rb").read()
+    uri = "data:audio/wav;base64," + base64.b64encode(wav_bytes).decode()
+    ints = (clip(1.5, 5) * 1000).astype(np.int16)  # (raw values, as the extractor reads them)
+    ref = st.encode(clips + [clip(1, 6).astype(np.float64), ints])
+    file_ref = st.encode([wav, flac])
+    assert np.abs(file_ref[0] - file_ref[1]).max() > 1e-3 and np.abs(ref[0] - ref[1]).max() > 1e-3
+    text_ref = st.encode(TEXTS)
+    with Pipeline(model=clap_dir, num_render_workers=1) as pipe:
+        got = vectors(pipe, clips + [clip(1, 6).astype(np.float64), ints])
+        assert np.abs(got - ref).max() <= TOL
+        got = vectors(pipe, [wav, flac, {"audio": wav_bytes}, {"audio": uri}, uri, {"audio": flac},
+                             {"array": clips[0], "sampling_rate": RATE}, {"audio": clips[1]}])
+        expected = np.stack([file_ref[0], file_ref[1], file_ref[0], file_ref[0], file_ref[0], file_ref[1], ref[0], ref[1]])
+        assert np.abs(got - expected).max() <= TOL
+        mixed = vectors(pipe, [TEXTS[0], clips[1], TEXTS[1], wav, TEXTS[2]])
+        assert np.abs(mixed - np.stack([text_ref[0], ref[1], text_ref[1], file_ref[0], text_ref[2]])).max() <= TOL
+        engine = pipe.stats()["engine"]
+    assert engine["backend"] == "torch" and "CLAP" in engine["model"], engine
+
+
+@pytest.mark.slow
+def test_a_bad_clip_fails_alone_naming_the_request(clap_dir, st, tmp_path):
+    """Each refusal names its request; the requests around it get ST's vectors. A one-hour file is
+    refused from its header, before it is decoded."""
+    import torch
+
+    from pooling_pipeline import Pipeline
+
+    good = clip(1, 0)
+    hour = write_wav(tmp_path / "hour.wav", clip(0.1, 1), frames=3600 * RATE)
+    not_audio = tmp_path / "text.wav"
+    not_audio.write_text("not a wav file")
+    bad = {"rate": {"array": good, "sampling_rate": 16000}, "stereo": np.stack([good, good]),
+           "long array": clip(10.5, 2), "one hour file": hour, "not audio": {"audio": str(not_audio)},
+           "no rate": {"array": good}, "image": np.zeros((8, 8, 3), np.uint8), "url": "https://example.com/a.wav",
+           "empty": np.zeros(0, np.float32), "strings": {"audio": 3}, "fused": {"audio": good, "text": "a"},
+           "message": {"role": "user", "content": "a dog"}, "bfloat16": torch.zeros(100, dtype=torch.bfloat16)}
+    why = {"rate": "sampling rate is 16000 Hz", "stereo": "multi-channel", "long array": "10.50 s long",
+           "one hour file": "3600.00 s long", "not audio": "cannot be decoded", "no rate": "'sampling_rate'",
+           "image": "an image", "url": "is not fetched", "empty": "empty", "strings": "must hold a path",
+           "fused": "fuses modalities", "message": "chat-style", "bfloat16": "bfloat16"}
+    ref = st.encode([good])[0]
+    with Pipeline(model=clap_dir, num_render_workers=1) as pipe:
+        for name, value in bad.items():
+            outs = pipe.embed([good, value, good], use_tqdm=False, errors="return")
+            assert outs[0].error is None and outs[2].error is None, name
+            assert np.abs(outs[2].embedding - ref).max() <= TOL
+            assert outs[1].error is not None and "request 1" in outs[1].error and why[name] in outs[1].error, \
+                (name, outs[1].error)
+        # (a string that is no existing file is a text, as ST reads it)
+        assert np.abs(vectors(pipe, ["/no/such/clip.wav"]) - st.encode(["/no/such/clip.wav"])).max() <= TOL
+    with pytest.raises(ValueError, match="16000"):  # (ST refuses another rate too)
+        st.encode([bad["rate"]])
+
+
+def test_clap_refusals_in_the_caller(clap_dir, tmp_path):
+    """OpenVINO, int8 and image options are refused before any process starts; so is a CLAP with
+    fusion, whose feature extractor marks a random clip of each batch as long."""
+    import json
+    import shutil
+
+    from pooling_pipeline import Pipeline
+    from pooling_pipeline.core.shared.model_folder.load import load_model_spec
+
+    with pytest.raises(ValueError, match="backend='openvino' cannot run a CLAP model"):
+        Pipeline(model=clap_dir, backend="openvino")
+    with pytest.raises(ValueError, match="quantize='int8' is not supported for a CLAP model"):
+        Pipeline(model=clap_dir, quantize="int8")
+    with pytest.raises(ValueError, match="image_decode='draft' applies to a model that takes images"):
+        Pipeline(model=clap_dir, image_decode="draft")
+    fused = tmp_path / "fused"
+    shutil.copytree(clap_dir, fused)
+    config = json.loads((fused / "config.json").read_text())
+    config["audio_config"]["enable_fusion"] = True
+    (fused / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="enable_fusion=True is not supported"):
+        load_model_spec(str(fused))
+
+
+@pytest.mark.slow
+def test_sentence_encoder_takes_a_clip_as_one_input(clap_dir, st):
+    """SentenceEncoder.encode reads a numeric array as one clip (ST's is_singular_input) and a list
+    as a batch, with ST's shapes."""
+    from pooling_pipeline import SentenceEncoder
+
+    one, two = clip(1, 0), clip(2, 1)
+    with SentenceEncoder(clap_dir) as model:
+        single = model.encode(one)
+        batch = model.encode([one, two])
+    assert single.shape == st.encode(one).shape == (16,)
+    assert np.abs(single - st.encode(one)).max() <= TOL and np.abs(batch - st.encode([one, two])).max() <= TOL
