@@ -59,6 +59,7 @@ def vectors(pipe, inputs, **kwargs) -> np.ndarray:
     return np.stack([o.embedding for o in pipe.embed(inputs, use_tqdm=False, **kwargs)])
 
 
+@pytest.mark.slow
 def test_clap_arrays_files_and_texts_equal_st(clap_dir, st, tmp_path):
     """One Pipeline: arrays of several lengths (and dtypes), a dict with its rate, a WAV file, a FLAC
     at 16 kHz (resampled on decoding, as load_audio does), bytes and a data URI, and texts -- mixed

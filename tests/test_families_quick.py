@@ -13,7 +13,8 @@ Families (one test each, parametrized where a family has several shapes):
   static embeddings   ST's StaticEmbedding (+ Dense, Normalize); model2vec's folder
   Routers             dense (query / document Dense on a shared BERT); static query route
   token classification  per-token softmax (transformers is the reference: ST has no such model)
-  dual encoders       CLIP and SigLIP, texts and images
+  dual encoders       CLIP, SigLIP and SigLIP2 (NaFlex), texts and images
+  audio               CLAP, texts and clips (arrays, a WAV file)
   PEFT adapters       a LoRA adapter in the Transformer's folder, merged at load
   half precision      a bfloat16 checkpoint, run in float32 (ST with dtype float32 the reference)
 
@@ -435,6 +436,22 @@ def test_dual_encoders_equal_st_for_texts_and_images(family, tmp_path):
     assert_differs(image_ref[0], image_ref[1], "the image")
     got = InProcess(path).vectors(texts + images)
     assert_close(got, np.concatenate([text_ref, image_ref]), f"{family}, texts and images in one call")
+
+
+def test_clap_equals_st_for_texts_and_clips(tmp_path):
+    """Texts on the text tower, clips (arrays of two lengths, a WAV file decoded as load_audio
+    decodes it) through the feature extractor in the worker and the audio tower; one call mixes them."""
+    from sentence_transformers import SentenceTransformer
+    from test_clap import clip, write_wav
+
+    path = zoo.build_clap(tmp_path / "model")
+    st = SentenceTransformer(path, device="cpu")
+    clips = [clip(1, 0), clip(3, 1), write_wav(tmp_path / "a.wav", clip(2, 2))]
+    texts = TEXTS[:3]
+    clip_ref, text_ref = st.encode(clips), st.encode(texts)
+    assert_differs(clip_ref[0], clip_ref[1], "the clip")
+    got = InProcess(path).vectors(texts + clips)
+    assert_close(got, np.concatenate([text_ref, clip_ref]), "clap, texts and clips in one call")
 
 
 # ---- PEFT adapters and half-precision checkpoints -----------------------------------------------

@@ -286,7 +286,7 @@ def test_a_worker_sends_images_to_the_engine_a_few_at_a_time():
 
     options = m.RenderOptions(task="embed", max_tokens=77, params=m.PoolingParams())
     n = 2 * IMAGE_ROWS_PER_PART + 3
-    items = [m.RenderParams(options=options, image=m.MediaData(path=f"/images/{k}.jpg", nbytes=1)) if k % 5
+    items = [m.RenderParams(options=options, media=m.MediaData(path=f"/images/{k}.jpg", nbytes=1)) if k % 5
              else m.RenderParams(options=options, prompt=f"text {k}") for k in range(n)]
     batch = m.RenderBatch(call="c", indices=np.arange(100, 100 + n), items=items, engine=1)
     parts = parts_to_send_as_rendered(batch)
