@@ -8,6 +8,8 @@ window, which it crops at random; a CLAP with fusion) is a clear error naming th
 from __future__ import annotations
 
 import base64
+import json
+import os
 import wave
 
 import numpy as np
@@ -163,3 +165,53 @@ def test_sentence_encoder_takes_a_clip_as_one_input(clap_dir, st):
         batch = model.encode([one, two])
     assert single.shape == st.encode(one).shape == (16,)
     assert np.abs(single - st.encode(one)).max() <= TOL and np.abs(batch - st.encode([one, two])).max() <= TOL
+
+
+@pytest.mark.slow
+def test_pipeline_run_embeds_audio_folders_and_fields_as_st(clap_dir, st, tmp_path, capsys):
+    """pipeline-run on a CLAP model: a folder of audio files (ids = paths relative to it), a JSONL
+    with --audio-field (paths relative to its folder) and a Parquet binary column give ST's vectors;
+    a bad clip is that record's error; what an audio job cannot do is refused at start-up."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pooling_pipeline import load_results
+    from pooling_pipeline.jobs.launcher import main
+
+    folder = tmp_path / "clips"
+    (folder / "a").mkdir(parents=True)
+    paths = {"a/one.wav": write_wav(folder / "a" / "one.wav", clip(1, 0)),
+             "two.wav": write_wav(folder / "two.wav", clip(2, 1)),
+             "long.wav": write_wav(folder / "long.wav", clip(11, 2))}
+    (folder / "notes.txt.bak").write_text("not an input")
+    ref = dict(zip(["a/one.wav", "two.wav"], st.encode([paths["a/one.wav"], paths["two.wav"]])))
+
+    def check(out, want: dict):
+        ids, data = load_results(out)
+        assert sorted(ids) == sorted(want), ids
+        assert np.abs(data - np.stack([want[i] for i in ids])).max() <= TOL
+
+    assert main(["--quiet", "--model", clap_dir, "--input", str(folder), "--output", str(tmp_path / "o1"),
+                 "--errors", "return"]) == 0
+    check(tmp_path / "o1", ref)
+    errors = (tmp_path / "o1" / "__job__" / "errors.jsonl").read_text()
+    assert '"clip": 2' in errors and "long.wav" in errors and "11.00 s long" in errors, errors
+    records = tmp_path / "records.jsonl"
+    records.write_text("\n".join(json.dumps({"id": k, "sound": os.path.relpath(p, tmp_path)})
+                                 for k, p in paths.items() if k != "long.wav"))
+    assert main(["--quiet", "--model", clap_dir, "--input", str(records), "--audio-field", "sound",
+                 "--output", str(tmp_path / "o2")]) == 0
+    check(tmp_path / "o2", ref)
+    table = tmp_path / "clips.parquet"
+    pq.write_table(pa.table({"id": ["x", "y"], "audio": pa.array([open(paths["two.wav"], "rb").read(),
+                                                                   open(paths["a/one.wav"], "rb").read()])}), table)
+    assert main(["--quiet", "--model", clap_dir, "--input", str(table), "--audio-field", "audio",
+                 "--output", str(tmp_path / "o3")]) == 0
+    check(tmp_path / "o3", {"x": ref["two.wav"], "y": ref["a/one.wav"]})
+    for flags, why in ((["--input", str(folder), "--prompt", "x"], "--prompt shape texts"),
+                       (["--input", str(records), "--audio-field", "sound", "--image-field", "sound"],
+                        "--image-field and --audio-field"),
+                       (["--input", str(folder), "--task", "classify"], "a CLAP model embeds audio")):
+        capsys.readouterr()
+        assert main(["--quiet", "--model", clap_dir, "--output", str(tmp_path / "bad"), *flags]) != 0
+        assert why in capsys.readouterr().err

@@ -259,7 +259,7 @@ def test_which_folders_are_images(tmp_path, images):
     texts.mkdir()
     (texts / "a.txt").write_text("hello\n")
     shutil.copy(images["photo.jpg"], texts / "logo.jpg")
-    yes, no = (lambda: True), (lambda: False)
+    yes, no = (lambda: "image"), (lambda: None)
     [folder] = expand_job_inputs([str(pics)], "auto", None, yes)
     assert folder.format == "images" and folder.files == ("p.jpg",)
     assert [s.path for s in expand_job_inputs([str(texts)], "auto", None, no)] == [str(texts / "a.txt")]

@@ -264,7 +264,7 @@ def test_an_image_folder_resumes_at_its_records_and_keeps_its_listing_check(tmp_
     names = ["a/1.png", "a/2.jpg", "b.png", "c.webp", "d.png"]
     for n, name in enumerate(names):
         (folder / name).write_bytes(b"not decoded here %d" % n)
-    sources = expand_job_inputs([str(folder)], "auto", None, lambda: True)
+    sources = expand_job_inputs([str(folder)], "auto", None, lambda: "image")
     snapshot = input_fingerprints(sources)
     whole = list(ImageRecordReader(sources, None).records(snapshot=snapshot))
     assert [r.id for r in whole] == names

@@ -1,16 +1,18 @@
-"""pipeline-run's image records, for a model that takes images (a dual encoder: CLIP, SigLIP).
+"""pipeline-run's image and audio records, for a model that takes images (a dual encoder: CLIP,
+SigLIP) or audio (CLAP).
 
 Two ways in:
-- `--image-field NAME`: each JSONL / Parquet record's image is in field NAME, instead of a text: a
-  path (relative to the input file's folder; absolute allowed; a `data:image/` URI as it is), bytes
-  (a Parquet binary column) or a `datasets` Image struct {"bytes", "path"} (the bytes when present,
-  else the path).
-- a folder of image files as an input (`--input photos/`): one record per image file (by extension,
-  recursive, sorted by relative path), its path relative to the folder as its id.
+- `--image-field NAME` (`--audio-field NAME`): each JSONL / Parquet record's image (clip) is in field
+  NAME, instead of a text: a path (relative to the input file's folder; absolute allowed; a `data:`
+  URI as it is), bytes (a Parquet binary column) or a `datasets` Image / Audio struct {"bytes",
+  "path"} (the bytes when present, else the path).
+- a folder of image (audio) files as an input (`--input photos/`): one record per file of the
+  modality the model takes (by extension, recursive, sorted by relative path), its path relative to
+  the folder as its id.
 
-A record's prompt is {"image": absolute path} or {"image": bytes}, which the Pipeline opens and
-decodes in its render workers: a bad image is that record's error, as a bad text is. A job's
-records are all images or all texts. docs/cli.md ("Images") states the decisions to users: what
+A record's prompt is {"image": absolute path} or {"image": bytes} ({"audio": ...}), which the
+Pipeline opens and decodes in its render workers: a bad file is that record's error, as a bad text
+is. A job's records are all images, all clips or all texts. docs/cli.md ("Images") states the decisions to users: what
 is refused, and what the fingerprint covers (a folder's listing; for --image-field the input
 file, not the image files its paths name).
 """
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from pooling_pipeline.audio_inputs import AUDIO_EXTENSIONS
 from pooling_pipeline.core.families import family_of
 from pooling_pipeline.image_inputs import IMAGE_EXTENSIONS
 from pooling_pipeline.jobs.job_errors import InputError, UsageError
@@ -40,7 +43,11 @@ from pooling_pipeline.jobs.records import (
     expand_inputs,
 )
 
-IMAGE_FOLDER = "images"  # the Source.format of a folder of image files (not an --input-format)
+IMAGE_FOLDER = "images"  # the Source.format of a folder of image or audio files (not an --input-format)
+# The files a folder input's records are, by the modality the model takes.
+MEDIA_EXTENSIONS = {"image": IMAGE_EXTENSIONS, "audio": AUDIO_EXTENSIONS}
+# What each modality is called in messages: (one, many).
+MEDIA_WORDS = {"image": ("image", "images"), "audio": ("audio clip", "audio clips")}
 # Parquet rows of images per batch read: a binary column's rows are whole image files.
 IMAGE_PARQUET_BATCH_ROWS = 64
 # What an image field's string is taken as it is, never joined to the input's folder.
@@ -51,14 +58,16 @@ AS_GIVEN = ("data:", "http://", "https://")
 
 @dataclass(frozen=True)
 class ImageFolder(Source):
-    """A folder input whose records are its image files (`files`: paths relative to it, sorted),
-    listed once when the job starts."""
+    """A folder input whose records are its image (or audio) files (`files`: paths relative to it,
+    sorted), listed once when the job starts."""
 
     files: tuple[str, ...] = ()
+    modality: str = "image"
 
     @property
     def unit(self) -> str:
-        return ImageFolderReader.unit
+        """What a record is called in messages and errors.jsonl: "image", or "clip" for audio."""
+        return "image" if self.modality == "image" else "clip"
 
     @property
     def root(self) -> str:
@@ -83,8 +92,11 @@ class ImageFolderReader(FormatReader):
 
     name = IMAGE_FOLDER
     suffixes = ()
-    unit = "image"
     has_fields = False
+
+    @property
+    def unit(self) -> str:  # (its folder's: "image" or "clip")
+        return self.source.unit
 
     def probe(self, first: bool) -> None:
         if first:
@@ -102,117 +114,171 @@ class ImageFolderReader(FormatReader):
             yield number, rel
 
     def parse(self, raw: str):
-        return raw, {"image": os.path.join(self.source.root, *raw.split("/"))}, None, None
+        return raw, {self.source.modality: os.path.join(self.source.root, *raw.split("/"))}, None, None
 
 
-def image_files(folder: str) -> list[str]:
-    """A folder's image files (by extension, case-insensitive), as sorted paths relative to it with
-    "/" separators. Names starting with "." or "_" are skipped at every level, as for record files."""
+def image_files(folder: str, extensions: tuple[str, ...] = IMAGE_EXTENSIONS) -> list[str]:
+    """A folder's image (or other media) files (by extension, case-insensitive), as sorted paths
+    relative to it with "/" separators. Names starting with "." or "_" are skipped at every level,
+    as for record files."""
     found = []
     for p in Path(folder).rglob("*"):
         parts = p.relative_to(folder).parts
-        if p.suffix.lower() in IMAGE_EXTENSIONS and not any(s.startswith((".", "_")) for s in parts) and p.is_file():
+        if p.suffix.lower() in extensions and not any(s.startswith((".", "_")) for s in parts) and p.is_file():
             found.append("/".join(parts))
     return sorted(found)
 
 
 # -- which inputs -----------------------------------------------------------------------------------
 
-def expand_job_inputs(paths: Sequence[str], input_format: str, image_field: str | None,
-                      takes_images: Callable[[], bool]) -> list[Source]:
-    """`records.expand_inputs`, with folders of images: a directory holding image files is an
-    ImageFolder when the model takes images (`takes_images()`, asked only when it matters: it reads
-    the model's folder). Without --image-field a job's inputs are all folders of images or none."""
+def expand_job_inputs(paths: Sequence[str], input_format: str, media_field: str | None,
+                      media_of_model: Callable[[], str | None]) -> list[Source]:
+    """`records.expand_inputs`, with folders of images or audio files: a directory holding files of
+    the modality the model takes is an ImageFolder of them (`media_of_model()`: "image", "audio" or
+    None, asked only when it matters: it reads the model's folder). Without a media field a job's
+    inputs are all such folders or none."""
     sources: list[Source] = []
     for path in paths:
-        folder = _image_folder(path, image_field, takes_images) if path != "-" and os.path.isdir(path) else None
+        folder = _media_folder(path, media_field, media_of_model) if path != "-" and os.path.isdir(path) else None
         if folder is not None:
             sources.append(folder)
             continue
         found = expand_inputs([path], input_format)
-        loose = [s.path for s in found if s.path.lower().endswith(IMAGE_EXTENSIONS)]
-        if loose and image_field is None and takes_images():
-            raise UsageError(f"input {loose[0]} is an image file: give the folder that holds the images (--input DIR: "
-                             "one record per image file), or list them in a JSONL or Parquet file read with "
-                             "--image-field")
+        for modality, extensions in MEDIA_EXTENSIONS.items():
+            loose = [s.path for s in found if s.path.lower().endswith(extensions)]
+            if loose and media_field is None and media_of_model() == modality:
+                one, many = MEDIA_WORDS[modality]
+                raise UsageError(f"input {loose[0]} is an {one} file: give the folder that holds the {many} (--input "
+                                 f"DIR: one record per {one} file), or list them in a JSONL or Parquet file read with "
+                                 f"--{modality}-field")
         sources.extend(found)
     folders = [s for s in sources if isinstance(s, ImageFolder)]
     others = [s for s in sources if not isinstance(s, ImageFolder)]
-    if folders and others and image_field is None:
-        raise UsageError(f"input folder {folders[0].name} holds images, but input {others[0].name} holds texts: a "
-                         "job's records are all images or all texts (an input file can name images with --image-field)")
+    if folders and others and media_field is None:
+        many = MEDIA_WORDS[folders[0].modality][1]
+        raise UsageError(f"input folder {folders[0].name} holds {many}, but input {others[0].name} holds texts: a "
+                         f"job's records are all {many} or all texts (an input file can name {many} with "
+                         f"--{folders[0].modality}-field)")
     return sources
 
 
-def _image_folder(path: str, image_field: str | None, takes_images: Callable[[], bool]) -> ImageFolder | None:
-    """The folder as an ImageFolder, or None when its record files are the input (a text folder, or
-    any folder under --image-field: its JSONL / Parquet files name the images)."""
-    images = image_files(path) if image_field is None else []
-    if not images:
+def _media_folder(path: str, media_field: str | None, media_of_model: Callable[[], str | None]) -> ImageFolder | None:
+    """The folder as an ImageFolder of the model's modality, or None when its record files are the
+    input (a text folder, or any folder under a media field: its JSONL / Parquet files name the files)."""
+    if media_field is not None:
+        return None
+    found = {modality: image_files(path, extensions) for modality, extensions in MEDIA_EXTENSIONS.items()}
+    if not any(found.values()):
         return None
     record_files = _directory_files(path)
-    if not takes_images():
+    modality = media_of_model()
+    files = found.get(modality) if modality is not None else None
+    if not files:
         if record_files:
-            return None  # a text folder, as always: its image files are not inputs
-        raise UsageError(f"input directory {path!r} holds image files ({len(images)}) and no JSONL, text or Parquet "
-                         "files, but the model takes no images (a dual encoder such as CLIP or SigLIP does)")
+            return None  # a text folder, as always: its image or audio files are not inputs
+        held = next(m for m, f in found.items() if f)
+        one, many = MEDIA_WORDS[held]
+        takes = "a dual encoder such as CLIP or SigLIP does" if held == "image" else "a CLAP model does"
+        raise UsageError(f"input directory {path!r} holds {one} files ({len(found[held])}) and no JSONL, text or "
+                         f"Parquet files, but the model takes no {many} ({takes})")
     if record_files:
-        raise UsageError(f"input directory {path!r} holds both image files ({len(images)}, e.g. {images[0]}) and "
+        one, many = MEDIA_WORDS[modality]
+        raise UsageError(f"input directory {path!r} holds both {one} files ({len(files)}, e.g. {files[0]}) and "
                          f"record files ({len(record_files)}, e.g. {os.path.relpath(record_files[0], path)}): a job's "
-                         "records are all images or all texts. Move the images to a folder of their own, or read a "
-                         "record file that names them: --input DIR/metadata.jsonl --image-field file_name")
-    return ImageFolder(path, IMAGE_FOLDER, False, tuple(images))
+                         f"records are all {many} or all texts. Move the {many} to a folder of their own, or read a "
+                         f"record file that names them: --input DIR/metadata.jsonl --{modality}-field file_name")
+    return ImageFolder(path, IMAGE_FOLDER, False, tuple(files), modality)
+
+
+def media_field(job) -> tuple[str | None, str | None]:
+    """(the field that holds each record's image or clip, its modality): --image-field or
+    --audio-field; (None, None) for neither."""
+    if job.image_field is not None:
+        return job.image_field, "image"
+    if job.audio_field is not None:
+        return job.audio_field, "audio"
+    return None, None
+
+
+def model_modality(spec) -> str | None:
+    """What a folder input's files are for this model: "image", "audio", or None (a text model)."""
+    family = family_of(spec)
+    return next((m for m in MEDIA_EXTENSIONS if family.takes(m)), None)
+
+
+def job_modality(job, sources: Sequence[Source]) -> str | None:
+    """What the job's records are, beyond texts: "image", "audio", or None for texts."""
+    folder = next((s for s in sources if isinstance(s, ImageFolder)), None)
+    return media_field(job)[1] or (folder.modality if folder is not None else None)
 
 
 def image_job(job, sources: Sequence[Source]) -> bool:
-    """Whether the job's records are images."""
-    return job.image_field is not None or any(isinstance(s, ImageFolder) for s in sources)
+    """Whether the job's records are images or audio clips."""
+    return job_modality(job, sources) is not None
 
 
 def check_image_field(job) -> None:
-    """--image-field names a record's content: not with --text-field or --pair-field."""
-    if job.image_field is None:
+    """--image-field (--audio-field) names a record's content: not with --text-field, --pair-field
+    or the other."""
+    if job.image_field is not None and job.audio_field is not None:
+        raise UsageError("--image-field and --audio-field: a record is an image or an audio clip; give one")
+    field, modality = media_field(job)
+    if field is None:
         return
+    one = MEDIA_WORDS[modality][0]
     if job.pair_field is not None:
-        raise UsageError("--image-field and --pair-field: a record is an image or a pair of texts, not both")
+        raise UsageError(f"--{modality}-field and --pair-field: a record is an {one} or a pair of texts, not both")
     if job.text_field != "text":
-        raise UsageError(f"--image-field {job.image_field!r} and --text-field {job.text_field!r}: a record's content "
-                         "is its image or its text; give one")
+        raise UsageError(f"--{modality}-field {field!r} and --text-field {job.text_field!r}: a record's content "
+                         f"is its {one if modality == 'image' else 'clip'} or its text; give one")
 
 
 def check_image_job(job, sources: Sequence[Source]) -> None:
-    """What an image job refuses before the model loads: texts' options, other tasks, --ray."""
-    if not image_job(job, sources):
+    """What an image or audio job refuses before the model loads: texts' options, other tasks, --ray."""
+    modality = job_modality(job, sources)
+    if modality is None:
         return
-    what = f"--image-field {job.image_field!r}" if job.image_field is not None else "a folder of images"
+    field = media_field(job)[0]
+    one, many = MEDIA_WORDS[modality]
+    what = f"--{modality}-field {field!r}" if field is not None else f"a folder of {many}"
     if job.ray:
-        raise UsageError(f"{what}: images are not supported with --ray (its actors read one text column)")
+        raise UsageError(f"{what}: {many} are not supported with --ray (its actors read one text column)")
     if job.task != "embed":
-        raise UsageError(f"{what}: a dual encoder embeds images: --task embed, not {job.task!r}")
+        embeds = "a dual encoder embeds images" if modality == "image" else "a CLAP model embeds audio"
+        raise UsageError(f"{what}: {embeds}: --task embed, not {job.task!r}")
     text_only = [flag for flag, given in (("--long-inputs", job.long_inputs != "truncate"),
                                           ("--truncate", job.truncate is not None), ("--prompt", job.prompt is not None),
                                           ("--prompt-name", job.prompt_name is not None)) if given]
     if text_only:
-        raise UsageError(f"{what}: {', '.join(text_only)} shape texts; this job's records are images (an image is "
+        raise UsageError(f"{what}: {', '.join(text_only)} shape texts; this job's records are {many} (an {one} is "
                          "one input, never truncated, chunked or prefixed): drop them")
+    if modality == "audio" and job.image_decode != "exact":
+        raise UsageError(f"{what}: --image-decode {job.image_decode} applies to images; this job's records are audio "
+                         "clips: drop it")
     if any(isinstance(s, ImageFolder) for s in sources) and (job.id_field is not None or job.keep_fields):
-        raise UsageError("a folder of images has no fields: each record's id is its image's path relative to the "
+        raise UsageError(f"a folder of {many} has no fields: each record's id is its {one}'s path relative to the "
                          "folder; drop --id-field and --keep-fields")
 
 
 def check_image_model(job, sources: Sequence[Source], spec) -> None:
-    """--image-field needs a model that takes images (a folder of images was only taken for one)."""
-    if job.image_field is not None and not family_of(spec).takes("image"):
-        raise UsageError(f"--image-field {job.image_field!r}: model {spec.path!r} takes no images (a dual encoder "
-                         "such as CLIP or SigLIP does)")
+    """--image-field (--audio-field) needs a model that takes images (audio); a folder was only
+    taken for one."""
+    field, modality = media_field(job)
+    if field is not None and not family_of(spec).takes(modality):
+        takes = "a dual encoder such as CLIP or SigLIP does" if modality == "image" else "a CLAP model does"
+        raise UsageError(f"--{modality}-field {field!r}: model {spec.path!r} takes no {MEDIA_WORDS[modality][1]} "
+                         f"({takes})")
 
 
 def image_params(job, sources: Sequence[Source]) -> dict:
-    """What an image job adds to the job's params (a text job's stay as they were, so its resumes
-    still match): the image field, and the decoding, which a resume must not mix."""
-    if not image_job(job, sources):
-        return {}
-    return {"image_field": job.image_field, "image_decode": job.image_decode}
+    """What an image or audio job adds to the job's params (a text job's stay as they were, so its
+    resumes still match): the field, and for images the decoding, which a resume must not mix."""
+    modality = job_modality(job, sources)
+    if modality == "image":
+        return {"image_field": job.image_field, "image_decode": job.image_decode}
+    if modality == "audio":
+        return {"audio_field": job.audio_field}
+    return {}
 
 
 def check_resumed_image_decode(out: Path, params: dict, resume: bool) -> None:
@@ -232,15 +298,17 @@ def check_resumed_image_decode(out: Path, params: dict, resume: bool) -> None:
                          f"{then}, or start a new job in another --output")
 
 
-# -- records whose content is an image --------------------------------------------------------------
+# -- records whose content is an image or a clip ----------------------------------------------------
 
 @dataclass
 class ImageFields(Fields):
-    """The fields of an --image-field job: `text` names the image field (so the readers read that
-    column); the id and kept fields as for texts."""
+    """The fields of an --image-field (--audio-field) job: `text` names the field (so the readers
+    read that column); the id and kept fields as for texts."""
+
+    modality: str = "image"
 
     def wanted(self) -> list[tuple[str, str]]:
-        return [("--image-field", self.text)] + super().wanted()[1:]
+        return [(f"--{self.modality}-field", self.text)] + super().wanted()[1:]
 
     def of(self, record: dict):
         """(id, {"image": path or bytes}, kept fields, error) of one JSON object or Parquet row."""
@@ -248,30 +316,31 @@ class ImageFields(Fields):
         if error is not None:
             return rid, None, fields, error
         if self.text not in record:
-            return rid, None, fields, f"no field {self.text!r} (--image-field)"
-        image, error = image_value(record[self.text], self.text)
+            return rid, None, fields, f"no field {self.text!r} (--{self.modality}-field)"
+        image, error = image_value(record[self.text], self.text, self.modality)
         return rid, image, fields, error
 
 
-def image_value(value, name: str) -> tuple[dict | None, str | None]:
-    """({"image": path or bytes}, None), or (None, why this field's value is no image)."""
+def image_value(value, name: str, modality: str = "image") -> tuple[dict | None, str | None]:
+    """({"image": path or bytes}, None) ({"audio": ...}), or (None, why this field's value is none)."""
+    one = MEDIA_WORDS[modality][0]
     if value is None:
         return None, f"field {name!r} is null"
-    if isinstance(value, dict) and value and set(value) <= {"bytes", "path"}:  # a `datasets` Image struct
+    if isinstance(value, dict) and value and set(value) <= {"bytes", "path"}:  # a `datasets` Image / Audio struct
         data, path = value.get("bytes"), value.get("path")
         if data is None and path is None:
-            return None, f"field {name!r} is an image struct with neither bytes nor a path"
+            return None, f"field {name!r} is an {modality} struct with neither bytes nor a path"
         value = data if data is not None else path
     if isinstance(value, (bytes, bytearray, memoryview)):
         if not len(value):
-            return None, f"field {name!r} holds no bytes (an empty image)"
-        return {"image": bytes(value)}, None
+            return None, f"field {name!r} holds no bytes (an empty {one})"
+        return {modality: bytes(value)}, None
     if isinstance(value, str):
         if not value.strip():
             return None, f"field {name!r} is an empty path"
-        return {"image": value}, None
-    return None, (f"field {name!r} must be an image path, bytes or a datasets Image struct {{bytes, path}}, got "
-                  f"{type(value).__name__}")
+        return {modality: value}, None
+    return None, (f"field {name!r} must be an {one} path, bytes or a datasets {modality.capitalize()} struct "
+                  f"{{bytes, path}}, got {type(value).__name__}")
 
 
 class ImageParquetReader(ParquetReader):
@@ -281,14 +350,15 @@ class ImageParquetReader(ParquetReader):
 
 
 class ImageRecordReader(RecordReader):
-    """The records of an image job: folders of images, and JSONL / Parquet inputs read with
-    --image-field, their relative paths resolved against each input file's folder."""
+    """The records of an image (audio) job: folders of images (clips), and JSONL / Parquet inputs
+    read with --image-field (--audio-field), their relative paths resolved against each input
+    file's folder."""
 
     def __init__(self, sources: list[Source], image_field: str | None, id_field: str | None = None,
-                 keep_fields: tuple[str, ...] = ()) -> None:
+                 keep_fields: tuple[str, ...] = (), modality: str = "image") -> None:
         self.sources = sources
         self.fields = ImageFields(text=image_field or "", id=id_field, keep=keep_fields,
-                                  explicit_id=id_field is not None)
+                                  explicit_id=id_field is not None, modality=modality)
         readers = {**FORMATS, "parquet": ImageParquetReader, IMAGE_FOLDER: ImageFolderReader}
         self.readers = [readers[s.format](s, self.fields) for s in sources]
         self.probed = False
@@ -297,17 +367,18 @@ class ImageRecordReader(RecordReader):
     def probe(self) -> None:
         fieldless = [r.source.name for r in self.readers if not r.has_fields and not isinstance(r, ImageFolderReader)]
         if fieldless:
-            raise UsageError(f"--image-field needs fields, but {fieldless[0]} is read as text (one record per line); "
+            raise UsageError(f"--{self.fields.modality}-field needs fields, but {fieldless[0]} is read as text (one "
+                             "record per line); "
                              "give JSONL or Parquet inputs, or --input-format")
         super().probe()
 
     def _record(self, reader: FormatReader, index: int, line_no: int, raw, digest) -> Record:
         record = super()._record(reader, index, line_no, raw, digest)
-        image = record.text
-        if isinstance(image, dict) and isinstance(image.get("image"), str):
-            path = image["image"]
+        media, key = record.text, self.fields.modality
+        if isinstance(media, dict) and isinstance(media.get(key), str):
+            path = media[key]
             if not (os.path.isabs(path) or path.startswith(AS_GIVEN)):
                 source = reader.source
                 base = os.getcwd() if source.stream else os.path.dirname(os.path.abspath(source.path))
-                record = dataclasses.replace(record, text={"image": os.path.join(base, path)})
+                record = dataclasses.replace(record, text={key: os.path.join(base, path)})
         return record

@@ -42,6 +42,7 @@ class JobSpec:
     text_field: str
     pair_field: str | None
     image_field: str | None  # each record's image instead of a text (image_records.py)
+    audio_field: str | None  # each record's audio clip instead of a text (image_records.py)
     id_field: str | None  # None: 'id' when the first record has one, else file:line (--ray: 'id')
     keep_fields: tuple[str, ...]
     shard: tuple[int, int]  # (I, N): the records whose index % N == I

@@ -38,7 +38,6 @@ import numpy as np
 from pooling_pipeline.backends import describe_backend
 from pooling_pipeline.call_stats import format_stats
 from pooling_pipeline.cli_flags import declared_flag, positive_int
-from pooling_pipeline.core.families import family_of
 from pooling_pipeline.core.shared.config import ModelSpec
 from pooling_pipeline.jobs.image_records import (
     ImageRecordReader,
@@ -49,6 +48,9 @@ from pooling_pipeline.jobs.image_records import (
     expand_job_inputs,
     image_job,
     image_params,
+    job_modality,
+    media_field,
+    model_modality,
 )
 from pooling_pipeline.jobs.job_errors import EXIT_INPUT, EXIT_RUNTIME, EXIT_USAGE, InputError, UsageError
 from pooling_pipeline.jobs.job_spec import JobModel, JobSpec
@@ -116,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a dual encoder (CLIP, SigLIP): field or column holding each record's image instead of a "
                          "text: a path (relative to the input file's folder), bytes, or a datasets Image struct "
                          "{bytes, path} (default: texts)")
+    ap.add_argument("--audio-field", default=None, metavar="NAME",
+                    help="a CLAP model: field or column holding each record's audio clip instead of a text: a path "
+                         "(.wav, .flac, .ogg, .mp3; relative to the input file's folder), bytes, or a datasets Audio "
+                         "struct {bytes, path} (default: texts)")
     ap.add_argument("--id-field", default=None, metavar="NAME",
                     help="field holding each record's id; every record must have it (default: 'id' when the "
                          "first record has one, then required of every record; otherwise ids are file:line)")
@@ -248,13 +254,14 @@ def run(job: JobSpec, interrupt: Interrupt | None = None) -> int:
             models.append(JobModel.read(job))
         return models[0]
 
-    sources = expand_job_inputs(job.input, job.input_format, job.image_field, lambda: family_of(job_model().spec).takes("image"))
+    sources = expand_job_inputs(job.input, job.input_format, media_field(job)[0], lambda: model_modality(job_model().spec))
     check_image_job(job, sources)
     out = check_output(job.output, job.input)
     lock = OutputLock(out)
     try:
         if image_job(job, sources):
-            reader = ImageRecordReader(sources, job.image_field, job.id_field, job.keep_fields)
+            reader = ImageRecordReader(sources, media_field(job)[0], job.id_field, job.keep_fields,
+                                       job_modality(job, sources))
         else:
             reader = RecordReader(sources, job.text_field, job.id_field, job.keep_fields, job.pair_field)
         if job.ray:  # Ray Data reads the inputs itself, and needs an id field
