@@ -95,14 +95,14 @@ class RequestSource:
                  truncate_left: bool, values: RequestValues, refused: dict[int, str]) -> None:
         self.prompts = prompts
         self.opts, self.spec, self.call = opts, spec, call
-        self.takes_images = takes_media(spec)  # images or audio (the model's family says: core/families/)
+        self.takes_media = takes_media(spec)  # images or audio (the model's family says: core/families/)
         self.num_special_tokens, self.truncate_left = num_special_tokens, truncate_left
         self.values = values  # each request's per-request options
         self.refused = refused
         self.counts = values.counts
         self.index = 0  # of the next prompt
         self.exhausted = False
-        self.read_ahead = type(prompts) in _READ_AHEAD and not self.takes_images  # (`_read_block`)
+        self.read_ahead = type(prompts) in _READ_AHEAD and not self.takes_media  # (`_read_block`)
         self.ahead: list = []  # prompts read from a list or tuple past a block's character bound, not drawn yet
         self.shared = self._shared_options()  # None: options per request
         self._last_params, self._last_max_tokens = None, 0
@@ -171,7 +171,7 @@ class RequestSource:
             return self._read_block(limit, max_chars)
         prompts: list = []
         chars = 0
-        if self.takes_images:
+        if self.takes_media:
             for prompt in itertools.islice(self.prompts, limit):
                 prompts.append(prompt)
                 chars += len(prompt) if type(prompt) is str else prompt_size(prompt)
@@ -213,13 +213,13 @@ class RequestSource:
         kinds = set(map(type, prompts))
         indices = np.arange(first, first + len(prompts), dtype=np.int64)
         if kinds == {str}:
-            if self.takes_images and any(is_image_string(p) or is_audio_string(p) for p in prompts):
+            if self.takes_media and any(is_image_string(p) or is_audio_string(p) for p in prompts):
                 return None  # images or audio among the texts (each is checked alone)
             joined = "".join(prompts)
             if not joined.isascii() and not _valid_unicode(joined):
                 return None
             return self._batch(indices, self.shared, texts=prompts)
-        if kinds != {np.ndarray} or self.takes_images:
+        if kinds != {np.ndarray} or self.takes_media:
             return None  # (arrays are images, or refused, for a model that takes images: each checked alone)
         try:
             # (a copy: the caller may change its arrays later). Arrays of one dtype -- the usual --

@@ -215,3 +215,47 @@ def test_pipeline_run_embeds_audio_folders_and_fields_as_st(clap_dir, st, tmp_pa
         capsys.readouterr()
         assert main(["--quiet", "--model", clap_dir, "--output", str(tmp_path / "bad"), *flags]) != 0
         assert why in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_pipeline_serve_takes_clips_as_infinity_and_vllm_send_them(clap_dir, st, tmp_path):
+    """pipeline-serve with CLAP: `modality: "audio"` inputs (base64, data URIs, files under the
+    allowed directory) and vLLM's chat form (`input_audio` and `audio_url` parts, a text message)
+    equal ST's vectors; what the model cannot take is a 400 naming it."""
+    import httpx
+    from serve_helpers import started_server
+
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    wav = write_wav(allowed / "a.wav", clip(2, 0))
+    raw = base64.b64encode(open(wav, "rb").read()).decode()
+    ref, text_ref = st.encode([wav])[0], st.encode(["a dog barking"])[0]
+    with started_server("--model", clap_dir, "--num-render-workers", "1", "--allowed-local-media-path",
+                        str(allowed)) as srv:
+        def post(body):
+            return httpx.post(srv.url + "/v1/embeddings", json=body, timeout=120)
+
+        def vector(body):
+            response = post(body)
+            assert response.status_code == 200, response.text
+            return np.array(response.json()["data"][0]["embedding"], dtype=np.float32)
+
+        for item in (raw, "data:audio/wav;base64," + raw, wav, "file://" + wav):
+            assert np.abs(vector({"input": [item], "modality": "audio"}) - ref).max() <= TOL, item[:40]
+        for part in ({"type": "input_audio", "input_audio": {"data": raw, "format": "wav"}},
+                     {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64," + raw}}):
+            got = vector({"messages": [{"role": "user", "content": [part]}]})
+            assert np.abs(got - ref).max() <= TOL, part["type"]
+        got = vector({"messages": [{"role": "user", "content": "a dog barking"}]})
+        assert np.abs(got - text_ref).max() <= TOL
+        for body, why in (({"input": ["https://example.com/a.wav"], "modality": "audio"}, "not fetched"),
+                          ({"input": ["x"], "modality": "image"}, "takes no images"),
+                          ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                        {"type": "audio_url", "audio_url": {"url": wav}}]}]},
+                           "holds 2 parts"),
+                          ({"messages": [{"role": "user", "content": [{"type": "image_url",
+                                                                        "image_url": {"url": "data:image/png;base64,AA"}}]}]},
+                           "takes no image inputs"),
+                          ({"input": [base64.b64encode(b"not audio").decode()], "modality": "audio"}, "cannot be decoded")):
+            response = post(body)
+            assert response.status_code == 400 and why in response.text, (body, response.text)

@@ -80,3 +80,21 @@ def test_images_on_a_text_model_are_refused():
     with started_server("--backend", "torch") as srv:
         response = httpx.post(srv.url + "/v1/embeddings", json={"input": ["aGVsbG8="], "modality": "image"})
         assert response.status_code == 400 and "takes no images" in response.json()["error"]["message"]
+
+
+def test_vllm_chat_messages_with_an_image_url_or_a_text_equal_st(server, clip_st, images):
+    """vLLM's chat form of /v1/embeddings: one conversation, one embedding -- an image_url part
+    (a data URI, or a file under the allowed directory) or a text; more than one part is a 400."""
+    raw = base64.b64encode(images["photo.jpg"].read_bytes()).decode()
+    reference = clip_st.encode([str(images["photo.jpg"])])[0]
+    for url in (f"data:image/jpeg;base64,{raw}", f"file://{images['photo.jpg']}"):
+        body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
+        np.testing.assert_allclose(vectors(post(server, body))[0], reference, atol=1e-5, rtol=0)
+    got = vectors(post(server, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a cat"}]}]}))
+    np.testing.assert_allclose(got[0], clip_st.encode(["a cat"])[0], atol=1e-5, rtol=0)
+    two = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a cat"},
+                                                       {"type": "image_url", "image_url": {"url": url}}]}]}
+    response = post(server, two)
+    assert response.status_code == 400 and "holds 2 parts" in response.text, response.text
+    both = post(server, {"input": ["a"], "messages": [{"role": "user", "content": "a"}]})
+    assert both.status_code == 400 and "not both" in both.text

@@ -1,8 +1,8 @@
 """A request's inputs as the Pipeline's prompts, with no file or network access that request content
-can drive: a text is always a text (a dual encoder would take a string naming an existing image file for
-that image, as sentence-transformers does: a server wraps it as {"text": ...}); an image is base64 or a
-`data:image/` URI, and a local file only under the directory the operator allowed
-(`--allowed-local-media-path`, vLLM's flag), never a URL."""
+can drive: a text is always a text (a dual encoder would take a string naming an existing image or
+audio file for that file, as sentence-transformers does: a server wraps it as {"text": ...}); an image
+or audio clip is base64 or a `data:image/` (`data:audio/`) URI, and a local file only under the
+directory the operator allowed (`--allowed-local-media-path`, vLLM's flag), never a URL."""
 
 from __future__ import annotations
 
@@ -16,13 +16,14 @@ from pooling_pipeline.core.families import family_of
 from pooling_pipeline.serve.http import HTTPError
 
 
-def takes_images(spec) -> bool:
-    return "image" in family_of(spec).modalities
+def takes_media(spec) -> bool:
+    """The model takes images or audio (a bare string naming such a file would be read as it)."""
+    return bool(family_of(spec).media_renderers)
 
 
 def text_prompt(text: str, images: bool) -> object:
     """A text as the pipeline reads it on this model: `{"text": ...}` where a bare string could be read
-    as an image file's name."""
+    as an image or audio file's name."""
     return {"text": text} if images else text
 
 
@@ -40,36 +41,37 @@ def token_ids_refusal(ids: list, where: str, nonnegative: bool = False) -> str:
     raise RuntimeError(f"{where} holds only token ids, yet was refused: this is a bug")
 
 
-def image_prompt(value: object, index: int, allowed_dir: str | None) -> dict:
-    """An image input of a request: a `data:image/` URI, raw base64 of an image file, or (where the
-    operator allowed a directory) a path or file:// URI inside it."""
+def media_prompt(value: object, index: int, allowed_dir: str | None, modality: str = "image") -> dict:
+    """An image (audio) input of a request: a `data:image/` (`data:audio/`) URI, raw base64 of an
+    image (audio) file, or (where the operator allowed a directory) a path or file:// URI inside it."""
+    one = "an image" if modality == "image" else "an audio clip"
     if not isinstance(value, str):
-        raise HTTPError(400, f"input {index}: an image is a string (base64 or a data:image/ URI), "
+        raise HTTPError(400, f"input {index}: {one} is a string (base64 or a data:{modality}/ URI), "
                              f"got {type(value).__name__}")
-    if value.startswith("data:image/"):
-        return {"image": value}
+    if value.startswith(f"data:{modality}/"):
+        return {modality: value}
     if value.startswith(("http://", "https://")):
-        raise HTTPError(400, f"input {index}: image URLs are not fetched by this server; send the image as "
-                             "base64 or a data:image/ URI")
+        raise HTTPError(400, f"input {index}: {modality} URLs are not fetched by this server; send the {modality} as "
+                             f"base64 or a data:{modality}/ URI")
     if value.startswith("file://"):
-        return {"image": _allowed_file(value.removeprefix("file://"), index, allowed_dir)}
+        return {modality: _allowed_file(value.removeprefix("file://"), index, allowed_dir, modality)}
     compact = "".join(value.split())  # (base64 with MIME line breaks)
     try:  # strict base64 first: a JPEG's base64 starts with "/9j/", which also reads as an absolute path
         data = base64.b64decode(compact, validate=True)
     except (binascii.Error, ValueError):
         data = b""
     if data:
-        return {"image": data}
+        return {modality: data}
     if os.path.isabs(value):
-        return {"image": _allowed_file(value, index, allowed_dir)}
+        return {modality: _allowed_file(value, index, allowed_dir, modality)}
     local = " or a path under the allowed media directory" if allowed_dir else ""
-    raise HTTPError(400, f"input {index}: an image must be base64, a data:image/ URI{local}; got {value[:80]!r}")
+    raise HTTPError(400, f"input {index}: {one} must be base64, a data:{modality}/ URI{local}; got {value[:80]!r}")
 
 
-def _allowed_file(path: str, index: int, allowed_dir: str | None) -> str:
+def _allowed_file(path: str, index: int, allowed_dir: str | None, modality: str = "image") -> str:
     if allowed_dir is None:
         raise HTTPError(400, f"input {index}: local files are not read by this server (no "
-                             "--allowed-local-media-path); send the image as base64 or a data:image/ URI")
+                             f"--allowed-local-media-path); send the {modality} as base64 or a data:{modality}/ URI")
     real = os.path.realpath(path)
     root = os.path.realpath(allowed_dir)
     if os.path.commonpath([real, root]) != root:

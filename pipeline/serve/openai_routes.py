@@ -5,7 +5,9 @@
 "float" (JSON numbers) or "base64" (the float32 little-endian bytes, what the `openai` client asks for
 by default and decodes with numpy); `dimensions` keeps the first k (a Matryoshka model's); `usage`
 counts the prompt tokens the model saw. vLLM's extras are taken too: `truncate_prompt_tokens`,
-`normalize`, `priority`, and (Infinity's) `modality: "image"` for a CLIP / SigLIP model.
+`normalize`, `priority`, (Infinity's) `modality: "image"` for a CLIP / SigLIP model and `"audio"` for
+CLAP, and vLLM's chat form: `messages` instead of `input` (one conversation, one embedding;
+chat_inputs.py), with `image_url`, `input_audio` and `audio_url` parts.
 An input longer than the model's length is a 400 naming it unless the request (truncate_prompt_tokens)
 or the operator (--auto-truncate) asks for truncation, as vLLM does. The model's length is ST's
 max_seq_length (`default_max_tokens`), what `max_model_len` reports: vLLM's for a sentence-transformers
@@ -18,14 +20,18 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from pooling_pipeline.core.families import family_of
 from pooling_pipeline.core.shared.messages import PoolingParams
 from pooling_pipeline.serve.app import Request, Response, Route, list_response
+from pooling_pipeline.serve.chat_inputs import chat_prompt
 from pooling_pipeline.serve.http import HTTPError, embedding_items, encode_json
-from pooling_pipeline.serve.media import NUMBERS, image_prompt, takes_images, text_prompt, token_ids_refusal
+from pooling_pipeline.serve.media import NUMBERS, media_prompt, takes_media, text_prompt, token_ids_refusal
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
-    input: Any
+    input: Any = None
+    # vLLM's chat form: one conversation, one embedding (chat_inputs.py)
+    messages: Any = None
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
@@ -34,23 +40,26 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
     normalize: bool | None = None
     priority: int = 0
-    # Infinity's: the inputs are images (base64 / data:image/ URIs) for a CLIP / SigLIP model
-    modality: Literal["text", "image"] = "text"
+    # Infinity's: the inputs are images (base64 / data:image/ URIs) for a CLIP / SigLIP model, or
+    # audio clips (base64 / data:audio/ URIs of audio files) for a CLAP model
+    modality: Literal["text", "image", "audio"] = "text"
 
 
 def prompts_of(value: Any, request: Request, modality: str = "text", field: str = "input") -> list:
     """OpenAI's `input` forms as the pipeline's prompts: a string, a list of strings, a list of token
-    ids (one input), a list of lists of token ids; images when `modality` is "image"."""
+    ids (one input), a list of lists of token ids; images (audio clips) when `modality` is "image"
+    ("audio")."""
     spec = request.server.spec
-    images = takes_images(spec)
-    if modality == "image":
-        if not images:
-            raise HTTPError(400, "this model takes no images (modality 'image')")
+    images = takes_media(spec)
+    if modality != "text":
+        if not family_of(spec).takes(modality):
+            raise HTTPError(400, f"this model takes no {'images' if modality == 'image' else modality} (modality "
+                                 f"{modality!r})")
         items = [value] if isinstance(value, str) else value
         if not isinstance(items, list):
             raise HTTPError(400, f"`{field}` must be a string or a list of strings")
         allowed = request.server.settings.allowed_local_media_path
-        return [image_prompt(item, i, allowed) for i, item in enumerate(items)]
+        return [media_prompt(item, i, allowed, modality) for i, item in enumerate(items)]
     if isinstance(value, str):
         return [text_prompt(value, images)]
     if not isinstance(value, list):
@@ -124,7 +133,13 @@ async def embeddings(request: Request) -> Response:
     body: EmbeddingRequest = request.json(EmbeddingRequest)
     server = request.server
     server.check_model(body.model)
-    prompts = prompts_of(body.input, request, body.modality)
+    if (body.input is None) == (body.messages is None):
+        raise HTTPError(400, "send either `input` or `messages` (vLLM's chat form), not both" if body.input is not None
+                        else "`input` (or vLLM's `messages`) is required")
+    if body.messages is not None:
+        prompts = [chat_prompt(body.messages, server.spec, server.settings.allowed_local_media_path)]
+    else:
+        prompts = prompts_of(body.input, request, body.modality)
     params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
     outs = await server.run(len(prompts), server.pipe.aembed(
         prompts, pooling_params=params, priority=body.priority,

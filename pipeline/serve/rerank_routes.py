@@ -33,7 +33,7 @@ from pooling_pipeline.core.shared.options import EMBEDDING_TASKS, TooLong, read_
 from pooling_pipeline.request_options import model_prompts
 from pooling_pipeline.serve.app import Request, Response, Route, list_response, response_id
 from pooling_pipeline.serve.http import HTTPError, base64_string, encode_json, float_rows
-from pooling_pipeline.serve.media import takes_images, text_prompt
+from pooling_pipeline.serve.media import takes_media, text_prompt
 from pooling_pipeline.serve.openai_routes import long_input_options, prompts_of, too_long, truncation
 from pooling_pipeline.serve.tokenizer import served_tokenizer
 
@@ -191,7 +191,7 @@ async def _pair_scores(request: Request, queries: list[str], documents: list[str
     keep = truncation(request, body.truncate_prompt_tokens)
     measured = _measured(spec)
     refuse = measured and keep is None and not server.settings.auto_truncate
-    images = takes_images(spec)  # (a CLIP model reads a bare string naming a file as that image)
+    images = takes_media(spec)  # (a CLIP model reads a bare string naming a file as that image)
     firsts = [text_prompt(t, images) for t in queries]
     seconds = [text_prompt(t, images) for t in documents]
     # What the pipeline runs: a cross-encoder reads each pair at once; an embedding model embeds each text.
@@ -217,7 +217,7 @@ def _measured(spec) -> bool:
     """Whether an over-long input can be told from what the dialects ask: a routed or multi-vector model's
     texts are cut at each route's length, and a dual encoder's text at its tower's, as ST cuts them."""
     plain = spec.score_kind == "cross_encoder" or (spec.multi_vector is None and not spec.routes)
-    return plain and not takes_images(spec)
+    return plain and not takes_media(spec)
 
 
 def _too_long_pair(request: Request, refused: TooLong, num_queries: int, sides: tuple[str, str]) -> HTTPError:

@@ -39,7 +39,7 @@ from pooling_pipeline.core.shared.options import TOO_LONG_MARK
 from pooling_pipeline.request_options import model_prompts
 from pooling_pipeline.serve.app import Request, Response, Route
 from pooling_pipeline.serve.http import HTTPError, encode_json, float_rows
-from pooling_pipeline.serve.media import NUMBERS, takes_images, text_prompt, token_ids_refusal
+from pooling_pipeline.serve.media import NUMBERS, takes_media, text_prompt, token_ids_refusal
 from pooling_pipeline.serve.rerank_routes import model_labels, rerank_documents
 from pooling_pipeline.serve.tokenizer import served_tokenizer
 
@@ -175,7 +175,7 @@ def _embed_prompts(value: Any, spec) -> list:
     else:
         raise HTTPError(422, "`inputs` must be a string, a list of token ids, or a list of strings and token-id "
                              f"lists; got {type(value).__name__}")
-    images = takes_images(spec)
+    images = takes_media(spec)
     prompts = []
     for i, item in enumerate(items):
         if isinstance(item, str):
