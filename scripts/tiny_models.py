@@ -185,3 +185,42 @@ def build_clip(target: str | Path | None = None, *, vision_hidden: int = 768, vi
     SentenceTransformer(modules=[Transformer(str(hf_dir))], device="cpu").save(str(target / "st"))
     shutil.rmtree(hf_dir)
     return str(target / "st")
+
+
+def build_clap(target: str | Path | None = None, *, audio_hidden: int = 768, patch_embeds_hidden: int = 96,
+               depths: tuple[int, ...] = (2, 2, 6, 2), heads: tuple[int, ...] = (4, 8, 16, 32), text_hidden: int = 768,
+               text_layers: int = 12, text_heads: int = 12, text_intermediate: int = 3072,
+               projection_dim: int = 512) -> str:
+    """A CLAP model with random weights (fixed seed), saved by sentence-transformers 6 as one
+    Transformer module over a ClapModel + ClapProcessor folder. The defaults are
+    laion/clap-htsat-unfused's shape (an HTS-AT audio tower over 48 kHz, 10 s, 64-mel features;
+    a RoBERTa-base text tower; no fusion), so the engine's forward pass costs what the real model's
+    does; the tokenizer is the test zoo's byte-level BPE (RoBERTa's specials)."""
+    import sys
+
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Transformer
+    from transformers import ClapConfig, ClapFeatureExtractor, ClapModel, ClapProcessor
+
+    tests_dir = str(Path(__file__).resolve().parent.parent / "tests")
+    if tests_dir not in sys.path:  # the zoo's tokenizers live with the tests
+        sys.path.insert(0, tests_dir)
+    from model_zoo import roberta_tokenizer
+
+    target = Path(target or tempfile.mkdtemp(prefix="clap-"))
+    tok = roberta_tokenizer()
+    config = ClapConfig(
+        text_config={"hidden_size": text_hidden, "num_hidden_layers": text_layers, "num_attention_heads": text_heads,
+                     "intermediate_size": text_intermediate, "vocab_size": len(tok), "pad_token_id": tok.pad_token_id},
+        audio_config={"hidden_size": audio_hidden, "patch_embeds_hidden_size": patch_embeds_hidden,
+                      "depths": list(depths), "num_attention_heads": list(heads), "enable_fusion": False},
+        projection_dim=projection_dim)
+    torch.manual_seed(0)
+    hf_dir = target / "hf"
+    ClapModel(config).eval().save_pretrained(hf_dir)
+    extractor = ClapFeatureExtractor(truncation="rand_trunc", padding="repeatpad")
+    ClapProcessor(feature_extractor=extractor, tokenizer=tok).save_pretrained(hf_dir)
+    SentenceTransformer(modules=[Transformer(str(hf_dir))], device="cpu").save(str(target / "st"))
+    shutil.rmtree(hf_dir)
+    return str(target / "st")

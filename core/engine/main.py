@@ -166,8 +166,10 @@ class EngineCore:
         # measure what it is worth).
         forced = os.environ.get(LAUNCH_AHEAD_ENV)
         self.launch_ahead = (not on_cpu) if forced not in ("0", "1") else forced == "1"
+        family = family_of(cfg.model)
         self.max_num_batched_tokens = cfg.max_num_batched_tokens or max(
-            CPU_BATCH_TOKENS if on_cpu else GPU_BATCH_TOKENS, family_of(cfg.model).longest_input(cfg.model))
+            CPU_BATCH_TOKENS if on_cpu else GPU_BATCH_TOKENS,
+            family.longest_input(cfg.model) * family.longest_inputs_per_step)
         # What one step's fixed cost is worth in padded tokens: lets the scheduler fill batches
         # when a step is mostly overhead (a small model, a GPU) and keep them tight when not.
         # A short probe seeds it; every finished step refines it (`StepCostModel`).

@@ -35,6 +35,11 @@ class ModelFamily:
     def takes(self, modality: str) -> bool:
         return modality in self.modalities
 
+    # How many of its longest inputs one step's default token budget holds at least (the engine's
+    # budget is max(its device's, this x longest_input)): 1 where a step of one long input already
+    # keeps the device busy (a text model's budget holds many texts).
+    longest_inputs_per_step: int = 1
+
     def longest_input(self, spec: ModelSpec) -> int:
         """The most tokens one request puts through a transformer: what a step's token budget must hold."""
         return spec.max_model_len
