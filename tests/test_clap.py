@@ -151,6 +151,13 @@ def test_clap_refusals_in_the_caller(clap_dir, tmp_path):
     (fused / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="enable_fusion=True is not supported"):
         load_model_spec(str(fused))
+    config["audio_config"]["enable_fusion"] = False
+    (fused / "config.json").write_text(json.dumps(config))
+    processor = json.loads((fused / "processor_config.json").read_text())
+    processor["feature_extractor"]["truncation"] = "fusion"
+    (fused / "processor_config.json").write_text(json.dumps(processor))
+    with pytest.raises(ValueError, match="truncation 'fusion' is not supported"):
+        load_model_spec(str(fused))
 
 
 @pytest.mark.slow

@@ -135,6 +135,10 @@ def _audio_spec(path: Path, family: dict, audio: dict) -> AudioSpec:
         raise ValueError(f"{str(path)!r}: a CLAP model with enable_fusion=True is not supported: its feature extractor "
                          "marks a random clip of every batch as a long one (truncation 'fusion'), so "
                          "sentence-transformers' vectors for a clip change from call to call")
+    if facts["truncation"] != "rand_trunc":  # ("fusion": four mel channels, a random clip marked long)
+        raise ValueError(f"{str(path)!r}: feature extractor truncation {facts['truncation']!r} is not supported (a "
+                         "CLAP without fusion: 'rand_trunc'); with 'fusion' sentence-transformers marks a random clip "
+                         "of every batch as a long one, so its vectors are not reproducible")
     rate, hop = int(facts["sampling_rate"]), int(facts["hop_length"])
     most = int(facts.get("nb_max_samples") or facts["max_length_s"] * rate)
     mel_bins = int(facts["feature_size"])
