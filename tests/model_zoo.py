@@ -1322,6 +1322,75 @@ def build_clap(target: str | Path, name: str = "clap", layout: str = "st", norma
     return _save_dual_encoder(Path(target), name, model, processor, layout, normalize)
 
 
+def build_colpali(target: str | Path, name: str = "colpali", layout: str = "st",
+                  keep_only_image_tokens: bool = False) -> str:
+    """A tiny ColPali page retriever (PaliGemma: a 1-layer SigLIP vision tower on 28 px images in
+    14 px patches, 4 image tokens; a 2-layer Gemma) with ColPaliProcessor (a Gemma-style BPE
+    tokenizer with Gemma's special ids, SiglipImageProcessor), saved as `layout`: "st"
+    (MultiVectorEncoder's save: Transformer with transformer_task "retrieval" and a MultiVectorMask,
+    keeping only the image tokens of documents when `keep_only_image_tokens`) or "plain"."""
+    import torch
+    from sentence_transformers import MultiVectorEncoder
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import (ColPaliConfig, ColPaliForRetrieval, ColPaliProcessor, GemmaConfig, GemmaTokenizer,
+                              PaliGemmaConfig, SiglipImageProcessorPil, SiglipVisionConfig)
+
+    _seed()
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<image>"]
+    chars = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,:;?!'-\n")
+    words = ["\u2581Question", ":", "\u2581Describe", "\u2581the", "\u2581image", ".", "\u2581what", "\u2581is",
+             "\u2581a", "\u2581cat", "\u2581dog", "\u2581page", "\u2581report", "\u2581revenue", "?"]
+    vocab: dict[str, int] = {}
+    for token in specials + words + ["\u2581"] + chars + ["\u2581" + c for c in chars]:
+        vocab.setdefault(token, len(vocab))
+    merges, seen = [], set()
+    for word in words:
+        current = word[0]
+        for piece in word[1:]:
+            if (current, piece) not in seen:
+                seen.add((current, piece))
+                merges.append((current, piece))
+            current += piece
+            vocab.setdefault(current, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")  # Gemma: spaces as "\u2581", no dummy prefix
+    tok.pre_tokenizer = pre_tokenizers.Split("\u2581", behavior="merged_with_next")
+    tok.decoder = decoders.Replace("\u2581", " ")
+    hf_tok = GemmaTokenizer(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
+                            pad_token="<pad>", add_bos_token=False, add_eos_token=False, padding_side="right")
+    hf_tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    image_processor = SiglipImageProcessorPil(size={"height": 28, "width": 28}, resample=3, image_mean=[0.5] * 3,
+                                              image_std=[0.5] * 3, do_convert_rgb=True)
+    image_processor.image_seq_length = 4
+    processor = ColPaliProcessor(image_processor=image_processor, tokenizer=hf_tok)
+    vocab_size = len(processor.tokenizer)
+    text = GemmaConfig(vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+                       pad_token_id=0, bos_token_id=2, eos_token_id=1)
+    vision = SiglipVisionConfig(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14, vision_use_head=False)
+    vlm = PaliGemmaConfig(vision_config=vision, text_config=text, image_token_index=4, vocab_size=vocab_size,
+                          projection_dim=HIDDEN, hidden_size=HIDDEN, pad_token_id=0)
+    with torch.no_grad():
+        model = ColPaliForRetrieval(ColPaliConfig(vlm_config=vlm, embedding_dim=16)).eval()
+        for p in model.parameters():  # (above the init's 0.02, so that inputs move the vectors)
+            p.normal_(0, 0.2)
+    out = _fresh(Path(target), name)
+    hf_dir = out / "hf"
+    model.save_pretrained(hf_dir)
+    processor.save_pretrained(hf_dir)
+    if layout == "plain":
+        return str(hf_dir)
+    encoder = MultiVectorEncoder(str(hf_dir), device="cpu")
+    encoder.save(str(out / "st"))
+    if keep_only_image_tokens:
+        mask = out / "st" / "1_MultiVectorMask" / "config.json"
+        config = json.loads(mask.read_text())
+        config["keep_only_token_ids"] = [4]
+        mask.write_text(json.dumps(config))
+    return str(out / "st")
+
+
 def _save_dual_encoder(target: Path, name: str, model, processor, layout: str, normalize: bool) -> str:
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.base.modules import Normalize, Transformer

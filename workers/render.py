@@ -185,6 +185,8 @@ class Renderer:
         # What opens and processes each modality the family takes beyond text (images, audio).
         self.media = {modality: _build(target, spec, draft=image_draft, max_pixels=max_image_pixels)
                       for modality, target in family_of(spec).media_renderers.items()}
+        own_texts = family_of(spec).text_renderer
+        self.own_texts = None if own_texts is None else _build(own_texts, spec)
 
     def render(self, batch: RenderBatch) -> tuple[EngineInputPacker, list[tuple[int, str]]]:
         """The batch's engine inputs in columns, and the requests that failed with why."""
@@ -198,7 +200,9 @@ class Renderer:
         failed: list[tuple[int, str]] = []
         indices = batch.indices.tolist()
         opts = batch.options
-        if self.spec.multi_vector is not None:
+        if self.own_texts is not None:  # the family's processor renders texts (a page retriever's queries)
+            self._render_with_own_texts(rows, batch, indices, failed)
+        elif self.spec.multi_vector is not None:
             self._render_multi_vector(rows, batch, indices, failed)
         elif batch.items is not None:
             for index, item in zip(indices, batch.items):
@@ -223,6 +227,32 @@ class Renderer:
         else:
             self._render_texts(rows, batch, indices, failed)
         return rows, failed
+
+    def _render_with_own_texts(self, rows: EngineInputPacker, batch: RenderBatch, indices: list[int],
+                               failed: list[tuple[int, str]]) -> None:
+        """Texts through the family's own text renderer (the call's prompt in front), images and
+        audio through its media renderers; other input forms are this model's refusal."""
+        def text_ids(text: str, opts: RenderOptions) -> np.ndarray:
+            return self.own_texts.render((opts.text_prefix or "") + text, opts.max_tokens, opts.long_inputs,
+                                         opts.truncate_left)
+
+        if batch.items is None:
+            if batch.texts is None or batch.pairs is not None:
+                failed.extend((index, f"ValueError: model {self.spec.path!r} takes texts and images only")
+                              for index in indices)
+                return
+            self._add_each(rows, indices, batch.texts, batch.options, failed,
+                           lambda text: (text_ids(text, batch.options), {}))
+            return
+        for index, item in zip(indices, batch.items):
+            if item.media is not None:
+                self._render_media(rows, index, item, failed)
+            elif item.prompt is not None and item.pair is None:
+                self._add_each(rows, [index], [item.prompt], item.options, failed,
+                               lambda text, opts=item.options: (text_ids(text, opts), {}))
+            else:
+                failed.append((index, f"ValueError: model {self.spec.path!r} takes texts and images only (no token "
+                                      "ids, pairs or conversations)"))
 
     @staticmethod
     def _kept_ids(ids, max_tokens: int, opts: RenderOptions):
@@ -429,9 +459,9 @@ class Renderer:
         except Exception as e:  # never a crash
             failed.append((index, f"{type(e).__name__}: {e}"))
             return
-        # (its sequence's length in placeholder ids: what the engine's step budget weighs)
-        rows.add(index, np.zeros(tokens, np.int64), item.options, payloads=payloads,
-                 modality=MODALITIES.index(media.modality))
+        # (its token ids, or its sequence's length in placeholder ids: what the engine's step budget weighs)
+        ids = tokens if isinstance(tokens, np.ndarray) else np.zeros(tokens, np.int64)
+        rows.add(index, ids, item.options, payloads=payloads, modality=MODALITIES.index(media.modality))
 
     def _render_one(self, item: RenderParams, prompt: str | None, chat_template: str | None):
         opts = item.options

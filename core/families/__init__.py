@@ -13,6 +13,8 @@ of model is a new module here, its runner and renderer, and its tests:
 - `dual_encoder.py`: CLIP, SigLIP; `dual_encoder_runner.DualEncoderRunner`; texts, and images
   (`workers/images.py`).
 - `clap.py`: CLAP; `clap_runner.ClapRunner`; texts, and audio clips (`workers/audio.py`).
+- `page_retriever.py`: ColPali; `page_retriever_runner.PageRetrieverRunner`; text queries and page
+  images (`workers/page_retriever.py`), one vector per token.
 - `naflex_dual_encoder.py`: SigLIP2 with its NaFlex processor; `naflex_runner.NaFlexRunner`; texts,
   and images of any aspect ratio (`workers/naflex_images.py`).
 
@@ -27,6 +29,7 @@ from pooling_pipeline.core.families.base import ModelFamily
 from pooling_pipeline.core.families.clap import ClapFamily
 from pooling_pipeline.core.families.dual_encoder import DualEncoderFamily
 from pooling_pipeline.core.families.naflex_dual_encoder import NaFlexDualEncoderFamily
+from pooling_pipeline.core.families.page_retriever import PageRetrieverFamily
 from pooling_pipeline.core.families.static_embedding import StaticEmbeddingFamily
 from pooling_pipeline.core.families.transformer import TransformerFamily
 
@@ -35,7 +38,7 @@ if TYPE_CHECKING:
 
 FAMILIES: dict[str, ModelFamily] = {family.name: family for family in
                                     (TransformerFamily(), StaticEmbeddingFamily(), DualEncoderFamily(),
-                                     NaFlexDualEncoderFamily(), ClapFamily())}
+                                     NaFlexDualEncoderFamily(), ClapFamily(), PageRetrieverFamily())}
 
 
 def family_of(spec: ModelSpec) -> ModelFamily:

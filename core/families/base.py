@@ -20,12 +20,16 @@ class ModelFamily:
     # render worker, "module:Class" under pooling_pipeline.workers (named, not imported: the workers
     # sit above the families). The class is built with (spec, draft=, max_pixels=) -- the caller's
     # image options, which a renderer of another modality ignores -- and `render(media)` gives
-    # (tokens, payloads) for a messages.MediaData.
+    # (its token count -- placeholder ids -- or its token ids, payloads) for a messages.MediaData.
     media_renderers: dict[str, str] = {}
     # ... and what reads the caller's inputs of those modalities in the frontend, "module:function"
     # under pooling_pipeline (above the families too): fn(prompt, index, spec) gives a
     # messages.MediaData, or None for a prompt that is not one (a text).
     media_input: str | None = None
+    # A family whose texts its own processor renders (a page retriever's queries), "module:Class"
+    # under pooling_pipeline.workers, built with the spec; `render(text)` gives the ids. None: the
+    # render worker's tokenizer renders texts, with their options.
+    text_renderer: str | None = None
 
     def worker_imports(self) -> tuple[str, ...]:
         """What its media renderers import, kept importable in a render worker (which hides torch,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pooling_pipeline.core.shared.config import ENCODER_ONLY_CLASSES, ModelSpec, PoolingSpec
 from pooling_pipeline.core.shared.model_folder.dual_encoder import dual_encoder_spec
+from pooling_pipeline.core.shared.model_folder.retrieval import retrieval_spec
 from pooling_pipeline.core.shared.model_folder.multi_vector import with_multi_vector
 from pooling_pipeline.core.shared.model_folder.peft_adapter import adapter_files, read_adapter
 from pooling_pipeline.core.shared.model_folder.st_files import dense_chain_width
@@ -31,6 +32,8 @@ def spec_of_layout(root: Path, st: STLayout, trust_remote_code: bool) -> ModelSp
     """The spec of one chain of modules: a Transformer (or a StaticEmbedding) and what runs after it."""
     if st.static_dir is not None:
         return _static_spec(st)
+    if st.task == "retrieval":  # a ColPali page retriever (core/shared/model_folder/retrieval.py)
+        return retrieval_spec(st)
     if st.dual_encoder:
         if adapter_files(st.transformer_dir):  # (ST would load it; the image tower's conversion has no merge)
             raise ValueError(f"{st.transformer_dir}: a PEFT adapter ({', '.join(adapter_files(st.transformer_dir))}) "

@@ -9,6 +9,7 @@ from pathlib import Path
 from pooling_pipeline.core.shared.config import ChatPairSpec
 from pooling_pipeline.core.shared.model_folder.dual_encoder import FAMILIES, check_dual_encoder_modalities
 from pooling_pipeline.core.shared.model_folder.multi_vector import read_multi_vector_lengths
+from pooling_pipeline.core.shared.model_folder.retrieval import is_retriever_folder, read_retrieval_config
 from pooling_pipeline.core.shared.model_folder.st_files import read_json, read_optional_json
 from pooling_pipeline.core.shared.model_folder.st_layout import STLayout
 
@@ -36,6 +37,9 @@ def read_transformer_config(layout: STLayout, where: Path, legacy_clip: bool = F
         layout.max_seq_length = cfg["max_seq_length"]
     layout.do_lower_case = bool(cfg.get("do_lower_case", False))
     layout.task = _transformer_task(cfg, where) or layout.task
+    if layout.task == "retrieval" or (not cfg and is_retriever_folder(where)):  # a ColPali page retriever
+        read_retrieval_config(layout, cfg, where)
+        return
     if layout.task == "text-generation":  # an LLM reranker: its own modalities and chat-template kwargs
         _read_causal_lm_config(layout, cfg, where)
         return
@@ -61,9 +65,8 @@ def _plain_dual_encoder(cfg: dict, where: Path) -> bool:
 def _transformer_task(cfg: dict, where: Path) -> str | None:
     task = cfg.get("transformer_task")
     if task is not None and task not in ("feature-extraction", "sequence-classification", "fill-mask",
-                                         "text-generation"):
-        also = " (a ColPali-style page retriever, a *ForRetrieval model: not supported yet)" if task == "retrieval" else ""
-        raise ValueError(f"{where}/sentence_bert_config.json: transformer_task {task!r} is not supported{also}")
+                                         "text-generation", "retrieval"):
+        raise ValueError(f"{where}/sentence_bert_config.json: transformer_task {task!r} is not supported")
     return task
 
 

@@ -1,0 +1,91 @@
+"""A page retriever (ColPali) in the engine, as sentence-transformers 6's MultiVectorEncoder runs
+transformers' `ColPaliForRetrieval`: a step's rows -- text queries and page images together -- padded
+on the right to the step's longest, with their attention mask, `token_type_ids` of zeros (what ST's
+processor hands the model: with none, PaliGemma would attend causally) and the pages' pixels; the
+model's `embeddings` (L2-normalised, padding zeroed) at the tokens ST's MultiVectorMask keeps
+(`heads.kept_tokens`: the attended tokens, less a skiplist, only `keep_only_token_ids` on
+documents). A row's vectors do not depend on what it is padded to (measured: 0.0 against ST
+batched and alone). Pixels arrive as the image processor's uint8 resize (workers/page_retriever.py)
+and are rescaled and normalized here, as for CLIP."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from pooling_pipeline.core.engine.columns import Requests, probe_batch
+from pooling_pipeline.core.engine.device_copies import finish_step, record_end, start_events, to_device, to_host, use_device
+from pooling_pipeline.core.engine.heads import kept_tokens, multi_vector_parts
+from pooling_pipeline.core.engine.step_cost import probe_step_cost
+from pooling_pipeline.core.engine.step_runner import PendingStep
+from pooling_pipeline.core.shared.config import ModelSpec
+from pooling_pipeline.core.shared.options import TASKS
+from pooling_pipeline.core.shared.schema import MODALITIES
+from pooling_pipeline.core.shared.vectors import finish_embeddings
+
+IMAGE = MODALITIES.index("image")
+
+
+class PageRetrieverRunner:
+    """A StepRunner (core/engine/step_runner.py) for a ColPali page retriever (torch)."""
+
+    def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> None:
+        from transformers import AutoConfig, ColPaliForRetrieval
+
+        device = use_device(device)
+        self.spec, self.device, self.dtype = spec, device, dtype
+        self.model = ColPaliForRetrieval.from_pretrained(spec.path, dtype=dtype).to(device).eval()
+        self.pad_id = int(AutoConfig.from_pretrained(spec.path).vlm_config.pad_token_id or 0)
+        self.token_head, self.skip_ids = multi_vector_parts(spec, device)
+        image = spec.image
+        scale = image.rescale_factor if image.do_rescale else 1.0
+        mean = image.mean if image.do_normalize else [0.0] * image.channels
+        std = image.std if image.do_normalize else [1.0] * image.channels
+        self.scale = torch.tensor(scale, dtype=torch.float32, device=device)
+        self.mean = torch.tensor(mean, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+        self.backend_info: dict = {"backend": "torch", "model": f"page retriever ({spec.model_type}: texts and pages)"}
+
+    def step_cost(self, max_tokens: int) -> tuple[float, float]:
+        token = min(1000, self.spec.vocab_size - 1)
+        return probe_step_cost(lambda rows, tokens: self.run(probe_batch(rows, tokens, token, "token_embed")),
+                               max_tokens, self.spec.max_model_len)
+
+    def run(self, batch: Requests) -> tuple[list, int]:
+        results, padded, _ = self.finish(self.launch(batch))
+        return results, padded
+
+    @torch.inference_mode()
+    def launch(self, batch: Requests) -> PendingStep:
+        started = time.perf_counter()
+        tasks = {TASKS[int(code)] for code in np.unique(batch.task)}
+        if tasks - {"token_embed", "score"}:
+            raise ValueError(f"a page retriever gives token vectors only, not {sorted(tasks - {'token_embed', 'score'})}")
+        begin, end = start_events(self.device)
+        ids, real = batch.padded(self.pad_id)
+        inputs = {"input_ids": to_device(ids, self.device), "attention_mask": to_device(real, self.device).long(),
+                  "token_type_ids": torch.zeros(ids.shape, dtype=torch.long, device=self.device)}
+        if (batch.modality == IMAGE).any():  # (the pages' pixels, in their rows' order)
+            pixels = to_device(batch.payloads["pixels"].data, self.device).float()
+            inputs["pixel_values"] = ((pixels * self.scale - self.mean) / self.std).to(self.dtype)
+        vectors = self.model(**inputs).embeddings.float()
+        if self.token_head is not None:
+            vectors = self.token_head(vectors)
+        keep = kept_tokens(self.spec, self.skip_ids, ids, real, batch)
+        normalize = np.where(batch.normalize < 0, int(self.spec.normalize), batch.normalize)
+        dimensions = batch.dimensions
+
+        def finish(arrays: list[np.ndarray]) -> list[np.ndarray]:
+            values = arrays[0]
+            return [finish_embeddings(values[row][keep[row]], None if dimensions[row] < 0 else int(dimensions[row]),
+                                      bool(normalize[row]))
+                    for row in range(len(batch))]
+
+        host = [to_host(vectors)]
+        record_end(end, self.device)
+        return PendingStep(ids.size, host, finish, started, begin, end)
+
+    def finish(self, step: PendingStep) -> tuple[list, int, float]:
+        return finish_step(step)

@@ -1,0 +1,88 @@
+"""ColPali page retrieval through the whole pipeline: text queries and page images as one vector per
+token, equal to sentence-transformers 6's MultiVectorEncoder (`encode_query`, `encode_document`)
+within 1e-5 -- ST's save and a plain transformers folder, a MultiVectorMask that keeps only a
+document's image tokens -- and `score` / `rank` by MaxSim equal to ST's `similarity`; what the model
+cannot take is a clear error naming the request or the option."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from model_zoo import build_colpali
+
+TOL = 1e-5
+QUERIES = ["what is a cat?", "the revenue page of the report", "a dog"]
+
+
+def pages() -> list:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return [Image.fromarray(rng.integers(0, 256, (40, 60, 3), dtype=np.uint8)),
+            Image.fromarray(rng.integers(0, 256, (100, 30, 3), dtype=np.uint8)),
+            Image.fromarray(np.linspace(0, 255, 64 * 64 * 3).astype(np.uint8).reshape(64, 64, 3))]
+
+
+def token_vectors(pipe, inputs, route=None) -> list[np.ndarray]:
+    return [o.data for o in pipe.encode(inputs, task="token_embed", route=route, use_tqdm=False)]
+
+
+def assert_same(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        w = np.asarray(w)
+        assert g.shape == w.shape, (g.shape, w.shape)
+        assert np.abs(g - w).max() <= TOL
+
+
+@pytest.mark.parametrize("layout", ["st", pytest.param("plain", marks=pytest.mark.slow),
+                                    pytest.param("keep only image tokens", marks=pytest.mark.slow)])
+def test_queries_pages_and_maxsim_equal_st(layout, tmp_path):
+    from sentence_transformers import MultiVectorEncoder
+
+    from pooling_pipeline import Pipeline
+
+    path = build_colpali(tmp_path, layout="plain" if layout == "plain" else "st",
+                         keep_only_image_tokens=layout == "keep only image tokens")
+    st = MultiVectorEncoder(path, device="cpu")
+    images = pages()
+    query_ref, page_ref = st.encode_query(QUERIES), st.encode_document(images)
+    assert np.abs(np.asarray(page_ref[0]) - np.asarray(page_ref[1])).max() > 1e-3
+    if layout == "keep only image tokens":
+        assert all(np.asarray(p).shape[0] == 4 for p in page_ref)  # (the 4 image tokens alone)
+    with Pipeline(model=path, num_render_workers=1) as pipe:
+        assert_same(token_vectors(pipe, QUERIES, "query"), query_ref)
+        assert_same(token_vectors(pipe, images, "document"), page_ref)
+        mixed = token_vectors(pipe, [QUERIES[0], images[2], QUERIES[1]], "query")
+        assert_same(mixed, [query_ref[0], st.encode_query(images[2:])[0], query_ref[1]])
+        scores = np.array([[s.score for s in pipe.score(q, images, use_tqdm=False)] for q in QUERIES])
+        np.testing.assert_allclose(scores, st.similarity(query_ref, page_ref).numpy(), atol=1e-4, rtol=1e-5)
+        ranked = pipe.rank(QUERIES[0], images)
+        assert [r.index for r in ranked] == list(np.argsort(-scores[0], kind="stable"))
+
+
+@pytest.mark.slow
+def test_what_a_page_retriever_cannot_do_is_refused(tmp_path):
+    import json
+
+    from pooling_pipeline import Pipeline
+    from pooling_pipeline.core.shared.model_folder.load import load_model_spec
+
+    path = build_colpali(tmp_path)
+    with pytest.raises(ValueError, match="backend='openvino' cannot run a page retriever"):
+        Pipeline(model=path, backend="openvino")
+    with pytest.raises(ValueError, match="quantize='int8' is not supported for a page retriever"):
+        Pipeline(model=path, quantize="int8")
+    config = tmp_path / "colpali" / "st" / "config_sentence_transformers.json"
+    saved = json.loads(config.read_text())
+    config.write_text(json.dumps({**saved, "prompts": {"query": "Find: ", "document": ""}}))
+    with pytest.raises(ValueError, match="prompts .* on a page retriever are not supported"):
+        load_model_spec(path)
+    config.write_text(json.dumps(saved))
+    with Pipeline(model=path, num_render_workers=1) as pipe:
+        outs = pipe.encode([QUERIES[0], {"prompt_token_ids": [2, 5, 6]}, QUERIES[1]], task="token_embed",
+                           use_tqdm=False, errors="return")
+        assert outs[0].error is None and outs[2].error is None
+        assert "request 1" in outs[1].error and "takes texts and images only" in outs[1].error, outs[1].error
+        with pytest.raises(ValueError, match="token_embed"):
+            pipe.embed(QUERIES[:1], use_tqdm=False)

@@ -1,0 +1,58 @@
+"""A render worker's queries and pages for a page retriever (ColPali), as sentence-transformers 6's
+MultiVectorEncoder hands them to the model's processor: every text through the processor's text
+path (a query: `<bos>`, the `query_prefix`, the text, ten augmentation tokens and a newline) -- a
+call's prompt goes in front of the text, as ST prepends it; every image through the image processor
+(its fixed-size resize: uint8 pixels, the engine rescales and normalizes on the device, as for CLIP)
+with the processor's image row (`<image>` x image_seq_length, `<bos>`, the visual prompt, a newline),
+the same for every page and computed once here."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pooling_pipeline.core.shared.config import DEFAULT_MAX_IMAGE_PIXELS, ModelSpec
+from pooling_pipeline.core.shared.messages import MediaData
+from pooling_pipeline.core.shared.options import too_long
+from pooling_pipeline.workers.images import ImageRenderer
+
+
+def _processor(spec: ModelSpec):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(spec.path)
+
+
+class QueryTexts:
+    """A page retriever's texts: the processor's own text call, as ST makes it."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec, self.processor = spec, _processor(spec)
+
+    def render(self, text: str, max_tokens: int, long_inputs: str, truncate_left: bool) -> np.ndarray:
+        out = self.processor(text=[text], text_kwargs={"padding": True, "truncation": "longest_first"},
+                             return_tensors="pt")  # (its query path works on torch tensors only)
+        ids = out["input_ids"][0].numpy().astype(np.int64)
+        if len(ids) > max_tokens:
+            if long_inputs == "error" or max_tokens >= self.spec.max_model_len:
+                raise ValueError(too_long("prompt", len(ids), True, max_tokens))
+            ids = ids[-max_tokens:] if truncate_left else ids[:max_tokens]
+        return ids
+
+
+class PageImages(ImageRenderer):
+    """A page retriever's images: resized by its image processor as for CLIP, with the processor's
+    image row as their ids."""
+
+    def __init__(self, spec: ModelSpec, draft: bool = False, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
+        from PIL import Image
+
+        super().__init__(spec, draft=draft, max_pixels=max_pixels)
+        probe = _processor(spec)(images=[Image.new("RGB", (spec.image.width, spec.image.height))], return_tensors="pt")
+        self.page_ids = probe["input_ids"][0].numpy().astype(np.int64)
+        image_tokens = int((self.page_ids == self.page_ids[0]).sum())
+        if image_tokens != spec.image.tokens or len(self.page_ids) <= image_tokens:
+            raise ValueError(f"{spec.path}: the processor's image row has {image_tokens} image tokens in "
+                             f"{len(self.page_ids)}, the frontend read {spec.image.tokens}: this is a bug")
+
+    def render(self, image: MediaData) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        return self.page_ids, {"pixels": self.pixels(image)[None]}
