@@ -104,6 +104,10 @@ def _audio_dict(prompt: dict, index: int, spec) -> MediaData | None:
         return None  # not a modality dict: parse_prompt names what is wrong with it
     if keys == {"text"}:
         return None
+    if len(keys) == 1 and keys != {"audio"}:  # {"image": ...}, {"video": ...}
+        kind = next(iter(keys))
+        raise ValueError(f"request {index}: {'an' if kind[0] in 'aeiou' else 'a'} {kind} input, but model "
+                         f"{spec.path!r} takes texts and audio only")
     if keys != {"audio"}:
         raise ValueError(f"request {index}: a dict with {sorted(keys)} fuses modalities in one input, which model "
                          f"{spec.path!r} cannot encode (ST refuses it too): encode each separately")

@@ -545,8 +545,10 @@ def parse_prompt(prompt: object, index: int, spec: ModelSpec) -> dict[str, Any]:
         media = reader(prompt, index, spec)
     else:
         media = None
-        if isinstance(prompt, dict) and set(prompt) in ({"image"}, {"audio"}):
-            raise ValueError(f"request {index}: an {next(iter(prompt))} input, but model {spec.path!r} takes text only")
+        if isinstance(prompt, dict) and set(prompt) in ({"image"}, {"audio"}, {"video"}):
+            kind = next(iter(prompt))
+            raise ValueError(f"request {index}: {'an' if kind[0] in 'aeiou' else 'a'} {kind} input, but model "
+                             f"{spec.path!r} takes text only")
     if media is not None:
         return {"media": media}
     if reader is not None and isinstance(prompt, dict) and set(prompt) == {"text"}:

@@ -1332,8 +1332,16 @@ def build_colpali(target: str | Path, name: str = "colpali", layout: str = "st",
     import torch
     from sentence_transformers import MultiVectorEncoder
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from transformers import (ColPaliConfig, ColPaliForRetrieval, ColPaliProcessor, GemmaConfig, GemmaTokenizer,
-                              PaliGemmaConfig, SiglipImageProcessorPil, SiglipVisionConfig)
+    from transformers import (
+        ColPaliConfig,
+        ColPaliForRetrieval,
+        ColPaliProcessor,
+        GemmaConfig,
+        GemmaTokenizer,
+        PaliGemmaConfig,
+        SiglipImageProcessorPil,
+        SiglipVisionConfig,
+    )
 
     _seed()
     specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<image>"]

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from pooling_pipeline.core.shared.config import ENCODER_ONLY_CLASSES, ModelSpec, PoolingSpec
 from pooling_pipeline.core.shared.model_folder.dual_encoder import dual_encoder_spec
-from pooling_pipeline.core.shared.model_folder.retrieval import retrieval_spec
 from pooling_pipeline.core.shared.model_folder.multi_vector import with_multi_vector
 from pooling_pipeline.core.shared.model_folder.peft_adapter import adapter_files, read_adapter
+from pooling_pipeline.core.shared.model_folder.retrieval import retrieval_spec
 from pooling_pipeline.core.shared.model_folder.st_files import dense_chain_width
 from pooling_pipeline.core.shared.model_folder.st_layout import STLayout
 from pooling_pipeline.core.shared.model_folder.static_embedding import STATIC_MAX_TOKENS, static_folder_facts
