@@ -113,7 +113,7 @@ def _image_dict(prompt: dict, index: int) -> MediaData | None:
         return None  # not a modality dict: parse_prompt names what is wrong with it
     if keys == {"text"}:
         return None  # {"text": ...} is a text (parse_prompt reads it)
-    if len(keys) == 1:  # {"audio": ...}, {"video": ...}
+    if len(keys) == 1 and keys != {"image"}:  # {"audio": ...}, {"video": ...}
         kind = next(iter(keys))
         raise ValueError(f"request {index}: {'an' if kind[0] in 'aeiou' else 'a'} {kind} input, but this model takes "
                          "texts and images only")

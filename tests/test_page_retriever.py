@@ -86,3 +86,44 @@ def test_what_a_page_retriever_cannot_do_is_refused(tmp_path):
         assert "request 1" in outs[1].error and "takes texts and images only" in outs[1].error, outs[1].error
         with pytest.raises(ValueError, match="token_embed"):
             pipe.embed(QUERIES[:1], use_tqdm=False)
+
+
+@pytest.mark.slow
+def test_rerank_with_page_images_over_http_equals_st(tmp_path):
+    """pipeline-serve: /v1/rerank with a text query and page images as documents, in Jina's shape
+    ({"image": base64}) and vLLM's (`{"content": [image_url parts]}`), and /v1/embeddings' chat form
+    do not apply (token vectors); the scores are ST's MaxSim, best first."""
+    import base64
+    import io
+
+    import httpx
+    from sentence_transformers import MultiVectorEncoder
+    from serve_helpers import started_server
+
+    path = build_colpali(tmp_path)
+    st = MultiVectorEncoder(path, device="cpu")
+    images = pages()
+    encoded = []
+    for image in images:
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        encoded.append(base64.b64encode(buffer.getvalue()).decode())
+    want = st.similarity(st.encode_query(QUERIES[:1]), st.encode_document(images)).numpy()[0]
+    with started_server("--model", path, "--num-render-workers", "1") as srv:
+        jina = [{"image": b} for b in encoded]
+        vllm = {"content": [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b}"}} for b in encoded]}
+        for documents in (jina, vllm, [{"text": "a dog"}, jina[0]]):
+            response = httpx.post(srv.url + "/v1/rerank", json={"query": QUERIES[0], "documents": documents},
+                                  timeout=120)
+            assert response.status_code == 200, response.text
+            results = response.json()["results"]
+            got = {r["index"]: r["relevance_score"] for r in results}
+            if documents is not jina and documents is not vllm:  # (a text and an image)
+                text = st.similarity(st.encode_query(QUERIES[:1]), st.encode_query(["a dog"])).numpy()[0, 0]
+                np.testing.assert_allclose([got[0], got[1]], [text, want[0]], atol=1e-4, rtol=1e-5)
+                assert results[[r["index"] for r in results].index(1)]["document"]["multi_modal"] == jina[0]
+                continue
+            np.testing.assert_allclose([got[i] for i in range(len(images))], want, atol=1e-4, rtol=1e-5)
+            assert [r["index"] for r in results] == list(np.argsort(-want, kind="stable"))
+        bad = httpx.post(srv.url + "/v1/rerank", json={"query": "q", "documents": [{"image": "https://x/a.png"}]})
+        assert bad.status_code == 400 and "not fetched" in bad.text

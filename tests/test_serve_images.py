@@ -98,3 +98,21 @@ def test_vllm_chat_messages_with_an_image_url_or_a_text_equal_st(server, clip_st
     assert response.status_code == 400 and "holds 2 parts" in response.text, response.text
     both = post(server, {"input": ["a"], "messages": [{"role": "user", "content": "a"}]})
     assert both.status_code == 400 and "not both" in both.text
+
+
+def test_rerank_with_image_documents_equals_st(server, clip_st, images):
+    """/v1/rerank with a text query and image documents (Jina's {"image": base64}, vLLM's content
+    parts, a text among them): ST's cosine similarity of the vectors, best first."""
+    names = ["photo.jpg", "palette.png"]
+    raw = [base64.b64encode(images[n].read_bytes()).decode() for n in names]
+    query = clip_st.encode(["a photo of a cat"])
+    want = clip_st.similarity(query, clip_st.encode([str(images[n]) for n in names])).numpy()[0]
+    text = float(clip_st.similarity(query, clip_st.encode(["a dog"]))[0, 0])
+    documents = [{"image": raw[0]}, {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{raw[1]}"}},
+                 {"text": "a dog"}]
+    response = httpx.post(server.url + "/v1/rerank", json={"query": "a photo of a cat", "documents": documents},
+                          timeout=120)
+    assert response.status_code == 200, response.text
+    got = {r["index"]: r["relevance_score"] for r in response.json()["results"]}
+    np.testing.assert_allclose([got[0], got[1], got[2]], [*want, text], atol=1e-5, rtol=0)
+    assert [r["index"] for r in response.json()["results"]] == sorted(got, key=lambda i: -got[i])

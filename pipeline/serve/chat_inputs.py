@@ -67,23 +67,34 @@ def _single_input(parts: list, family, allowed_dir: str | None) -> object:
         kinds = ", ".join(part["type"] for _, _, part in parts) or "nothing"
         raise HTTPError(400, f"this model embeds one text, image or audio clip per conversation (its towers take one "
                              f"input each); `messages` holds {len(parts)} parts ({kinds}): send each as its own request")
-    i, role, part = parts[0]
-    kind = part["type"]
+    i, _, part = parts[0]
+    return part_prompt(part, f"`messages`[{i}]", i, family, allowed_dir)
+
+
+def part_prompt(part: dict, where: str, index: int, family, allowed_dir: str | None) -> object:
+    """One content part (`{"type": "text" | "image_url" | "input_audio" | "audio_url", ...}`) as the
+    pipeline's prompt for a model that takes images or audio: a text as `{"text": ...}`."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in REFUSED_PARTS:
+        raise HTTPError(400, f"{where}: {REFUSED_PARTS[kind]} inputs are not supported")
     if kind == "text":
         if not isinstance(part.get("text"), str):
-            raise HTTPError(400, f"`messages`[{i}]: a text part's 'text' must be a string")
+            raise HTTPError(400, f"{where}: a text part's 'text' must be a string")
         return {"text": part["text"]}
+    if kind not in MEDIA_PARTS:
+        raise HTTPError(400, f"{where}: a content part's type must be 'text', 'image_url', 'input_audio' or "
+                             f"'audio_url', got {kind!r}")
     modality = MEDIA_PARTS[kind]
     if not family.takes(modality):
-        raise HTTPError(400, f"`messages`[{i}]: a {kind} part, but this model takes no {modality} inputs")
+        raise HTTPError(400, f"{where}: a {kind} part, but this model takes no {modality} inputs")
     if kind == "input_audio":
         audio = part.get("input_audio")
         data = audio.get("data") if isinstance(audio, dict) else None
         if not isinstance(data, str):
-            raise HTTPError(400, f"`messages`[{i}]: an input_audio part must hold {{'data': base64, 'format'}}")
-        return media_prompt(data, i, None, modality)  # (base64 of the file: never a path)
+            raise HTTPError(400, f"{where}: an input_audio part must hold {{'data': base64, 'format'}}")
+        return media_prompt(data, index, None, modality)  # (base64 of the file: never a path)
     holder = part.get(kind)
     url = holder.get("url") if isinstance(holder, dict) else holder
     if not isinstance(url, str):
-        raise HTTPError(400, f"`messages`[{i}]: a {kind} part must hold {{'url': ...}}")
-    return media_prompt(url, i, allowed_dir, modality)
+        raise HTTPError(400, f"{where}: a {kind} part must hold {{'url': ...}}")
+    return media_prompt(url, index, allowed_dir, modality)

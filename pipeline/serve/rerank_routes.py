@@ -27,13 +27,15 @@ from typing import Annotated, Any, Literal
 import msgspec
 import numpy as np
 
+from pooling_pipeline.core.families import family_of
 from pooling_pipeline.core.shared.messages import PoolingParams
 from pooling_pipeline.core.shared.model_folder.st_files import read_optional_json
 from pooling_pipeline.core.shared.options import EMBEDDING_TASKS, TooLong, read_too_long
 from pooling_pipeline.request_options import model_prompts
 from pooling_pipeline.serve.app import Request, Response, Route, list_response, response_id
+from pooling_pipeline.serve.chat_inputs import part_prompt
 from pooling_pipeline.serve.http import HTTPError, base64_string, encode_json, float_rows
-from pooling_pipeline.serve.media import takes_media, text_prompt
+from pooling_pipeline.serve.media import media_prompt, takes_media, text_prompt
 from pooling_pipeline.serve.openai_routes import long_input_options, prompts_of, too_long, truncation
 from pooling_pipeline.serve.tokenizer import served_tokenizer
 
@@ -112,7 +114,7 @@ async def rerank_documents(request: Request) -> Response:
     _refuse_given(body, ("padding", "mm_processor_kwargs", "truncation_side"))
     _check_scores(server.spec, "Rerank (Score) API")
     query = _one_text(body.query, "query")
-    documents = _texts(body.documents, "documents")
+    documents, echoed = _documents(body.documents, "documents", request)
     infinity = request.dialect == "tei" and server.settings.rerank_dialect == "infinity"
     scores, cuts = await _pair_scores(request, [query], documents, body, ("query", "documents"),
                                       max_tokens_per_doc=body.max_tokens_per_doc, notes=not infinity)
@@ -131,7 +133,7 @@ async def rerank_documents(request: Request) -> Response:
     for i in order:
         result = {"index": i, "relevance_score": scores[i].score}
         if body.return_documents is not False:
-            result["document"] = {"text": documents[i], "multi_modal": None}
+            result["document"] = echoed[i]
         results.append(result)
     answer = {"id": response_id("rerank"), "model": model, "usage": usage, "results": results}
     if cuts:
@@ -148,7 +150,8 @@ async def score(request: Request) -> Response:
     _refuse_given(body, ("padding", "mm_processor_kwargs", "truncation_side"))
     _check_scores(server.spec, "Score API")
     first, second = _score_sides(body)
-    queries, documents = _texts(getattr(body, first), first), _texts(getattr(body, second), second)
+    queries = _texts(getattr(body, first), first)
+    documents, _ = _documents(getattr(body, second), second, request)
     if len(queries) != 1 and len(queries) != len(documents):
         raise HTTPError(400, f"`{first}` and `{second}` must be 1:1, 1:N or N:N; got {len(queries)} and "
                              f"{len(documents)} items")
@@ -193,7 +196,7 @@ async def _pair_scores(request: Request, queries: list[str], documents: list[str
     refuse = measured and keep is None and not server.settings.auto_truncate
     images = takes_media(spec)  # (a CLIP model reads a bare string naming a file as that image)
     firsts = [text_prompt(t, images) for t in queries]
-    seconds = [text_prompt(t, images) for t in documents]
+    seconds = [text_prompt(t, images) if isinstance(t, str) else t for t in documents]  # (or an image's prompt)
     # What the pipeline runs: a cross-encoder reads each pair at once; an embedding model embeds each text.
     requests = len(seconds) if kind == "cross_encoder" else len(firsts) + len(seconds)
     params = PoolingParams(use_activation=body.use_activation) if body.use_activation is not None else None
@@ -202,7 +205,8 @@ async def _pair_scores(request: Request, queries: list[str], documents: list[str
                               long_inputs="error" if refuse else "truncate")
     cut_asked = keep is not None or max_tokens_per_doc is not None or server.settings.auto_truncate
     cuts = None
-    if notes and measured and cut_asked and len(queries) == 1:  # measured once admitted, and only what was cut
+    # (measured once admitted, and only what was cut)
+    if notes and measured and cut_asked and len(queries) == 1 and all(isinstance(d, str) for d in documents):
         cuts = functools.partial(_cuts, request, queries[0], documents, sides, keep, max_tokens_per_doc)
     try:
         return await server.run(requests, _scored(start, cuts), client_inputs=len(seconds))
@@ -414,6 +418,47 @@ def _one_text(value: Any, field: str) -> str:
     if isinstance(value, dict) and "content" in value:
         raise HTTPError(400, f"`{field}`: multi-modal content is not supported by this server; send a string")
     raise HTTPError(400, f"`{field}` must be a string, got {type(value).__name__}")
+
+
+def _documents(values: Any, field: str, request: Request) -> tuple[list, list[dict]]:
+    """Rerank documents: strings, Cohere's and Jina's `{"text": ...}`, and for a model that takes images
+    or audio, Jina's `{"image": base64 or data URI}` and vLLM's multi-modal `{"content": [parts]}` (each
+    part one document: text, image_url, input_audio, audio_url) or a list of such parts. (the pipeline's
+    prompt of each -- a string for a text --, and the document as the response echoes it.)"""
+    spec = request.server.spec
+    family = family_of(spec)
+    if not family.media_renderers:
+        texts = _texts(values, field)
+        return texts, [{"text": t, "multi_modal": None} for t in texts]
+    allowed = request.server.settings.allowed_local_media_path
+    if isinstance(values, dict) and isinstance(values.get("content"), list):
+        values = values["content"]
+    elif isinstance(values, (str, dict)):
+        values = [values]
+    if not isinstance(values, list):
+        raise HTTPError(400, f"`{field}` must be a string or a list of documents, got {type(values).__name__}")
+    if not values:
+        raise HTTPError(400, f"`{field}` cannot be empty")
+    prompts, echoed = [], []
+    for i, value in enumerate(values):
+        where = f"`{field}`[{i}]"
+        if isinstance(value, dict) and set(value) == {"text"}:
+            value = value["text"]
+        if isinstance(value, str):
+            prompts.append(value)
+            echoed.append({"text": value, "multi_modal": None})
+        elif isinstance(value, dict) and set(value) == {"image"}:  # Jina's image document
+            if not family.takes("image"):
+                raise HTTPError(400, f"{where}: an image, but this model takes no images")
+            prompts.append(media_prompt(value["image"], i, allowed, "image"))
+            echoed.append({"text": None, "multi_modal": value})
+        elif isinstance(value, dict) and "type" in value:
+            prompts.append(part_prompt(value, where, i, family, allowed))
+            echoed.append({"text": value.get("text") if value.get("type") == "text" else None, "multi_modal":
+                           None if value.get("type") == "text" else value})
+        else:
+            raise HTTPError(400, f"{where} must be a string, {{'text': ...}}, {{'image': ...}} or a content part")
+    return prompts, echoed
 
 
 def _texts(values: Any, field: str) -> list[str]:
