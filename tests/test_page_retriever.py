@@ -127,3 +127,29 @@ def test_rerank_with_page_images_over_http_equals_st(tmp_path):
             assert [r["index"] for r in results] == list(np.argsort(-want, kind="stable"))
         bad = httpx.post(srv.url + "/v1/rerank", json={"query": "q", "documents": [{"image": "https://x/a.png"}]})
         assert bad.status_code == 400 and "not fetched" in bad.text
+
+
+@pytest.mark.slow
+def test_pipeline_run_embeds_a_folder_of_pages_as_token_vectors(tmp_path):
+    """pipeline-run --task token_embed --route document on a folder of page images: each page's
+    token vectors, ST's encode_document; --task embed is refused for a page retriever."""
+    from sentence_transformers import MultiVectorEncoder
+
+    from pooling_pipeline import load_results
+    from pooling_pipeline.jobs.launcher import main
+
+    path = build_colpali(tmp_path)
+    folder = tmp_path / "pages"
+    folder.mkdir()
+    images = pages()
+    for k, image in enumerate(images):
+        image.save(folder / f"p{k}.png")
+    want = MultiVectorEncoder(path, device="cpu").encode_document([str(folder / f"p{k}.png") for k in range(3)])
+    out = tmp_path / "out"
+    assert main(["--quiet", "--model", path, "--input", str(folder), "--task", "token_embed", "--route", "document",
+                 "--output", str(out)]) == 0
+    ids, rows = load_results(out)
+    assert ids == [f"p{k}.png" for k in range(3)]
+    for got, ref in zip(rows, want):
+        assert got.shape == tuple(ref.shape) and np.abs(got - np.asarray(ref)).max() <= TOL
+    assert main(["--quiet", "--model", path, "--input", str(folder), "--output", str(tmp_path / "o2")]) != 0

@@ -243,8 +243,9 @@ def check_image_job(job, sources: Sequence[Source]) -> None:
     what = f"--{modality}-field {field!r}" if field is not None else f"a folder of {many}"
     if job.ray:
         raise UsageError(f"{what}: {many} are not supported with --ray (its actors read one text column)")
-    if job.task != "embed":
-        embeds = "a dual encoder embeds images" if modality == "image" else "a CLAP model embeds audio"
+    if job.task not in ("embed", "token_embed"):
+        embeds = "a dual encoder embeds images (a page retriever: token_embed)" if modality == "image" else \
+            "a CLAP model embeds audio"
         raise UsageError(f"{what}: {embeds}: --task embed, not {job.task!r}")
     text_only = [flag for flag, given in (("--long-inputs", job.long_inputs != "truncate"),
                                           ("--truncate", job.truncate is not None), ("--prompt", job.prompt is not None),
@@ -263,6 +264,11 @@ def check_image_job(job, sources: Sequence[Source]) -> None:
 def check_image_model(job, sources: Sequence[Source], spec) -> None:
     """--image-field (--audio-field) needs a model that takes images (audio); a folder was only
     taken for one."""
+    modality = job_modality(job, sources)
+    if modality is not None and job.task not in spec.tasks:  # (token_embed: a page retriever's, such as ColPali)
+        computed = [t for t in spec.tasks if t != "score"]
+        raise UsageError(f"--task {job.task}: model {spec.path!r} does not compute it for its {MEDIA_WORDS[modality][1]}"
+                         f": --task {computed[0]}")
     field, modality = media_field(job)
     if field is not None and not family_of(spec).takes(modality):
         takes = "a dual encoder such as CLIP or SigLIP does" if modality == "image" else "a CLAP model does"
