@@ -224,3 +224,29 @@ def build_clap(target: str | Path | None = None, *, audio_hidden: int = 768, pat
     SentenceTransformer(modules=[Transformer(str(hf_dir))], device="cpu").save(str(target / "st"))
     shutil.rmtree(hf_dir)
     return str(target / "st")
+
+
+def build_colpali(target: str | Path | None = None, *, image_size: int = 448, patch_size: int = 14,
+                  vision_hidden: int = 384, vision_layers: int = 6, vision_heads: int = 6,
+                  vision_intermediate: int = 1536, text_hidden: int = 512, text_layers: int = 4,
+                  text_heads: int = 8, text_intermediate: int = 2048, embedding_dim: int = 128) -> str:
+    """A ColPali page retriever with random weights (fixed seed), saved by sentence-transformers 6's
+    MultiVectorEncoder. ColPali v1.3's input -- 448 px pages in 14 px patches, 1,024 image tokens a
+    page, 128 values a token -- on much smaller towers (a 6-layer SigLIP of width 384, a 4-layer Gemma
+    of width 512; the real model's So400m and Gemma-2B take ~30 s a page on 2 CPU cores, a ViT-B and
+    a 6-layer Gemma of width 1,024 3 s): a benchmark of the pipeline around the model, not of the
+    model. The tokenizer is the test zoo's Gemma-style BPE."""
+    import sys
+
+    tests_dir = str(Path(__file__).resolve().parent.parent / "tests")
+    if tests_dir not in sys.path:
+        sys.path.insert(0, tests_dir)
+    from model_zoo import build_colpali as build
+
+    target = Path(target or tempfile.mkdtemp(prefix="colpali-"))
+    return build(target, "colpali", image_size=image_size, patch_size=patch_size, embedding_dim=embedding_dim,
+                 vision={"hidden_size": vision_hidden, "num_hidden_layers": vision_layers,
+                         "num_attention_heads": vision_heads, "intermediate_size": vision_intermediate},
+                 text={"hidden_size": text_hidden, "num_hidden_layers": text_layers, "num_attention_heads": text_heads,
+                       "num_key_value_heads": text_heads, "head_dim": text_hidden // text_heads,
+                       "intermediate_size": text_intermediate})

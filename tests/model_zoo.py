@@ -1323,12 +1323,14 @@ def build_clap(target: str | Path, name: str = "clap", layout: str = "st", norma
 
 
 def build_colpali(target: str | Path, name: str = "colpali", layout: str = "st",
-                  keep_only_image_tokens: bool = False) -> str:
+                  keep_only_image_tokens: bool = False, image_size: int = 28, patch_size: int = 14,
+                  vision: dict | None = None, text: dict | None = None, embedding_dim: int = 16) -> str:
     """A tiny ColPali page retriever (PaliGemma: a 1-layer SigLIP vision tower on 28 px images in
     14 px patches, 4 image tokens; a 2-layer Gemma) with ColPaliProcessor (a Gemma-style BPE
     tokenizer with Gemma's special ids, SiglipImageProcessor), saved as `layout`: "st"
     (MultiVectorEncoder's save: Transformer with transformer_task "retrieval" and a MultiVectorMask,
-    keeping only the image tokens of documents when `keep_only_image_tokens`) or "plain"."""
+    keeping only the image tokens of documents when `keep_only_image_tokens`) or "plain". `vision` /
+    `text` override the towers' sizes (scripts/tiny_models.py builds a benchmark-sized one)."""
     import torch
     from sentence_transformers import MultiVectorEncoder
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -1367,20 +1369,23 @@ def build_colpali(target: str | Path, name: str = "colpali", layout: str = "st",
     hf_tok = GemmaTokenizer(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
                             pad_token="<pad>", add_bos_token=False, add_eos_token=False, padding_side="right")
     hf_tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    image_processor = SiglipImageProcessorPil(size={"height": 28, "width": 28}, resample=3, image_mean=[0.5] * 3,
-                                              image_std=[0.5] * 3, do_convert_rgb=True)
-    image_processor.image_seq_length = 4
+    image_processor = SiglipImageProcessorPil(size={"height": image_size, "width": image_size}, resample=3,
+                                              image_mean=[0.5] * 3, image_std=[0.5] * 3, do_convert_rgb=True)
+    image_processor.image_seq_length = (image_size // patch_size) ** 2
     processor = ColPaliProcessor(image_processor=image_processor, tokenizer=hf_tok)
     vocab_size = len(processor.tokenizer)
-    text = GemmaConfig(vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
-                       pad_token_id=0, bos_token_id=2, eos_token_id=1)
-    vision = SiglipVisionConfig(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                image_size=28, patch_size=14, vision_use_head=False)
-    vlm = PaliGemmaConfig(vision_config=vision, text_config=text, image_token_index=4, vocab_size=vocab_size,
-                          projection_dim=HIDDEN, hidden_size=HIDDEN, pad_token_id=0)
+    text_sizes = {"hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                  "num_key_value_heads": 1, "head_dim": 16, **(text or {})}
+    vision_sizes = {"hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                    **(vision or {})}
+    text_config = GemmaConfig(vocab_size=vocab_size, max_position_embeddings=max(256, 4 * image_size), pad_token_id=0,
+                              bos_token_id=2, eos_token_id=1, **text_sizes)
+    vision_config = SiglipVisionConfig(image_size=image_size, patch_size=patch_size, vision_use_head=False, **vision_sizes)
+    vlm = PaliGemmaConfig(vision_config=vision_config, text_config=text_config, image_token_index=4,
+                          vocab_size=vocab_size, projection_dim=text_sizes["hidden_size"],
+                          hidden_size=text_sizes["hidden_size"], pad_token_id=0)
     with torch.no_grad():
-        model = ColPaliForRetrieval(ColPaliConfig(vlm_config=vlm, embedding_dim=16)).eval()
+        model = ColPaliForRetrieval(ColPaliConfig(vlm_config=vlm, embedding_dim=embedding_dim)).eval()
         for p in model.parameters():  # (above the init's 0.02, so that inputs move the vectors)
             p.normal_(0, 0.2)
     out = _fresh(Path(target), name)

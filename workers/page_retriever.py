@@ -53,6 +53,9 @@ class PageImages(ImageRenderer):
         if image_tokens != spec.image.tokens or len(self.page_ids) <= image_tokens:
             raise ValueError(f"{spec.path}: the processor's image row has {image_tokens} image tokens in "
                              f"{len(self.page_ids)}, the frontend read {spec.image.tokens}: this is a bug")
+        if len(self.page_ids) > spec.max_model_len:
+            raise ValueError(f"{spec.path}: a page's row has {len(self.page_ids)} tokens, more than the text model's "
+                             f"{spec.max_model_len} positions")
 
     def render(self, image: MediaData) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         return self.page_ids, {"pixels": self.pixels(image)[None]}

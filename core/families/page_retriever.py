@@ -25,6 +25,11 @@ class PageRetrieverFamily(ModelFamily):
     media_input = "pooling_pipeline.image_inputs:image_input"
     text_renderer = "pooling_pipeline.workers.page_retriever:QueryTexts"
 
+    def longest_input(self, spec) -> int:
+        """A query's, or a page's row (its image tokens and prompt: the render worker checks at
+        start-up that the row fits the text model's positions)."""
+        return max(spec.max_model_len, spec.image.tokens)
+
     def worker_imports(self) -> tuple[str, ...]:
         """PIL, and torch: transformers' ColPaliProcessor loads only where torch imports."""
         return ("PIL", "torch")
