@@ -15,6 +15,11 @@ page, the engine's busy fraction and peak RSS.
 
     python scripts/bench_pages.py
     python scripts/bench_pages.py --count 8 --repeats 2 --model /tmp/colpali/st
+    python scripts/bench_pages.py --device cuda --json pages.json      # scripts/device_check.py's "pages" part
+
+On a GPU (`--device cuda`) both sides run there in float32 (ST's child too); `--json` writes the table's
+figures as scripts/device_check.py's rows (the vectors within 1e-4 on CUDA, 1e-5 on the CPU; the
+ratio informative).
 """
 
 from __future__ import annotations
@@ -76,14 +81,14 @@ def build_model(work: Path) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def serve_st(model: str, threads: int) -> None:
+def serve_st(model: str, threads: int, device: str = "cpu") -> None:
     """The child's loop: a JSON line {"paths", "out"} in, the token vectors saved to `out` (npz), a
     JSON line {"seconds"} out; until stdin closes."""
     import torch
     from sentence_transformers import MultiVectorEncoder
 
     torch.set_num_threads(threads)
-    st = MultiVectorEncoder(model, device="cpu")
+    st = MultiVectorEncoder(model, device=device)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
@@ -95,8 +100,8 @@ def serve_st(model: str, threads: int) -> None:
 
 
 class STChild:
-    def __init__(self, model: str, threads: int, work: Path) -> None:
-        code = f"import bench_pages; bench_pages.serve_st({model!r}, {threads})"
+    def __init__(self, model: str, threads: int, work: Path, device: str = "cpu") -> None:
+        code = f"import bench_pages; bench_pages.serve_st({model!r}, {threads}, {device!r})"
         self.out = work / "st-vectors.npz"
         self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parent, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -128,20 +133,28 @@ def pipeline_pass(pipe: Pipeline, paths: list[str]) -> dict:
             "worker_rss": max(sampled[w]["rss_mb"] for w in workers), "frontend_rss": sampled["frontend"]["rss_mb"]}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="a ColPali folder (default: build the benchmark-sized one)")
     ap.add_argument("--count", type=int, default=16, help="images per set")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workers", type=int, default=None)
-    args = ap.parse_args(argv)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda: both sides run there (default: cpu)")
+    ap.add_argument("--json", default=None, help="write the figures as scripts/device_check.py's rows here")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    max_diff = MAX_ABS_DIFF if args.device == "cpu" else 1e-4
     work = Path(tempfile.mkdtemp(prefix="bench-pages-"))
     model = args.model or build_model(work)
     sets = {"pages": build_pages(work / "pages", args.count), "web": build_image_set(work / "web", "web", args.count)}
     rows, failed = [], False
-    with Pipeline(model=model, dtype="float32", num_render_workers=args.workers) as pipe:
+    figures = []
+    with Pipeline(model=model, dtype="float32", device=args.device, num_render_workers=args.workers) as pipe:
         info = pipe.stats()["engine"]
-        st = STChild(model, int(info["torch_threads"]), work)
+        st = STChild(model, int(info.get("torch_threads") or 1), work, args.device)
         try:
             for kind, paths in sets.items():
                 pipe.encode(paths[:WARMUP], task="token_embed", route="document", use_tqdm=False)
@@ -153,9 +166,10 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {kind}: {len(paths) / ours[-1]['seconds']:.2f} vs ST {len(paths) / theirs[-1][0]:.2f} "
                           "pages/s", flush=True)
                 diff = max(float(np.abs(a - b).max()) for a, b in zip(ours[-1]["vectors"], theirs[-1][1]))
-                failed |= diff > MAX_ABS_DIFF
+                failed |= diff > max_diff
                 med = lambda key: statistics.median(p[key] for p in ours)  # noqa: E731
                 ratio = statistics.median(t[0] / o["seconds"] for o, t in zip(ours, theirs))
+                figures.append((kind, len(paths) / med("seconds"), ratio, diff))
                 rows.append(f"| {SETS[kind]} | {len(paths) / med('seconds'):.2f} | "
                             f"{len(paths) / statistics.median(t[0] for t in theirs):.2f} | {ratio:.2f}x | {diff:.1e} | "
                             f"{med('worker_cpu') / len(paths):.3f} | {med('busy'):.2f} | "
@@ -168,6 +182,15 @@ def main(argv: list[str] | None = None) -> int:
               "engine busy", "worker RSS MB", "frontend RSS MB"]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     print("\n".join(rows))
+    if args.json:
+        out = []
+        for kind, rate, ratio, diff in figures:
+            out.append({"check": f"pages: ColPali token vectors against ST, {SETS[kind]}, float32 on {args.device}",
+                        "figure": f"max |diff| {diff:.1e}", "target": f"<= {max_diff:g}",
+                        "result": "pass" if diff <= max_diff else "FAIL"})
+            out.append({"check": f"pages: pages/s, {SETS[kind]}, float32 on {args.device}",
+                        "figure": f"{rate:.1f} pages/s, {ratio:.2f}x ST", "target": "(informative)", "result": "info"})
+        Path(args.json).write_text(json.dumps({"rows": out}))
     return 1 if failed else 0
 
 

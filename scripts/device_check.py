@@ -41,6 +41,9 @@ hard overall deadline (time a part leaves unused passes to the next one):
               (<= 1e-4), host and device ms per step for both;
 * dtype    -- float16 and bfloat16 against float32 through the pipeline on CUDA (min cosine >= 0.9999),
               float32 on CUDA against float32 on the CPU (max |diff| <= 1e-4), 300 real texts;
+* pages    -- a VLM: a ColPali page retriever with ColPali v1.3's input (448 px pages, 1,024 image tokens a page)
+              on small random towers, the pipeline against sentence-transformers' MultiVectorEncoder on the
+              device, float32 both: token vectors within 1e-4, pages/s of each (scripts/bench_pages.py);
 * images   -- a CLIP ViT-B/32-sized dual encoder (random weights) and 100 web JPEGs: the pipeline against
               sentence-transformers in this environment (float32 on the CPU, the image processor
               transformers picks here, <= 1e-5), then scripts/loadtest.py --regime images in float16.
@@ -78,7 +81,7 @@ from pathlib import Path
 from device_check_steps import Row, clip_model_path, verdict
 
 SCRIPTS = Path(__file__).resolve().parent
-PARTS = ("env", "loadtest", "st", "replay", "profile", "graphs", "dtype", "images")
+PARTS = ("env", "loadtest", "st", "replay", "profile", "graphs", "dtype", "pages", "images")
 # The parts a forced CPU runs (the tests): the load test and the images part need CUDA (a rehearsal runs them on
 # the simulated device instead).
 CPU_PARTS = ("env", "st", "replay", "profile", "graphs", "dtype")
@@ -104,11 +107,14 @@ QUICK_PARTS = ("env", "loadtest", "st", "replay", "profile")
 #             packed runner adds a model load and its start-up probe per dtype and 2 x 10 timed steps per batch
 #             (~2 s a dtype on the GPU): 8 s more, taken from loadtest (5) and dtype (3);
 # dtype    -- 22 s here for one Pipeline (float32 against itself); four on CUDA (~10 s each);
+# pages    -- (added 2026-12-07, its 32 s taken from loadtest 15, dtype 7, images 10) building the benchmark
+#             ColPali (448 px pages, 1,024 image tokens, small towers) 12 s here, then scripts/bench_pages.py on
+#             CUDA, float32, both sides: a Pipeline and ST's MultiVectorEncoder, 16 pages and 16 JPEGs once each;
 # images   -- building CLIP-B/32 and 100 JPEGs 36 s here, the comparison with ST on the CPU 48 s, the load test
 #             28 s (simulated device, 8 workers on 2 cores); on 16 cores the build and the comparison take about
 #             half. The last part: it also gets whatever the parts before it left unused.
-DEFAULT_BUDGETS_S = {"env": 20.0, "loadtest": 90.0, "st": 40.0, "replay": 45.0, "profile": 45.0, "graphs": 28.0,
-                     "dtype": 52.0, "images": 70.0}
+DEFAULT_BUDGETS_S = {"env": 20.0, "loadtest": 75.0, "st": 40.0, "replay": 45.0, "profile": 45.0, "graphs": 28.0,
+                     "dtype": 45.0, "pages": 32.0, "images": 60.0}
 # --quick: one load-test run (8 workers), the replay of the engine's path only, the BERT-base profile only.
 QUICK_BUDGETS_S = {"env": 20.0, "loadtest": 60.0, "st": 50.0, "replay": 40.0, "profile": 50.0}
 DEFAULT_MINUTES = 6.5
@@ -266,7 +272,8 @@ def parse_settings(text: str) -> list[str]:
     return names
 
 
-INTERNAL = ("env", "replay", "graphs", "profile", "st", "dtype", "build-model", "build-clip", "images-st")
+INTERNAL = ("env", "replay", "graphs", "profile", "st", "dtype", "build-model", "build-clip", "images-st",
+            "build-colpali")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -360,7 +367,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     needs_json = ("env", "replay", "graphs", "profile", "st", "dtype", "images-st")
     if args.internal in needs_json and not args.json:
         ap.error(f"--internal {args.internal} needs --json")
-    if args.internal in ("build-model", "build-clip", "images-st") and not args.model_dir:
+    if args.internal in ("build-model", "build-clip", "images-st", "build-colpali") and not args.model_dir:
         ap.error(f"--internal {args.internal} needs --model-dir")
     if args.internal in ("build-clip", "images-st") and not args.image_folder:
         ap.error(f"--internal {args.internal} needs --image-folder")
@@ -386,7 +393,8 @@ def make_plan(args: argparse.Namespace, out: Path, scratch: Path) -> list[Part]:
     """The parts asked for, in PARTS order: step outputs in `out`, built models and images in `scratch`."""
     budgets = {**(QUICK_BUDGETS_S if args.quick else DEFAULT_BUDGETS_S), **args.budget_s}
     makers = {"env": env_part, "loadtest": loadtest_part, "st": st_part, "replay": replay_part,
-              "profile": profile_part, "graphs": graphs_part, "dtype": dtype_part, "images": images_part}
+              "profile": profile_part, "graphs": graphs_part, "dtype": dtype_part, "pages": pages_part,
+              "images": images_part}
     parts = []
     for name in args.parts:
         steps, extra = makers[name](args, out, scratch)
@@ -492,6 +500,20 @@ def dtype_part(args, out, scratch):
              else "dtype: float16 / bfloat16 / CPU against float32 on CUDA")
     return [rows_step(label, internal("dtype", args, "--json", out / "dtype.json", "--texts", args.texts),
                       out / "dtype.json")], {}
+
+
+def pages_part(args, out, scratch):
+    """A VLM's row: ColPali page retrieval (PaliGemma's towers, small) against ST on the device."""
+    model = scratch / "colpali"
+    built = model / "colpali" / "st"
+    device = "cpu" if args.rehearse else "cuda"
+    steps = [
+        Step("pages: building the benchmark ColPali (448 px pages, 1,024 image tokens)",
+             python("device_check.py", "--internal", "build-colpali", "--model-dir", model)),
+        rows_step(f"pages: ColPali against ST's MultiVectorEncoder, float32 on {device}, 16 pages and 16 JPEGs",
+                  python("bench_pages.py", "--model", built, "--device", device, "--count", 16, "--repeats", 1,
+                         "--json", out / "pages.json"), out / "pages.json")]
+    return steps, {"cleanup": [model]}
 
 
 def images_part(args, out, scratch):
@@ -748,6 +770,10 @@ def run_internal(args: argparse.Namespace) -> int:
         print(steps.build_clip_inputs(Path(args.model_dir), Path(args.image_folder)))
     elif args.internal == "images-st":
         steps.images_st_check(Path(args.model_dir), Path(args.image_folder), out)
+    elif args.internal == "build-colpali":
+        import tiny_models
+
+        print(tiny_models.build_colpali(Path(args.model_dir)))
     return 0
 
 

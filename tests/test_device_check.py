@@ -163,15 +163,19 @@ def test_a_bad_argument_is_exit_2_naming_it(args, names):
 def test_every_command_of_the_plan_is_accepted_by_its_script(tmp_path):
     """A flag a script does not know would cost a GPU session its run: each step's arguments go through
     the parser of the script it calls (this one's with its checks)."""
+    import bench_pages
     import loadtest
 
     parts = dc.make_plan(dc.parse_args(["--workers", "1,8", "--cores", "16", "--seq-caps", "64,256"]), tmp_path / "out",
                          tmp_path / "scratch")
-    parsed = {"loadtest.py": [], "device_check.py": []}
+    parsed = {"loadtest.py": [], "device_check.py": [], "bench_pages.py": []}
+    parsers = {"loadtest.py": loadtest.build_parser().parse_args, "bench_pages.py": bench_pages.build_parser().parse_args,
+               "device_check.py": dc.parse_args}
     for step in (s for p in parts for s in p.steps):
         script = step.argv[1].rsplit("/", 1)[-1]
-        parser = loadtest.build_parser().parse_args if script == "loadtest.py" else dc.parse_args
-        parsed[script].append(parser(step.argv[2:]))
+        parsed[script].append(parsers[script](step.argv[2:]))
+    (pages,) = parsed["bench_pages.py"]
+    assert (pages.device, pages.model) == ("cuda", str(tmp_path / "scratch" / "colpali" / "colpali" / "st"))
     real = [(a.regime, a.device, a.dtype, a.workers, a.max_num_seqs) for a in parsed["loadtest.py"] if a.regime == "real"]
     assert real == [("real", "cuda", "float16", [8], None), ("real", "cuda", "float16", [1], None),
                     ("real", "cuda", "float16", [8], 64), ("real", "cuda", "float16", [8], 256)]
@@ -182,8 +186,8 @@ def test_every_command_of_the_plan_is_accepted_by_its_script(tmp_path):
     internals = [(a.internal, a.settings, a.length) for a in parsed["device_check.py"]]
     assert internals == [("env", None, None), ("st", None, None), ("replay", ["graphs", "eager", "plain"], None),
                          ("replay", ["graphs", "plain"], None), ("profile", None, None), ("build-model", None, None),
-                         ("profile", None, 512), ("graphs", None, None), ("dtype", None, None), ("build-clip", None, None),
-                         ("images-st", None, None)]
+                         ("profile", None, 512), ("graphs", None, None), ("dtype", None, None),
+                         ("build-colpali", None, None), ("build-clip", None, None), ("images-st", None, None)]
     assert all(a.json.startswith(str(tmp_path / "out")) for a in parsed["device_check.py"] if a.json)
     (replay_on,) = [s for p in parts for s in p.steps if "replay-cudnn-on" in str(s.output)]
     assert replay_on.env == {"POOLING_PIPELINE_CUDNN_SDPA": "1"}
