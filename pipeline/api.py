@@ -157,6 +157,13 @@ class Pipeline:
         # with several engine cores, twice all their windows.
         # (Derived defaults stay within the bounds the options declare: options.MAX_INFLIGHT, MAX_ENGINE_WINDOW.)
         self.max_inflight = opts.max_inflight or min(MAX_INFLIGHT, 16 * max_num_seqs * engines)
+        row_bytes = payload_bytes_per_row(family_of(spec).payloads(spec))
+        if opts.max_inflight is None and row_bytes:
+            # A model whose rows carry arrays (an image's pixels, a clip's features: 0.15-0.8 MB a row)
+            # holds them in the engine while they wait: the bound by count that suits texts (16,384 on a
+            # GPU) would be gigabytes of pixels, so by bytes too (a 200-page request to ColPali was
+            # 698 -> 854 MB of engine RSS, 400 pages 1,070, with all of them in flight).
+            self.max_inflight = max(2 * engines, min(self.max_inflight, MEDIA_INFLIGHT_BYTES // row_bytes))
         self.engine_window = opts.engine_window or min(MAX_ENGINE_WINDOW, max(1, self.max_inflight // (2 * engines)))
         # Requests per message to a worker (and from it to the engine): per-message costs (a
         # socket round, a decode, a thread's wake-up and its GIL hand-offs) are paid once per this
@@ -559,6 +566,16 @@ def _ranked(scores: list[ScoringOutput], top_k: int | None) -> list[RankedDocume
     ranked = sorted((RankedDocument(s.index, s.score) for s in scores),
                     key=lambda r: (1, 0.0) if math.isnan(r.score) else (0, -r.score))
     return ranked[:top_k] if top_k is not None else ranked
+
+
+# What the rows in flight may hold of arrays beyond their ids, where the caller leaves max_inflight
+# unset (a ColPali page's pixels are 0.6 MB: ~210 pages; a CLIP image's 0.15 MB: ~870).
+MEDIA_INFLIGHT_BYTES = 128 << 20
+
+
+def payload_bytes_per_row(payloads: dict) -> int:
+    """The most bytes one row's payloads can hold (`ModelFamily.payloads`); 0 for a text model."""
+    return sum(np.dtype(p.dtype).itemsize * int(np.prod(p.item_shape)) * p.max_items for p in payloads.values())
 
 
 def _model_spec(model: str | ModelSpec | None, opts: PipelineOptions) -> ModelSpec:

@@ -16,7 +16,8 @@ Where the pipeline differs, it refuses or says so:
   feature extractor refuses it, and one longer than the model's window, which the extractor would
   crop at random (checked here for an array, from its header in the worker for a file);
 - a 1-D torch tensor is taken as its numpy values (ST's feature extractor fails on one);
-- `{"array", "sampling_rate"}` without its rate is refused, as ST refuses it.
+- `{"array"}` without its rate is refused, as ST refuses it (inside `{"audio": ...}` it takes the
+  model's rate, as ST's `_unwrap_audio` does); a torchcodec `AudioDecoder` is refused by name.
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ def audio_input(prompt: object, index: int, spec) -> MediaData | None:
         return None  # (strings or objects: not one input)
     if isinstance(prompt, np.ndarray) or _is_tensor(prompt):
         return _array_clip(prompt, index, spec, None)
+    if type(prompt).__name__ == "AudioDecoder":  # torchcodec's (a `datasets` 4 Audio column's values)
+        raise TypeError(f"request {index}: a torchcodec AudioDecoder is not supported yet: pass its samples, "
+                        "{'array': decoder.get_all_samples().data.mean(0).numpy(), 'sampling_rate': ...}")
     return None
 
 
@@ -124,8 +128,8 @@ def _audio_dict(prompt: dict, index: int, spec) -> MediaData | None:
             raise ValueError(f"request {index}: audio {value[:200]!r} is neither an existing file, a data:audio/ URI "
                              "nor base64 data")
         return MediaData(modality="audio", uri=value, nbytes=max(len(value) * 3 // 4, MIN_IMAGE_BYTES))
-    if isinstance(value, dict) and "array" in value:
-        return _audio_dict(value, index, spec)
+    if isinstance(value, dict) and "array" in value:  # (ST's _unwrap_audio: its rate, else the model's)
+        return _array_clip(value["array"], index, spec, value.get("sampling_rate"))
     if isinstance(value, np.ndarray) or _is_tensor(value):
         return _array_clip(value, index, spec, None)
     raise TypeError(f"request {index}: {{'audio': ...}} must hold a path, bytes, a data:audio/ URI, base64 data, a "
@@ -135,7 +139,10 @@ def _audio_dict(prompt: dict, index: int, spec) -> MediaData | None:
 def _array_clip(array, index: int, spec, sampling_rate) -> MediaData:
     """A numpy array or torch tensor of samples, at `sampling_rate` (None: the model's, as ST
     assumes for a bare array)."""
+    audio = spec.audio
     if _is_tensor(array):
+        if array.ndim == 1 and array.numel() > audio.max_samples:  # (refused before it is copied off its device)
+            raise ValueError(_too_long(index, array.numel(), audio))
         try:
             array = array.detach().cpu().numpy()
         except (TypeError, RuntimeError) as e:  # torch.bfloat16, ...: numpy has no such type
@@ -146,7 +153,6 @@ def _array_clip(array, index: int, spec, sampling_rate) -> MediaData:
     if not isinstance(array, np.ndarray):
         raise TypeError(f"request {index}: audio samples must be a numpy array or torch tensor, got "
                         f"{type(array).__name__}")
-    audio = spec.audio
     if array.ndim != 1:
         kind = ("a multi-channel clip (sentence-transformers' feature extractor reads its rows as separate clips "
                 "and fails): average its channels first" if array.ndim == 2 else
@@ -157,23 +163,28 @@ def _array_clip(array, index: int, spec, sampling_rate) -> MediaData:
                          "a 1-D array of samples")
     if array.dtype.kind not in "biuf":
         raise TypeError(f"request {index}: audio samples must be numbers, got an array of dtype {array.dtype}")
-    if sampling_rate is not None:
-        if isinstance(sampling_rate, bool) or not isinstance(sampling_rate, (int, np.integer)):
-            raise TypeError(f"request {index}: sampling_rate must be an int, got {type(sampling_rate).__name__}")
-        if int(sampling_rate) != audio.sampling_rate:
-            raise ValueError(f"request {index}: the clip's sampling rate is {int(sampling_rate)} Hz; the model's "
+    if sampling_rate is not None:  # (ST compares it with the extractor's: 48000.0 is 48000)
+        if isinstance(sampling_rate, bool) or not isinstance(sampling_rate, (int, float, np.integer, np.floating)):
+            raise TypeError(f"request {index}: sampling_rate must be a number, got {type(sampling_rate).__name__}")
+        if sampling_rate != audio.sampling_rate:
+            raise ValueError(f"request {index}: the clip's sampling rate is {sampling_rate:g} Hz; the model's "
                              f"feature extractor takes {audio.sampling_rate} Hz (sentence-transformers never "
                              "resamples an array: resample it first)")
+        sampling_rate = audio.sampling_rate
     if array.size == 0:
         raise ValueError(f"request {index}: the clip is empty")
     if array.size > audio.max_samples:
-        raise ValueError(f"request {index}: the clip is {array.size / audio.sampling_rate:.2f} s long, more than the "
-                         f"model's {audio.max_samples / audio.sampling_rate:g} s window: its feature extractor would "
-                         f"crop a random window of it (truncation {audio.truncation!r}), so its vector would not be "
-                         "reproducible; cut it into clips of at most that length")
+        raise ValueError(_too_long(index, array.size, audio))
     if array.dtype.kind == "b":
         array = array.view(np.uint8)
-    data = np.ascontiguousarray(array)  # (a copy where needed: the caller may change its array later)
-    return MediaData(modality="audio", values=data.view(np.uint8).reshape(-1).copy(), dtype=data.dtype.str,
+    data = np.array(array, order="C", copy=True)  # (one copy: the caller may change its array later)
+    return MediaData(modality="audio", values=data.view(np.uint8).reshape(-1), dtype=data.dtype.str,
                      shape=list(data.shape), sampling_rate=None if sampling_rate is None else int(sampling_rate),
                      nbytes=data.nbytes)
+
+
+def _too_long(index: int, samples: int, audio) -> str:
+    return (f"request {index}: the clip is {samples / audio.sampling_rate:.2f} s long, more than the model's "
+            f"{audio.max_samples / audio.sampling_rate:g} s window: its feature extractor would crop a random window "
+            f"of it (truncation {audio.truncation!r}), so its vector would not be reproducible; cut it into clips of "
+            "at most that length")

@@ -1369,8 +1369,9 @@ def build_colpali(target: str | Path, name: str = "colpali", layout: str = "st",
     hf_tok = GemmaTokenizer(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
                             pad_token="<pad>", add_bos_token=False, add_eos_token=False, padding_side="right")
     hf_tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    # (do_convert_rgb left unset, as ColPali's saved configs leave it: ColPaliProcessor asks it on every call)
     image_processor = SiglipImageProcessorPil(size={"height": image_size, "width": image_size}, resample=3,
-                                              image_mean=[0.5] * 3, image_std=[0.5] * 3, do_convert_rgb=True)
+                                              image_mean=[0.5] * 3, image_std=[0.5] * 3)
     image_processor.image_seq_length = (image_size // patch_size) ** 2
     processor = ColPaliProcessor(image_processor=image_processor, tokenizer=hf_tok)
     vocab_size = len(processor.tokenizer)

@@ -85,8 +85,13 @@ def test_clap_arrays_files_and_texts_equal_st(clap_dir, st, tmp_path):
         got = vectors(pipe, clips + [clip(1, 6).astype(np.float64), ints])
         assert np.abs(got - ref).max() <= TOL
         got = vectors(pipe, [wav, flac, {"audio": wav_bytes}, {"audio": uri}, uri, {"audio": flac},
-                             {"array": clips[0], "sampling_rate": RATE}, {"audio": clips[1]}])
-        expected = np.stack([file_ref[0], file_ref[1], file_ref[0], file_ref[0], file_ref[0], file_ref[1], ref[0], ref[1]])
+                             {"array": clips[0], "sampling_rate": RATE}, {"audio": clips[1]},
+                             {"audio": {"array": clips[0]}}, {"array": clips[1], "sampling_rate": float(RATE)}])
+        expected = np.stack([file_ref[0], file_ref[1], file_ref[0], file_ref[0], file_ref[0], file_ref[1], ref[0], ref[1],
+                             ref[0], ref[1]])
+        # (ST takes the nested form without a rate, and a float rate equal to the extractor's)
+        assert np.abs(st.encode([{"audio": {"array": clips[0]}}]) - ref[:1]).max() <= TOL
+        assert np.abs(st.encode([{"array": clips[1], "sampling_rate": float(RATE)}]) - ref[1:2]).max() <= TOL
         assert np.abs(got - expected).max() <= TOL
         mixed = vectors(pipe, [TEXTS[0], clips[1], TEXTS[1], wav, TEXTS[2]])
         assert np.abs(mixed - np.stack([text_ref[0], ref[1], text_ref[1], file_ref[0], text_ref[2]])).max() <= TOL

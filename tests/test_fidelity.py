@@ -667,13 +667,20 @@ def test_composite_folders_are_refused_naming_what_is_missing(tmp_path):
     zoo.copy_wordpiece(blip)
     with pytest.raises(ValueError, match=r"BlipModel \(model_type 'blip'\), a composite model"):
         Pipeline(model=str(blip), num_render_workers=1)
-    colpali = tmp_path / "colpali"  # (a page retriever's config nests its VLM's: named, not "lacks hidden_size")
+    colqwen = tmp_path / "colqwen2"  # (a page retriever's config nests its VLM's: named, not "lacks hidden_size")
+    colqwen.mkdir()
+    (colqwen / "config.json").write_text(json.dumps({"model_type": "colqwen2", "architectures": ["ColQwen2ForRetrieval"],
+                                                     "vlm_config": {"model_type": "qwen2_vl"}, "embedding_dim": 128}))
+    zoo.copy_wordpiece(colqwen)
+    with pytest.raises(ValueError, match=r"ColQwen2ForRetrieval .* a composite model with vlm_config: .*other page "
+                                         r"retrievers such as ColQwen2.*not yet"):
+        Pipeline(model=str(colqwen), num_render_workers=1)
+    colpali = tmp_path / "colpali"  # (ColPali is read, and a folder without its processor named)
     colpali.mkdir()
     (colpali / "config.json").write_text(json.dumps({"model_type": "colpali", "architectures": ["ColPaliForRetrieval"],
                                                      "vlm_config": {"model_type": "paligemma"}, "embedding_dim": 128}))
     zoo.copy_wordpiece(colpali)
-    with pytest.raises(ValueError, match=r"ColPaliForRetrieval .* a composite model with vlm_config: .*ColPali-style "
-                                         r"page retrievers.*not yet"):
+    with pytest.raises(ValueError, match=r"a page retriever without an image processor config"):
         Pipeline(model=str(colpali), num_render_workers=1)
 
 

@@ -217,7 +217,7 @@ def test_unsupported_image_models_are_refused_at_start_up(clip_dir, tmp_path):
     shutil.copytree(clip_dir, vlm)
     config = json.loads((vlm / "config.json").read_text())
     (vlm / "config.json").write_text(json.dumps({**config, "model_type": "llava", "architectures": ["LlavaModel"]}))
-    with pytest.raises(ValueError, match="LlavaModel .*VLM embedders, ColPali"):
+    with pytest.raises(ValueError, match="LlavaModel .*VLM embedders, page retrievers other than ColPali"):
         load_model_spec(vlm)
     audio = tmp_path / "audio"
     shutil.copytree(clip_dir, audio)

@@ -15,12 +15,15 @@ QUERIES = ["what is a cat?", "the revenue page of the report", "a dog"]
 
 
 def pages() -> list:
+    """Three RGB pages, and an RGBA, a palette and a grey one (ColPaliProcessor converts each to RGB)."""
     from PIL import Image
 
     rng = np.random.default_rng(0)
-    return [Image.fromarray(rng.integers(0, 256, (40, 60, 3), dtype=np.uint8)),
-            Image.fromarray(rng.integers(0, 256, (100, 30, 3), dtype=np.uint8)),
-            Image.fromarray(np.linspace(0, 255, 64 * 64 * 3).astype(np.uint8).reshape(64, 64, 3))]
+    rgb = [Image.fromarray(rng.integers(0, 256, (40, 60, 3), dtype=np.uint8)),
+           Image.fromarray(rng.integers(0, 256, (100, 30, 3), dtype=np.uint8)),
+           Image.fromarray(np.linspace(0, 255, 64 * 64 * 3).astype(np.uint8).reshape(64, 64, 3))]
+    rgba = Image.fromarray(rng.integers(0, 256, (50, 50, 4), dtype=np.uint8), mode="RGBA")
+    return rgb + [rgba, rgb[0].convert("P"), rgb[1].convert("L")]
 
 
 def token_vectors(pipe, inputs, route=None) -> list[np.ndarray]:
@@ -103,12 +106,16 @@ def test_rerank_with_page_images_over_http_equals_st(tmp_path):
     path = build_colpali(tmp_path)
     st = MultiVectorEncoder(path, device="cpu")
     images = pages()
-    encoded = []
-    for image in images:
+    encoded, files = [], []
+    for k, image in enumerate(images):
         buffer = io.BytesIO()
         image.save(buffer, format="PNG")
         encoded.append(base64.b64encode(buffer.getvalue()).decode())
-    want = st.similarity(st.encode_query(QUERIES[:1]), st.encode_document(images)).numpy()[0]
+        files.append(str(tmp_path / f"page{k}.png"))
+        (tmp_path / f"page{k}.png").write_bytes(buffer.getvalue())
+    # (ST opens a file with load_image: an RGBA page's alpha dropped, where its processor composites a
+    # PIL image's on white -- so the reference is of the same files)
+    want = st.similarity(st.encode_query(QUERIES[:1]), st.encode_document(files)).numpy()[0]
     with started_server("--model", path, "--num-render-workers", "1") as srv:
         jina = [{"image": b} for b in encoded]
         vllm = {"content": [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b}"}} for b in encoded]}
@@ -144,12 +151,12 @@ def test_pipeline_run_embeds_a_folder_of_pages_as_token_vectors(tmp_path):
     images = pages()
     for k, image in enumerate(images):
         image.save(folder / f"p{k}.png")
-    want = MultiVectorEncoder(path, device="cpu").encode_document([str(folder / f"p{k}.png") for k in range(3)])
+    want = MultiVectorEncoder(path, device="cpu").encode_document([str(folder / f"p{k}.png") for k in range(len(images))])
     out = tmp_path / "out"
     assert main(["--quiet", "--model", path, "--input", str(folder), "--task", "token_embed", "--route", "document",
                  "--output", str(out)]) == 0
     ids, rows = load_results(out)
-    assert ids == [f"p{k}.png" for k in range(3)]
+    assert ids == [f"p{k}.png" for k in range(len(images))]
     for got, ref in zip(rows, want):
         assert got.shape == tuple(ref.shape) and np.abs(got - np.asarray(ref)).max() <= TOL
     assert main(["--quiet", "--model", path, "--input", str(folder), "--output", str(tmp_path / "o2")]) != 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import io
 import math
+import os
 
 import numpy as np
 
@@ -73,11 +74,13 @@ class AudioRenderer:
         from transformers.audio_utils import load_audio
 
         try:
-            return load_audio(source, sampling_rate=self.audio.sampling_rate)
+            samples = load_audio(source, sampling_rate=self.audio.sampling_rate)
         except ImportError as e:
             raise AudioError(f"{what} cannot be decoded here ({e}): {AUDIO_EXTRA_HINT}") from None
         except Exception as e:
             raise AudioError(f"{what} cannot be decoded: {type(e).__name__}: {e}") from None
+        self._check_length(len(samples), what)  # (a decoder may give more samples than the header said)
+        return samples
 
     def _check_header(self, clip: MediaData, what: str) -> None:
         """How many samples the file gives at the extractor's rate, read from its header before it
@@ -86,6 +89,8 @@ class AudioRenderer:
             import soundfile
         except ImportError:
             raise AudioError(f"{what} cannot be decoded here (no soundfile): {AUDIO_EXTRA_HINT}") from None
+        if clip.path is not None and not os.path.isfile(clip.path):
+            raise AudioError(f"{what} does not exist")
         try:
             if clip.path is not None:
                 info = soundfile.info(clip.path)
@@ -94,10 +99,9 @@ class AudioRenderer:
             else:  # a data URI or raw base64, as load_audio decodes it
                 uri = clip.uri
                 info = soundfile.info(io.BytesIO(base64.b64decode(uri.split(",", 1)[1] if uri.startswith("data:") else uri)))
-        except FileNotFoundError:
-            raise AudioError(f"{what} does not exist") from None
         except Exception as e:  # not audio, or a format libsndfile cannot read
-            raise AudioError(f"{what} cannot be decoded: {type(e).__name__}: {e}") from None
+            raise AudioError(f"{what} cannot be decoded: {type(e).__name__}: {e} (libsndfile reads WAV, FLAC, OGG and "
+                             "MP3; AAC and M4A, which ST decodes with torchcodec, are not supported here)") from None
         if info.frames <= 0 or info.samplerate <= 0:
             raise AudioError(f"{what} holds no samples")
         self._check_length(math.ceil(info.frames * self.audio.sampling_rate / info.samplerate), what)

@@ -43,6 +43,10 @@ class ImageOpener:
     file); `draft_side`: JPEGs decoded at a reduced DCT scale that still covers it (None: exact);
     `max_pixels`: the most pixels an image may have before it is decoded."""
 
+    # A torchvision processor decodes files itself where ST hands it paths (a dual encoder's call);
+    # False where ST opens them with transformers' load_image first (a *ForRetrieval model's path).
+    processor_decodes_files = True
+
     def __init__(self, processor, max_pixels: int, draft_side: int | None = None) -> None:
         from PIL import Image, ImageOps  # (a worker of a text model never imports PIL)
 
@@ -78,7 +82,7 @@ class ImageOpener:
                     raise ImageError(f"{what} is empty ({width}x{height})")
                 if self.draft and opened.format == "JPEG":
                     opened.draft("RGB", (self.draft_side, self.draft_side))  # (both sides stay >= the model's input)
-                elif self.backend != "pil":
+                elif self.backend != "pil" and self.processor_decodes_files:
                     opened.close()  # (read for its size only)
                     return self.processor.fetch_images(_as_load_image_source(image))
                 return self.upright_rgb(opened)
@@ -125,12 +129,18 @@ class ImageRenderer(ImageOpener):
     (PIL, or torchvision where it is installed, as in ST's own process) -- and its resize and crop
     to uint8 pixels of the model's one size."""
 
+    # Settings the model's processor passes its image processor on every call, whatever the saved
+    # config says (its class's `images_kwargs` defaults; none for CLIPProcessor / SiglipProcessor).
+    processor_call: dict = {}
+
     def __init__(self, spec: ModelSpec, draft: bool = False, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
         """`draft`: JPEGs decoded at a reduced DCT scale that still covers the model's input (opt-in);
         `max_pixels`: the most pixels an image may have before it is decoded (the caller's options)."""
         from transformers import AutoImageProcessor
 
         processor = AutoImageProcessor.from_pretrained(spec.path)
+        for key, value in self.processor_call.items():  # (what the model's processor passes on every call)
+            setattr(processor, key, value)
         size = processor.size  # (draft decoding never shrinks an image below what the resize needs)
         super().__init__(processor, max_pixels,
                          max(getattr(size, k) or 0 for k in ("shortest_edge", "height", "width")) if draft else None)

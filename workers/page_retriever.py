@@ -41,7 +41,13 @@ class QueryTexts:
 
 class PageImages(ImageRenderer):
     """A page retriever's images: resized by its image processor as for CLIP, with the processor's
-    image row as their ids."""
+    image row as their ids. As ST's retrieval path: a file, data URI or bytes is opened by
+    transformers' `load_image` (PIL) before the processor sees it, whatever its backend, and
+    ColPaliProcessor converts every image to RGB (its `images_kwargs`: do_convert_rgb=True, which
+    the saved image processor config may leave unset)."""
+
+    processor_decodes_files = False
+    processor_call = {"do_convert_rgb": True}
 
     def __init__(self, spec: ModelSpec, draft: bool = False, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
         from PIL import Image

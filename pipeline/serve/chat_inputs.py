@@ -54,7 +54,7 @@ def chat_prompt(messages: Any, spec, allowed_dir: str | None) -> object:
         raise HTTPError(400, f"`messages`[{media[0][0]}]: a {media[0][1]} part, but this model takes text only")
     conversation = []
     for i, message in enumerate(messages):
-        texts = [part["text"] for k, _, part in parts if k == i]
+        texts = [part.get("text") for k, _, part in parts if k == i]
         if not all(isinstance(t, str) for t in texts):
             raise HTTPError(400, f"`messages`[{i}]: a text part's 'text' must be a string")
         conversation.append({"role": message["role"], "content": "\n".join(texts)})

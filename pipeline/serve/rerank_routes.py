@@ -126,7 +126,8 @@ async def rerank_documents(request: Request) -> Response:
     model, usage = server.model_name(body.model), {"prompt_tokens": tokens, "total_tokens": tokens}
     if infinity:  # Infinity's ReRankResult; its return_documents defaults to false
         results = [{"relevance_score": scores[i].score, "index": i,
-                    "document": documents[i] if body.return_documents else None} for i in order]
+                    "document": (echoed[i]["text"] if echoed[i]["multi_modal"] is None else echoed[i]["multi_modal"])
+                    if body.return_documents else None} for i in order]
         return Response(encode_json({"object": "rerank", "results": results, "model": model, "usage": usage,
                                      "id": response_id("infinity"), "created": int(time.time())}))
     results = []

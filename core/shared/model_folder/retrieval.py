@@ -59,6 +59,9 @@ def retrieval_spec(st: STLayout) -> ModelSpec:
     config = read_json(path / "config.json")
     model_type = str(config.get("model_type"))
     mv = st.multi_vector
+    if st.max_seq_length is not None:  # (ST would cut a query's row there, its suffix tokens first)
+        raise ValueError(f"{path}: max_seq_length {st.max_seq_length} on a page retriever is not supported (its "
+                         "queries are rendered whole by the processor)")
     if any(st.prompts.values()):
         raise ValueError(f"{path}: prompts {st.prompts} on a page retriever are not supported (its processor "
                          "renders a query's own prefix)")
