@@ -66,7 +66,8 @@ class Pipeline:
                 2048 on CPU, 16384 on GPU)
             max_inflight=None
                 requests issued and not yet handed back, all calls together (default: 16 x max_num_seqs
-                per engine core, at most 1048576)
+                per engine core, at most 1048576; for a model whose rows carry images or audio, also at
+                most 128 MiB of their arrays)
             device='auto'
                 auto, cpu, cuda, cuda:N, or sim (the simulated accelerator)
             dtype='auto'

@@ -128,7 +128,8 @@ class PipelineOptions(msgspec.Struct, frozen=True, kw_only=True):
         "2048 on CPU, 16384 on GPU)")] = None
     max_inflight: Annotated[up_to(MAX_INFLIGHT) | None, described(
         "requests issued and not yet handed back, all calls together (default: 16 x max_num_seqs "
-        f"per engine core, at most {MAX_INFLIGHT})")] = None
+        f"per engine core, at most {MAX_INFLIGHT}; for a model whose rows carry images or audio, also at most "
+        "128 MiB of their arrays)")] = None
     device: Annotated[Device, described("auto, cpu, cuda, cuda:N, or sim (the simulated accelerator)")] = "auto"
     dtype: Annotated[Dtype, described("model dtype (float, fp32, half, fp16 and bf16 are aliases)")] = "auto"
     backend: Annotated[Backend, described(
