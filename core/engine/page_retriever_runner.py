@@ -6,7 +6,7 @@ model's `embeddings` (L2-normalised, padding zeroed) at the tokens ST's MultiVec
 (`heads.kept_tokens`: the attended tokens, less a skiplist, only `keep_only_token_ids` on
 documents). A row's vectors do not depend on what it is padded to (measured: 0.0 against ST
 batched and alone). Pixels arrive as the image processor's uint8 resize (workers/page_retriever.py)
-and are rescaled and normalized here, as for CLIP."""
+and are rescaled and normalized here in the processor's own arithmetic (bit for bit its float output)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class PageRetrieverRunner:
         scale = image.rescale_factor if image.do_rescale else 1.0
         mean = image.mean if image.do_normalize else [0.0] * image.channels
         std = image.std if image.do_normalize else [1.0] * image.channels
-        self.scale = torch.tensor(scale, dtype=torch.float32, device=device)
+        self.scale = torch.tensor(scale, dtype=torch.float64, device=device)  # (rescaled in float64, as the processor)
         self.mean = torch.tensor(mean, dtype=torch.float32, device=device).view(1, -1, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32, device=device).view(1, -1, 1, 1)
         self.backend_info: dict = {"backend": "torch", "model": f"page retriever ({spec.model_type}: texts and pages)"}
@@ -68,8 +68,11 @@ class PageRetrieverRunner:
         inputs = {"input_ids": to_device(ids, self.device), "attention_mask": to_device(real, self.device).long(),
                   "token_type_ids": torch.zeros(ids.shape, dtype=torch.long, device=self.device)}
         if (batch.modality == IMAGE).any():  # (the pages' pixels, in their rows' order)
-            pixels = to_device(batch.payloads["pixels"].data, self.device).float()
-            inputs["pixel_values"] = ((pixels * self.scale - self.mean) / self.std).to(self.dtype)
+            # transformers' PIL processor, step for step: x * rescale_factor in float64, then float32,
+            # then (x - mean) / std in float32 -- one ulp of a pixel moves a page's vectors by ~5e-6
+            pixels = to_device(batch.payloads["pixels"].data, self.device).double()
+            rescaled = (pixels * self.scale).float()
+            inputs["pixel_values"] = ((rescaled - self.mean) / self.std).to(self.dtype)
         vectors = self.model(**inputs).embeddings.float()
         if self.token_head is not None:
             vectors = self.token_head(vectors)
