@@ -176,10 +176,7 @@ class TokenVectorsHead(OutputHead):
         dimensions = batch.dimensions
 
         def finish(arrays: list[np.ndarray]) -> list[np.ndarray]:
-            values = arrays[0]
-            return [finish_embeddings(values[row][keep[row]], None if dimensions[row] < 0 else int(dimensions[row]),
-                                      bool(normalize[row]))
-                    for row in range(len(batch))]
+            return kept_token_vectors(arrays[0], keep, dimensions, normalize)
 
         return [vectors], finish
 
@@ -312,6 +309,14 @@ def multi_vector_parts(spec: ModelSpec, device: torch.device) -> tuple[SentenceH
     ids = [tokenizer.convert_tokens_to_ids(w) for w in mv.skiplist_words]
     ids = [i for w, i in zip(mv.skiplist_words, ids) if unk_id is None or i != unk_id or w == unk]
     return head, (np.asarray(ids, dtype=np.int64) if ids else None)
+
+
+def kept_token_vectors(values: np.ndarray, keep: np.ndarray, dimensions: np.ndarray,
+                       normalize: np.ndarray) -> list[np.ndarray]:
+    """Each row's vectors at its kept tokens, cut to its `dimensions` (< 0: all) and normalized as it asks."""
+    return [finish_embeddings(values[row][keep[row]], None if dimensions[row] < 0 else int(dimensions[row]),
+                              bool(normalize[row]))
+            for row in range(len(keep))]
 
 
 def kept_tokens(spec: ModelSpec, skip_ids: np.ndarray | None, ids: np.ndarray, real: np.ndarray,

@@ -17,13 +17,12 @@ import torch
 
 from pooling_pipeline.core.engine.columns import Requests, probe_batch
 from pooling_pipeline.core.engine.device_copies import finish_step, record_end, start_events, to_device, to_host, use_device
-from pooling_pipeline.core.engine.heads import kept_tokens, multi_vector_parts
+from pooling_pipeline.core.engine.heads import kept_token_vectors, kept_tokens, multi_vector_parts
 from pooling_pipeline.core.engine.step_cost import probe_step_cost
 from pooling_pipeline.core.engine.step_runner import PendingStep
 from pooling_pipeline.core.shared.config import ModelSpec
 from pooling_pipeline.core.shared.options import TASKS
 from pooling_pipeline.core.shared.schema import MODALITIES
-from pooling_pipeline.core.shared.vectors import finish_embeddings
 
 IMAGE = MODALITIES.index("image")
 
@@ -81,10 +80,7 @@ class PageRetrieverRunner:
         dimensions = batch.dimensions
 
         def finish(arrays: list[np.ndarray]) -> list[np.ndarray]:
-            values = arrays[0]
-            return [finish_embeddings(values[row][keep[row]], None if dimensions[row] < 0 else int(dimensions[row]),
-                                      bool(normalize[row]))
-                    for row in range(len(batch))]
+            return kept_token_vectors(arrays[0], keep, dimensions, normalize)
 
         host = [to_host(vectors)]
         record_end(end, self.device)
