@@ -23,41 +23,27 @@ Where the pipeline differs, it refuses or says so:
 from __future__ import annotations
 
 import os
-import re
-from urllib.parse import urlparse
 
 import numpy as np
 
 from pooling_pipeline.core.shared.messages import MediaData
-from pooling_pipeline.image_inputs import MIN_IMAGE_BYTES, is_pil_image
+from pooling_pipeline.image_inputs import (  # (ST's rules, shared with images)
+    BASE64_TEXT,
+    MIN_IMAGE_BYTES,
+    MODALITY_KEYS,
+    _is_tensor,
+    _looks_like_url,
+    is_media_string,
+    is_pil_image,
+)
 
 AUDIO_EXTENSIONS = (".mp3", ".wav", ".ogg", ".flac", ".aac")
-MODALITY_KEYS = frozenset({"text", "image", "audio", "video"})  # ST's multimodal dict keys
-BASE64_TEXT = re.compile(r"[A-Za-z0-9+/=\s]+")
-
-
-def _looks_like_url(text: str) -> bool:
-    return text.startswith(("http://", "https://")) and " " not in text
 
 
 def is_audio_string(text: str) -> bool:
     """ST's `is_audio_url_or_path` (a URL or existing file with an audio extension), and a
     `data:audio/` URI."""
-    if text.startswith("data:audio/"):
-        return True
-    if _looks_like_url(text):
-        try:
-            return urlparse(text).path.lower().endswith(AUDIO_EXTENSIONS)
-        except ValueError:
-            return False
-    return text.lower().endswith(AUDIO_EXTENSIONS) and os.path.isfile(text)
-
-
-def _is_tensor(value: object) -> bool:
-    import sys
-
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor)
+    return is_media_string(text, "audio", AUDIO_EXTENSIONS)
 
 
 def audio_input(prompt: object, index: int, spec) -> MediaData | None:

@@ -45,17 +45,23 @@ def _looks_like_url(text: str) -> bool:
     return text.startswith(("http://", "https://")) and " " not in text
 
 
-def is_image_string(text: str) -> bool:
-    """ST's `is_image_url_or_path`: a `data:image/` URI, or a URL or existing file with an image
-    extension."""
-    if text.startswith("data:image/"):
+def is_media_string(text: str, modality: str, extensions: tuple[str, ...]) -> bool:
+    """ST's `is_*_url_or_path` for a modality: a `data:<modality>/` URI, or a URL or an existing file
+    whose name ends in one of its extensions."""
+    if text.startswith(f"data:{modality}/"):
         return True
     if _looks_like_url(text):
         try:
-            return urlparse(text).path.lower().endswith(IMAGE_EXTENSIONS)
+            return urlparse(text).path.lower().endswith(extensions)
         except ValueError:
             return False
-    return text.lower().endswith(IMAGE_EXTENSIONS) and os.path.isfile(text)
+    return text.lower().endswith(extensions) and os.path.isfile(text)
+
+
+def is_image_string(text: str) -> bool:
+    """ST's `is_image_url_or_path`: a `data:image/` URI, or a URL or existing file with an image
+    extension."""
+    return is_media_string(text, "image", IMAGE_EXTENSIONS)
 
 
 def is_pil_image(value: object) -> bool:
