@@ -204,7 +204,7 @@ def _pixel_values(array: np.ndarray, index: int) -> np.ndarray:
     """The array in a dtype the worker takes, with the values ST's processor reads from it."""
     kind = array.dtype.kind
     if kind == "b":
-        return array.view(np.uint8)  # 0/1 (ST's processor reads them so: a near-black image)
+        return array  # (a PIL processor reads them as 0/1, a near-black image; the worker's processor decides)
     if kind == "O":  # numbers in objects: the processor reads their values (ints, floats, bools)
         values = np.array(array.tolist())
         if values.shape != array.shape or values.dtype.kind not in "biufc":

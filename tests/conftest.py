@@ -146,6 +146,17 @@ def images(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
+def image_backend(clip_dir) -> str:
+    """"pil" or "torchvision": the image processor transformers (and so ST, and the render workers)
+    picks in this environment -- torchvision's where it is installed."""
+    from transformers import AutoImageProcessor
+
+    from pooling_pipeline.workers.images import processor_backend
+
+    return processor_backend(AutoImageProcessor.from_pretrained(clip_dir))
+
+
+@pytest.fixture(scope="session")
 def mixed_texts() -> list[str]:
     """Real text of very different lengths, long documents (~50k-200k chars) included."""
     texts = corpus.sentences(120, seed=11) + corpus.medium_texts(40, seed=12)

@@ -11,6 +11,19 @@ from pathlib import Path
 import numpy as np
 
 
+# The test files that a torchvision image processor (what transformers, and so ST, picks where
+# torchvision is installed) does not decode to 8-bit RGB, with the pipeline's refusal of each: its
+# decoder reads no BMP or TIFF (ST fails on them too), and keeps a 16-bit PNG at 16 bits (the
+# pipeline's wire carries 8-bit pixels).
+TORCHVISION_REFUSES = {"picture.bmp": "cannot be decoded", "picture.tiff": "cannot be decoded",
+                       "grey16.png": "decodes to uint16 pixels"}
+
+
+def refused_here(backend: str) -> dict[str, str]:
+    """{file name: the pipeline's refusal} for the image processor backend of this environment."""
+    return TORCHVISION_REFUSES if backend == "torchvision" else {}
+
+
 def photo(width: int, height: int, seed: int = 0):
     """An RGB image with a photo's statistics: smooth gradients, blurred noise, shapes and text."""
     from PIL import Image, ImageDraw, ImageFilter

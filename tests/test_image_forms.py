@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -61,26 +62,38 @@ def test_arrays_that_are_not_3d_are_refused_as_st_refuses_them(clip_pipe, clip_s
         assert np.abs(out.embedding - reference).max() <= TOL
 
 
-def test_boolean_object_and_complex_arrays_are_read_as_st_reads_them(clip_pipe, clip_st, rgb):
+def test_boolean_object_and_complex_arrays_are_read_as_st_reads_them(clip_pipe, clip_st, rgb, image_backend):
     """ST's processor reads a boolean array as 0/1 (a near-black image), an object array's numbers,
     and a complex array's real part; a complex image, an object array of non-numbers and a
-    bfloat16 tensor (which ST cannot read) are refused naming the request."""
+    bfloat16 tensor (which ST cannot read) are refused naming the request. A torchvision processor
+    resizes an array in its own dtype, to values beyond 0..255 or between integers, which the
+    pipeline's 8-bit pixels cannot carry: those are refused, naming what they gave."""
     import torch
 
     accepted = {"bool": rgb > 128, "object": rgb.astype(object), "complex64": rgb.astype(np.complex64),
                 "bool tensor": torch.from_numpy(rgb > 128), "float16 of integers": rgb.astype(np.float16),
                 "object of bools": (rgb > 128).astype(object)}
-    got = vectors(clip_pipe, list(accepted.values()))
-    for k, (name, array) in enumerate(accepted.items()):
-        assert np.abs(got[k] - clip_st.encode([array])[0]).max() <= TOL, name
-    assert np.abs(got[0] - clip_st.encode([(rgb > 128).astype(np.uint8)])[0]).max() <= TOL  # 0/1 pixels
+    if image_backend == "torchvision":  # each equals ST's, or is refused naming the pixels it gave
+        outs = clip_pipe.embed(list(accepted.values()), use_tqdm=False, errors="return")
+        for k, (name, array) in enumerate(accepted.items()):
+            if outs[k].error is None:
+                assert np.abs(outs[k].embedding - clip_st.encode([array])[0]).max() <= TOL, name
+            else:
+                assert re.search(f"request {k}: .*an image array of dtype .* gives .* pixels", outs[k].error), name
+        assert "request 1" in outs[1].error and "int64 pixels from -" in outs[1].error  # (-31 to 265)
+    else:
+        got = vectors(clip_pipe, list(accepted.values()))
+        for k, (name, array) in enumerate(accepted.items()):
+            assert np.abs(got[k] - clip_st.encode([array])[0]).max() <= TOL, name
+        assert np.abs(got[0] - clip_st.encode([(rgb > 128).astype(np.uint8)])[0]).max() <= TOL  # 0/1 pixels
     with pytest.raises(ValueError, match="request 1: a complex array with non-zero imaginary parts"):
         clip_pipe.embed([rgb, rgb + 1j], use_tqdm=False)
     with pytest.raises(TypeError, match="request 1: an object array must hold numbers"):
         clip_pipe.embed([rgb, np.full((4, 4, 3), "x", dtype=object)], use_tqdm=False)
     bf16 = torch.from_numpy(rgb.copy()).to(torch.bfloat16)
-    with pytest.raises(TypeError, match="BFloat16"):
-        clip_st.encode([bf16])
+    if image_backend == "pil":  # (a torchvision processor reads it; numpy, and so the pipeline, cannot)
+        with pytest.raises(TypeError, match="BFloat16"):
+            clip_st.encode([bf16])
     with pytest.raises(TypeError, match=r"request 1: a torch.bfloat16 tensor cannot be read as an image.*\.float\(\)"):
         clip_pipe.embed([rgb, bf16], use_tqdm=False)
     outs = clip_pipe.embed([bf16, rgb], use_tqdm=False, errors="return")
@@ -202,7 +215,18 @@ def test_the_crop_window_is_pillows_resize_then_crop_bit_for_bit():
     assert checked >= 60
 
 
-def test_the_renderer_computes_a_sliver_as_the_processor_does(clip_dir):
+@pytest.fixture
+def pil_processors(monkeypatch):
+    """transformers' PIL image processors in this process, as where torchvision is not installed
+    (where it is, transformers picks its torchvision ones): the worker's Pillow shortcuts serve them."""
+    from transformers import AutoImageProcessor
+
+    loader = AutoImageProcessor.from_pretrained.__func__
+    monkeypatch.setattr(AutoImageProcessor, "from_pretrained",
+                        classmethod(lambda cls, *args, **kwargs: loader(cls, *args, **{"backend": "pil", **kwargs})))
+
+
+def test_the_renderer_computes_a_sliver_as_the_processor_does(clip_dir, pil_processors):
     """Through the worker's renderer: a sliver's pixels (a PIL image, an array, grey) equal the
     processor's own, and the shortcut is the one taken."""
     from PIL import Image
@@ -223,11 +247,12 @@ def test_the_renderer_computes_a_sliver_as_the_processor_does(clip_dir):
 
 
 @pytest.mark.slow
-def test_extreme_aspect_ratios_stay_in_bounded_memory_and_equal_st(clip_dir, clip_st, tmp_path):
+def test_extreme_aspect_ratios_stay_in_bounded_memory_and_equal_st(clip_dir, clip_st, tmp_path, image_backend):
     """A 10 x 50,000 PNG (1 kB on disk) took a worker to ~2.5 GB while the processor resized it to
     224 x 1,120,000 before its crop, and a 2 x 200,000 one asked for ~20 GB; now each costs the crop.
     The worker's peak RSS (VmHWM) is held to a bound; the vector equals ST's (for a 10 x 20,000 one,
-    whose whole resize the test can afford)."""
+    whose whole resize the test can afford). A torchvision processor, whose resize the crop window
+    does not reproduce, has each refused before its resize, naming why."""
     from PIL import Image
 
     from pooling_pipeline import Pipeline
@@ -242,11 +267,17 @@ def test_extreme_aspect_ratios_stay_in_bounded_memory_and_equal_st(clip_dir, cli
         image.save(files[(width, height)])
     with Pipeline(model=clip_dir, num_render_workers=1) as pipe:
         worker = pipe.pids["workers"][0]
-        vectors(pipe, [str(files[(10, 20_000)])])  # (the worker warm: its first image's imports)
+        photo(64, 48, seed=5).save(tmp_path / "warm.png")
+        vectors(pipe, [str(tmp_path / "warm.png")])  # (the worker warm: its first image's imports)
         before = peak_rss_mb(worker)
-        got = vectors(pipe, [str(path) for path in files.values()])
+        outs = pipe.embed([str(path) for path in files.values()], use_tqdm=False, errors="return")
         grown = peak_rss_mb(worker) - before
     assert grown < 150, f"the worker's peak RSS grew by {grown:.0f} MB"
+    if image_backend == "torchvision":
+        assert all("(an extreme aspect ratio)" in (out.error or "") for out in outs), [out.error for out in outs]
+        return
+    assert not any(out.error for out in outs), [out.error for out in outs]
+    got = np.stack([out.embedding for out in outs])
     assert np.isfinite(got).all()
     assert np.abs(got[2] - clip_st.encode([str(files[(10, 20_000)])])[0]).max() <= TOL
 
@@ -262,7 +293,7 @@ def peak_rss_mb(pid: int) -> float:
 # -- the image processor transformers picks: PIL, or torchvision where it is installed --------------
 
 
-def test_torchvision_installed_is_served_with_the_processor_transformers_picks(clip_dir, monkeypatch):
+def test_torchvision_installed_is_served_with_the_processor_transformers_picks(clip_dir, monkeypatch, pil_processors):
     """With torchvision installed, transformers (and so ST) picks its torchvision processor. The
     frontend no longer refuses that environment: it reads the processor's class from the model's
     files and leaves the backend to transformers; the worker runs whichever processor transformers
@@ -278,11 +309,11 @@ def test_torchvision_installed_is_served_with_the_processor_transformers_picks(c
     from pooling_pipeline.workers.crop_window import MAX_RESIZED_PIXELS
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "torchvision" else real_find_spec(name, *a))
-    spec = load_model_spec(clip_dir)  # (it used to be refused here)
+    with monkeypatch.context() as m:
+        m.setattr(importlib.util, "find_spec",
+                  lambda name, *a: object() if name == "torchvision" else real_find_spec(name, *a))
+        spec = load_model_spec(clip_dir)  # (it used to be refused here)
     assert spec.image.processor_class == "CLIPImageProcessor"
-    monkeypatch.undo()
 
     pil = images.ImageRenderer(spec)
     assert pil.backend == "pil" and pil.direct.usable and pil.window.usable

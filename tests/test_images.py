@@ -9,7 +9,7 @@ import base64
 
 import numpy as np
 import pytest
-from image_samples import build_broken_files
+from image_samples import build_broken_files, refused_here
 from model_zoo import build_clip, build_siglip
 
 TOL = 1e-5
@@ -33,22 +33,26 @@ def data_uri(path) -> str:
     return f"data:image/{kind};base64," + base64.b64encode(path.read_bytes()).decode()
 
 
-def test_every_image_file_in_every_form_equals_st(clip_pipe, clip_st, images):
+def test_every_image_file_in_every_form_equals_st(clip_pipe, clip_st, images, image_backend):
     """A path, a data URI, {"image": path}, {"image": bytes}: opened as transformers' load_image opens
-    them (EXIF rotation, RGB); a PIL image (opened lazily, or loaded) goes to the processor as it is."""
+    them (EXIF rotation, RGB) for a PIL processor, decoded by the processor itself for a torchvision
+    one (as ST hands it the path); a PIL image (opened lazily, or loaded) goes to the processor as it
+    is. A file this environment's processor does not decode to 8-bit RGB is refused, naming it."""
     from PIL import Image
 
-    paths = [str(p) for p in images.values()]
+    refused = refused_here(image_backend)
+    served = {name: path for name, path in images.items() if name not in refused}
+    paths = [str(p) for p in served.values()]
     by_path = clip_st.encode(paths)
-    opened = [Image.open(p) for p in paths]
-    by_pil = clip_st.encode([Image.open(p) for p in paths])
+    opened = [Image.open(p) for p in images.values()]
+    by_pil = clip_st.encode([Image.open(p) for p in images.values()])
     forms = {
         "path": (paths, by_path),
-        "data URI": ([data_uri(p) for p in images.values()], by_path),
+        "data URI": ([data_uri(p) for p in served.values()], by_path),
         "{'image': path}": ([{"image": p} for p in paths], by_path),
-        "{'image': bytes}": ([{"image": p.read_bytes()} for p in images.values()], by_path),
+        "{'image': bytes}": ([{"image": p.read_bytes()} for p in served.values()], by_path),
         "PIL (lazy)": (opened, by_pil),
-        "PIL (loaded)": ([im.copy() for im in (Image.open(p) for p in paths)], by_pil),
+        "PIL (loaded)": ([im.copy() for im in (Image.open(p) for p in images.values())], by_pil),
     }
     for form, (inputs, reference) in forms.items():
         got = vectors(clip_pipe, inputs)
@@ -57,7 +61,13 @@ def test_every_image_file_in_every_form_equals_st(clip_pipe, clip_st, images):
         assert worst.max() <= TOL, f"{form}: {dict(zip(images, worst.round(7)))}"
     # The forms differ where ST's do: a path's alpha is dropped, a PIL image's composited on white.
     alpha = list(images).index("alpha.png")
-    assert np.abs(by_path[alpha] - by_pil[alpha]).max() > 1e-3
+    assert np.abs(by_path[list(served).index("alpha.png")] - by_pil[alpha]).max() > 1e-3
+    for name, why in refused.items():  # each alone, the call around it served
+        outs = clip_pipe.embed([paths[0], str(images[name])], use_tqdm=False, errors="return")
+        assert outs[0].error is None and "request 1" in outs[1].error and why in outs[1].error, (name, outs[1].error)
+        if why == "cannot be decoded":
+            with pytest.raises(RuntimeError):  # (ST fails on it too)
+                clip_st.encode([str(images[name])])
 
 
 def test_files_open_as_load_image_opens_them(clip_dir, images):

@@ -68,7 +68,8 @@ def test_siglip2_images_of_any_shape_and_texts_equal_st(siglip2_dir, st, images,
         outs = pipe.embed([paths[0], gray, paths[0]], use_tqdm=False, errors="return")
         assert outs[0].error is None and outs[2].error is None
         assert "request 1" in outs[1].error and "does not convert images to RGB" in outs[1].error, outs[1].error
-        with pytest.raises(ValueError, match="mean must have 1 elements"):  # (what ST does with it)
+        # (what ST does with it: PIL's processor and torchvision's fail with their own words)
+        with pytest.raises((ValueError, RuntimeError), match="mean must have 1 elements|doesn't match the broadcast"):
             st.encode([gray])
         engine = pipe.stats()["engine"]
     assert engine["backend"] == "torch" and "NaFlex" in engine["model"], engine

@@ -175,8 +175,11 @@ class ImageRenderer(ImageOpener):
         except Exception as e:
             raise ImageError(f"the image processor cannot take this image: {type(e).__name__}: {e}") from None
         if out.dtype != np.uint8:  # (an array input of floats: rescaled by its caller, say)
-            raise ImageError(f"an image array of dtype {image.dtype} gives {out.dtype} pixels; pass uint8 values "
-                             "(or a PIL image)")
+            if image.values is None:  # (a 16-bit file, which torchvision decodes as it is)
+                raise ImageError(f"the image file decodes to {out.dtype} pixels here (torchvision's decoder keeps "
+                                 "16 bits); the pipeline carries 8-bit pixels: convert it to 8-bit RGB first")
+            raise ImageError(f"an image array of dtype {image.dtype} gives {out.dtype} pixels{_beyond_8_bits(out)}; "
+                             "pass uint8 values (or a PIL image)")
         return out[0]
 
     @staticmethod
@@ -188,6 +191,14 @@ class ImageRenderer(ImageOpener):
             raise ImageError(f"an image of {width}x{height} pixels would be resized to {new_width}x{new_height} "
                              f"before its crop, more than the {MAX_RESIZED_PIXELS} pixels a worker resizes at once "
                              "(an extreme aspect ratio); crop or pad it first")
+
+def _beyond_8_bits(pixels: np.ndarray) -> str:
+    """Why resized pixels of another dtype do not fit the wire's uint8 (a torchvision processor
+    resizes an array in its own dtype, neither rounding nor clamping, and ST rescales what it gives)."""
+    if pixels.dtype.kind not in "iu" or not pixels.size:
+        return ""
+    return f" from {pixels.min()} to {pixels.max()} (the processor's resize keeps the array's dtype)"
+
 
 def _as_load_image_source(image: MediaData) -> str:
     """The string transformers' loaders take for an image file: its path, its data URI or raw base64

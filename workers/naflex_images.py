@@ -33,7 +33,8 @@ class NaFlexImages(ImageOpener):
     def render(self, image: MediaData) -> tuple[int, dict[str, np.ndarray]]:
         """(its patches, {"patches": [n, 3 x patch x patch] float32, "spatial_shape": [1, 2] int64})."""
         opened = self.open(image)
-        mode = getattr(opened, "mode", "RGB")
+        # (a file a torchvision processor decoded itself is an RGB tensor; an array has no mode)
+        mode = opened.mode if isinstance(opened, self._image.Image) else "RGB"
         if mode != "RGB" and not getattr(self.processor, "do_convert_rgb", None):
             # (sentence-transformers hands it to the processor as it is, which fails on it)
             raise ImageError(f"a {mode} image: SigLIP2's image processor does not convert images to RGB (its "
