@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 
-
 # The test files that a torchvision image processor (what transformers, and so ST, picks where
 # torchvision is installed) does not decode to 8-bit RGB, with the pipeline's refusal of each: its
 # decoder reads no BMP or TIFF (ST fails on them too), and keeps a 16-bit PNG at 16 bits (the
