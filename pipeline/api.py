@@ -157,7 +157,7 @@ class Pipeline:
         # with several engine cores, twice all their windows.
         # (Derived defaults stay within the bounds the options declare: options.MAX_INFLIGHT, MAX_ENGINE_WINDOW.)
         self.max_inflight = opts.max_inflight or min(MAX_INFLIGHT, 16 * max_num_seqs * engines)
-        row_bytes = payload_bytes_per_row(family_of(spec).payloads(spec))
+        row_bytes = payload_bytes_per_row(family_of(spec).inflight_payloads(spec))
         if opts.max_inflight is None and row_bytes:
             # A model whose rows carry arrays (an image's pixels, a clip's features: 0.15-0.8 MB a row)
             # holds them in the engine while they wait: the bound by count that suits texts (16,384 on a

@@ -126,7 +126,12 @@ def _image_dict(prompt: dict, index: int) -> MediaData | None:
     if keys != {"image"}:
         raise ValueError(f"request {index}: a dict with {sorted(keys)} fuses modalities in one input, which a dual "
                          "encoder cannot encode (ST refuses it too): encode each separately")
-    value = prompt["image"]
+    return image_dict_input(prompt["image"], index)
+
+
+def image_dict_input(value: object, index: int) -> MediaData:
+    """What `{"image": value}` holds (a chat message's image part too): a path, bytes, a data URI,
+    base64 data, a PIL image or a 3-D array."""
     if isinstance(value, (bytes, bytearray, memoryview)):
         data = bytes(value)
         if not data:

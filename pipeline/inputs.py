@@ -294,7 +294,7 @@ class RequestSource:
         if text_prefix is not None and opts.long_inputs == "chunk" and "prompt" in fields:
             raise ValueError(f"request {index}: a prompt with long_inputs='chunk' is not supported "
                              "(a long document's chunks would not all carry it)")
-        if self.shared is not None and fields.keys().isdisjoint(("raw", "conversation", "media")):
+        if self.shared is not None and fields.keys().isdisjoint(("raw", "conversation", "media", "messages")):
             if "pair" in fields:
                 return PAIR, (fields["prompt"], fields["pair"])
             return (TEXT, fields["prompt"]) if "prompt" in fields else (IDS, fields["token_ids"])
@@ -305,7 +305,8 @@ class RequestSource:
             self._last_max_tokens = resolve_max_tokens(route_spec(self.spec, route), opts, self.num_special_tokens,
                                                        params, index)
             self._last_params, self._last_route = params, route
-        options = self._options(values, text_prefix if "prompt" in fields else None, self._last_max_tokens)
+        prompted = "prompt" in fields or family_of(self.spec).prompt_on_every_input
+        options = self._options(values, text_prefix if prompted else None, self._last_max_tokens)
         return ITEM, RenderParams(options=options, **fields)
 
     def _check_pair_request(self, index: int) -> None:
@@ -534,24 +535,42 @@ def media_reader(spec: ModelSpec):
     return None if target is None else _media_reader(target)
 
 
+def message_reader(spec: ModelSpec):
+    """What reads the caller's inputs of several parts for the model's family (`ModelFamily.message_input`):
+    fn(prompt, index, spec) -> a list of ChatTurn, or None for a prompt that is not one."""
+    target = family_of(spec).message_input
+    return None if target is None else _media_reader(target)
+
+
 def takes_media(spec: ModelSpec) -> bool:
     """The model takes images or audio: a numeric array is one input to it, and some strings are files."""
     return bool(family_of(spec).media_renderers)
 
 
-def parse_prompt(prompt: object, index: int, spec: ModelSpec) -> dict[str, Any]:
+def _family_input(prompt: object, index: int, spec: ModelSpec) -> dict[str, Any] | None:
+    """The prompt as the family's own input form -- chat messages with images, an image or an audio
+    clip -- decided before a text is, as ST decides a modality; None for any other prompt."""
+    messages = message_reader(spec)
+    if messages is not None:  # (a text and an image in one input, chat messages: before a single image)
+        turns = messages(prompt, index, spec)
+        if turns is not None:
+            return {"messages": turns}
     reader = media_reader(spec)
-    if reader is not None:  # (images or audio first, as ST decides a modality)
+    if reader is not None:
         media = reader(prompt, index, spec)
-    else:
-        media = None
-        if isinstance(prompt, dict) and set(prompt) in ({"image"}, {"audio"}, {"video"}):
-            kind = next(iter(prompt))
-            raise ValueError(f"request {index}: {'an' if kind[0] in 'aeiou' else 'a'} {kind} input, but model "
-                             f"{spec.path!r} takes text only")
-    if media is not None:
-        return {"media": media}
-    if reader is not None and isinstance(prompt, dict) and set(prompt) == {"text"}:
+        return None if media is None else {"media": media}
+    if isinstance(prompt, dict) and set(prompt) in ({"image"}, {"audio"}, {"video"}):
+        kind = next(iter(prompt))
+        raise ValueError(f"request {index}: {'an' if kind[0] in 'aeiou' else 'a'} {kind} input, but model "
+                         f"{spec.path!r} takes text only")
+    return None
+
+
+def parse_prompt(prompt: object, index: int, spec: ModelSpec) -> dict[str, Any]:
+    own = _family_input(prompt, index, spec)
+    if own is not None:
+        return own
+    if media_reader(spec) is not None and isinstance(prompt, dict) and set(prompt) == {"text"}:
         prompt = {"prompt": prompt["text"]}  # ST's {"text": ...}
     if isinstance(prompt, str):
         return {"prompt": check_text(prompt, index)}

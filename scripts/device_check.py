@@ -41,9 +41,11 @@ hard overall deadline (time a part leaves unused passes to the next one):
               (<= 1e-4), host and device ms per step for both;
 * dtype    -- float16 and bfloat16 against float32 through the pipeline on CUDA (min cosine >= 0.9999),
               float32 on CUDA against float32 on the CPU (max |diff| <= 1e-4), 300 real texts;
-* pages    -- a VLM: a ColPali page retriever with ColPali v1.3's input (448 px pages, 1,024 image tokens a page)
-              on small random towers, the pipeline against sentence-transformers' MultiVectorEncoder on the
-              device, float32 both: token vectors within 1e-4, pages/s of each (scripts/bench_pages.py);
+* pages    -- the VLMs: a ColPali page retriever with ColPali v1.3's input (448 px pages, 1,024 image tokens a
+              page) and a Qwen3-VL embedder with Qwen3-VL-Embedding's (dynamic resolution, up to 1,280 vision
+              tokens an image), each on small random towers, the pipeline against sentence-transformers on the
+              device, float32 both: vectors within 1e-4, images/s of each (scripts/bench_pages.py,
+              scripts/bench_vlm.py; the VLM row only where torchvision imports);
 * images   -- a CLIP ViT-B/32-sized dual encoder (random weights) and 100 web JPEGs: the pipeline against
               sentence-transformers in this environment (float32 on the CPU, the image processor
               transformers picks here, <= 1e-5), then scripts/loadtest.py --regime images in float16.
@@ -65,6 +67,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.metadata
+import importlib.util
 import json
 import os
 import shlex
@@ -110,11 +113,13 @@ QUICK_PARTS = ("env", "loadtest", "st", "replay", "profile")
 # pages    -- (added 2026-12-07, its 32 s taken from loadtest 15, dtype 7, images 10) building the benchmark
 #             ColPali (448 px pages, 1,024 image tokens, small towers) 12 s here, then scripts/bench_pages.py on
 #             CUDA, float32, both sides: a Pipeline and ST's MultiVectorEncoder, 16 pages and 16 JPEGs once each;
+#             (13 s more, from images, on 2026-12-07 for the Qwen3-VL embedder: its build, then scripts/bench_vlm.py
+#             on 8 pages and 8 JPEGs, where torchvision imports);
 # images   -- building CLIP-B/32 and 100 JPEGs 36 s here, the comparison with ST on the CPU 48 s, the load test
 #             28 s (simulated device, 8 workers on 2 cores); on 16 cores the build and the comparison take about
 #             half. The last part: it also gets whatever the parts before it left unused.
 DEFAULT_BUDGETS_S = {"env": 20.0, "loadtest": 75.0, "st": 40.0, "replay": 45.0, "profile": 45.0, "graphs": 28.0,
-                     "dtype": 45.0, "pages": 32.0, "images": 60.0}
+                     "dtype": 45.0, "pages": 45.0, "images": 47.0}
 # --quick: one load-test run (8 workers), the replay of the engine's path only, the BERT-base profile only.
 QUICK_BUDGETS_S = {"env": 20.0, "loadtest": 60.0, "st": 50.0, "replay": 40.0, "profile": 50.0}
 DEFAULT_MINUTES = 6.5
@@ -273,7 +278,7 @@ def parse_settings(text: str) -> list[str]:
 
 
 INTERNAL = ("env", "replay", "graphs", "profile", "st", "dtype", "build-model", "build-clip", "images-st",
-            "build-colpali")
+            "build-colpali", "build-vlm")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -367,7 +372,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     needs_json = ("env", "replay", "graphs", "profile", "st", "dtype", "images-st")
     if args.internal in needs_json and not args.json:
         ap.error(f"--internal {args.internal} needs --json")
-    if args.internal in ("build-model", "build-clip", "images-st", "build-colpali") and not args.model_dir:
+    if args.internal in ("build-model", "build-clip", "images-st", "build-colpali", "build-vlm") and not args.model_dir:
         ap.error(f"--internal {args.internal} needs --model-dir")
     if args.internal in ("build-clip", "images-st") and not args.image_folder:
         ap.error(f"--internal {args.internal} needs --image-folder")
@@ -513,7 +518,15 @@ def pages_part(args, out, scratch):
         rows_step(f"pages: ColPali against ST's MultiVectorEncoder, float32 on {device}, 16 pages and 16 JPEGs",
                   python("bench_pages.py", "--model", built, "--device", device, "--count", 16, "--repeats", 1,
                          "--json", out / "pages.json"), out / "pages.json")]
-    return steps, {"cleanup": [model]}
+    vlm = scratch / "vlm"
+    if importlib.util.find_spec("torchvision") is not None:  # (transformers 5 loads a Qwen-VL processor only with it)
+        steps += [
+            Step("pages: building the benchmark Qwen3-VL embedder (up to 1,280 vision tokens an image)",
+                 python("device_check.py", "--internal", "build-vlm", "--model-dir", vlm)),
+            rows_step(f"pages: a Qwen3-VL embedder against ST, float32 on {device}, 8 pages and 8 JPEGs",
+                      python("bench_vlm.py", "--model", vlm / "st", "--device", device, "--count", 8, "--repeats", 1,
+                             "--json", out / "vlm.json"), out / "vlm.json")]
+    return steps, {"cleanup": [model, vlm]}
 
 
 def images_part(args, out, scratch):
@@ -774,6 +787,10 @@ def run_internal(args: argparse.Namespace) -> int:
         import tiny_models
 
         print(tiny_models.build_colpali(Path(args.model_dir)))
+    elif args.internal == "build-vlm":
+        import vlm_models
+
+        print(vlm_models.build_qwen3vl_embedder(str(Path(args.model_dir) / "st"), sizes=vlm_models.BENCH_SIZES))
     return 0
 
 

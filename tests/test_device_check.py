@@ -163,14 +163,17 @@ def test_a_bad_argument_is_exit_2_naming_it(args, names):
 def test_every_command_of_the_plan_is_accepted_by_its_script(tmp_path):
     """A flag a script does not know would cost a GPU session its run: each step's arguments go through
     the parser of the script it calls (this one's with its checks)."""
+    import importlib.util
+
     import bench_pages
+    import bench_vlm
     import loadtest
 
     parts = dc.make_plan(dc.parse_args(["--workers", "1,8", "--cores", "16", "--seq-caps", "64,256"]), tmp_path / "out",
                          tmp_path / "scratch")
-    parsed = {"loadtest.py": [], "device_check.py": [], "bench_pages.py": []}
+    parsed = {"loadtest.py": [], "device_check.py": [], "bench_pages.py": [], "bench_vlm.py": []}
     parsers = {"loadtest.py": loadtest.build_parser().parse_args, "bench_pages.py": bench_pages.build_parser().parse_args,
-               "device_check.py": dc.parse_args}
+               "bench_vlm.py": bench_vlm.build_parser().parse_args, "device_check.py": dc.parse_args}
     for step in (s for p in parts for s in p.steps):
         script = step.argv[1].rsplit("/", 1)[-1]
         parsed[script].append(parsers[script](step.argv[2:]))
@@ -184,10 +187,15 @@ def test_every_command_of_the_plan_is_accepted_by_its_script(tmp_path):
     assert (images.regime, images.model, images.dtype, images.image_folder) == (
         "images", str(tmp_path / "scratch" / "clip-b32" / "st"), "float16", str(tmp_path / "scratch" / "images"))
     internals = [(a.internal, a.settings, a.length) for a in parsed["device_check.py"]]
+    # (the VLM embedder's row where torchvision imports: transformers 5 loads its processor only with it)
+    vlm = importlib.util.find_spec("torchvision") is not None
     assert internals == [("env", None, None), ("st", None, None), ("replay", ["graphs", "eager", "plain"], None),
                          ("replay", ["graphs", "plain"], None), ("profile", None, None), ("build-model", None, None),
                          ("profile", None, 512), ("graphs", None, None), ("dtype", None, None),
-                         ("build-colpali", None, None), ("build-clip", None, None), ("images-st", None, None)]
+                         ("build-colpali", None, None), *([("build-vlm", None, None)] if vlm else []),
+                         ("build-clip", None, None), ("images-st", None, None)]
+    assert [(a.device, a.model) for a in parsed["bench_vlm.py"]] == \
+        ([("cuda", str(tmp_path / "scratch" / "vlm" / "st"))] if vlm else [])
     assert all(a.json.startswith(str(tmp_path / "out")) for a in parsed["device_check.py"] if a.json)
     (replay_on,) = [s for p in parts for s in p.steps if "replay-cudnn-on" in str(s.output)]
     assert replay_on.env == {"POOLING_PIPELINE_CUDNN_SDPA": "1"}

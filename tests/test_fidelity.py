@@ -667,13 +667,21 @@ def test_composite_folders_are_refused_naming_what_is_missing(tmp_path):
     zoo.copy_wordpiece(blip)
     with pytest.raises(ValueError, match=r"BlipModel \(model_type 'blip'\), a composite model"):
         Pipeline(model=str(blip), num_render_workers=1)
-    colqwen = tmp_path / "colqwen2"  # (a page retriever's config nests its VLM's: named, not "lacks hidden_size")
+    colsmol = tmp_path / "colidefics3"  # (a page retriever's config nests its VLM's: named, not "lacks hidden_size")
+    colsmol.mkdir()
+    (colsmol / "config.json").write_text(json.dumps({"model_type": "colidefics3", "architectures": ["ColIdefics3"],
+                                                     "vlm_config": {"model_type": "idefics3"}, "embedding_dim": 128}))
+    zoo.copy_wordpiece(colsmol)
+    with pytest.raises(ValueError, match=r"ColIdefics3 .* a composite model with vlm_config: .*other page "
+                                         r"retrievers, multimodal rerankers and video models are not yet"):
+        Pipeline(model=str(colsmol), num_render_workers=1)
+    colqwen = tmp_path / "colqwen2"  # (ColQwen2 is read, and a folder without its processor named)
     colqwen.mkdir()
     (colqwen / "config.json").write_text(json.dumps({"model_type": "colqwen2", "architectures": ["ColQwen2ForRetrieval"],
-                                                     "vlm_config": {"model_type": "qwen2_vl"}, "embedding_dim": 128}))
+                                                     "vlm_config": {"model_type": "qwen2_vl", "image_token_id": 5},
+                                                     "embedding_dim": 128}))
     zoo.copy_wordpiece(colqwen)
-    with pytest.raises(ValueError, match=r"ColQwen2ForRetrieval .* a composite model with vlm_config: .*other page "
-                                         r"retrievers such as ColQwen2.*not yet"):
+    with pytest.raises(ValueError, match=r"colqwen2': a Qwen-VL model without an image processor config"):
         Pipeline(model=str(colqwen), num_render_workers=1)
     colpali = tmp_path / "colpali"  # (ColPali is read, and a folder without its processor named)
     colpali.mkdir()

@@ -227,14 +227,14 @@ def test_unsupported_image_models_are_refused_at_start_up(clip_dir, tmp_path):
     shutil.copytree(clip_dir, vlm)
     config = json.loads((vlm / "config.json").read_text())
     (vlm / "config.json").write_text(json.dumps({**config, "model_type": "llava", "architectures": ["LlavaModel"]}))
-    with pytest.raises(ValueError, match="LlavaModel .*VLM embedders, page retrievers other than ColPali"):
+    with pytest.raises(ValueError, match="LlavaModel .*than ColPali and ColQwen2, multimodal rerankers"):
         load_model_spec(vlm)
     audio = tmp_path / "audio"
     shutil.copytree(clip_dir, audio)
     cfg = json.loads((audio / "sentence_bert_config.json").read_text())
     cfg["modality_config"]["audio"] = {"method": "get_audio_features", "method_output_name": "pooler_output"}
     (audio / "sentence_bert_config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="modalities .*audio.*VLM embedders"):
+    with pytest.raises(ValueError, match="modalities .*audio.*multimodal rerankers"):
         load_model_spec(audio)
     with pytest.raises(ValueError, match="quantize='int8' is not supported for a dual encoder"):
         Pipeline(model=clip_dir, quantize="int8")

@@ -1,4 +1,4 @@
-"""A render worker's queries and pages for a page retriever (ColPali), as sentence-transformers 6's
+"""A render worker's queries and pages for a page retriever (ColPali; ColQwen2's pages: `QwenPages`), as sentence-transformers 6's
 MultiVectorEncoder hands them to the model's processor: every text through the processor's text
 path (a query: `<bos>`, the `query_prefix`, the text, ten augmentation tokens and a newline) -- a
 call's prompt goes in front of the text, as ST prepends it; every image through the image processor
@@ -13,7 +13,7 @@ import numpy as np
 from pooling_pipeline.core.shared.config import DEFAULT_MAX_IMAGE_PIXELS, ModelSpec
 from pooling_pipeline.core.shared.messages import MediaData
 from pooling_pipeline.core.shared.options import too_long
-from pooling_pipeline.workers.images import ImageRenderer
+from pooling_pipeline.workers.images import ImageError, ImageOpener, ImageRenderer
 
 
 def _processor(spec: ModelSpec):
@@ -25,8 +25,8 @@ def _processor(spec: ModelSpec):
 class QueryTexts:
     """A page retriever's texts: the processor's own text call, as ST makes it."""
 
-    def __init__(self, spec: ModelSpec) -> None:
-        self.spec, self.processor = spec, _processor(spec)
+    def __init__(self, spec: ModelSpec, draft: bool = False, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
+        self.spec, self.processor = spec, _processor(spec)  # (as every renderer, built with the image options)
 
     def render(self, text: str, max_tokens: int, long_inputs: str, truncate_left: bool) -> np.ndarray:
         out = self.processor(text=[text], text_kwargs={"padding": True, "truncation": "longest_first"},
@@ -65,3 +65,36 @@ class PageImages(ImageRenderer):
 
     def render(self, image: MediaData) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         return self.page_ids, {"pixels": self.pixels(image)[None]}
+
+
+class QwenPages(ImageOpener):
+    """A ColQwen2 page retriever's images: opened as ST's retrieval path opens them (a file, data URI
+    or bytes by transformers' `load_image`, PIL, RGB; an in-memory image as it is), then the
+    processor's image call: the visual prompt's ids (one image token per merged group of patches,
+    as many as its dynamic resolution gives), the float patches and the (t, h, w) grid."""
+
+    processor_decodes_files = False
+
+    def __init__(self, spec: ModelSpec, draft: bool = False, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
+        self.spec, self.call = spec, _processor(spec)
+        super().__init__(self.call.image_processor, max_pixels)
+        ids, payloads = self.render(MediaData(values=np.zeros(48 * 64 * 3, np.uint8), dtype="|u1", shape=[48, 64, 3]))
+        image = spec.image
+        if payloads["patches"].shape[1] != image.channels * image.patch_size ** 2 \
+                or int((ids == image.image_token_id).sum()) * image.merge_size ** 2 != len(payloads["patches"]):
+            raise ValueError(f"{spec.path}: the processor's page row does not hold one image token (id "
+                             f"{image.image_token_id}) per {image.merge_size ** 2} of its {len(payloads['patches'])} "
+                             "patches: this is a bug")
+
+    def render(self, image: MediaData) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        opened = self.open(image)
+        try:
+            out = self.call(images=[opened], return_tensors="pt")
+        except Exception as e:
+            raise ImageError(f"the processor cannot take this image: {type(e).__name__}: {e}") from None
+        grid = out["image_grid_thw"].numpy().astype(np.int64)
+        ids = out["input_ids"][0].numpy().astype(np.int64)
+        if len(ids) > self.spec.max_model_len:
+            raise ValueError(too_long("prompt", len(ids), True, self.spec.max_model_len))
+        patches = out["pixel_values"][0, :int(grid[0].prod())].numpy()  # (its own patches: the rest is padding)
+        return ids, {"patches": np.ascontiguousarray(patches, dtype=np.float32), "grid_thw": grid}

@@ -186,7 +186,8 @@ class Renderer:
         self.media = {modality: _build(target, spec, draft=image_draft, max_pixels=max_image_pixels)
                       for modality, target in family_of(spec).media_renderers.items()}
         own_texts = family_of(spec).text_renderer
-        self.own_texts = None if own_texts is None else _build(own_texts, spec)
+        self.own_texts = None if own_texts is None else _build(own_texts, spec, draft=image_draft,
+                                                               max_pixels=max_image_pixels)
 
     def render(self, batch: RenderBatch) -> tuple[EngineInputPacker, list[tuple[int, str]]]:
         """The batch's engine inputs in columns, and the requests that failed with why."""
@@ -233,6 +234,9 @@ class Renderer:
         """Texts through the family's own text renderer (the call's prompt in front), images and
         audio through its media renderers; other input forms are this model's refusal."""
         def text_ids(text: str, opts: RenderOptions) -> np.ndarray:
+            if getattr(self.own_texts, "takes_prompt", False):  # (a VLM's prompt: a system message)
+                return self.own_texts.render(text, opts.max_tokens, opts.long_inputs, opts.truncate_left,
+                                             prompt=opts.text_prefix)
             return self.own_texts.render((opts.text_prefix or "") + text, opts.max_tokens, opts.long_inputs,
                                          opts.truncate_left)
 
@@ -250,6 +254,8 @@ class Renderer:
             elif item.prompt is not None and item.pair is None:
                 self._add_each(rows, [index], [item.prompt], item.options, failed,
                                lambda text, opts=item.options: (text_ids(text, opts), {}))
+            elif item.messages is not None and hasattr(self.own_texts, "render_messages"):
+                self._render_messages(rows, index, item, failed)
             else:
                 failed.append((index, f"ValueError: model {self.spec.path!r} takes texts and images only (no token "
                                       "ids, pairs or conversations)"))
@@ -444,6 +450,18 @@ class Renderer:
             return
         rows.add(index, ids, opts, token_type_start=-1 if type_start is None else type_start, pool_start=pool_start)
 
+    def _render_messages(self, rows: EngineInputPacker, index: int, item: RenderParams,
+                         failed: list[tuple[int, str]]) -> None:
+        """Chat messages (or a text and an image in one input) through the family's text renderer:
+        an image row when any part is an image."""
+        try:
+            ids, payloads = self.own_texts.render_messages(item.messages, item.options.text_prefix, item.options.max_tokens)
+        except Exception as e:  # (a bad image, a template that refuses the messages: this request's error)
+            failed.append((index, f"{type(e).__name__}: {e}"))
+            return
+        modality = MODALITIES.index("image" if payloads else "text")
+        rows.add(index, ids, item.options, payloads=payloads, modality=modality)
+
     def _render_media(self, rows: EngineInputPacker, index: int, item: RenderParams,
                       failed: list[tuple[int, str]]) -> None:
         media = item.media
@@ -452,7 +470,9 @@ class Renderer:
             failed.append((index, f"ValueError: model {self.spec.path!r} takes no {media.modality} inputs"))
             return
         try:
-            tokens, payloads = renderer.render(media)
+            # (a renderer that takes the call's prompt renders it with the input: a VLM's system message)
+            tokens, payloads = renderer.render(media, prompt=item.options.text_prefix) \
+                if getattr(renderer, "takes_prompt", False) else renderer.render(media)
         except ValueError as e:  # a bad image or clip (ImageError, AudioError) is this request's error
             failed.append((index, f"ValueError: {e}"))
             return

@@ -31,13 +31,24 @@ class PageRetrieverRunner:
     """A StepRunner (core/engine/step_runner.py) for a ColPali page retriever (torch)."""
 
     def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> None:
-        from transformers import AutoConfig, ColPaliForRetrieval
+        from transformers import AutoConfig
 
         device = use_device(device)
         self.spec, self.device, self.dtype = spec, device, dtype
-        self.model = ColPaliForRetrieval.from_pretrained(spec.path, dtype=dtype).to(device).eval()
-        self.pad_id = int(AutoConfig.from_pretrained(spec.path).vlm_config.pad_token_id or 0)
+        self.model = self.model_class().from_pretrained(spec.path, dtype=dtype).to(device).eval()
+        vlm = AutoConfig.from_pretrained(spec.path).vlm_config
+        self.pad_id = int(getattr(getattr(vlm, "text_config", vlm), "pad_token_id", None) or vlm.pad_token_id or 0)
         self.token_head, self.skip_ids = multi_vector_parts(spec, device)
+        self._prepare_images(spec, device)
+        self.backend_info: dict = {"backend": "torch", "model": f"page retriever ({spec.model_type}: texts and pages)"}
+
+    @staticmethod
+    def model_class():
+        from transformers import ColPaliForRetrieval
+
+        return ColPaliForRetrieval
+
+    def _prepare_images(self, spec: ModelSpec, device: torch.device) -> None:
         image = spec.image
         scale = image.rescale_factor if image.do_rescale else 1.0
         mean = image.mean if image.do_normalize else [0.0] * image.channels
@@ -45,7 +56,6 @@ class PageRetrieverRunner:
         self.scale = torch.tensor(scale, dtype=torch.float64, device=device)  # (rescaled in float64, as the processor)
         self.mean = torch.tensor(mean, dtype=torch.float32, device=device).view(1, -1, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32, device=device).view(1, -1, 1, 1)
-        self.backend_info: dict = {"backend": "torch", "model": f"page retriever ({spec.model_type}: texts and pages)"}
 
     def step_cost(self, max_tokens: int) -> tuple[float, float]:
         token = min(1000, self.spec.vocab_size - 1)
@@ -64,15 +74,10 @@ class PageRetrieverRunner:
             raise ValueError(f"a page retriever gives token vectors only, not {sorted(tasks - {'token_embed', 'score'})}")
         begin, end = start_events(self.device)
         ids, real = batch.padded(self.pad_id)
-        inputs = {"input_ids": to_device(ids, self.device), "attention_mask": to_device(real, self.device).long(),
-                  "token_type_ids": torch.zeros(ids.shape, dtype=torch.long, device=self.device)}
+        inputs = {"input_ids": to_device(ids, self.device), "attention_mask": to_device(real, self.device).long()}
         if (batch.modality == IMAGE).any():  # (the pages' pixels, in their rows' order)
-            # transformers' PIL processor, step for step: x * rescale_factor in float64, then float32,
-            # then (x - mean) / std in float32 -- one ulp of a pixel moves a page's vectors by ~5e-6
-            pixels = to_device(batch.payloads["pixels"].data, self.device).double()
-            rescaled = (pixels * self.scale).float()
-            inputs["pixel_values"] = ((rescaled - self.mean) / self.std).to(self.dtype)
-        vectors = self.model(**inputs).embeddings.float()
+            inputs.update(self._image_inputs(batch))
+        vectors = self.model(**self._text_inputs(inputs, ids)).embeddings.float()
         if self.token_head is not None:
             vectors = self.token_head(vectors)
         keep = kept_tokens(self.spec, self.skip_ids, ids, real, batch)
@@ -86,5 +91,45 @@ class PageRetrieverRunner:
         record_end(end, self.device)
         return PendingStep(ids.size, host, finish, started, begin, end)
 
+    def _text_inputs(self, inputs: dict, ids: np.ndarray) -> dict:
+        """`token_type_ids` of zeros: what ST's processor hands PaliGemma (with none, it would attend causally)."""
+        return {**inputs, "token_type_ids": torch.zeros(ids.shape, dtype=torch.long, device=self.device)}
+
+    def _image_inputs(self, batch: Requests) -> dict:
+        # transformers' PIL processor, step for step: x * rescale_factor in float64, then float32,
+        # then (x - mean) / std in float32 -- one ulp of a pixel moves a page's vectors by ~5e-6
+        pixels = to_device(batch.payloads["pixels"].data, self.device).double()
+        rescaled = (pixels * self.scale).float()
+        return {"pixel_values": ((rescaled - self.mean) / self.std).to(self.dtype)}
+
     def finish(self, step: PendingStep) -> tuple[list, int, float]:
         return finish_step(step)
+
+
+class QwenPageRetrieverRunner(PageRetrieverRunner):
+    """ColQwen2 (transformers' `ColQwen2ForRetrieval`), as ST's MultiVectorEncoder runs it: a page's
+    row carries the processor's float patches (its dynamic resolution) and its (t, h, w) grid; the
+    pages of a step go to the model as its processor pads them ([pages, most patches, values], zeros
+    after each page's own), with their grids. The model places its tokens by a plain range of
+    positions (it calls its VLM with embeddings only), so right padding leaves each row as it is alone."""
+
+    @staticmethod
+    def model_class():
+        from transformers import ColQwen2ForRetrieval
+
+        return ColQwen2ForRetrieval
+
+    def _prepare_images(self, spec: ModelSpec, device: torch.device) -> None:
+        """Nothing: the patches arrive as the processor normalized them."""
+
+    def _text_inputs(self, inputs: dict, ids: np.ndarray) -> dict:
+        return inputs
+
+    def _image_inputs(self, batch: Requests) -> dict:
+        patches, grids = batch.payloads["patches"], batch.payloads["grid_thw"]
+        counts = patches.counts[patches.counts > 0]  # (one entry per page row, in the rows' order)
+        real = np.arange(int(counts.max()))[None, :] < counts[:, None]
+        values = np.zeros((len(counts), real.shape[1], patches.data.shape[1]), np.float32)
+        values[real] = patches.data  # (one masked assignment: no copy per page)
+        return {"pixel_values": to_device(values, self.device).to(self.dtype),
+                "image_grid_thw": to_device(np.array(grids.data), self.device)}

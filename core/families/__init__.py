@@ -17,6 +17,11 @@ of model is a new module here, its runner and renderer, and its tests:
   images (`workers/page_retriever.py`), one vector per token.
 - `naflex_dual_encoder.py`: SigLIP2 with its NaFlex processor; `naflex_runner.NaFlexRunner`; texts,
   and images of any aspect ratio (`workers/naflex_images.py`).
+- `qwen_page_retriever.py`: ColQwen2; `page_retriever_runner.QwenPageRetrieverRunner`; text queries
+  and page images of any size (`workers/page_retriever.py`), one vector per token.
+- `vlm_embedder.py`: Qwen3-VL-Embedding and others on Qwen2-VL / Qwen3-VL;
+  `vlm_embedder_runner.VlmEmbedderRunner`; texts and images of any size as chat messages
+  (`workers/vlm_messages.py`).
 
 The model folder reader (core/shared/model_folder/) names the family in `ModelSpec.input_module`.
 """
@@ -30,15 +35,18 @@ from pooling_pipeline.core.families.clap import ClapFamily
 from pooling_pipeline.core.families.dual_encoder import DualEncoderFamily
 from pooling_pipeline.core.families.naflex_dual_encoder import NaFlexDualEncoderFamily
 from pooling_pipeline.core.families.page_retriever import PageRetrieverFamily
+from pooling_pipeline.core.families.qwen_page_retriever import QwenPageRetrieverFamily
 from pooling_pipeline.core.families.static_embedding import StaticEmbeddingFamily
 from pooling_pipeline.core.families.transformer import TransformerFamily
+from pooling_pipeline.core.families.vlm_embedder import VlmEmbedderFamily
 
 if TYPE_CHECKING:
     from pooling_pipeline.core.shared.config import ModelSpec
 
 FAMILIES: dict[str, ModelFamily] = {family.name: family for family in
                                     (TransformerFamily(), StaticEmbeddingFamily(), DualEncoderFamily(),
-                                     NaFlexDualEncoderFamily(), ClapFamily(), PageRetrieverFamily())}
+                                     NaFlexDualEncoderFamily(), ClapFamily(), PageRetrieverFamily(),
+                                     VlmEmbedderFamily(), QwenPageRetrieverFamily())}
 
 
 def family_of(spec: ModelSpec) -> ModelFamily:

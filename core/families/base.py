@@ -27,9 +27,18 @@ class ModelFamily:
     # messages.MediaData, or None for a prompt that is not one (a text).
     media_input: str | None = None
     # A family whose texts its own processor renders (a page retriever's queries), "module:Class"
-    # under pooling_pipeline.workers, built with the spec; `render(text)` gives the ids. None: the
+    # under pooling_pipeline.workers, built as a media renderer is; `render(text)` gives the ids. None: the
     # render worker's tokenizer renders texts, with their options.
     text_renderer: str | None = None
+    # ... and what reads the caller's inputs of several parts in the frontend -- a text and an image
+    # in one input, chat messages with images -- "module:function" under pooling_pipeline:
+    # fn(prompt, index, spec) gives a list of messages.ChatTurn, or None for a prompt that is not
+    # one (read as a text or media input). Its render worker's text renderer renders them
+    # (`render_messages`). None: such inputs are not this family's.
+    message_input: str | None = None
+    # The call's prompt goes with every input, images included (a VLM embedder's system message),
+    # not with texts only.
+    prompt_on_every_input: bool = False
 
     def worker_imports(self) -> tuple[str, ...]:
         """What its media renderers import, kept importable in a render worker (which hides torch,
@@ -68,6 +77,11 @@ class ModelFamily:
         render workers make and the engine admits (a payload of another name, dtype, item shape or
         more items a row is refused, naming the request). None for a text model."""
         return {}
+
+    def inflight_payloads(self, spec: ModelSpec) -> dict[str, PayloadSpec]:
+        """The payloads a request in flight is counted at, where the caller bounds the requests in
+        flight by bytes (pipeline/api.py, MEDIA_INFLIGHT_BYTES): its `payloads`, at their most."""
+        return self.payloads(spec)
 
     def row_rules(self, spec: ModelSpec) -> tuple[RowRule, ...]:
         """The engine's rules for its rows beyond everyone's (core/engine/columns.py, `ROW_RULES`):

@@ -133,6 +133,10 @@ class ImageSpec(msgspec.Struct, kw_only=True):
     # no one size). 0 for a processor of one fixed size.
     max_patches: int = 0
     patch_size: int = 0
+    # A VLM embedder (Qwen2-VL, Qwen3-VL): patches merged merge_size x merge_size into one vision
+    # token, each an `image_token_id` in the row's ids (channels: 3 x the temporal patch).
+    merge_size: int = 1
+    image_token_id: int = -1
 
 
 class AudioSpec(msgspec.Struct, kw_only=True):
@@ -220,6 +224,8 @@ class ModelSpec(msgspec.Struct, kw_only=True):
     default_route: str | None = None  # the route of a request that names none (None: the model has one path)
     logit_score: LogitScoreSpec | None = None  # LLM rerankers (head "causal_lm"): task "score" only
     chat_pairs: ChatPairSpec | None = None  # pairs rendered through the chat template (else tokenizer pairs)
+    # processing_kwargs["chat_template"] of a model that renders every input as chat messages (a VLM embedder)
+    chat_template_kwargs: dict[str, bool | int | float | str | None] = {}
     # ST's Router resolution for text (route_mappings): a task's route, and the catch-all route of
     # any task ((None, "text") or (None, None)); a task naming a route takes it, as ST does.
     route_by_task: dict[str, str] = {}

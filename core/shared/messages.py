@@ -119,12 +119,35 @@ class MediaData(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=Tru
     nbytes: int = 0  # the size of what it holds (a file's size), for the frontend's in-flight budget
 
 
+class ChatPart(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True, gc=False):
+    """One part of a chat message's content: a `text`, or a `media` input (an image)."""
+
+    text: str | None = None
+    media: MediaData | None = None
+
+
+class ChatTurn(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True, gc=False):
+    """One chat message of a multimodal input (a model whose processor renders every input as chat
+    messages, a VLM embedder): its role, and its content as the caller gave it -- a plain string
+    (`content`, which ST hands the template as it is) or a list of `parts`."""
+
+    role: str
+    content: str | None = None
+    parts: list[ChatPart] | None = None
+
+    def size(self) -> int:
+        return len(self.content or "") + sum(len(p.text or "") + (p.media.nbytes if p.media else 0)
+                                             for p in self.parts or ())
+
+
 class RenderParams(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True, gc=False):
     """One request's raw input with its own options, before tokenization (the general path of a
     RenderBatch: per-request options, conversations, plugin data, images). Exactly one input form
     is set: `prompt` (with `pair` for a cross-encoder's document), `token_ids` (used verbatim),
-    `conversation` (rendered with the chat template), `raw` (the io_processor plugin's `render`)
-    or `media` (an image or audio clip of a model whose family takes it)."""
+    `conversation` (rendered with the chat template), `raw` (the io_processor plugin's `render`),
+    `media` (an image or audio clip of a model whose family takes it) or `messages` (chat messages
+    whose parts may be images, or a text and an image in one input, of a model whose family
+    renders such)."""
 
     options: RenderOptions
     prompt: str | None = None
@@ -133,11 +156,14 @@ class RenderParams(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=
     conversation: list[dict[str, str]] | None = None
     raw: Any = None
     media: MediaData | None = None
+    messages: list[ChatTurn] | None = None
 
     def size(self) -> int:
         """Roughly the characters (or token ids, or an image's bytes) it holds."""
         if self.media is not None:
             return max(self.media.nbytes, 1)
+        if self.messages is not None:
+            return max(sum(turn.size() for turn in self.messages), 1)
         size = len(self.prompt or "") + len(self.pair or "")
         if self.token_ids is not None:
             size += self.token_ids.size

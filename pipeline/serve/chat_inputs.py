@@ -5,9 +5,10 @@ embedding, its content a string or OpenAI's parts -- `{"type": "text", "text"}`,
 
 A dual encoder (CLIP, SigLIP) or CLAP embeds one text, one image or one clip: the conversation must
 hold exactly one such part (vLLM's pooling of these models takes the same), else a 400 naming what
-it holds. A text model takes the conversation through its chat template (the pipeline's
-conversations: each message's text parts joined by a newline, as vLLM joins them); an image or audio
-part there is a 400.
+it holds. A VLM embedder (Qwen3-VL-Embedding) takes the conversation as it is, texts and images,
+through its chat template, as vLLM does. A text model takes the conversation through its chat
+template (the pipeline's conversations: each message's text parts joined by a newline, as vLLM
+joins them); an image or audio part there is a 400.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def chat_prompt(messages: Any, spec, allowed_dir: str | None) -> object:
             raise HTTPError(400, f"`messages`[{i}]: a content part's type must be 'text', 'image_url', 'input_audio' "
                                  f"or 'audio_url', got {kind!r}")
     family = family_of(spec)
+    if family.message_input is not None:  # (a VLM embedder: the conversation as it is, its images read)
+        return _conversation(messages, family, allowed_dir)
     if family.media_renderers:
         return _single_input(parts, family, allowed_dir)
     media = [(i, part["type"]) for i, _, part in parts if part["type"] != "text"]
@@ -59,6 +62,24 @@ def chat_prompt(messages: Any, spec, allowed_dir: str | None) -> object:
             raise HTTPError(400, f"`messages`[{i}]: a text part's 'text' must be a string")
         conversation.append({"role": message["role"], "content": "\n".join(texts)})
     return conversation
+
+
+def _conversation(messages: list, family, allowed_dir: str | None) -> list[dict]:
+    """A model that renders chat messages (a VLM embedder) takes the conversation as it is: its
+    string contents, its text parts, and its image parts as the pipeline's image parts."""
+    conversation = []
+    for i, message in enumerate(messages):
+        content = message["content"]
+        if not isinstance(content, str):
+            content = [_message_part(part, f"`messages`[{i}]", i, family, allowed_dir) for part in content]
+        conversation.append({"role": message["role"], "content": content})
+    return conversation
+
+
+def _message_part(part: dict, where: str, index: int, family, allowed_dir: str | None) -> dict:
+    prompt = part_prompt(part, where, index, family, allowed_dir)  # ({"text": ...} or {"image": ...})
+    kind, value = next(iter(prompt.items()))
+    return {"type": kind, kind: value}
 
 
 def _single_input(parts: list, family, allowed_dir: str | None) -> object:

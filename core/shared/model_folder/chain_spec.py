@@ -23,6 +23,7 @@ from pooling_pipeline.core.shared.model_folder.transformer_config import (
     transformer_config,
     widths,
 )
+from pooling_pipeline.core.shared.model_folder.vlm_embedder import vlm_embedder_spec
 
 # Cross-encoder activations by ST's saved class path.
 SCORE_ACTIVATIONS = {"Sigmoid": "sigmoid", "Identity": "identity", "Softmax": "softmax", "Tanh": "tanh"}
@@ -34,6 +35,8 @@ def spec_of_layout(root: Path, st: STLayout, trust_remote_code: bool) -> ModelSp
         return _static_spec(st)
     if st.task == "retrieval":  # a ColPali page retriever (core/shared/model_folder/retrieval.py)
         return retrieval_spec(st)
+    if st.vlm_embedder:  # core/shared/model_folder/vlm_embedder.py
+        return vlm_embedder_spec(st)
     if st.dual_encoder:
         if adapter_files(st.transformer_dir):  # (ST would load it; the image tower's conversion has no merge)
             raise ValueError(f"{st.transformer_dir}: a PEFT adapter ({', '.join(adapter_files(st.transformer_dir))}) "

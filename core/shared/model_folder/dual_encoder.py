@@ -64,8 +64,9 @@ PROCESSOR_DEFAULTS = {
     "Siglip2ImageProcessor": {"max_num_patches": 256, "patch_size": 16, "image_mean": [0.5, 0.5, 0.5],
                               "image_std": [0.5, 0.5, 0.5]},
 }
-REFUSED = ("VLM embedders, page retrievers other than ColPali (ColQwen2), fused image+text inputs and video are not "
-           "supported; image and audio models supported: CLIP, SigLIP and SigLIP2 dual encoders, CLAP, ColPali")
+REFUSED = ("page retrievers other than ColPali and ColQwen2, multimodal rerankers, fused image+text inputs to a dual "
+           "encoder and video are not supported; image and audio models supported: CLIP, SigLIP and SigLIP2 dual "
+           "encoders, CLAP, ColPali, ColQwen2, Qwen2-VL / Qwen3-VL embedders")
 
 
 def check_dual_encoder_modalities(cfg: dict, where: Path) -> None:

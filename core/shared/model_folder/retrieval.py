@@ -16,9 +16,10 @@ from pathlib import Path
 from pooling_pipeline.core.shared.config import ImageSpec, ModelSpec, MultiVectorSpec, PoolingSpec
 from pooling_pipeline.core.shared.model_folder.st_files import read_json, read_optional_json
 from pooling_pipeline.core.shared.model_folder.st_layout import STLayout
+from pooling_pipeline.core.shared.model_folder.vlm_embedder import qwen_image_spec
 
 # Model types read here, and the image processor each one's processor takes.
-RETRIEVERS = {"colpali": ("SiglipImageProcessor",)}
+RETRIEVERS = {"colpali": ("SiglipImageProcessor",), "colqwen2": ("Qwen2VLImageProcessor",)}
 # What ST 6 saves (and derives) for these models' Transformer module.
 EXPECTED_MODALITIES = {"text": {"method": "forward", "method_output_name": "embeddings"},
                        "image": {"method": "forward", "method_output_name": "embeddings"}}
@@ -34,8 +35,8 @@ def read_retrieval_config(layout: STLayout, cfg: dict, where: Path) -> None:
     name = f"{where}/sentence_bert_config.json"
     if not is_retriever_folder(where):
         model_type = read_optional_json(where / "config.json").get("model_type")
-        raise ValueError(f"{name}: transformer_task 'retrieval' on model_type {model_type!r}: only ColPali "
-                         f"({', '.join(RETRIEVERS)}) page retrievers are supported")
+        raise ValueError(f"{name}: transformer_task 'retrieval' on model_type {model_type!r}: only ColPali and "
+                         f"ColQwen2 ({', '.join(RETRIEVERS)}) page retrievers are supported")
     modalities = cfg.get("modality_config") or EXPECTED_MODALITIES
     if {str(k): v for k, v in modalities.items()} != EXPECTED_MODALITIES:
         raise ValueError(f"{name}: modalities {modalities} are not supported for a page retriever "
@@ -68,6 +69,8 @@ def retrieval_spec(st: STLayout) -> ModelSpec:
     if mv.token_modules or st.normalize:
         raise ValueError(f"{path}: modules after a page retriever's Transformer other than its MultiVectorMask are "
                          "not supported")
+    if model_type == "colqwen2":
+        return _colqwen2_spec(st, config)
     vlm = config.get("vlm_config") or {}
     text, vision = vlm.get("text_config") or {}, vlm.get("vision_config") or {}
     saved = read_optional_json(path / "processor_config.json")
@@ -105,3 +108,23 @@ def retrieval_spec(st: STLayout) -> ModelSpec:
                         rescale_factor=float(image_processor.get("rescale_factor", 1 / 255)),
                         do_normalize=bool(image_processor.get("do_normalize", True)), mean=mean, std=std,
                         tokens=seq))
+
+
+def _colqwen2_spec(st: STLayout, config: dict) -> ModelSpec:
+    """ColQwen2: Qwen2-VL's text model and its dynamic-resolution image processor, the projection to
+    `embedding_dim` values a token."""
+    path, mv = st.transformer_dir, st.multi_vector
+    vlm = config.get("vlm_config") or {}
+    text, vision = vlm.get("text_config") or vlm, vlm.get("vision_config") or {}
+    if "image_token_id" not in vlm:
+        raise ValueError(f"{str(path)!r}: a ColQwen2 config without its VLM's image_token_id")
+    image = qwen_image_spec(path, vision, int(vlm["image_token_id"]), RETRIEVERS["colqwen2"])
+    positions = int(text.get("max_position_embeddings") or 32768)
+    width = int(config.get("embedding_dim", 128))
+    return ModelSpec(
+        path=str(path.resolve()), model_type="colqwen2", architectures=[str(a) for a in config.get("architectures") or []],
+        hidden_size=width, embedding_size=width, vocab_size=int(text.get("vocab_size") or vlm.get("vocab_size")),
+        max_model_len=positions, default_max_tokens=positions, pooling=PoolingSpec(modes=["cls"]),
+        normalize=False, do_lower_case=False, similarity="maxsim", prompts=st.prompts,
+        default_prompt_name=st.default_prompt_name, tasks=["token_embed", "score"], routes=["query", "document"],
+        default_route=None, multi_vector=mv, late_interaction=True, input_module="qwen_page_retriever", image=image)

@@ -124,8 +124,8 @@ def check_text_model(config: dict, model_type: str, path: Path) -> None:
         architectures = ", ".join(map(str, config.get("architectures") or [])) or "unknown architecture"
         raise ValueError(f"{str(path)!r} holds {architectures} (model_type {model_type!r}), a composite model "
                          f"with {', '.join(parts)}: only text models, the dual encoders CLIP, SigLIP and SigLIP 2, "
-                         "CLAP and ColPali are supported (VLM embedders, other page retrievers such as ColQwen2, "
-                         "multimodal rerankers and video models are not yet)")
+                         "CLAP, ColPali, ColQwen2 and Qwen2-VL / Qwen3-VL embedders are supported (other page "
+                         "retrievers, multimodal rerankers and video models are not yet)")
 
 
 def widths(config: dict, model_type: str, path: Path) -> tuple[int, int]:

@@ -12,6 +12,7 @@ from pooling_pipeline.core.shared.model_folder.multi_vector import read_multi_ve
 from pooling_pipeline.core.shared.model_folder.retrieval import is_retriever_folder, read_retrieval_config
 from pooling_pipeline.core.shared.model_folder.st_files import read_json, read_optional_json
 from pooling_pipeline.core.shared.model_folder.st_layout import STLayout
+from pooling_pipeline.core.shared.model_folder.vlm_embedder import is_vlm_embedder_folder, read_vlm_embedder_config
 
 # sentence_bert_config.json keys that do not change the output of a text model.
 _HARMLESS_TRANSFORMER_KEYS = {"max_seq_length", "do_lower_case", "transformer_task", "modality_config",
@@ -39,6 +40,10 @@ def read_transformer_config(layout: STLayout, where: Path, legacy_clip: bool = F
     layout.task = _transformer_task(cfg, where) or layout.task
     if layout.task == "retrieval" or (not cfg and is_retriever_folder(where)):  # a ColPali page retriever
         read_retrieval_config(layout, cfg, where)
+        return
+    if is_vlm_embedder_folder(where):  # a VLM embedder (Qwen2-VL, Qwen3-VL): every input chat messages
+        template_kwargs, _ = _chat_template_kwargs(cfg.get("processing_kwargs") or {}, f"{where}/sentence_bert_config.json")
+        read_vlm_embedder_config(layout, cfg, where, template_kwargs)
         return
     if layout.task == "text-generation":  # an LLM reranker: its own modalities and chat-template kwargs
         _read_causal_lm_config(layout, cfg, where)
