@@ -284,7 +284,9 @@ class RequestSource:
         opts = self.opts
         if opts.pairs:
             query, document = prompt
-            fields = {"prompt": check_text(query, index, "query"), "pair": check_text(document, index, "document")}
+            pairs = pair_reader(self.spec)
+            fields = {"prompt": check_text(query, index, "query"), "pair": check_text(document, index, "document")} \
+                if pairs is None else {"messages": pairs(query, document, index, self.spec)}
         elif opts.plugin:
             fields = {"raw": _check_raw(prompt, index)}
         else:
@@ -539,6 +541,13 @@ def message_reader(spec: ModelSpec):
     """What reads the caller's inputs of several parts for the model's family (`ModelFamily.message_input`):
     fn(prompt, index, spec) -> a list of ChatTurn, or None for a prompt that is not one."""
     target = family_of(spec).message_input
+    return None if target is None else _media_reader(target)
+
+
+def pair_reader(spec: ModelSpec):
+    """What reads a pair whose sides may be images for the model's family (`ModelFamily.pair_input`):
+    fn(query, document, index, spec) -> a list of ChatTurn; None where a pair is two texts."""
+    target = family_of(spec).pair_input
     return None if target is None else _media_reader(target)
 
 

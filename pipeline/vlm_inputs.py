@@ -5,13 +5,14 @@ dict's own key order; a dict with "role" and "content" is one chat message, and 
 dicts a conversation, handed to the template as they are (a plain string content stays a string).
 Each image (a part {"type": "image", "image": x}, or a dict's "image") is read as any image input
 (`image_inputs`: a path, data URI, base64, bytes, PIL image or array); the render worker opens it.
-Video and audio parts are refused naming the request, as is any other part."""
+Video and audio parts are refused naming the request, as is any other part. A multimodal
+reranker's (query, document) pair is two such messages, with roles "query" and "document"."""
 
 from __future__ import annotations
 
 from pooling_pipeline.core.families.vlm_embedder import MAX_IMAGES_PER_INPUT
 from pooling_pipeline.core.shared.messages import ChatPart, ChatTurn
-from pooling_pipeline.image_inputs import MODALITY_KEYS, image_dict_input
+from pooling_pipeline.image_inputs import MODALITY_KEYS, image_dict_input, image_input
 from pooling_pipeline.inputs import check_text
 
 
@@ -64,3 +65,24 @@ def _counted(turns: list[ChatTurn], index: int) -> list[ChatTurn]:
         raise ValueError(f"request {index}: {images} images in one input, more than the {MAX_IMAGES_PER_INPUT} one "
                          "input may hold")
     return turns
+
+
+def pair_input(query: object, document: object, index: int, spec=None) -> list[ChatTurn]:
+    """A (query, document) pair as ST's CrossEncoder renders it for a model with a chat template: a
+    message with role "query", then one with role "document", each holding its side's parts -- a
+    text, an image (a path or data URI of an image, a PIL image, an array, `{"image": ...}`), or a
+    `{"text", "image"}` dict's parts in its key order."""
+    turns = [ChatTurn(role=role, parts=_side(side, role, index)) for role, side in (("query", query), ("document", document))]
+    return _counted(turns, index)
+
+
+def _side(value: object, role: str, index: int) -> list[ChatPart]:
+    if isinstance(value, dict) and value and set(value) <= MODALITY_KEYS:
+        if set(value) - {"text", "image"}:
+            raise ValueError(f"request {index}: the {role}'s {sorted(set(value) - {'text', 'image'})} inputs; this "
+                             "model takes texts and images only")
+        return [_part({"type": key, key: value[key]}, 0, index) for key in value]
+    image = image_input(value, index)
+    if image is not None:
+        return [ChatPart(media=image)]
+    return [ChatPart(text=check_text(value, index, role))]

@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--device", default="cpu", help="cpu or cuda: both sides run there (default: cpu)")
     ap.add_argument("--json", default=None, help="write the figures as scripts/device_check.py's rows here")
+    ap.add_argument("--max-inflight", type=int, default=None, help="the Pipeline's max_inflight (default: its own)")
+    ap.add_argument("--sets", default="pages,web", help="which image sets, of pages,web")
     return ap
 
 
@@ -124,10 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     max_diff = MAX_ABS_DIFF if args.device == "cpu" else 1e-4
     work = Path(tempfile.mkdtemp(prefix="bench-vlm-"))
     model = args.model or build_model(work)
-    sets = {"pages": build_pages(work / "pages", args.count), "web": build_image_set(work / "web", "web", args.count)}
+    builders = {"pages": lambda: build_pages(work / "pages", args.count),
+                "web": lambda: build_image_set(work / "web", "web", args.count)}
+    sets = {kind: builders[kind]() for kind in args.sets.split(",")}
     rows, failed = [], False
     figures = []
-    with Pipeline(model=model, dtype="float32", device=args.device, num_render_workers=args.workers) as pipe:
+    with Pipeline(model=model, dtype="float32", device=args.device, num_render_workers=args.workers,
+                  max_inflight=args.max_inflight) as pipe:
         info = pipe.stats()["engine"]
         st = STChild(model, int(info.get("torch_threads") or 1), work, args.device)
         try:

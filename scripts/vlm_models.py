@@ -419,3 +419,127 @@ def build_colqwen2(folder: str, seed: int = 0, keep_only_image_tokens: bool = Fa
             shutil.rmtree(folder)
         mve.save(folder)
     return folder
+
+
+# A multimodal yes/no reranker (Qwen3-VL-Reranker's layout) on the tiny Qwen2-VL.
+SYSTEM_JUDGE = (
+    'Judge whether the Document meets the requirements based on the Query and the Instruct provided. '
+    'Note that the answer can only be "yes" or "no".'
+)
+DEFAULT_INSTRUCT = "Given a search query, retrieve relevant candidates that answer the query."
+
+# Qwen3-VL-Reranker layout (as in its vLLM score template), but "structured" (content = list of parts) so
+# images/videos inside the query or the document become <|vision_start|><|image_pad|><|vision_end|>.
+# A "system" message (ST's prompt / instruction, prepended by ST) replaces the default <Instruct>.
+RERANKER_CHAT_TEMPLATE = (
+    "{%- macro render(content) -%}"
+    "{%- if content is string -%}{{ content }}"
+    "{%- else -%}{%- for part in content -%}"
+    "{%- if part['type'] == 'image' or 'image' in part or 'image_url' in part -%}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif part['type'] == 'video' or 'video' in part -%}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{%- elif 'text' in part -%}{{ part['text'] }}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- set ns = namespace(instruct='" + DEFAULT_INSTRUCT + "', query='', document='') -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}{%- set ns.instruct = render(message['content']) -%}"
+    "{%- elif message['role'] == 'query' -%}{%- set ns.query = ns.query + render(message['content']) -%}"
+    "{%- elif message['role'] == 'document' -%}{%- set ns.document = ns.document + render(message['content']) -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "<|im_start|>system\n" + SYSTEM_JUDGE + "<|im_end|>\n"
+    "<|im_start|>user\n<Instruct>: {{ ns.instruct }}<Query>:{{ ns.query }}\n<Document>:{{ ns.document }}<|im_end|>\n"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_qwen2vl_reranker(folder: str, seed: int = 0) -> str:
+    """Build the tiny reranker in `folder` (ST 6.3 CrossEncoder layout). Returns `folder`."""
+    import transformers
+    from sentence_transformers import CrossEncoder
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.cross_encoder.modules import LogitScore
+    from transformers import (
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    torch.manual_seed(seed)
+    tokenizer, ids = build_tokenizer()
+    # "yes" / "no" must be single tokens: add them to the BPE vocab (plain, non-special tokens).
+    for word in ("yes", "no"):
+        if len(tokenizer.encode(word, add_special_tokens=False)) != 1:
+            tokenizer.add_tokens([word])
+    yes_id = tokenizer.convert_tokens_to_ids("yes")
+    no_id = tokenizer.convert_tokens_to_ids("no")
+    assert tokenizer.encode("yes", add_special_tokens=False) == [yes_id]
+    assert tokenizer.encode("no", add_special_tokens=False) == [no_id]
+    vocab_size = len(tokenizer)
+    patch, merge, tpatch = 4, 2, 2
+    hidden, heads = 64, 4  # head_dim 16 -> rotary half 8 = sum(mrope_section)
+    config = Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=heads,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+            tie_word_embeddings=False,
+        ),
+        vision_config=dict(
+            depth=2, embed_dim=32, hidden_size=hidden, mlp_ratio=2, num_heads=2, in_channels=3,
+            patch_size=patch, spatial_merge_size=merge, temporal_patch_size=tpatch,
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    # Random lm_head rows for yes/no give logit gaps of ~0.1: widen them so scores are well spread.
+    with torch.no_grad():
+        model.lm_head.weight[yes_id] *= 8
+        model.lm_head.weight[no_id] *= 8
+
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**_tiny_image_kwargs(patch, merge, tpatch)),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(**_tiny_image_kwargs(patch, merge, tpatch)),
+        chat_template=RERANKER_CHAT_TEMPLATE,
+    )
+
+    transformers.logging.set_verbosity_error()
+    with tempfile.TemporaryDirectory(prefix="tiny_qwen2vl_rerank_hf_") as hf_dir:
+        model.save_pretrained(hf_dir)
+        processor.save_pretrained(hf_dir)
+        transformer = Transformer(
+            hf_dir,
+            transformer_task="any-to-any",
+            # The template prefills "<|im_start|>assistant\n" only with add_generation_prompt: ST passes
+            # chat_template kwargs verbatim to apply_chat_template and sets none by default.
+            processing_kwargs={"chat_template": {"add_generation_prompt": True}},
+            unpad_inputs=False,
+            model_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"},
+        )
+        logit_score = LogitScore(true_token_id=yes_id, false_token_id=no_id)
+        ce = CrossEncoder(
+            modules=[transformer, logit_score],
+            device="cpu",
+            prompts={"web_search": "Given a web search query, retrieve relevant passages that answer the query"},
+        )
+        if os.path.isdir(folder):
+            shutil.rmtree(folder)
+        ce.save(folder)
+    return folder

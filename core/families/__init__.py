@@ -19,6 +19,8 @@ of model is a new module here, its runner and renderer, and its tests:
   and images of any aspect ratio (`workers/naflex_images.py`).
 - `qwen_page_retriever.py`: ColQwen2; `page_retriever_runner.QwenPageRetrieverRunner`; text queries
   and page images of any size (`workers/page_retriever.py`), one vector per token.
+- `vlm_reranker.py`: Qwen3-VL-Reranker's kind; `vlm_reranker_runner.VlmRerankerRunner`; (query,
+  document) pairs of texts and images as chat messages (`workers/vlm_messages.py`), LogitScore.
 - `vlm_embedder.py`: Qwen3-VL-Embedding and others on Qwen2-VL / Qwen3-VL;
   `vlm_embedder_runner.VlmEmbedderRunner`; texts and images of any size as chat messages
   (`workers/vlm_messages.py`).
@@ -39,6 +41,7 @@ from pooling_pipeline.core.families.qwen_page_retriever import QwenPageRetriever
 from pooling_pipeline.core.families.static_embedding import StaticEmbeddingFamily
 from pooling_pipeline.core.families.transformer import TransformerFamily
 from pooling_pipeline.core.families.vlm_embedder import VlmEmbedderFamily
+from pooling_pipeline.core.families.vlm_reranker import VlmRerankerFamily
 
 if TYPE_CHECKING:
     from pooling_pipeline.core.shared.config import ModelSpec
@@ -46,7 +49,7 @@ if TYPE_CHECKING:
 FAMILIES: dict[str, ModelFamily] = {family.name: family for family in
                                     (TransformerFamily(), StaticEmbeddingFamily(), DualEncoderFamily(),
                                      NaFlexDualEncoderFamily(), ClapFamily(), PageRetrieverFamily(),
-                                     VlmEmbedderFamily(), QwenPageRetrieverFamily())}
+                                     VlmEmbedderFamily(), QwenPageRetrieverFamily(), VlmRerankerFamily())}
 
 
 def family_of(spec: ModelSpec) -> ModelFamily:

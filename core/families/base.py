@@ -36,6 +36,9 @@ class ModelFamily:
     # one (read as a text or media input). Its render worker's text renderer renders them
     # (`render_messages`). None: such inputs are not this family's.
     message_input: str | None = None
+    # ... and what reads a cross-encoder's (query, document) pair whose sides may be images, the
+    # same way: fn(query, document, index, spec) gives the pair's ChatTurns. None: a pair is two texts.
+    pair_input: str | None = None
     # The call's prompt goes with every input, images included (a VLM embedder's system message),
     # not with texts only.
     prompt_on_every_input: bool = False

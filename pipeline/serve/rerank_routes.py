@@ -428,7 +428,7 @@ def _documents(values: Any, field: str, request: Request) -> tuple[list, list[di
     prompt of each -- a string for a text --, and the document as the response echoes it.)"""
     spec = request.server.spec
     family = family_of(spec)
-    if not family.media_renderers:
+    if not family.media_renderers and family.pair_input is None:  # (a multimodal reranker's documents may be images)
         texts = _texts(values, field)
         return texts, [{"text": t, "multi_modal": None} for t in texts]
     allowed = request.server.settings.allowed_local_media_path

@@ -11,7 +11,7 @@ from pooling_pipeline.core.shared.model_folder.dual_encoder import dual_encoder_
 from pooling_pipeline.core.shared.model_folder.multi_vector import with_multi_vector
 from pooling_pipeline.core.shared.model_folder.peft_adapter import adapter_files, read_adapter
 from pooling_pipeline.core.shared.model_folder.retrieval import retrieval_spec
-from pooling_pipeline.core.shared.model_folder.st_files import dense_chain_width
+from pooling_pipeline.core.shared.model_folder.st_files import dense_chain_width, read_json
 from pooling_pipeline.core.shared.model_folder.st_layout import STLayout
 from pooling_pipeline.core.shared.model_folder.static_embedding import STATIC_MAX_TOKENS, static_folder_facts
 from pooling_pipeline.core.shared.model_folder.transformer_config import (
@@ -23,7 +23,7 @@ from pooling_pipeline.core.shared.model_folder.transformer_config import (
     transformer_config,
     widths,
 )
-from pooling_pipeline.core.shared.model_folder.vlm_embedder import vlm_embedder_spec
+from pooling_pipeline.core.shared.model_folder.vlm_embedder import vlm_embedder_spec, vlm_reranker_spec
 
 # Cross-encoder activations by ST's saved class path.
 SCORE_ACTIVATIONS = {"Sigmoid": "sigmoid", "Identity": "identity", "Softmax": "softmax", "Tanh": "tanh"}
@@ -37,6 +37,9 @@ def spec_of_layout(root: Path, st: STLayout, trust_remote_code: bool) -> ModelSp
         return retrieval_spec(st)
     if st.vlm_embedder:  # core/shared/model_folder/vlm_embedder.py
         return vlm_embedder_spec(st)
+    if st.vlm_reranker:
+        config = read_json(st.transformer_dir / "config.json")
+        return vlm_reranker_spec(st, _score_activation(st.score_activation, config, 1, trust_remote_code))
     if st.dual_encoder:
         if adapter_files(st.transformer_dir):  # (ST would load it; the image tower's conversion has no merge)
             raise ValueError(f"{st.transformer_dir}: a PEFT adapter ({', '.join(adapter_files(st.transformer_dir))}) "

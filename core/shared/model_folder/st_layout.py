@@ -35,4 +35,5 @@ class STLayout:
     static_dir: Path | None = None  # the first module is a StaticEmbedding (model2vec): its folder
     dual_encoder: bool = False  # the Transformer is a dual encoder (CLIP, SigLIP): texts and images
     vlm_embedder: bool = False  # the Transformer is a VLM embedder (Qwen2-VL, Qwen3-VL): chat messages
+    vlm_reranker: bool = False  # ... or a multimodal reranker's generative VLM (transformer_task any-to-any)
     chat_template_kwargs: dict = field(default_factory=dict)  # its processing_kwargs["chat_template"]

@@ -41,7 +41,7 @@ def read_transformer_config(layout: STLayout, where: Path, legacy_clip: bool = F
     if layout.task == "retrieval" or (not cfg and is_retriever_folder(where)):  # a ColPali page retriever
         read_retrieval_config(layout, cfg, where)
         return
-    if is_vlm_embedder_folder(where):  # a VLM embedder (Qwen2-VL, Qwen3-VL): every input chat messages
+    if is_vlm_embedder_folder(where):  # Qwen2-VL, Qwen3-VL: every input chat messages (an embedder, a reranker)
         template_kwargs, _ = _chat_template_kwargs(cfg.get("processing_kwargs") or {}, f"{where}/sentence_bert_config.json")
         read_vlm_embedder_config(layout, cfg, where, template_kwargs)
         return
@@ -70,7 +70,7 @@ def _plain_dual_encoder(cfg: dict, where: Path) -> bool:
 def _transformer_task(cfg: dict, where: Path) -> str | None:
     task = cfg.get("transformer_task")
     if task is not None and task not in ("feature-extraction", "sequence-classification", "fill-mask",
-                                         "text-generation", "retrieval"):
+                                         "text-generation", "retrieval", "any-to-any"):
         raise ValueError(f"{where}/sentence_bert_config.json: transformer_task {task!r} is not supported")
     return task
 

@@ -25,6 +25,9 @@ VLM_EMBEDDERS = {"qwen2_vl": ("Qwen2VLImageProcessor",), "qwen3_vl": ("Qwen2VLIm
 _FORWARD = {"method": "forward", "method_output_name": "last_hidden_state"}
 EXPECTED_MODALITIES = {"text": _FORWARD, "image": _FORWARD, "video": _FORWARD,
                        "message": {**_FORWARD, "format": "structured"}}
+# ... and for a multimodal reranker (transformer_task "any-to-any": the generative model's logits).
+_LOGITS = {"method": "forward", "method_output_name": "logits"}
+RERANKER_MODALITIES = {"text": _LOGITS, "image": _LOGITS, "video": _LOGITS, "message": {**_LOGITS, "format": "structured"}}
 
 
 def is_vlm_embedder_folder(where: Path) -> bool:
@@ -35,16 +38,19 @@ def read_vlm_embedder_config(layout: STLayout, cfg: dict, where: Path, template_
     """The Transformer module's config of a VLM embedder (or none, for a plain folder: ST derives
     the same). `template_kwargs`: its processing_kwargs["chat_template"], read by the caller."""
     name = f"{where}/sentence_bert_config.json"
-    modalities = {str(k): v for k, v in (cfg.get("modality_config") or EXPECTED_MODALITIES).items()}
-    if modalities != EXPECTED_MODALITIES:
-        raise ValueError(f"{name}: modalities {modalities} are not supported for a VLM embedder (text, image, "
-                         "video and structured messages, each through forward -> last_hidden_state)")
-    if cfg.get("module_output_name", "token_embeddings") != "token_embeddings":
-        raise ValueError(f"{name}: module_output_name {cfg['module_output_name']!r} is not supported for a VLM "
-                         "embedder (token_embeddings)")
-    if cfg.get("transformer_task", "feature-extraction") != "feature-extraction":
-        raise ValueError(f"{name}: transformer_task {cfg['transformer_task']!r} is not supported for a VLM "
-                         "embedder (feature-extraction)")
+    task = cfg.get("transformer_task", "feature-extraction")
+    if task not in ("feature-extraction", "any-to-any"):
+        raise ValueError(f"{name}: transformer_task {task!r} is not supported for a Qwen-VL model (feature-extraction: "
+                         "an embedder; any-to-any: a reranker)")
+    reranker = task == "any-to-any"
+    expected = RERANKER_MODALITIES if reranker else EXPECTED_MODALITIES
+    modalities = {str(k): v for k, v in (cfg.get("modality_config") or expected).items()}
+    if modalities != expected:
+        raise ValueError(f"{name}: modalities {modalities} are not supported for a Qwen-VL "
+                         f"{'reranker' if reranker else 'embedder'} ({expected})")
+    output = "causal_logits" if reranker else "token_embeddings"
+    if cfg.get("module_output_name", output) != output:
+        raise ValueError(f"{name}: module_output_name {cfg['module_output_name']!r} is not supported here ({output})")
     for key in ("max_seq_length", "query_expansion", "query_length", "document_length", "model_args",
                 "tokenizer_args", "config_args"):
         if cfg.get(key):  # (max_seq_length: ST cuts a row there, an image's tokens included)
@@ -53,7 +59,8 @@ def read_vlm_embedder_config(layout: STLayout, cfg: dict, where: Path, template_
     if unknown:
         raise ValueError(f"{name}: processing_kwargs['chat_template'] keys {sorted(unknown)} are not supported for a "
                          "VLM embedder (add_generation_prompt only)")
-    layout.vlm_embedder = True
+    layout.vlm_embedder, layout.vlm_reranker = not reranker, reranker
+    layout.task = task
     layout.chat_template_kwargs = dict(template_kwargs)
 
 
@@ -127,3 +134,28 @@ def qwen_image_spec(path: Path, vision: dict, image_token_id: int, processors: t
                      mean=[float(v) for v in mean], std=[float(v) for v in std],
                      tokens=max_patches // (merge * merge), max_patches=max_patches, patch_size=patch,
                      merge_size=merge, image_token_id=image_token_id)
+
+
+def vlm_reranker_spec(st: STLayout, score_activation: str) -> ModelSpec:
+    """The spec of a multimodal reranker (Qwen3-VL-Reranker's kind): its generative VLM's logits at
+    the last token, read by LogitScore (ST's CrossEncoder; `score_activation` as its predict applies)."""
+    path = st.transformer_dir
+    config = read_json(path / "config.json")
+    model_type = str(config.get("model_type"))
+    text, vision = config.get("text_config") or {}, config.get("vision_config") or {}
+    if st.logit_score is None or st.head_modules or st.multi_vector is not None or st.pooling_module:
+        raise ValueError(f"{path}: a multimodal reranker is supported as its Transformer (any-to-any) followed by one "
+                         "LogitScore module")
+    _check_template(path)
+    image = qwen_image_spec(path, vision, int(config["image_token_id"]), VLM_EMBEDDERS[model_type])
+    tokenizer = read_optional_json(path / "tokenizer_config.json")
+    longest = int(tokenizer.get("model_max_length") or text.get("max_position_embeddings") or 32768)
+    longest = min(longest, int(text.get("max_position_embeddings") or longest))
+    hidden = int(text.get("hidden_size") or config.get("hidden_size"))
+    return ModelSpec(
+        path=str(path.resolve()), model_type=model_type, architectures=[str(a) for a in config.get("architectures") or []],
+        hidden_size=hidden, embedding_size=1, vocab_size=int(text.get("vocab_size") or config.get("vocab_size")),
+        max_model_len=longest, default_max_tokens=longest, pooling=st.pooling, normalize=False, do_lower_case=False,
+        prompts=st.prompts, default_prompt_name=st.default_prompt_name, tasks=["score"], head="causal_lm",
+        model_class="causal_lm", num_labels=1, score_activation=score_activation, logit_score=st.logit_score,
+        input_module="vlm_reranker", chat_template_kwargs=st.chat_template_kwargs, image=image)
