@@ -168,10 +168,28 @@ def _finish_with_st(hf_dir: str, folder: str, processing_kwargs: dict | None, pr
     return folder
 
 
+def _tiny_qwen2vl_config(ids: dict, vocab_size: int):
+    """The tiny Qwen2-VL every builder here starts from: a 2-layer text model of width 64 (head_dim 16:
+    rotary half 8 = sum(mrope_section)), a 2-layer vision tower on 4-pixel patches merged 2 x 2."""
+    from transformers import Qwen2VLConfig
+
+    patch, merge, tpatch, hidden = 4, 2, 2, 64
+    return Qwen2VLConfig(
+        text_config=dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+                         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                         pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=False),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=hidden, mlp_ratio=2, num_heads=2, in_channels=3,
+                           patch_size=patch, spatial_merge_size=merge, temporal_patch_size=tpatch),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False)
+
+
 def build_qwen2vl_embedder(folder: str, seed: int = 0) -> str:
     """Build a tiny random Qwen2-VL embedding model in ``folder`` (ST 6.3 layout). Returns ``folder``."""
     from transformers import (
-        Qwen2VLConfig,
         Qwen2VLForConditionalGeneration,
         Qwen2VLImageProcessor,
         Qwen2VLProcessor,
@@ -183,40 +201,7 @@ def build_qwen2vl_embedder(folder: str, seed: int = 0) -> str:
     vocab_size = len(tokenizer)
     patch, merge, tpatch = 4, 2, 2
 
-    hidden, heads = 64, 4  # head_dim 16 -> rotary half 8 = sum(mrope_section)
-    config = Qwen2VLConfig(
-        text_config=dict(
-            vocab_size=vocab_size,
-            hidden_size=hidden,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=heads,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-            rms_norm_eps=1e-6,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
-            bos_token_id=ids["<|endoftext|>"],
-            eos_token_id=ids["<|im_end|>"],
-            pad_token_id=ids["<|endoftext|>"],
-            tie_word_embeddings=False,
-        ),
-        vision_config=dict(
-            depth=2,
-            embed_dim=32,
-            hidden_size=hidden,  # merger output dim == text hidden size
-            mlp_ratio=2,
-            num_heads=2,
-            in_channels=3,
-            patch_size=patch,
-            spatial_merge_size=merge,
-            temporal_patch_size=tpatch,
-        ),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-    )
+    config = _tiny_qwen2vl_config(ids, vocab_size)
     model = Qwen2VLForConditionalGeneration(config).eval()
 
     image_processor = Qwen2VLImageProcessor(**_tiny_image_kwargs(patch, merge, tpatch))
@@ -351,7 +336,7 @@ def build_colqwen2(folder: str, seed: int = 0, keep_only_image_tokens: bool = Fa
     import transformers
     from sentence_transformers import MultiVectorEncoder
     from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
-    from transformers import ColQwen2Config, ColQwen2ForRetrieval, ColQwen2Processor, Qwen2VLConfig, Qwen2VLImageProcessor
+    from transformers import ColQwen2Config, ColQwen2ForRetrieval, ColQwen2Processor, Qwen2VLImageProcessor
 
     torch.manual_seed(seed)
     tokenizer, ids = build_tokenizer()
@@ -359,40 +344,7 @@ def build_colqwen2(folder: str, seed: int = 0, keep_only_image_tokens: bool = Fa
     tokenizer.init_kwargs["padding_side"] = "left"  # persisted in tokenizer_config.json
     vocab_size = len(tokenizer)
     patch, merge, tpatch = 4, 2, 2
-    hidden, heads = 64, 4  # head_dim 16 -> rotary half 8 = sum(mrope_section)
-    vlm_config = Qwen2VLConfig(
-        text_config=dict(
-            vocab_size=vocab_size,
-            hidden_size=hidden,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=heads,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-            rms_norm_eps=1e-6,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
-            bos_token_id=ids["<|endoftext|>"],
-            eos_token_id=ids["<|im_end|>"],
-            pad_token_id=ids["<|endoftext|>"],
-            tie_word_embeddings=False,
-        ),
-        vision_config=dict(
-            depth=2,
-            embed_dim=32,
-            hidden_size=hidden,
-            mlp_ratio=2,
-            num_heads=2,
-            in_channels=3,
-            patch_size=patch,
-            spatial_merge_size=merge,
-            temporal_patch_size=tpatch,
-        ),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-    )
+    vlm_config = _tiny_qwen2vl_config(ids, vocab_size)
     config = ColQwen2Config(vlm_config=vlm_config, embedding_dim=16)
     config.architectures = ["ColQwen2ForRetrieval"]
     model = ColQwen2ForRetrieval(config).eval()
@@ -461,7 +413,6 @@ def build_qwen2vl_reranker(folder: str, seed: int = 0) -> str:
     from sentence_transformers.base.modules import Transformer
     from sentence_transformers.cross_encoder.modules import LogitScore
     from transformers import (
-        Qwen2VLConfig,
         Qwen2VLForConditionalGeneration,
         Qwen2VLImageProcessor,
         Qwen2VLProcessor,
@@ -480,33 +431,7 @@ def build_qwen2vl_reranker(folder: str, seed: int = 0) -> str:
     assert tokenizer.encode("no", add_special_tokens=False) == [no_id]
     vocab_size = len(tokenizer)
     patch, merge, tpatch = 4, 2, 2
-    hidden, heads = 64, 4  # head_dim 16 -> rotary half 8 = sum(mrope_section)
-    config = Qwen2VLConfig(
-        text_config=dict(
-            vocab_size=vocab_size,
-            hidden_size=hidden,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=heads,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-            rms_norm_eps=1e-6,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
-            bos_token_id=ids["<|endoftext|>"],
-            eos_token_id=ids["<|im_end|>"],
-            pad_token_id=ids["<|endoftext|>"],
-            tie_word_embeddings=False,
-        ),
-        vision_config=dict(
-            depth=2, embed_dim=32, hidden_size=hidden, mlp_ratio=2, num_heads=2, in_channels=3,
-            patch_size=patch, spatial_merge_size=merge, temporal_patch_size=tpatch,
-        ),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-    )
+    config = _tiny_qwen2vl_config(ids, vocab_size)
     model = Qwen2VLForConditionalGeneration(config).eval()
     # Random lm_head rows for yes/no give logit gaps of ~0.1: widen them so scores are well spread.
     with torch.no_grad():

@@ -26,39 +26,46 @@ from pooling_pipeline.core.shared.vectors import finish_grouped_sentence_embeddi
 IMAGE = MODALITIES.index("image")
 
 
-class VlmEmbedderRunner:
-    """A StepRunner (core/engine/step_runner.py) for a VLM embedder (torch)."""
+class QwenVlRunner:
+    """What a Qwen-VL model's StepRunners share (core/engine/step_runner.py): the model, the step's
+    inputs, and each row's last attended token's hidden state. `task`: what its steps run."""
+
+    task = "embed"
 
     def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> None:
-        from transformers import AutoConfig, AutoModel
+        from transformers import AutoConfig
 
         device = use_device(device)
         self.spec, self.device, self.dtype = spec, device, dtype
-        self.model = AutoModel.from_pretrained(spec.path, dtype=dtype).to(device).eval()
+        self.model = self.model_class().from_pretrained(spec.path, dtype=dtype).to(device).eval()
         config = AutoConfig.from_pretrained(spec.path)
         text = getattr(config, "text_config", config)
         self.pad_id = int(text.pad_token_id if text.pad_token_id is not None else 0)
         self.image_token_id = int(config.image_token_id)
         # (transformers 5's Qwen-VL models read the image tokens' places from this mask, where it takes one)
-        self.token_types = "mm_token_type_ids" in inspect.signature(self.model.forward).parameters
-        self.backend_info: dict = {"backend": "torch", "model": f"VLM embedder ({spec.model_type}: texts and images)"}
+        self.token_types = "mm_token_type_ids" in inspect.signature(self.base().forward).parameters
+
+    @staticmethod
+    def model_class():
+        from transformers import AutoModel
+
+        return AutoModel
+
+    def base(self) -> torch.nn.Module:
+        """The model without a head over the vocabulary."""
+        return self.model
 
     def step_cost(self, max_tokens: int) -> tuple[float, float]:
         token = min(1000, self.spec.vocab_size - 1, self.image_token_id - 1)
-        return probe_step_cost(lambda rows, tokens: self.run(probe_batch(rows, tokens, token, "embed")),
+        return probe_step_cost(lambda rows, tokens: self.run(probe_batch(rows, tokens, token, self.task)),
                                max_tokens, self.spec.max_model_len)
 
     def run(self, batch: Requests) -> tuple[list | np.ndarray, int]:
         results, padded, _ = self.finish(self.launch(batch))
         return results, padded
 
-    @torch.inference_mode()
-    def launch(self, batch: Requests) -> PendingStep:
-        started = time.perf_counter()
-        tasks = {TASKS[int(code)] for code in np.unique(batch.task)}
-        if tasks - {"embed", "score"}:
-            raise ValueError(f"a VLM embedder gives embeddings only, not {sorted(tasks - {'embed', 'score'})}")
-        begin, end = start_events(self.device)
+    def last_hidden(self, batch: Requests) -> tuple[torch.Tensor, int]:
+        """Each row's last attended token's hidden state [rows, hidden], and the tokens the step padded to."""
         ids, real = batch.padded(self.pad_id)
         input_ids = to_device(ids, self.device)
         inputs = {"input_ids": input_ids, "attention_mask": to_device(real, self.device).long()}
@@ -67,18 +74,35 @@ class VlmEmbedderRunner:
         if (batch.modality == IMAGE).any():  # (the images' patches and grids, in their rows' order)
             inputs["pixel_values"] = to_device(batch.payloads["patches"].data, self.device).to(self.dtype)
             inputs["image_grid_thw"] = to_device(np.array(batch.payloads["grid_thw"].data), self.device)
-        hidden = self.model(**inputs, use_cache=False, return_dict=True).last_hidden_state
+        hidden = self.base()(**inputs, use_cache=False, return_dict=True).last_hidden_state
         last = to_device(batch.lengths - 1, self.device)  # (right padding: a row's last attended token)
-        vectors = hidden[torch.arange(len(batch), device=self.device), last].float()
+        return hidden[torch.arange(len(batch), device=self.device), last], ids.size
+
+    def finish(self, step: PendingStep) -> tuple[list, int, float]:
+        return finish_step(step)
+
+
+class VlmEmbedderRunner(QwenVlRunner):
+    """A StepRunner for a VLM embedder (torch)."""
+
+    def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(spec, device, dtype)
+        self.backend_info: dict = {"backend": "torch", "model": f"VLM embedder ({spec.model_type}: texts and images)"}
+
+    @torch.inference_mode()
+    def launch(self, batch: Requests) -> PendingStep:
+        started = time.perf_counter()
+        tasks = {TASKS[int(code)] for code in np.unique(batch.task)}
+        if tasks - {"embed", "score"}:
+            raise ValueError(f"a VLM embedder gives embeddings only, not {sorted(tasks - {'embed', 'score'})}")
+        begin, end = start_events(self.device)
+        vectors, padded = self.last_hidden(batch)
         groups = option_groups(batch, batch.normalize)
         spec = self.spec
 
         def finish(arrays: list[np.ndarray]) -> list[np.ndarray] | np.ndarray:
             return finish_grouped_sentence_embeddings(arrays[0], groups, spec)
 
-        host = [to_host(vectors)]
+        host = [to_host(vectors.float())]
         record_end(end, self.device)
-        return PendingStep(ids.size, host, finish, started, begin, end)
-
-    def finish(self, step: PendingStep) -> tuple[list, int, float]:
-        return finish_step(step)
+        return PendingStep(padded, host, finish, started, begin, end)

@@ -92,11 +92,7 @@ def vlm_embedder_spec(st: STLayout) -> ModelSpec:
                          f"Transformer, found pooling {st.pooling.modes} and {len(st.head_modules)} other modules")
     _check_template(path)
     image = qwen_image_spec(path, vision, int(config["image_token_id"]), VLM_EMBEDDERS[model_type])
-    tokenizer = read_optional_json(path / "tokenizer_config.json")
-    # ST cuts a row at the tokenizer's model_max_length (a composite config has no position limit it reads).
-    longest = int(tokenizer.get("model_max_length") or text.get("max_position_embeddings") or 32768)
-    longest = min(longest, int(text.get("max_position_embeddings") or longest))
-    hidden = int(text.get("hidden_size") or config.get("hidden_size"))
+    longest, hidden = _text_facts(path, text, config)
     return ModelSpec(
         path=str(path.resolve()), model_type=model_type, architectures=[str(a) for a in config.get("architectures") or []],
         hidden_size=hidden, embedding_size=hidden, vocab_size=int(text.get("vocab_size") or config.get("vocab_size")),
@@ -105,6 +101,16 @@ def vlm_embedder_spec(st: STLayout) -> ModelSpec:
         truncate_dim=st.truncate_dim, tasks=["embed", "score"], input_module="vlm_embedder",
         chat_template_kwargs=st.chat_template_kwargs,
         image=image)
+
+
+def _text_facts(path: Path, text: dict, config: dict) -> tuple[int, int]:
+    """(the longest row, the hidden size) of a Qwen-VL model's text model. ST cuts a row at the
+    tokenizer's model_max_length (a composite config has no position limit it reads); the pipeline
+    refuses a row past it, or past the text model's positions."""
+    tokenizer = read_optional_json(path / "tokenizer_config.json")
+    longest = int(tokenizer.get("model_max_length") or text.get("max_position_embeddings") or 32768)
+    longest = min(longest, int(text.get("max_position_embeddings") or longest))
+    return longest, int(text.get("hidden_size") or config.get("hidden_size"))
 
 
 def qwen_image_spec(path: Path, vision: dict, image_token_id: int, processors: tuple[str, ...]) -> ImageSpec:
@@ -148,10 +154,7 @@ def vlm_reranker_spec(st: STLayout, score_activation: str) -> ModelSpec:
                          "LogitScore module")
     _check_template(path)
     image = qwen_image_spec(path, vision, int(config["image_token_id"]), VLM_EMBEDDERS[model_type])
-    tokenizer = read_optional_json(path / "tokenizer_config.json")
-    longest = int(tokenizer.get("model_max_length") or text.get("max_position_embeddings") or 32768)
-    longest = min(longest, int(text.get("max_position_embeddings") or longest))
-    hidden = int(text.get("hidden_size") or config.get("hidden_size"))
+    longest, hidden = _text_facts(path, text, config)
     return ModelSpec(
         path=str(path.resolve()), model_type=model_type, architectures=[str(a) for a in config.get("architectures") or []],
         hidden_size=hidden, embedding_size=1, vocab_size=int(text.get("vocab_size") or config.get("vocab_size")),
