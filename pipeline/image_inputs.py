@@ -58,6 +58,23 @@ def is_media_string(text: str, modality: str, extensions: tuple[str, ...]) -> bo
     return text.lower().endswith(extensions) and os.path.isfile(text)
 
 
+VIDEO_EXTENSIONS = (".mp4", ".avi", ".mov", ".wmv", ".flv", ".mkv")
+VIDEO_HOSTS = frozenset({"www.youtube.com", "youtube.com", "youtu.be", "m.youtube.com"})
+
+
+def is_video_string(text: str) -> bool:
+    """ST's `is_video_url_or_path`: a URL or an existing file whose name ends in a video extension,
+    or a YouTube URL (a model that takes images refuses it, as ST does, rather than embed its name)."""
+    if not text.startswith("data:video/") and is_media_string(text, "video", VIDEO_EXTENSIONS):
+        return True
+    if not _looks_like_url(text):
+        return False
+    try:
+        return urlparse(text).netloc in VIDEO_HOSTS
+    except ValueError:
+        return False
+
+
 def is_image_string(text: str) -> bool:
     """ST's `is_image_url_or_path`: a `data:image/` URI, or a URL or existing file with an image
     extension."""

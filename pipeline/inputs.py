@@ -23,7 +23,7 @@ from pooling_pipeline.core.families import family_of
 from pooling_pipeline.core.shared.config import ModelSpec
 from pooling_pipeline.core.shared.messages import PoolingParams, RenderBatch, RenderOptions, RenderParams
 from pooling_pipeline.core.shared.schema import ids_out_of_range
-from pooling_pipeline.image_inputs import is_image_string, is_numeric_array, is_pil_image, prompt_size
+from pooling_pipeline.image_inputs import is_image_string, is_numeric_array, is_pil_image, is_video_string, prompt_size
 from pooling_pipeline.options import CallOptions  # (declared there, with every option's default)
 from pooling_pipeline.request_options import (
     RequestValues,
@@ -213,7 +213,7 @@ class RequestSource:
         kinds = set(map(type, prompts))
         indices = np.arange(first, first + len(prompts), dtype=np.int64)
         if kinds == {str}:
-            if self.takes_media and any(is_image_string(p) or is_audio_string(p) for p in prompts):
+            if self.takes_media and any(is_image_string(p) or is_audio_string(p) or is_video_string(p) for p in prompts):
                 return None  # images or audio among the texts (each is checked alone)
             joined = "".join(prompts)
             if not joined.isascii() and not _valid_unicode(joined):
@@ -565,6 +565,9 @@ def _family_input(prompt: object, index: int, spec: ModelSpec) -> dict[str, Any]
         if turns is not None:
             return {"messages": turns}
     reader = media_reader(spec)
+    if reader is not None and isinstance(prompt, str) and is_video_string(prompt):
+        raise ValueError(f"request {index}: {prompt[:200]!r} is a video to sentence-transformers; video inputs are not "
+                         f"supported (model {spec.path!r} takes no video)")
     if reader is not None:
         media = reader(prompt, index, spec)
         return None if media is None else {"media": media}

@@ -12,13 +12,23 @@ from __future__ import annotations
 
 from pooling_pipeline.core.families.vlm_embedder import MAX_IMAGES_PER_INPUT
 from pooling_pipeline.core.shared.messages import ChatPart, ChatTurn
-from pooling_pipeline.image_inputs import MODALITY_KEYS, image_dict_input, image_input
+from pooling_pipeline.image_inputs import MODALITY_KEYS, image_dict_input, image_input, is_video_string
 from pooling_pipeline.inputs import check_text
+
+
+def _refuse_video(text: str, index: int) -> None:
+    """A string ST reads as a video is refused, not embedded as the text of its name."""
+    if is_video_string(text):
+        raise ValueError(f"request {index}: {text[:200]!r} is a video to sentence-transformers; video inputs are not "
+                         "supported")
 
 
 def message_input(prompt: object, index: int, spec=None) -> list[ChatTurn] | None:
     """The prompt as chat messages, None when it is one text or one image (or not a prompt this
     reads); ValueError or TypeError naming the request when it cannot be taken."""
+    if isinstance(prompt, str):
+        _refuse_video(prompt, index)
+        return None
     if isinstance(prompt, dict):
         if "role" in prompt and "content" in prompt:
             return _counted([_turn(prompt, 0, index)], index)
@@ -85,4 +95,6 @@ def _side(value: object, role: str, index: int) -> list[ChatPart]:
     image = image_input(value, index)
     if image is not None:
         return [ChatPart(media=image)]
+    if isinstance(value, str):
+        _refuse_video(value, index)
     return [ChatPart(text=check_text(value, index, role))]

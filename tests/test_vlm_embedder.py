@@ -134,6 +134,13 @@ def test_what_it_does_not_take_is_refused_naming_the_request(vlm, tmp_path):
     for case in cases:
         outs = pipe.embed([TEXTS[0], case], use_tqdm=False, errors="return")
         assert outs[0].error is None and "request 1" in outs[1].error, (case, outs[1].error)
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(b"\x00" * 64)
+    for video in (str(clip), "https://youtu.be/abc"):  # (ST reads both as videos)
+        with pytest.raises(ValueError, match="request 0: .*is a video to sentence-transformers"):
+            pipe.embed([video], use_tqdm=False)
+    with pytest.raises(ValueError, match="request 0: .*tokens"):  # (ST would cut it and restore the template's tail)
+        pipe.embed([TEXTS[2]], truncate_prompt_tokens=12, use_tqdm=False)
     outs = pipe.embed([TEXTS[1], "look: <|image_pad|>"], use_tqdm=False, errors="return")
     assert outs[0].error is None and "request 1" in outs[1].error and "image_pad|> tokens" in outs[1].error, outs[1].error
     with pytest.raises(Exception, match="(?i)image"):

@@ -70,6 +70,8 @@ def test_what_it_cannot_take_is_refused(reranker):
     outs = pipe.score(["q", "q", "q"], ["a text", {"text": "x", "video": [images["small"]]}, images["middle"]],
                       use_tqdm=False, errors="return")
     assert outs[0].error is None and outs[2].error is None and "request 1" in outs[1].error, [o.error for o in outs]
+    with pytest.raises(ValueError, match="max_tokens_per_query / max_tokens_per_doc do not apply"):
+        pipe.score(["q"], ["a text"], max_tokens_per_doc=5, use_tqdm=False)
     with pytest.raises(ValueError, match="(?i)embed"):
         pipe.embed(["a text"], use_tqdm=False)
     with pytest.raises(ValueError, match="backend='openvino' cannot run a multimodal reranker"):
@@ -99,3 +101,10 @@ def test_pipeline_serve_reranks_image_documents(reranker):
             assert response.status_code == 200, response.text
             got = {r["index"]: r["relevance_score"] for r in response.json()["results"]}
             assert abs(got[0] - want[0]) <= TOL and abs(got[1] - want[1]) <= TOL
+        # A string is a text over HTTP, even one naming a local image file: the server reads no file
+        # a request names (ST, in its own process, would open it).
+        body = {"query": images["png"], "documents": ["a text document"]}
+        response = httpx.post(server.url + "/v1/rerank", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        as_text = ce.predict([({"text": images["png"]}, "a text document")])[0]
+        assert abs(response.json()["results"][0]["relevance_score"] - as_text) <= TOL

@@ -455,7 +455,10 @@ class Renderer:
         """Chat messages (or a text and an image in one input) through the family's text renderer:
         an image row when any part is an image."""
         try:
-            ids, payloads = self.own_texts.render_messages(item.messages, item.options.text_prefix, item.options.max_tokens)
+            opts = item.options
+            ids, payloads = self.own_texts.render_messages(
+                item.messages, opts.text_prefix, opts.max_tokens,
+                per_side_limits=opts.max_query_tokens is not None or opts.max_doc_tokens is not None)
         except Exception as e:  # (a bad image, a template that refuses the messages: this request's error)
             failed.append((index, f"{type(e).__name__}: {e}"))
             return

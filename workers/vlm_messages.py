@@ -17,8 +17,10 @@ from pooling_pipeline.core.shared.messages import ChatTurn, MediaData
 from pooling_pipeline.core.shared.options import too_long
 from pooling_pipeline.workers.images import ImageError, ImageOpener
 
-# What ST passes the processor on each call (its Transformer's text, image and common kwargs).
-PROCESSOR_KWARGS = {"text_kwargs": {"padding": True, "truncation": "longest_first"}, "images_kwargs": {},
+# What ST passes the processor on each call (its Transformer's text, image and common kwargs), less
+# its truncation: ST cuts a row at the tokenizer's length and writes the template's tail back over its
+# end (restore_suffix); the pipeline sees a row's whole length and refuses one that long instead.
+PROCESSOR_KWARGS = {"text_kwargs": {"padding": True, "truncation": False}, "images_kwargs": {},
                     "videos_kwargs": {}, "common_kwargs": {"return_tensors": "pt"}}
 
 
@@ -56,9 +58,9 @@ class ChatRenderer:
         return ids
 
 
-    def image_row(self, out: dict) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def image_row(self, out: dict, max_tokens: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """(the ids, {"patches": [n, width] float32, "grid_thw": [images, 3] int64}) of an output with images."""
-        return self.ids(out, self.spec.max_model_len), {
+        return self.ids(out, max_tokens), {
             "patches": np.ascontiguousarray(out["pixel_values"].numpy(), dtype=np.float32),
             "grid_thw": out["image_grid_thw"].numpy().astype(np.int64)}
 
@@ -72,9 +74,14 @@ class VlmTexts(ChatRenderer):
         return self.ids(self.features([{"role": "user", "content": [{"type": "text", "text": text}]}], prompt),
                         max_tokens)
 
-    def render_messages(self, turns: list[ChatTurn], prompt: str | None,
-                        max_tokens: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """(ids, payloads) of chat messages: their images opened as any image input is."""
+    def render_messages(self, turns: list[ChatTurn], prompt: str | None, max_tokens: int,
+                        per_side_limits: bool = False) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """(ids, payloads) of chat messages: their images opened as any image input is.
+        `per_side_limits`: the call set max_tokens_per_query / _doc, which a pair rendered as one
+        conversation cannot honour (ST cuts the conversation as a whole)."""
+        if per_side_limits:
+            raise ValueError("max_tokens_per_query / max_tokens_per_doc do not apply to a chat-template reranker "
+                             "(ST truncates the rendered conversation as a whole); use truncate_prompt_tokens")
         messages, images = [], 0
         for turn in turns:
             if turn.parts is None:
@@ -96,7 +103,7 @@ class VlmTexts(ChatRenderer):
             raise ValueError(f"the processor cannot take these messages: {type(e).__name__}: {e}") from None
         if not images:
             return self.ids(out, max_tokens), {}
-        return self.image_row(out)
+        return self.image_row(out, max_tokens)
 
 
 class VlmImages(ChatRenderer):
@@ -120,4 +127,4 @@ class VlmImages(ChatRenderer):
             out = self.features([{"role": "user", "content": [{"type": "image", "image": opened}]}], prompt)
         except Exception as e:
             raise ImageError(f"the processor cannot take this image: {type(e).__name__}: {e}") from None
-        return self.image_row(out)
+        return self.image_row(out, self.spec.max_model_len)

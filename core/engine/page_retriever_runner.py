@@ -37,7 +37,8 @@ class PageRetrieverRunner:
         self.spec, self.device, self.dtype = spec, device, dtype
         self.model = self.model_class().from_pretrained(spec.path, dtype=dtype).to(device).eval()
         vlm = AutoConfig.from_pretrained(spec.path).vlm_config
-        self.pad_id = int(getattr(getattr(vlm, "text_config", vlm), "pad_token_id", None) or vlm.pad_token_id or 0)
+        self.pad_id = int(getattr(getattr(vlm, "text_config", vlm), "pad_token_id", None)
+                          or getattr(vlm, "pad_token_id", None) or 0)  # (masked: any id pads)
         self.token_head, self.skip_ids = multi_vector_parts(spec, device)
         self._prepare_images(spec, device)
         self.backend_info: dict = {"backend": "torch", "model": f"page retriever ({spec.model_type}: texts and pages)"}
@@ -123,7 +124,8 @@ class QwenPageRetrieverRunner(PageRetrieverRunner):
         """Nothing: the patches arrive as the processor normalized them."""
 
     def _text_inputs(self, inputs: dict, ids: np.ndarray) -> dict:
-        return inputs
+        """No KV cache: Qwen2-VL's config asks for one, which a step would fill and drop (ST turns it off)."""
+        return {**inputs, "use_cache": False}
 
     def _image_inputs(self, batch: Requests) -> dict:
         patches, grids = batch.payloads["patches"], batch.payloads["grid_thw"]

@@ -17,8 +17,10 @@ from pooling_pipeline.serve.http import HTTPError
 
 
 def takes_media(spec) -> bool:
-    """The model takes images or audio (a bare string naming such a file would be read as it)."""
-    return bool(family_of(spec).media_renderers)
+    """The model takes images or audio (a bare string naming such a file would be read as it): a
+    multimodal reranker's pairs too."""
+    family = family_of(spec)
+    return bool(family.media_renderers) or family.pair_input is not None
 
 
 def text_prompt(text: str, images: bool) -> object:

@@ -65,18 +65,26 @@ def read_vlm_embedder_config(layout: STLayout, cfg: dict, where: Path, template_
 
 
 def _check_template(path: Path) -> None:
-    """The processor's chat template, refused where it reads a `task` variable: ST passes its
-    encode_query / encode_document task to such a template, which the pipeline does not yet."""
-    from jinja2 import Environment, meta
+    """The processor's chat template (where transformers' processor finds it: chat_template.jinja,
+    the legacy chat_template.json, processor_config.json, tokenizer_config.json), refused where it
+    reads a `task` variable: ST passes its encode_query / encode_document task to such a template,
+    which the pipeline does not yet. Its variables are read as ST reads them (transformers'
+    `_get_template_variables`)."""
+    from transformers.utils.chat_template_utils import _get_template_variables
 
     template_file = path / "chat_template.jinja"
     template = template_file.read_text() if template_file.is_file() else \
+        read_optional_json(path / "chat_template.json").get("chat_template") or \
         read_optional_json(path / "processor_config.json").get("chat_template") or \
         read_optional_json(path / "tokenizer_config.json").get("chat_template")
     if not isinstance(template, str) or not template:
-        raise ValueError(f"{str(path)!r}: a VLM embedder's processor without a chat template (ST renders every input "
+        raise ValueError(f"{str(path)!r}: a Qwen-VL model's processor without a chat template (ST renders every input "
                          "through it)")
-    if "task" in meta.find_undeclared_variables(Environment().parse(template)):
+    try:
+        variables = _get_template_variables(template)
+    except Exception as e:  # (a template transformers cannot parse: ST would fail on it too)
+        raise ValueError(f"{str(path)!r}: its chat template cannot be parsed: {type(e).__name__}: {e}") from None
+    if "task" in variables:
         raise ValueError(f"{str(path)!r}: the chat template reads a `task` variable, which sentence-transformers sets "
                          "from encode_query / encode_document; such templates are not supported yet")
 
