@@ -96,6 +96,8 @@ class RequestSource:
         self.prompts = prompts
         self.opts, self.spec, self.call = opts, spec, call
         self.takes_media = takes_media(spec)  # images or audio (the model's family says: core/families/)
+        self.pair_reader = pair_reader(spec)  # (a pair whose sides may be images: a multimodal reranker)
+        self.prompt_on_every_input = family_of(spec).prompt_on_every_input
         self.num_special_tokens, self.truncate_left = num_special_tokens, truncate_left
         self.values = values  # each request's per-request options
         self.refused = refused
@@ -284,7 +286,7 @@ class RequestSource:
         opts = self.opts
         if opts.pairs:
             query, document = prompt
-            pairs = pair_reader(self.spec)
+            pairs = self.pair_reader
             fields = {"prompt": check_text(query, index, "query"), "pair": check_text(document, index, "document")} \
                 if pairs is None else {"messages": pairs(query, document, index, self.spec)}
         elif opts.plugin:
@@ -307,7 +309,7 @@ class RequestSource:
             self._last_max_tokens = resolve_max_tokens(route_spec(self.spec, route), opts, self.num_special_tokens,
                                                        params, index)
             self._last_params, self._last_route = params, route
-        prompted = "prompt" in fields or family_of(self.spec).prompt_on_every_input
+        prompted = "prompt" in fields or self.prompt_on_every_input
         options = self._options(values, text_prefix if prompted else None, self._last_max_tokens)
         return ITEM, RenderParams(options=options, **fields)
 
